@@ -1,0 +1,34 @@
+# `make demo` and `make test` set everything up from nothing: a .venv with the exact dev pins.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast bench clean
+
+$(STAMP): requirements-dev.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/scaletrain train configs/default.toml --run-dir runs/demo
+	$(BIN)/scaletrain report runs/demo --out runs/demo/report.png
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/scaling.py
+
+clean:
+	rm -rf $(VENV) runs
