@@ -1,0 +1,198 @@
+"""The command line: `scaletrain train | explain | report`.
+
+Every user mistake (config, overrides, launcher flags, paths) is caught before any worker
+starts and printed as one line, `scaletrain: error: ...`, with exit status 2. A failed run
+exits with status 1 and says why (which rank, which collective, which step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from scaletrain.config import ConfigError, Config, describe_fields, load_config, resolve
+from scaletrain.launch import (LaunchError, LaunchSpec, launch, slurm_defaults,
+                               under_elastic_agent, validate_spec)
+
+EXIT_USAGE, EXIT_FAILED = 2, 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own mistakes: same format, status 2
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"scaletrain: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="scaletrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = sub.add_parser("train", help="train from a config (launches the workers)")
+    _add_config_args(train)
+    _add_launch_args(train)
+    train.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<time>)")
+
+    explain = sub.add_parser("explain", help="print the resolved config and derived values")
+    _add_config_args(explain)
+    _add_launch_args(explain)
+
+    report = sub.add_parser("report", help="draw loss and throughput curves of runs to a PNG")
+    report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    report.add_argument("--out", type=Path, help="PNG path (default RUN_DIR/report.png)")
+    return parser
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", type=Path, metavar="CONFIG.toml", help="TOML config file")
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
+                   help="config overrides")
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("launcher (torchrun's flags)")
+    g.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int,
+                   help="worker processes on this node (default: parallel.dp / nodes, else 1)")
+    g.add_argument("--nnodes", type=str, help="nodes, N or MIN:MAX (default 1)")
+    g.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous)")
+    g.add_argument("--rdzv-endpoint", type=str, help="HOST:PORT of the rendezvous")
+    g.add_argument("--rdzv-backend", type=str, help="c10d (default), static, etcd")
+    g.add_argument("--rdzv-id", type=str, help="job id shared by all nodes")
+    g.add_argument("--max-restarts", type=int, help="restarts of the worker group on failure")
+
+
+def launch_spec(args: argparse.Namespace, config: Config) -> LaunchSpec:
+    """Launcher flags < SLURM's environment < defaults, then validated."""
+    import os
+
+    given = {k: v for k, v in vars(args).items()
+             if k in ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id",
+                      "max_restarts") and v is not None}
+    values = {**slurm_defaults(dict(os.environ)), **given}
+    nnodes = str(values.get("nnodes", "1"))
+    if "nproc" not in values:  # infer from parallel.dp when it is given
+        max_nodes = int(nnodes.split(":")[-1]) if nnodes.replace(":", "").isdigit() else 1
+        dp = config.parallel.dp
+        values["nproc"] = dp // max_nodes if dp > 0 and max_nodes > 0 and dp % max_nodes == 0 else 1
+    values["nnodes"] = nnodes
+    return validate_spec(LaunchSpec(**values))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from scaletrain.rundir import check_run_dir, default_run_dir
+
+    config = load_config(args.config, args.overrides)
+    if under_elastic_agent():  # a worker started by torchrun or by our launcher
+        return _run_worker(config, args.run_dir)
+    spec = launch_spec(args, config)
+    resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
+    run_dir = args.run_dir or default_run_dir(config.name)
+    check_run_dir(run_dir)
+    if spec.in_process:
+        code = _run_worker(config, run_dir, exit_process=False)
+    else:
+        worker_args = ["train", str(args.config), *args.overrides, "--run-dir", str(run_dir)]
+        code = launch(spec, worker_args)
+    if code == 0 and (run_dir / "summary.json").exists():
+        _print_outcome(run_dir)
+    return code
+
+
+def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = True) -> int:
+    """Train as one rank; known failures become one message and a status code."""
+    from scaletrain.runtime import CollectiveFailure, exit_worker
+    from scaletrain.train.trainer import TrainingDiverged, train
+
+    code = 0
+    try:
+        train(config, run_dir=run_dir)
+    except ConfigError as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        code = EXIT_USAGE
+    except (CollectiveFailure, TrainingDiverged) as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        code = EXIT_FAILED
+    if exit_process:  # leave without the gloo shutdown abort (shared/PLATFORM-NOTES.md)
+        exit_worker(code)
+    return code
+
+
+def _print_outcome(run_dir: Path) -> None:
+    from scaletrain.report import write_report
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    report = write_report([run_dir], out=run_dir / "report.png")
+    metric = ", ".join(f"{k} {v:.4g}" for k, v in summary["eval"].items())
+    print(f"scaletrain: done in {summary['wall_time_s']:.1f} s, final loss "
+          f"{summary['final_loss']:.4g}, eval {metric}, {summary['examples_per_s']:.0f} examples/s")
+    print(f"scaletrain: run directory {run_dir}")
+    print(f"scaletrain: report {report}")
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from scaletrain.precision import choose_auto
+
+    config = load_config(args.config, args.overrides)
+    spec = launch_spec(args, config)
+    d = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
+    table = Table(title=f"config {args.config}", show_lines=False)
+    for col in ("key", "value", "meaning"):
+        table.add_column(col)
+    for key, value, doc in describe_fields(config):
+        table.add_row(key, repr(value), doc)
+    console = Console()
+    console.print(table)
+    device = "cuda" if d.backend == "nccl" else "cpu"
+    precision = config.precision.mode
+    if precision == "auto":
+        chosen, why = choose_auto(device)
+        precision = f"auto -> {chosen} ({why})"
+    derived = {
+        "world size": f"{d.world_size} ({spec.nproc} process(es) x {spec.nnodes} node(s))",
+        "data parallel (dp)": d.layout.dp,
+        "global batch": config.train.global_batch,
+        "micro-batch": config.train.micro_batch,
+        "accumulation steps": d.accumulation,
+        "examples per rank per step": d.examples_per_rank,
+        "threads per process": d.threads,
+        "backend": d.backend,
+        "precision": precision,
+    }
+    out = Table(title="derived")
+    out.add_column("quantity")
+    out.add_column("value")
+    for k, v in derived.items():
+        out.add_row(k, str(v))
+    console.print(out)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from scaletrain.report import write_report
+
+    for run_dir in args.run_dirs:
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise ConfigError(f"{str(run_dir)!r} is not a run directory (no metrics.jsonl)")
+    out = args.out or args.run_dirs[0] / "report.png"
+    print(f"scaletrain: report {write_report(args.run_dirs, out=out)}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "explain": cmd_explain, "report": cmd_report}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, LaunchError) as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

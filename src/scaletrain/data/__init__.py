@@ -1,0 +1,1 @@
+"""Data: offline sources held in memory (`sources`), and later samplers, shards and loaders."""

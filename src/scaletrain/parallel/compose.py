@@ -1,0 +1,45 @@
+"""The one order in which parallel techniques are applied, and what the step needs of them.
+
+Order (written down once, here): precision cast -> (later: tensor parallel -> activation
+checkpointing -> FSDP) -> DDP. DDP goes last because it must see the final parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from scaletrain.parallel.ddp import apply_ddp
+from scaletrain.parallel.layout import ParallelLayout
+
+
+def parallelize(model: torch.nn.Module, *, layout: ParallelLayout, device: torch.device,
+                bucket_cap_mb: float, gradient_as_bucket_view: bool) -> torch.nn.Module:
+    """Apply the layout's techniques to `model` in the documented order.
+
+    With dp == 1 nothing is wrapped: a single process trains the bare module.
+    """
+    model = model.to(device)
+    if layout.dp > 1:
+        model = apply_ddp(model, device=device, bucket_cap_mb=bucket_cap_mb,
+                          gradient_as_bucket_view=gradient_as_bucket_view)
+    return model
+
+
+def gradient_sync(model: torch.nn.Module, *, enabled: bool) -> ContextManager:
+    """Context for one micro-batch's backward: sync gradients across ranks or not.
+
+    Skipping the sync on all but the last micro-batch lets gradients accumulate locally and
+    be all-reduced once per optimizer step.
+    """
+    if not enabled and isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module, without the DDP wrapper (plain parameter names)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

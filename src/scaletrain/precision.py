@@ -1,0 +1,141 @@
+"""Numeric precision as a small object: forward context, backward, unscale, optimizer step.
+
+The train step calls the same four methods whatever the mode; it never patches
+`model.forward`. Modes:
+
+- fp32: plain.
+- bf16-mixed: autocast to bf16 for matmuls/convs, fp32 master weights and optimizer state.
+  bf16 has fp32's exponent range, so no loss scaling is needed.
+- fp16-mixed: autocast to fp16 plus a dynamic loss scaler (torch.amp.GradScaler): the loss
+  is multiplied by the scale before backward, gradients are unscaled before clipping; an
+  overflow (inf/NaN gradient) skips the optimizer step and halves the scale; after
+  `growth_interval` clean steps the scale doubles. Only this mode owns a scaler.
+- bf16-true: parameters themselves in bf16 (half the memory, no fp32 master copy).
+- auto: bf16-mixed where the hardware has fast bf16 (CPU avx512_bf16 or AMX; CUDA compute
+  capability >= 8.0), else fp32; `choose_auto` says which and why.
+
+FSDP2's MixedPrecisionPolicy will stand in for autocast when FSDP is applied: the same object
+then reports `param_dtype`/`reduce_dtype` and returns a null forward context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import ContextManager, Literal
+
+import torch
+
+PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "auto"]
+PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "auto")
+
+
+def cpu_has_fast_bf16() -> tuple[bool, str]:
+    """Whether this CPU runs bf16 matmuls natively (avx512_bf16 or AMX), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False, "cannot read /proc/cpuinfo"
+    found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    if found:
+        return True, f"CPU has {' and '.join(found)}"
+    return False, "CPU has neither avx512_bf16 nor amx_bf16"
+
+
+def choose_auto(device_type: str) -> tuple[str, str]:
+    """The mode `auto` resolves to on this hardware, and why."""
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        if major >= 8:
+            return "bf16-mixed", f"GPU compute capability {major}.{minor} >= 8.0 has fast bf16"
+        return "fp32", f"GPU compute capability {major}.{minor} < 8.0 lacks fast bf16"
+    fast, why = cpu_has_fast_bf16()
+    return ("bf16-mixed", why) if fast else ("fp32", why)
+
+
+@dataclass
+class Precision:
+    """One precision policy; build it with `make_precision`."""
+
+    mode: str
+    device_type: str
+    autocast_dtype: torch.dtype | None = None  # None: no autocast
+    param_dtype: torch.dtype = torch.float32
+    scaler: torch.amp.GradScaler | None = None  # fp16-mixed only
+    overflow_steps: int = field(default=0)
+
+    def convert_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Cast parameters for `bf16-true`; other modes keep fp32 master weights."""
+        return model.to(self.param_dtype) if self.param_dtype != torch.float32 else model
+
+    def forward_context(self) -> ContextManager:
+        """Autocast region for forward and loss; a null context in fp32 and bf16-true."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through the (scaled, in fp16-mixed) loss."""
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide gradients by the loss scale so clipping sees true values (fp16 only)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, *, grads_finite: bool) -> bool:
+        """Step unless gradients are non-finite; returns whether the step was applied.
+
+        fp16-mixed: GradScaler skips the step itself on overflow and lowers the scale.
+        """
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            if not grads_finite:
+                self.overflow_steps += 1
+            return grads_finite
+        if grads_finite:
+            optimizer.step()
+        return grads_finite
+
+    @property
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else {},
+                "overflow_steps": self.overflow_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.overflow_steps = int(state.get("overflow_steps", 0))
+
+
+def make_precision(mode: str, *, device_type: str, init_scale: float = 2.0**16,
+                   growth_interval: int = 2000) -> Precision:
+    """The one place a mode string becomes a Precision.
+
+    Args:
+        mode: one of PRECISION_MODES ("auto" is resolved with `choose_auto`).
+        device_type: "cpu" or "cuda".
+        init_scale: fp16-mixed initial loss scale.
+        growth_interval: fp16-mixed clean steps before the scale doubles.
+    """
+    if mode == "auto":
+        mode, _ = choose_auto(device_type)
+    match mode:
+        case "fp32":
+            return Precision(mode, device_type)
+        case "bf16-mixed":
+            return Precision(mode, device_type, autocast_dtype=torch.bfloat16)
+        case "bf16-true":
+            return Precision(mode, device_type, param_dtype=torch.bfloat16)
+        case "fp16-mixed":
+            scaler = torch.amp.GradScaler(device_type, init_scale=init_scale,
+                                          growth_interval=growth_interval)
+            return Precision(mode, device_type, autocast_dtype=torch.float16, scaler=scaler)
+    raise ValueError(f"precision mode {mode!r} is not one of {PRECISION_MODES}")

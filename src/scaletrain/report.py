@@ -1,0 +1,148 @@
+"""One PNG that compares runs: training loss, throughput and (when evaluated) an eval metric.
+
+* Only what a run leaves on disk is read: ``metrics.jsonl`` (required), and when present
+  ``config.toml`` (its ``name``, top level or under ``[run]``, joins the legend label) and
+  ``summary.json`` (its numeric fields become a footnote). Nothing from the trainer is
+  imported, so crashed or copied runs report too. Each run keeps one colour in every panel.
+* A resumed run re-logs the steps after its checkpoint; the later line wins. ``null`` (a
+  non-finite value) is a gap in the line, and the loss panel marks those steps with an x.
+* Throughput is tokens/s for a run that counts tokens, else examples/s; the eval panel shows
+  accuracy if the records have it, else loss, else perplexity. When runs mix units, the
+  second unit is dashed on a right-hand axis instead of flattening the other curves.
+* It draws on a bare ``matplotlib.figure.Figure`` (saved with Agg), not pyplot: no GUI
+  backend is needed and the caller's pyplot backend and global state are left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from scaletrain.metrics import METRICS_FILE, read_metrics
+
+EVAL_METRICS = ("accuracy", "loss", "perplexity")  # the first one the eval records hold is shown
+
+
+class _Run(NamedTuple):
+    label: str
+    color: str  # the same in every panel
+    train: list[dict]
+    evals: list[dict]
+    summary: dict
+
+
+def write_report(run_dirs: list[Path], *, out: Path) -> Path:
+    """Draw the curves of one or more runs into one PNG and return its path.
+
+    Args:
+        run_dirs: run directories, each holding a ``metrics.jsonl``; a missing one raises
+            ``FileNotFoundError`` naming the directory.
+        out: the PNG to write; its parent directory is created if missing.
+    """
+    runs = [_load(Path(d), color=f"C{i % 10}") for i, d in enumerate(run_dirs)]
+    ncols = 3 if any(r.evals for r in runs) else 2
+    fig = Figure(figsize=(5.5 * ncols, 4.6), layout="constrained")
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    _plot_loss(axes[0], runs)
+    _plot_units(axes[1], runs, _throughput, title="throughput", from_zero=True, linewidth=0.9)
+    if ncols == 3:
+        _plot_units(axes[2], runs, _eval_metric, title="evaluation", marker="o", markersize=3)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("scaletrain report: " + ", ".join(r.label for r in runs), fontsize=11)
+    footnote = "\n".join(_summary_line(r) for r in runs if r.summary)
+    if footnote:
+        fig.supxlabel(footnote, fontsize=8, family="monospace", ha="left", x=0.01)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def _load(run_dir: Path, *, color: str) -> _Run:
+    if not (run_dir / METRICS_FILE).is_file():
+        raise FileNotFoundError(f"run directory {run_dir} has no {METRICS_FILE}")
+    records = read_metrics(run_dir)
+    name = _config_name(run_dir / "config.toml")
+    label = f"{run_dir.name} ({name})" if name and name != run_dir.name else run_dir.name
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    return _Run(label, color, _by_step(records, "train"), _by_step(records, "eval"), summary)
+
+
+def _config_name(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    config = tomllib.loads(path.read_text())
+    name = config.get("name") or (config.get("run") or {}).get("name")
+    return str(name) if name else None
+
+
+def _by_step(records: list[dict], kind: str) -> list[dict]:
+    """One record per step (the last one logged wins), sorted by step."""
+    latest = {r["step"]: r for r in records if r.get("kind", "train") == kind and "step" in r}
+    return [latest[s] for s in sorted(latest)]
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    rows = [(r["step"], r[key]) for r in records if key in r]
+    return [s for s, _ in rows], [math.nan if v is None else float(v) for _, v in rows]
+
+
+def _plot_loss(ax: Axes, runs: list[_Run]) -> None:
+    finite = []
+    for run in runs:
+        steps, loss = _series(run.train, "loss")
+        ax.plot(steps, loss, label=run.label, color=run.color, linewidth=1.2)
+        finite += [v for v in loss if math.isfinite(v)]
+        bad = [s for s, v in zip(steps, loss) if not math.isfinite(v)]
+        # x-axis transform: x in steps, y in axes fraction, so the marks sit on the bottom edge.
+        ax.plot(bad, [0.02] * len(bad), "x", color=run.color, transform=ax.get_xaxis_transform())
+    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+        ax.set_yscale("log")  # losses spanning decades read better on a log axis
+    ax.set(title="training loss", ylabel="loss")
+    ax.legend(fontsize=8)
+
+
+def _throughput(run: _Run) -> tuple[str, list[int], list[float]]:
+    uses_tokens = any((r.get("tokens_per_s") or 0) > 0 for r in run.train)
+    unit, key = ("tokens/s", "tokens_per_s") if uses_tokens else ("examples/s", "examples_per_s")
+    return (unit, *_series(run.train, key))
+
+
+def _eval_metric(run: _Run) -> tuple[str, list[int], list[float]]:
+    key = next((k for k in EVAL_METRICS if any(k in r for r in run.evals)), "loss")
+    return (key, *_series(run.evals, key))
+
+
+def _plot_units(
+    ax: Axes, runs: list[_Run], series: Callable, *, title: str, from_zero: bool = False, **style
+) -> None:
+    """One line per run; the first unit on the left axis, any other dashed on a right-hand one."""
+    lines = [(run, *series(run)) for run in runs]
+    units = list(dict.fromkeys(unit for _, unit, steps, _ in lines if steps))
+    right = ax.twinx() if len(units) > 1 else None
+    for run, unit, steps, values in lines:
+        if steps:
+            target, dash = (ax, "-") if unit == units[0] else (right, "--")
+            label = f"{run.label} [{unit}]" if right else run.label
+            target.plot(steps, values, dash, label=label, color=run.color, **style)
+    ax.set(title=title, ylabel=units[0] if units else "")
+    ax.set_ylim(bottom=0 if from_zero else None)  # rates from 0: noise is not a collapse
+    if right is not None:
+        right.set_ylabel(" / ".join(units[1:]) + " (dashed)")
+        right.set_ylim(bottom=0 if from_zero else None)
+    if units:  # one legend for both axes
+        ax.legend(handles=ax.lines + (right.lines if right else []), fontsize=8)
+
+
+def _summary_line(run: _Run) -> str:
+    numbers = {k: v for k, v in run.summary.items() if type(v) in (int, float)}  # not bool
+    return f"{run.label}: " + ", ".join(f"{k}={v:.4g}" for k, v in list(numbers.items())[:8])

@@ -1,0 +1,96 @@
+"""One optimizer step, readable top to bottom.
+
+    count -> for each micro-batch: forward (precision context) -> scaled backward (sync only
+    on the last) -> unscale -> global-norm clip -> optimizer step (or skip) -> LR step -> zero grad
+
+Normalisation (the subtle part): the gradient must be that of the mean loss over the whole
+global batch, k micro-batches on each of n ranks, whatever k and n are. So every
+micro-batch's *summed* loss is divided by the global count of examples (or target tokens)
+in the step, known before the first forward; DDP then averages over the n ranks, which we
+undo by multiplying by n. With ragged counts (masked tokens differ between micro-batches
+and ranks) the global count is all-reduced once per step; with fixed counts it is just
+local count x n and no collective runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from scaletrain.data.sources import Batch
+from scaletrain.parallel.compose import gradient_sync
+from scaletrain.precision import Precision
+from scaletrain.runtime import all_reduce_sum
+
+IGNORE_INDEX = -100
+
+
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed (not averaged) over examples or target tokens, in fp32.
+
+    logits (B, C) with targets (B,), or (B, T, V) with targets (B, T); -100 is ignored.
+    """
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's summed loss over its micro-batches (fp32, detached)
+    count: int  # global examples or target tokens in the step (the normaliser)
+    grad_norm: float  # global gradient norm before clipping (inf/nan if non-finite)
+    stepped: bool  # False when the step was skipped for a non-finite gradient
+
+
+def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
+               optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               precision: Precision, grad_clip: float, dp_size: int,
+               ragged_counts: bool) -> StepResult:
+    """Run one optimizer step over this rank's micro-batches.
+
+    Args:
+        model: the (possibly DDP-wrapped) model.
+        micro_batches: this rank's micro-batches for the step.
+        optimizer: the optimizer over the model's parameters.
+        scheduler: LR schedule, advanced once per step.
+        precision: forward context, (scaled) backward, unscale, optimizer step.
+        grad_clip: max global gradient norm; 0 disables clipping.
+        dp_size: data-parallel ranks whose gradients DDP averages.
+        ragged_counts: counts may differ between ranks (masked tokens): all-reduce them.
+    """
+    # The normaliser of the whole step, across micro-batches and ranks, before any forward.
+    local_count = sum(mb.count for mb in micro_batches)
+    if ragged_counts and dp_size > 1:
+        global_count = int(all_reduce_sum(torch.tensor([local_count], dtype=torch.float64)).item())
+    else:
+        global_count = local_count * dp_size
+    # DDP divides the summed gradient by dp_size; multiply it back so the result is the
+    # gradient of (sum of all losses) / global_count.
+    loss_weight = dp_size / max(global_count, 1)
+
+    loss_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0].targets.device)
+    for i, mb in enumerate(micro_batches):
+        is_last = i == len(micro_batches) - 1
+        # All-reduce gradients only on the last micro-batch; earlier ones accumulate locally.
+        with gradient_sync(model, enabled=is_last):
+            with precision.forward_context():
+                logits = model(mb.inputs)
+                loss = summed_loss(logits, mb.targets)
+            precision.backward(loss * loss_weight)
+        loss_sum += loss.detach().float()
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    precision.unscale_(optimizer)  # fp16: clip and check the true gradient, not the scaled one
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    # After DDP's all-reduce every rank holds the same gradients, so every rank takes the same
+    # decision here: a NaN on one rank's loss reaches all ranks through the all-reduce.
+    grads_finite = bool(torch.isfinite(grad_norm))
+    if grad_clip > 0 and grads_finite:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm, foreach=True)
+    stepped = precision.optimizer_step(optimizer, grads_finite=grads_finite)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum=loss_sum, count=global_count, grad_norm=float(grad_norm),
+                      stepped=stepped)

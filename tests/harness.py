@@ -1,0 +1,82 @@
+"""Run scaletrain's real worker path in N processes on gloo, with a timeout on every process.
+
+`run_workers` starts N `python -m scaletrain train ...` processes with the environment
+torchrun would give them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID), without
+the elastic agent's start-up cost. A process still running at the deadline is killed and the
+test fails with every rank's output, so a hang cannot stall CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for a scaletrain subprocess: no torchrun or SLURM variables leak in."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_", "RANK", "WORLD_SIZE",
+                                "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"))}
+    env.update(extra)
+    return env
+
+
+def run_workers(config: Path, overrides: list[str], *, world_size: int, run_dir: Path,
+                timeout: float = 120.0, expect_ok: bool = True) -> list[subprocess.CompletedProcess]:
+    """Start `world_size` ranks of `scaletrain train CONFIG overrides --run-dir RUN_DIR`."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = cli_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="test")
+        cmd = [sys.executable, "-m", "scaletrain", "train", str(config), *overrides,
+               "--run-dir", str(run_dir)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a rank did not finish within {timeout} s") from None
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    if expect_ok:
+        for rank, r in enumerate(results):
+            assert r.returncode == 0, f"rank {rank} failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    return results
+
+
+def run_cli(args: list[str], *, timeout: float = 180.0, **env: str) -> subprocess.CompletedProcess:
+    """`scaletrain ARGS` as a user runs it (launcher included), with a timeout."""
+    try:
+        return subprocess.run([sys.executable, "-m", "scaletrain", *args], env=cli_env(**env),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"scaletrain {' '.join(args)} did not finish in {timeout} s:\n"
+                             f"{(e.stderr or b'')[-3000:]}") from None
+
+
+def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
+    return max(float((a[k] - b[k]).abs().max()) for k in a)

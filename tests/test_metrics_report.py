@@ -1,0 +1,163 @@
+"""Rank-0 feedback: the JSONL record, TensorBoard events, and the PNG report built from them."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from scaletrain.metrics import MetricsLogger, read_metrics
+from scaletrain.report import write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _logger(run_dir: Path, **kw) -> MetricsLogger:
+    args = dict(total_steps=10, enabled=True, quiet=True, tensorboard=False) | kw
+    return MetricsLogger(run_dir, **args)
+
+
+def _fake_run(run_dir: Path, *, steps: int, tokens: bool, eval_key: str) -> None:
+    with _logger(run_dir, total_steps=steps) as m:
+        for s in range(1, steps + 1):
+            rec = {"step": s, "loss": 2.0 / s, "lr": 1e-3, "examples_per_s": 100.0 + s}
+            if tokens:
+                rec["tokens_per_s"] = 4000.0 + s
+            m.log_step(rec)
+            if s % 5 == 0:
+                m.log_eval({"step": s, eval_key: 0.5 + s / 100})
+
+
+def test_jsonl_lines_are_strict_json_with_non_finite_as_null(tmp_path: Path) -> None:
+    with _logger(tmp_path) as m:
+        m.log_step({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1})
+        m.log_step({"step": 2, "loss": 0.5, "grad_norm": -math.inf, "examples": 32})
+        m.log_eval({"step": 2, "accuracy": 0.75})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+
+    def strict(token: str) -> None:  # json.loads accepts NaN/Infinity unless told not to
+        raise ValueError(f"non-standard JSON constant {token}")
+
+    records = [json.loads(line, parse_constant=strict) for line in lines]
+    assert records[0] == {"kind": "train", "step": 1, "loss": None, "grad_norm": None, "lr": 0.1}
+    assert records[1]["grad_norm"] is None and records[1]["examples"] == 32
+    assert records[2] == {"kind": "eval", "step": 2, "accuracy": 0.75}
+
+
+def test_each_line_is_flushed_before_close(tmp_path: Path) -> None:
+    m = _logger(tmp_path)
+    m.log_step({"step": 1, "loss": 1.0})
+    assert read_metrics(tmp_path) == [{"kind": "train", "step": 1, "loss": 1.0}]
+    m.close()
+    m.close()  # idempotent
+
+
+def test_read_metrics_round_trips(tmp_path: Path) -> None:
+    sent = [{"step": s, "loss": 1.0 / s, "tokens": 128 * s, "peak_mem_bytes": 2**33} for s in (1, 2, 3)]
+    with _logger(tmp_path) as m:
+        for rec in sent:
+            m.log_step(rec)
+        m.log_eval({"step": 3, "loss": 0.4, "perplexity": math.exp(0.4)})
+    got = read_metrics(tmp_path)
+    assert got[:3] == [{"kind": "train", **rec} for rec in sent]
+    assert got[3] == {"kind": "eval", "step": 3, "loss": 0.4, "perplexity": math.exp(0.4)}
+
+
+def test_resume_appends_and_survives_a_partial_last_line(tmp_path: Path) -> None:
+    with _logger(tmp_path) as m:
+        m.log_step({"step": 1, "loss": 1.0})
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "train", "step": 2, "lo')  # killed mid-write
+    with _logger(tmp_path, start_step=1) as m:
+        m.log_step({"step": 2, "loss": 0.9})
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:2"):
+        got = read_metrics(tmp_path)
+    assert [r["step"] for r in got] == [1, 2] and got[1]["loss"] == 0.9
+
+
+def test_step_is_required(tmp_path: Path) -> None:
+    with _logger(tmp_path) as m, pytest.raises(ValueError, match="'step'"):
+        m.log_step({"loss": 1.0})
+
+
+def test_disabled_logger_is_a_no_op_and_creates_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "rank1"
+    m = MetricsLogger(run_dir, total_steps=5, enabled=False, quiet=False, tensorboard=True)
+    m.log_step({"step": 1, "loss": 1.0})
+    m.log_eval({"step": 1, "loss": 1.0})
+    m.advance(3)
+    m.message("hello")
+    m.close()
+    assert not run_dir.exists()
+
+
+def test_progress_bar_counts_logged_and_advanced_steps(tmp_path: Path, capsys) -> None:
+    m = _logger(tmp_path, quiet=False, total_steps=10, start_step=2)
+    m.log_step({"step": 3, "loss": 0.25, "examples_per_s": 1500.0, "tokens_per_s": 0.0})
+    m.advance(4)
+    assert m._bar.n == 7
+    assert "loss=0.25" in m._bar.postfix and "ex/s=1.5k" in m._bar.postfix
+    assert "tok/s" not in m._bar.postfix  # shown only when tokens are counted
+    m.message("checkpoint saved")
+    m.close()
+    assert "checkpoint saved" in capsys.readouterr().out
+
+
+def test_quiet_logger_prints_nothing(tmp_path: Path, capsys) -> None:
+    with _logger(tmp_path, quiet=True) as m:
+        m.log_step({"step": 1, "loss": 1.0})
+        m.message("not shown")
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+def test_tensorboard_writes_scalars(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with _logger(tmp_path, tensorboard=True) as m:
+        for s in (1, 2):
+            m.log_step({"step": s, "loss": 1.0 / s, "lr": 0.1})
+        m.log_eval({"step": 2, "accuracy": 0.9})
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert {"train/loss", "train/lr", "eval/accuracy"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 0.5)]
+
+
+def test_report_draws_a_png_for_two_runs(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    _fake_run(tmp_path / "mlp", steps=20, tokens=False, eval_key="accuracy")
+    _fake_run(tmp_path / "gpt", steps=30, tokens=True, eval_key="loss")
+    (tmp_path / "gpt" / "config.toml").write_text('[run]\nname = "gpt-small"\n')
+    (tmp_path / "gpt" / "summary.json").write_text(json.dumps({"final_loss": 0.07, "steps": 30}))
+    out = write_report([tmp_path / "mlp", tmp_path / "gpt"], out=tmp_path / "out" / "report.png")
+    assert out == tmp_path / "out" / "report.png"
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert 300 <= height <= 1200 and 1500 <= width <= 3000  # three panels (about 1815 px)
+
+
+def test_report_without_eval_has_two_panels(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    with _logger(tmp_path / "run") as m:
+        for s in range(1, 6):
+            m.log_step({"step": s, "loss": float("nan") if s == 3 else 1.0 / s})
+    out = write_report([tmp_path / "run"], out=tmp_path / "r.png")
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert 1000 <= width < 1500  # two panels (about 1210 px), not three (about 1815 px)
+
+
+def test_report_refuses_a_run_without_metrics(tmp_path: Path) -> None:
+    _fake_run(tmp_path / "good", steps=5, tokens=False, eval_key="accuracy")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"run directory .*empty has no metrics\.jsonl"):
+        write_report([tmp_path / "good", tmp_path / "empty"], out=tmp_path / "r.png")
+    assert not (tmp_path / "r.png").exists()
