@@ -86,14 +86,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if under_elastic_agent():  # a worker started by torchrun or by our launcher
         return _run_worker(config, args.run_dir)
     spec = launch_spec(args, config)
-    resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
+    derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
     run_dir = args.run_dir or default_run_dir(config.name)
     check_run_dir(run_dir)
     if spec.in_process:
         code = _run_worker(config, run_dir, exit_process=False)
     else:
         worker_args = ["train", str(args.config), *args.overrides, "--run-dir", str(run_dir)]
-        code = launch(spec, worker_args)
+        code = launch(spec, worker_args, threads=derived.threads)
     if code == 0 and (run_dir / "summary.json").exists():
         _print_outcome(run_dir)
     return code
@@ -186,7 +186,15 @@ COMMANDS = {"train": cmd_train, "explain": cmd_explain, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if argv and argv[0] in subcommands.choices:
+        # Intermixed: overrides may come after flags (`train cfg.toml --nproc 2 train.steps=5`).
+        args = subcommands.choices[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+    else:
+        args = parser.parse_args(argv)  # help, or an error naming the allowed subcommands
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, LaunchError) as e:

@@ -136,17 +136,19 @@ def under_elastic_agent() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
+def launch(spec: LaunchSpec, worker_args: list[str], *, threads: int) -> int:
     """Run the workers through the elastic agent; return 0, or 1 with the failure described.
 
     Args:
         spec: validated launcher flags.
         worker_args: the `train ...` arguments each worker receives.
+        threads: torch/OpenMP threads per worker (the workers set torch's; this sets OpenMP's).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, elastic_launch, get_args_parser
 
     os.environ.update(SUBPROCESS_ENV)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     args = get_args_parser().parse_args(torchrun_argv(spec, worker_args))
     config, cmd, cmd_args = config_from_args(args)
     try:
@@ -170,5 +172,5 @@ def describe_child_failure(error) -> str:
                 what = f"was killed by signal {-failure.exitcode}"
         else:
             what = f"exited with code {failure.exitcode}"
-        lines.append(f"  rank {rank} (pid {failure.pid} on {failure.hostname}) {what}")
+        lines.append(f"  rank {rank} (pid {failure.pid}, local rank {failure.local_rank}) {what}")
     return "\n".join(lines)

@@ -2,14 +2,15 @@
 
 Layout: one stage per channel width, each conv3x3 (padding 1) -> ReLU, then a 2x2 max-pool
 while the map is at least 8 pixels on its short side, so it never shrinks below 4x4:
-MNIST goes 28 -> 14 -> 7, digits 8 -> 4 -> 4. An adaptive average pool then brings every
+MNIST goes 28 -> 14 -> 7, digits 8 -> 4 -> 4. An adaptive max pool then brings every
 input size to the same 4x4 grid, so the head (Linear -> ReLU -> Dropout -> Linear) has the
-same parameters for any image size. The 4x4 grid keeps where a stroke is, which a global
-average pool would throw away; the hidden layer, as wide as the last stage, is where most
-of the parameters sit: 85k at "small" on MNIST, of which 18.8k in the convolutions.
-
-Measured on MNIST at "small" (Adam 1e-3, batch 64, 1 CPU thread): over 98% test accuracy
-after one epoch. There is no loss inside: `forward` returns logits.
+same parameters (85k at "small", 18.8k of them in the convolutions) for any image size.
+The 4x4 grid keeps where a stroke is, which a global pool would throw away; max rather
+than average pooling because it keeps the strongest response in each cell: on MNIST at
+"small" (Adam 1e-3, batch 64, two seeds) it reached 98.5% test accuracy after 2 epochs,
+against 97.6-97.8% for the same network with an average pool. Cost: ~16 ms for forward and
+backward of 32 MNIST images on one CPU thread. There is no loss inside: `forward` returns
+logits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ MIN_SIDE = 8  # smallest input side: pooling only at >= 8 pixels keeps every map
 
 
 class CNN(nn.Module):
-    """conv3x3 -> ReLU [-> maxpool] per stage -> 4x4 average pool -> MLP head."""
+    """conv3x3 -> ReLU [-> maxpool] per stage -> 4x4 adaptive max pool -> MLP head."""
 
     def __init__(
         self, *, input_shape: tuple[int, ...], num_classes: int, channels: tuple[int, ...], dropout: float = 0.0
@@ -52,7 +53,7 @@ class CNN(nn.Module):
                 height, width = height // 2, width // 2
             in_channels = out_channels
         self.features = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(HEAD_GRID)
+        self.pool = nn.AdaptiveMaxPool2d(HEAD_GRID)
         self.head = nn.Sequential(
             nn.Flatten(),
             nn.Linear(in_channels * HEAD_GRID * HEAD_GRID, in_channels),

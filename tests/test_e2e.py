@@ -1,0 +1,169 @@
+"""End to end through the real launcher (torchrun's elastic agent): the run directory, the
+report, two "nodes" meeting through the c10d rendezvous, and failures that must not hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from harness import cli_env, free_port, run_cli
+
+pytestmark = pytest.mark.slow
+
+SMALL = """
+name = "e2e"
+[model]
+name = "mlp"
+size = "tiny"
+[data]
+source = "digits"
+[optim]
+lr = 1e-2
+[train]
+steps = 40
+global_batch = 32
+micro_batch = 16
+eval_every = 20
+eval_examples = 200
+[log]
+every = 5
+quiet = true
+"""
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "cfg.toml"
+    path.write_text(SMALL)
+    return path
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_two_processes_writes_the_whole_run_directory(tmp_path: Path, config: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = run_cli(["train", str(config), "--nproc", "2", "--run-dir", str(run_dir)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"run directory {run_dir}" in r.stdout
+    for name in ("config.toml", "metrics.jsonl", "model.safetensors", "summary.json", "report.png"):
+        assert (run_dir / name).is_file(), name
+    assert 'global_batch = 32' in (run_dir / "config.toml").read_text()
+    train = [r for r in _records(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(5, 41, 5))
+    for field in ("step", "loss", "lr", "grad_norm", "examples", "tokens", "examples_per_s",
+                  "tokens_per_s", "step_time_s", "peak_mem_bytes"):
+        assert field in train[0], field
+    assert train[0]["examples"] == 5 * 32
+    assert train[-1]["loss"] < train[0]["loss"]
+    evals = [r for r in _records(run_dir) if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [20, 40] and evals[-1]["accuracy"] > 0.5
+    weights = load_file(str(run_dir / "model.safetensors"))
+    assert not any(k.startswith("module.") for k in weights)  # no DDP prefix
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["eval"]["accuracy"] == evals[-1]["accuracy"]
+
+    out = tmp_path / "both.png"
+    r = run_cli(["report", str(run_dir), str(run_dir), "--out", str(out)])
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_two_nodes_meet_through_c10d_rendezvous(tmp_path: Path, config: Path) -> None:
+    """Two launcher processes, one worker each, on loopback: one world of 2 that trains."""
+    run_dir, port = tmp_path / "run", free_port()
+    common = ["train", str(config), "--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+              "--run-dir", str(run_dir), "train.steps=20"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "scaletrain", *common, "--node-rank", str(i)],
+                              env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    try:
+        outs = [n.communicate(timeout=150) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    for n, (_, err) in zip(nodes, outs):
+        assert n.returncode == 0, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 20
+    train = [r for r in _records(run_dir) if r["kind"] == "train"]
+    assert train[-1]["examples"] == 5 * 32 and train[-1]["loss"] < train[0]["loss"]
+
+
+def _worker_pids(launcher_pid: int) -> dict[int, int]:
+    """RANK -> pid of the launcher's worker children, read from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        rank = [e for e in env if e.startswith(b"RANK=")]
+        if ppid == launcher_pid and rank:
+            found[int(rank[0][5:])] = int(entry.name)
+    return found
+
+
+def _wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.2)
+
+
+def test_killed_rank_ends_the_run_naming_it(tmp_path: Path, config: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "train", str(config), "--nproc", "2", "--run-dir",
+         str(run_dir), "train.steps=100000", "log.every=1", "parallel.timeout_s=20"],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), timeout=90)
+        pids = _worker_pids(launcher.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1
+    assert f"rank 1 (pid {pids[1]}" in err and "SIGKILL" in err, err[-3000:]
+
+
+def test_hung_rank_times_out_naming_the_collective_and_the_rank(tmp_path: Path,
+                                                                config: Path) -> None:
+    """Rank 1 is stopped (SIGSTOP): rank 0's gradient all-reduce times out and says who."""
+    run_dir, port = tmp_path / "run", free_port()
+    procs = []
+    for rank in range(2):
+        env = cli_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="hang")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "scaletrain", "train", str(config), "--run-dir", str(run_dir),
+             "train.steps=100000", "log.every=1", "parallel.timeout_s=4"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), timeout=90)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        started = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        waited = time.monotonic() - started
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1, err[-3000:]
+    assert "collective '" in err and "rank(s) 1 did not arrive" in err, err[-3000:]
+    assert waited < 30
