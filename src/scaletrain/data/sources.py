@@ -155,7 +155,9 @@ def load_source(
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if seq_len < 1 or synthetic_examples < 1:
-        raise ValueError(f"seq_len and synthetic_examples must be >= 1, got {seq_len}, {synthetic_examples}")
+        raise ValueError(
+            f"seq_len and synthetic_examples must be >= 1, got {seq_len}, {synthetic_examples}"
+        )
     match name:
         case "digits":
             return _digits(split=split)
@@ -267,7 +269,8 @@ def _mnist(*, split: str) -> ArrayDataset:
     prefix = "train" if split == "train" else "t10k"  # eval = the official 10k test set
     images = torch.from_numpy(arrays[f"{prefix}-images-idx3-ubyte"].astype(np.float32))  # (N, 28, 28)
     # (x / 255 - mean) / std as one scale and one shift, in place: ~0.05 s for the 60k.
-    inputs = images.mul_(1.0 / (255.0 * MNIST_STD)).sub_(MNIST_MEAN / MNIST_STD).unsqueeze(1)  # (N, 1, 28, 28)
+    inputs = images.mul_(1.0 / (255.0 * MNIST_STD)).sub_(MNIST_MEAN / MNIST_STD)  # (N, 28, 28)
+    inputs = inputs.unsqueeze(1)  # (N, 1, 28, 28)
     labels = torch.from_numpy(arrays[f"{prefix}-labels-idx1-ubyte"].astype(np.int64))  # (N,)
     return ArrayDataset(inputs, labels, spec=TaskSpec("classification", (1, 28, 28), 10))
 
@@ -283,7 +286,9 @@ _RE = {
     "template": re.compile(r"\{\{[^{}]*\}\}"),  # innermost {{...}}; repeated until none is left
     "table": re.compile(r"\{\|[^{}]*?\|\}", re.S),
     "file": re.compile(  # [[File:..]], [[Category:..]], [[de:..]], captions with one link level
-        r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):[^\[\]]*(?:\[\[[^\[\]]*\]\][^\[\]]*)*\]\]", re.I
+        r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):"  # the namespace or language prefix
+        r"[^\[\]]*(?:\[\[[^\[\]]*\]\][^\[\]]*)*\]\]",  # text with [[links]] one level deep
+        re.I,
     ),
     "piped": re.compile(r"\[\[[^\[\]|]*\|([^\[\]]*)\]\]"),  # [[target|text]] -> text
     "link": re.compile(r"\[\[([^\[\]]*)\]\]"),  # [[text]] -> text
@@ -325,7 +330,9 @@ def _wikitext_bytes() -> bytes:
         compressed = f.read()
     got = hashlib.md5(compressed).hexdigest()
     if got != WIKI_MD5:
-        raise RuntimeError(f"wikitext integrity check failed for {WIKI_FILE}: md5 {got}, expected {WIKI_MD5}")
+        raise RuntimeError(
+            f"wikitext integrity check failed for {WIKI_FILE}: md5 {got}, expected {WIKI_MD5}"
+        )
     articles = []
     for _, element in ET.iterparse(io.BytesIO(bz2.decompress(compressed)), events=("end",)):
         if not element.tag.endswith("}page"):
@@ -371,8 +378,9 @@ def _generator(seed: int, role: str) -> torch.Generator:
 def _synthetic_images(*, split: str, n: int, seed: int) -> ArrayDataset:
     """Gaussian (1, 28, 28) images labelled by a fixed random linear teacher (10 classes).
 
-    The teacher depends only on `seed`, so train and eval pose the same problem; a linear
-    model can reach 100% and an MLP gets close.
+    The teacher depends only on `seed`, so train and eval pose the same problem. Any model
+    fits the training set; generalising takes data, as the teacher has 7840 free weights:
+    a linear model fit on 2048 / 4096 / 16384 examples gets ~40% / 55% / 83% of eval right.
     """
     weight = torch.randn(28 * 28, 10, generator=_generator(seed, "teacher"))  # (D, K)
     inputs = torch.randn(n, 1, 28, 28, generator=_generator(seed, split))  # (N, 1, 28, 28)

@@ -26,19 +26,22 @@ _REGISTRY: dict[str, tuple[str, Callable[[str, TaskSpec, float], nn.Module]]] = 
     "mlp": (
         "classification",
         lambda size, task, dropout: MLP(
-            input_shape=task.input_shape, num_classes=task.num_classes, hidden=MLP_WIDTHS[size], dropout=dropout
+            input_shape=task.input_shape, num_classes=task.num_classes, hidden=MLP_WIDTHS[size],
+            dropout=dropout,
         ),
     ),
     "cnn": (
         "classification",
         lambda size, task, dropout: CNN(
-            input_shape=task.input_shape, num_classes=task.num_classes, channels=CNN_CHANNELS[size], dropout=dropout
+            input_shape=task.input_shape, num_classes=task.num_classes, channels=CNN_CHANNELS[size],
+            dropout=dropout,
         ),
     ),
     "gpt": (
         "lm",
         lambda size, task, dropout: GPT(
-            vocab_size=task.num_classes, block_size=task.input_shape[0], shape=GPT_SHAPES[size], dropout=dropout
+            vocab_size=task.num_classes, block_size=task.input_shape[0], shape=GPT_SHAPES[size],
+            dropout=dropout,
         ),
     ),
 }
@@ -63,7 +66,8 @@ def build_model(name: str, *, size: str, task: TaskSpec, dropout: float = 0.0) -
     if task.kind != kind:
         fitting = ", ".join(n for n, (k, _) in _REGISTRY.items() if k == task.kind)
         raise ValueError(
-            f"model {name!r} needs a task of kind {kind!r}, got {task.kind!r}; models for {task.kind!r}: {fitting}"
+            f"model {name!r} needs a task of kind {kind!r}, got {task.kind!r};"
+            f" models for {task.kind!r}: {fitting}"
         )
     return build(size, task, dropout)
 

@@ -31,7 +31,12 @@ class CNN(nn.Module):
     """conv3x3 -> ReLU [-> maxpool] per stage -> 4x4 adaptive max pool -> MLP head."""
 
     def __init__(
-        self, *, input_shape: tuple[int, ...], num_classes: int, channels: tuple[int, ...], dropout: float = 0.0
+        self,
+        *,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        channels: tuple[int, ...],
+        dropout: float = 0.0,
     ) -> None:
         """Build the stages for this image size; default PyTorch init from the global seed.
 
@@ -43,7 +48,9 @@ class CNN(nn.Module):
         """
         super().__init__()
         if len(input_shape) != 3 or min(input_shape[1:]) < MIN_SIDE:
-            raise ValueError(f"CNN needs (C, H, W) images of at least {MIN_SIDE}x{MIN_SIDE}, got {input_shape}")
+            raise ValueError(
+                f"CNN needs (C, H, W) images of at least {MIN_SIDE}x{MIN_SIDE}, got {input_shape}"
+            )
         in_channels, height, width = input_shape
         layers: list[nn.Module] = []
         for out_channels in channels:

@@ -66,7 +66,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, C)
         # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
-        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        q, k, v = (  # 3 x (B, nh, T, hs)
+            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(  # (B, nh, T, hs)
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
@@ -121,9 +123,8 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, shape.n_embd)
         self.pos_emb = nn.Embedding(block_size, shape.n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleDict(
-            {str(i): Block(n_embd=shape.n_embd, n_head=shape.n_head, dropout=dropout) for i in range(shape.n_layer)}
-        )
+        block = dict(n_embd=shape.n_embd, n_head=shape.n_head, dropout=dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(**block) for i in range(shape.n_layer)})  # "0".."L-1"
         self.ln_f = nn.LayerNorm(shape.n_embd)
         self.lm_head = nn.Linear(shape.n_embd, vocab_size, bias=False)  # untied: safetensors
         self._init_weights(n_layer=shape.n_layer)

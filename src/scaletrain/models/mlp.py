@@ -24,7 +24,12 @@ class MLP(nn.Module):
     """Flatten -> [Linear -> ReLU -> Dropout] per hidden width -> Linear to logits."""
 
     def __init__(
-        self, *, input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...], dropout: float = 0.0
+        self,
+        *,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        hidden: tuple[int, ...],
+        dropout: float = 0.0,
     ) -> None:
         """Build the layers; weights use PyTorch's default init from the global seed.
 
