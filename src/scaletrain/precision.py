@@ -69,6 +69,12 @@ class Precision:
         """Cast parameters for `bf16-true`; other modes keep fp32 master weights."""
         return model.to(self.param_dtype) if self.param_dtype != torch.float32 else model
 
+    def convert_input(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Floating-point inputs follow the parameters' dtype in bf16-true; ids stay ints."""
+        if self.param_dtype != torch.float32 and inputs.is_floating_point():
+            return inputs.to(self.param_dtype)
+        return inputs
+
     def forward_context(self) -> ContextManager:
         """Autocast region for forward and loss; a null context in fp32 and bf16-true."""
         if self.autocast_dtype is None:

@@ -49,7 +49,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-SOURCE_NAMES = ("digits", "mnist", "wikitext", "synthetic-images", "synthetic-text")
+SOURCE_NAMES = ("digits", "mnist", "wikitext", "wikitext-paragraphs", "synthetic-images",
+                "synthetic-text")
 SPLITS = ("train", "eval")
 IGNORE_INDEX = -100  # targets equal to this carry no loss (torch cross_entropy's default)
 
@@ -77,6 +78,7 @@ class TaskSpec:
     kind: Literal["classification", "lm"]
     input_shape: tuple[int, ...]  # per example: (1, 28, 28) MNIST, (1, 8, 8) digits, (T,) text
     num_classes: int  # classes, or vocabulary size (256 bytes) for "lm"
+    ragged: bool = False  # target counts differ between examples (padding): count per step
 
 
 @dataclass
@@ -165,6 +167,8 @@ def load_source(
             return _mnist(split=split)
         case "wikitext":
             return _wikitext(split=split, seq_len=seq_len)
+        case "wikitext-paragraphs":
+            return _wikitext_paragraphs(split=split, seq_len=seq_len)
         case "synthetic-images":
             return _synthetic_images(split=split, n=synthetic_examples, seed=seed)
         case "synthetic-text":
@@ -362,6 +366,27 @@ def _wikitext(*, split: str, seq_len: int) -> ArrayDataset:
     cut = int(0.95 * len(data))  # split the bytes before windowing: no window straddles the cut
     inputs, targets = _byte_windows(data[:cut] if split == "train" else data[cut:], seq_len=seq_len)
     return ArrayDataset(inputs, targets, spec=TaskSpec("lm", (seq_len,), 256))
+
+
+def _wikitext_paragraphs(*, split: str, seq_len: int) -> ArrayDataset:
+    """One example per paragraph, unpacked: truncated to seq_len + 1 bytes, or padded.
+
+    Padding positions get input byte 0 and target -100, so the number of target tokens
+    differs between examples, micro-batches and ranks: the case where normalising by a
+    per-micro-batch mean silently goes wrong. Same 95/5 byte split as `wikitext`.
+    """
+    text = _wikitext_bytes()
+    cut = int(0.95 * len(text))
+    part = text[:cut] if split == "train" else text[cut:]
+    paragraphs = [p for p in part.split(b"\n\n") if len(p) >= 16]  # titles, stubs out
+    n = len(paragraphs)
+    inputs = torch.zeros(n, seq_len, dtype=torch.int64)  # (N, T)
+    targets = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.int64)  # (N, T)
+    for i, paragraph in enumerate(paragraphs):
+        window = torch.frombuffer(bytearray(paragraph[: seq_len + 1]), dtype=torch.uint8).long()
+        inputs[i, : len(window) - 1] = window[:-1]
+        targets[i, : len(window) - 1] = window[1:]
+    return ArrayDataset(inputs, targets, spec=TaskSpec("lm", (seq_len,), 256, ragged=True))
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ tensors actually sent (for stock PowerSGD, from its own compression statistics, 
 the P and Q elements it all-reduces). The trainer reports the per-step difference.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: DDP checks the hooks' annotations as objects.
 
 import math
 from dataclasses import dataclass, field

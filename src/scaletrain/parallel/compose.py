@@ -1,7 +1,8 @@
 """The one order in which parallel techniques are applied, and what the step needs of them.
 
 Order (written down once, here): precision cast -> (later: tensor parallel -> activation
-checkpointing -> FSDP) -> DDP. DDP goes last because it must see the final parameters.
+checkpointing -> FSDP) -> DDP -> DDP comm hook. DDP goes last because it must see the final
+parameters; its comm hook (gradient compression) is registered on the wrapper.
 """
 
 from __future__ import annotations
@@ -12,21 +13,28 @@ from typing import ContextManager
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from scaletrain.parallel.comm_hooks import HookState, register_comm_hook
 from scaletrain.parallel.ddp import apply_ddp
 from scaletrain.parallel.layout import ParallelLayout
 
 
 def parallelize(model: torch.nn.Module, *, layout: ParallelLayout, device: torch.device,
-                bucket_cap_mb: float, gradient_as_bucket_view: bool) -> torch.nn.Module:
+                bucket_cap_mb: float, gradient_as_bucket_view: bool, comm_hook: str = "none",
+                powersgd_rank: int = 1, powersgd_start_iter: int = 10,
+                ) -> tuple[torch.nn.Module, HookState | None]:
     """Apply the layout's techniques to `model` in the documented order.
 
     With dp == 1 nothing is wrapped: a single process trains the bare module.
+    Returns the model and the comm hook's state (bytes sent), None without a hook.
     """
     model = model.to(device)
+    hook_state = None
     if layout.dp > 1:
         model = apply_ddp(model, device=device, bucket_cap_mb=bucket_cap_mb,
                           gradient_as_bucket_view=gradient_as_bucket_view)
-    return model
+        hook_state = register_comm_hook(model, name=comm_hook, powersgd_rank=powersgd_rank,
+                                        powersgd_start_iter=powersgd_start_iter)
+    return model, hook_state
 
 
 def gradient_sync(model: torch.nn.Module, *, enabled: bool) -> ContextManager:

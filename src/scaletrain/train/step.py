@@ -14,6 +14,7 @@ local count x n and no collective runs.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ class StepResult:
     count: int  # global examples or target tokens in the step (the normaliser)
     grad_norm: float  # global gradient norm before clipping (inf/nan if non-finite)
     stepped: bool  # False when the step was skipped for a non-finite gradient
+    first_nonfinite: str | None = None  # when skipped: the parameter nearest the output
+    # whose gradient is inf/NaN, i.e. the first to overflow in backward order
 
 
 def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
@@ -76,7 +79,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
         # All-reduce gradients only on the last micro-batch; earlier ones accumulate locally.
         with gradient_sync(model, enabled=is_last):
             with precision.forward_context():
-                logits = model(mb.inputs)
+                logits = model(precision.convert_input(mb.inputs))
                 loss = summed_loss(logits, mb.targets)
             precision.backward(loss * loss_weight)
         loss_sum += loss.detach().float()
@@ -89,8 +92,19 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
     grads_finite = bool(torch.isfinite(grad_norm))
     if grad_clip > 0 and grads_finite:
         torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm, foreach=True)
+    first_nonfinite = None if grads_finite else _first_nonfinite(model)
     stepped = precision.optimizer_step(optimizer, grads_finite=grads_finite)
-    scheduler.step()
+    with warnings.catch_warnings():  # a skipped first step makes LambdaLR warn about the order
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+        scheduler.step()  # the schedule follows the step counter, skipped steps included
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum=loss_sum, count=global_count, grad_norm=float(grad_norm),
-                      stepped=stepped)
+                      stepped=stepped, first_nonfinite=first_nonfinite)
+
+
+def _first_nonfinite(model: torch.nn.Module) -> str | None:
+    """Backward runs from the output to the input, so scan parameters in reverse order."""
+    for name, p in reversed(list(model.named_parameters())):
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return name.removeprefix("module.")
+    return None

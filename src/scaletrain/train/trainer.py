@@ -76,9 +76,12 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
     model = build_model(config.model.name, size=config.model.size, task=train_ds.spec,
                         dropout=config.model.dropout)
     model = precision.convert_module(model)
-    model = parallelize(model, layout=derived.layout, device=device,
-                        bucket_cap_mb=config.parallel.bucket_cap_mb,
-                        gradient_as_bucket_view=config.parallel.gradient_as_bucket_view)
+    pc = config.parallel
+    model, hook_state = parallelize(model, layout=derived.layout, device=device,
+                                    bucket_cap_mb=pc.bucket_cap_mb,
+                                    gradient_as_bucket_view=pc.gradient_as_bucket_view,
+                                    comm_hook=pc.comm_hook, powersgd_rank=pc.powersgd_rank,
+                                    powersgd_start_iter=pc.powersgd_start_iter)
     o = config.optim
     optimizer = build_optimizer(model, name=o.name, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=o.betas, momentum=o.momentum)
@@ -90,10 +93,13 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
                                  dp_size=derived.layout.dp, seed=config.train.seed)
     logger = MetricsLogger(run_dir, total_steps=config.train.steps, enabled=penv.is_main,
                            quiet=config.log.quiet, tensorboard=config.log.tensorboard)
+    for warning in derived.warnings:
+        logger.message(f"scaletrain: warning: {warning}")
+    comm = CommCounter(model, hook_state, dp=derived.layout.dp)
     try:
         return _loop(config, derived, penv, model=model, optimizer=optimizer, scheduler=scheduler,
                      precision=precision, sampler=sampler, train_ds=train_ds, eval_ds=eval_ds,
-                     device=device, logger=logger, run_dir=run_dir)
+                     device=device, logger=logger, run_dir=run_dir, comm=comm)
     finally:
         logger.close()
 
@@ -101,13 +107,14 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
 def _loop(config: Config, derived: Derived, penv: ProcessEnv, *, model, optimizer, scheduler,
           precision: Precision, sampler: GlobalBatchSampler, train_ds: ArrayDataset,
           eval_ds: ArrayDataset, device: torch.device, logger: MetricsLogger,
-          run_dir: Path) -> dict | None:
+          run_dir: Path, comm: "CommCounter") -> dict | None:
     t = config.train
-    bad_in_row, skipped, window = 0, 0, Window()
+    bad_in_row, skipped, window, first_bad = 0, 0, Window(), None
     last_loss, eval_record = math.nan, {}
     started = time.perf_counter()
-    # Fixed-size examples (images, packed text) have the same count on every rank.
-    ragged = False
+    # Fixed-size examples (images, packed text) have the same count on every rank; padded
+    # text does not, and then the step all-reduces the count before its first forward.
+    ragged = train_ds.spec.ragged
     for step in range(t.steps):
         micro = [_to(train_ds.get(idx), device) for idx in sampler.micro_batches(step)]
         with collective_guard("gradient all-reduce (DDP backward)", step=step):
@@ -117,8 +124,10 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, *, model, optimize
         bad_in_row = 0 if result.stepped else bad_in_row + 1
         skipped += not result.stepped
         # fp16 overflows are the loss scaler's business; only persistent trouble stops the run.
+        first_bad = result.first_nonfinite if bad_in_row == 1 else first_bad
         if bad_in_row >= t.max_bad_steps:
-            raise TrainingDiverged(_diverged_message(step, bad_in_row, last_loss, config))
+            raise TrainingDiverged(_diverged_message(step, bad_in_row, last_loss, config,
+                                                     first_bad, precision))
         window.loss_sum += float(result.loss_sum)
         window.count += result.count
         window.steps += 1
@@ -126,6 +135,7 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, *, model, optimize
             with collective_guard("metrics all-reduce", step=step):
                 record = _train_record(step, result, window, micro, optimizer, precision,
                                        skipped=skipped, dp=derived.layout.dp)
+            record["comm_bytes_per_step"] = comm.per_step(window.steps)
             last_loss = record["loss"]
             logger.log_step(record)
             window = Window()
@@ -198,7 +208,7 @@ def evaluate(model: torch.nn.Module, eval_ds: ArrayDataset, config: Config, penv
                             dp_size=derived.layout.dp, batch=config.train.micro_batch):
         batch = _to(eval_ds.get(idx), device)
         with precision.forward_context():
-            logits = net(batch.inputs)
+            logits = net(precision.convert_input(batch.inputs))
         totals[0] += float(summed_loss(logits, batch.targets))
         totals[1] += float((logits.argmax(-1) == batch.targets).sum())
         totals[2] += batch.count
@@ -210,13 +220,37 @@ def evaluate(model: torch.nn.Module, eval_ds: ArrayDataset, config: Config, penv
     return {"loss": loss, "accuracy": float(totals[1] / totals[2])}
 
 
-def _diverged_message(step: int, bad: int, last_loss: float, config: Config) -> str:
+def _diverged_message(step: int, bad: int, last_loss: float, config: Config,
+                      first_bad: str | None, precision: Precision) -> str:
+    where = f"; the first gradient to overflow was {first_bad!r}" if first_bad else ""
+    scale = (f" (loss scale now {precision.loss_scale:g})" if precision.loss_scale is not None
+             else "")
     return (
         f"training stopped at step {step + 1}: the loss or gradients were non-finite for {bad} "
-        f"consecutive steps (train.max_bad_steps = {config.train.max_bad_steps}); last logged "
-        f"loss {last_loss:.4g}. Try a lower optim.lr (now {config.optim.lr}), gradient clipping "
-        f"(optim.grad_clip), or precision.mode='fp32'."
+        f"consecutive steps (train.max_bad_steps = {config.train.max_bad_steps}){where}{scale}; "
+        f"last logged loss {last_loss:.4g}. Try a lower optim.lr (now {config.optim.lr}), "
+        f"gradient clipping (optim.grad_clip), or precision.mode='fp32'/'bf16-mixed'."
     )
+
+
+class CommCounter:
+    """Bytes each rank hands to the gradient all-reduce per step.
+
+    With a comm hook, the hook counts the tensors it sends; without one, DDP all-reduces
+    every gradient once per step in its own dtype, which is the parameters' size.
+    """
+
+    def __init__(self, model: torch.nn.Module, hook_state, *, dp: int) -> None:
+        self.hook_state = hook_state
+        self.plain = 0 if dp == 1 else sum(p.numel() * p.element_size()
+                                           for p in model.parameters() if p.requires_grad)
+        self.seen = 0
+
+    def per_step(self, steps: int) -> float:
+        if self.hook_state is None:
+            return float(self.plain)
+        sent, self.seen = self.hook_state.bytes_sent - self.seen, self.hook_state.bytes_sent
+        return sent / max(steps, 1)
 
 
 def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: float,

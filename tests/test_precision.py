@@ -1,0 +1,109 @@
+"""Precision policies, in one process through the real train step: fp16 overflow skips the
+step and lowers the scale; bf16-mixed trains within tolerance of fp32; `auto` picks bf16 on
+hardware with fast bf16; persistent overflow names the first parameter that overflowed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from scaletrain.data.sampler import GlobalBatchSampler
+from scaletrain.data.sources import load_source
+from scaletrain.models import build_model
+from scaletrain.precision import PRECISION_MODES, choose_auto, cpu_has_fast_bf16, make_precision
+from scaletrain.train.optim import build_optimizer, build_scheduler
+from scaletrain.train.step import train_step
+
+
+def _setup(mode: str, *, init_scale: float = 2.0**16, seed: int = 0, lr: float = 3e-3):
+    torch.manual_seed(seed)
+    data = load_source("digits", split="train")
+    model = build_model("mlp", size="small", task=data.spec)
+    precision = make_precision(mode, device_type="cpu", init_scale=init_scale)
+    model = precision.convert_module(model)
+    opt = build_optimizer(model, name="adamw", lr=lr, weight_decay=0.0, betas=(0.9, 0.999),
+                          momentum=0.0)
+    sched = build_scheduler(opt, warmup_steps=0, total_steps=100, schedule="constant",
+                            min_lr_ratio=1.0)
+    sampler = GlobalBatchSampler(len(data), global_batch=64, micro_batch=32, dp_rank=0,
+                                 dp_size=1, seed=seed)
+    return data, model, precision, opt, sched, sampler
+
+
+def _step(data, model, precision, opt, sched, sampler, step: int):
+    micro = [data.get(i) for i in sampler.micro_batches(step)]
+    return train_step(model, micro, optimizer=opt, scheduler=sched, precision=precision,
+                      grad_clip=1.0, dp_size=1, ragged_counts=False)
+
+
+def _train(mode: str, steps: int) -> tuple[float, float]:
+    """(mean loss of the last 10 steps, eval accuracy)."""
+    data, model, precision, opt, sched, sampler = _setup(mode)
+    losses = []
+    for step in range(steps):
+        r = _step(data, model, precision, opt, sched, sampler, step)
+        losses.append(float(r.loss_sum) / r.count)
+    evals = load_source("digits", split="eval")
+    with torch.no_grad(), precision.forward_context():
+        acc = float((model(precision.convert_input(evals.inputs)).argmax(-1) == evals.targets)
+                    .float().mean())
+    return sum(losses[-10:]) / 10, acc
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale() -> None:
+    # A loss scale of 2^40 overflows fp16 (max 65504) in the first backward.
+    data, model, precision, opt, sched, sampler = _setup("fp16-mixed", init_scale=2.0**40)
+    before = copy.deepcopy(model.state_dict())
+    r = _step(data, model, precision, opt, sched, sampler, 0)
+    assert not r.stepped and r.first_nonfinite is not None
+    assert precision.loss_scale == 2.0**39 and precision.overflow_steps == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    for step in range(1, 40):  # the scale falls until steps go through
+        r = _step(data, model, precision, opt, sched, sampler, step)
+    assert r.stepped and precision.loss_scale < 2.0**39
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_fp16_clean_steps_grow_the_scale() -> None:
+    data, model, precision, opt, sched, sampler = _setup("fp16-mixed", init_scale=256.0)
+    precision.scaler.set_growth_factor(2.0)
+    precision.scaler._growth_interval = 3
+    for step in range(3):
+        assert _step(data, model, precision, opt, sched, sampler, step).stepped
+    assert precision.loss_scale == 512.0
+
+
+def test_bf16_mixed_trains_within_tolerance_of_fp32() -> None:
+    loss32, acc32 = _train("fp32", 60)
+    loss16, acc16 = _train("bf16-mixed", 60)
+    assert abs(loss16 - loss32) < 0.05 + 0.1 * loss32, (loss32, loss16)
+    assert abs(acc16 - acc32) < 0.03, (acc32, acc16)
+    assert acc32 > 0.9
+
+
+def test_bf16_true_keeps_parameters_in_bf16_and_learns() -> None:
+    data, model, precision, opt, sched, sampler = _setup("bf16-true")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    first = _step(data, model, precision, opt, sched, sampler, 0)
+    for step in range(1, 40):
+        last = _step(data, model, precision, opt, sched, sampler, step)
+    assert float(last.loss_sum) / last.count < 0.5 * float(first.loss_sum) / first.count
+
+
+def test_auto_follows_the_cpu_flags() -> None:
+    fast, why = cpu_has_fast_bf16()
+    mode, reason = choose_auto("cpu")
+    assert mode == ("bf16-mixed" if fast else "fp32") and reason == why
+    assert make_precision("auto", device_type="cpu").mode == mode
+    flags = open("/proc/cpuinfo").read()
+    if "avx512_bf16" in flags or "amx_bf16" in flags:  # this project's machines
+        assert mode == "bf16-mixed"
+
+
+def test_every_mode_builds_and_bad_mode_is_refused() -> None:
+    for mode in PRECISION_MODES:
+        make_precision(mode, device_type="cpu")
+    with pytest.raises(ValueError, match="fp8"):
+        make_precision("fp8", device_type="cpu")
