@@ -1,4 +1,4 @@
-"""The command line: `scaletrain train | explain | report`.
+"""The command line: `scaletrain train | explain | report | shard | export`.
 
 Every user mistake (config, overrides, launcher flags, paths) is caught before any worker
 starts and printed as one line, `scaletrain: error: ...`, with exit status 2. A failed run
@@ -33,10 +33,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     _add_launch_args(train)
     train.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<time>)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in --run-dir from its newest valid checkpoint")
 
     explain = sub.add_parser("explain", help="print the resolved config and derived values")
     _add_config_args(explain)
     _add_launch_args(explain)
+
+    shard = sub.add_parser("shard", help="write a dataset as Parquet shards with a manifest")
+    shard.add_argument("source", help="a built-in source (mnist, digits, wikitext, ...) or a "
+                                      "JSONL / CSV / Parquet file or directory")
+    shard.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    shard.add_argument("--rows-per-shard", type=int, default=8192)
+    shard.add_argument("--seq-len", type=int, default=128, help="tokens per packed text row")
+    shard.add_argument("--engine", choices=("local", "spark"), default="local",
+                       help="local: pyarrow in this process; spark: a pyspark job (local mode "
+                            "here, a cluster for users)")
+
+    export = sub.add_parser("export", help="write a checkpoint's weights as safetensors")
+    export.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
+                        help="a checkpoint directory, or a run directory (its newest valid one)")
+    export.add_argument("out", type=Path, metavar="OUT.safetensors")
 
     report = sub.add_parser("report", help="draw loss and throughput curves of runs to a PNG")
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
@@ -80,7 +97,7 @@ def launch_spec(args: argparse.Namespace, config: Config) -> LaunchSpec:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from scaletrain.rundir import check_run_dir, default_run_dir
+    from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir
 
     config = load_config(args.config, args.overrides)
     if under_elastic_agent():  # a worker started by torchrun or by our launcher
@@ -88,10 +105,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec = launch_spec(args, config)
     derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
     run_dir = args.run_dir or default_run_dir(config.name)
-    check_run_dir(run_dir)
+    if args.resume:
+        check_resumable(args.run_dir)
+    else:
+        check_run_dir(run_dir)
     if spec.in_process:
         code = _run_worker(config, run_dir, exit_process=False)
     else:
+        # Workers always resume from a valid checkpoint in the run directory when one exists:
+        # that is how an elastic restart continues.
         worker_args = ["train", str(args.config), *args.overrides, "--run-dir", str(run_dir)]
         code = launch(spec, worker_args, threads=derived.threads)
     if code == 0 and (run_dir / "summary.json").exists():
@@ -101,6 +123,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = True) -> int:
     """Train as one rank; known failures become one message and a status code."""
+    from scaletrain.checkpoint import CheckpointError
+    from scaletrain.data.shards import ShardError
     from scaletrain.runtime import CollectiveFailure, exit_worker
     from scaletrain.train.trainer import TrainingDiverged, train
 
@@ -110,7 +134,7 @@ def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = Tr
     except ConfigError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         code = EXIT_USAGE
-    except (CollectiveFailure, TrainingDiverged) as e:
+    except (CollectiveFailure, TrainingDiverged, CheckpointError, ShardError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         code = EXIT_FAILED
     if exit_process:  # leave without the gloo shutdown abort (shared/PLATFORM-NOTES.md)
@@ -182,7 +206,49 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "explain": cmd_explain, "report": cmd_report}
+def cmd_shard(args: argparse.Namespace) -> int:
+    if args.rows_per_shard < 1:
+        raise ConfigError(f"--rows-per-shard = {args.rows_per_shard} is invalid: must be >= 1")
+    if args.seq_len < 1:
+        raise ConfigError(f"--seq-len = {args.seq_len} is invalid: must be >= 1")
+    if args.out_dir.exists() and any(args.out_dir.iterdir()):
+        raise ConfigError(f"OUT_DIR {str(args.out_dir)!r} is not empty; choose a new directory "
+                          "so nothing is overwritten")
+    if args.engine == "spark":
+        from scaletrain.data.spark import write_shards_spark as write
+    else:
+        from scaletrain.data.shards import write_shards as write
+    from scaletrain.data.shards import ShardError
+
+    try:
+        write(args.source, args.out_dir, rows_per_shard=args.rows_per_shard, seq_len=args.seq_len)
+    except (ShardError, ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+    print(f"scaletrain: shards in {args.out_dir}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from scaletrain.checkpoint import CheckpointError, export_weights, latest_valid, verify
+
+    checkpoint = args.checkpoint
+    if (checkpoint / "checkpoints").is_dir():  # a run directory: its newest valid checkpoint
+        checkpoint = latest_valid(checkpoint / "checkpoints",
+                                  report=lambda m: print(m, file=sys.stderr))
+        if checkpoint is None:
+            raise ConfigError(f"{str(args.checkpoint)!r} has no valid checkpoint")
+    elif not checkpoint.is_dir():
+        raise ConfigError(f"CHECKPOINT {str(checkpoint)!r} is not a directory")
+    try:
+        verify(checkpoint)
+        print(f"scaletrain: wrote {export_weights(checkpoint, args.out)}")
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "explain": cmd_explain, "report": cmd_report,
+            "shard": cmd_shard, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,9 +57,13 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     source: Literal["digits", "mnist", "wikitext", "wikitext-paragraphs", "synthetic-images",
-                    "synthetic-text"] = "mnist"
+                    "synthetic-text", "shards"] = "mnist"
     """Built-in dataset: images (digits, mnist, synthetic-images) or text (packed wikitext,
-    padded wikitext-paragraphs, synthetic-text)."""
+    padded wikitext-paragraphs, synthetic-text); or "shards": Parquet shards at data.path."""
+    path: str = ""
+    """For data.source = "shards": the directory `scaletrain shard` (or Spark) wrote."""
+    shuffle_window: int = Field(0, ge=0)
+    """Rows shuffled together after the shards are shuffled; 0 = the whole dataset."""
     seq_len: int = Field(128, ge=8, le=4096)
     """Tokens per example for text sources (bytes of context)."""
     synthetic_examples: int = Field(4096, ge=1)
@@ -104,6 +108,8 @@ class TrainConfig(_Section):
     """Stop after this many consecutive steps with a non-finite loss or gradient."""
     threads: int = Field(0, ge=0)
     """Torch threads per process; 0 = available cores / processes on this node."""
+    stop_after: int = Field(0, ge=0)
+    """Planned stop: checkpoint and exit after this step (0: run to train.steps)."""
 
 
 class ParallelConfig(_Section):
@@ -136,7 +142,11 @@ class PrecisionConfig(_Section):
 
 class CheckpointConfig(_Section):
     every: int = Field(0, ge=0)
-    """Save a checkpoint every N steps (0: never)."""
+    """Save a checkpoint every N steps (0: never); runs resume from the newest valid one."""
+    keep: int = Field(2, ge=1)
+    """Keep the last K complete checkpoints."""
+    async_save: bool = False
+    """Write checkpoints in the background, overlapping the following steps."""
 
 
 class LogConfig(_Section):
@@ -325,7 +335,8 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
             f"= {t.micro_batch} x {layout.dp} = {per_step} (so every rank runs whole micro-batches); "
             f"e.g. train.global_batch={max(per_step, t.global_batch // per_step * per_step)}"
         )
-    if config.model.name == "gpt" and config.data.source not in TEXT_SOURCES:
+    shards = config.data.source == "shards"  # their task is known only when they are opened
+    if config.model.name == "gpt" and config.data.source not in TEXT_SOURCES and not shards:
         raise ConfigError(
             f"model.name = 'gpt' needs a text source, but data.source = {config.data.source!r} "
             f"(allowed with gpt: {', '.join(map(repr, TEXT_SOURCES))})"
@@ -335,6 +346,15 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
             f"model.name = {config.model.name!r} needs an image source, but data.source = "
             f"{config.data.source!r} (use model.name='gpt' for text)"
         )
+    if config.data.source == "shards" and not config.data.path:
+        raise ConfigError("data.source = 'shards' needs data.path, the directory the shards are "
+                          "in (written by `scaletrain shard SOURCE OUT_DIR` or by Spark)")
+    if config.data.source != "shards" and config.data.path:
+        raise ConfigError(f"data.path = {config.data.path!r} is only used with data.source = "
+                          f"'shards' (data.source is {config.data.source!r})")
+    if t.stop_after >= t.steps:
+        raise ConfigError(f"train.stop_after = {t.stop_after} must be below train.steps = "
+                          f"{t.steps} (0 disables the planned stop)")
     backend = config.parallel.backend
     if backend == "auto":
         import torch

@@ -5,6 +5,7 @@
     RUN_DIR/model.safetensors  final weights, plain parameter names
     RUN_DIR/summary.json       final loss, eval metric, wall time, throughput
     RUN_DIR/report.png         loss and throughput curves (`scaletrain report`)
+    RUN_DIR/checkpoints/step-N sharded checkpoints (torch.distributed.checkpoint), see checkpoint.py
 """
 
 from __future__ import annotations
@@ -35,3 +36,13 @@ def write_config(run_dir: Path, config: Config) -> Path:
     path = run_dir / "config.toml"
     path.write_text(config_to_toml(config))
     return path
+
+
+def check_resumable(run_dir: Path | None) -> None:
+    """`--resume` needs a run directory that holds at least one checkpoint."""
+    if run_dir is None:
+        raise ConfigError("--resume needs --run-dir, the run to continue")
+    checkpoints = run_dir / "checkpoints"
+    if not checkpoints.is_dir() or not any(p.name.startswith("step-") for p in checkpoints.iterdir()):
+        raise ConfigError(f"--resume: {str(run_dir)!r} holds no checkpoint to resume from "
+                          "(set checkpoint.every or train.stop_after when starting a run)")

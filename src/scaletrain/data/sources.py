@@ -120,6 +120,14 @@ class ArrayDataset:
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
+    @property
+    def shard_rows(self) -> tuple[int, ...]:
+        """Held in memory as one shard (the sampler then shuffles the whole dataset)."""
+        return (len(self),)
+
+    def prefetch(self, indices: torch.Tensor) -> None:
+        """Nothing to read ahead: every row is already in memory."""
+
     def __repr__(self) -> str:
         return f"ArrayDataset(n={len(self)}, spec={self.spec})"
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +24,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from scaletrain.config import Config, Derived, resolve
+from scaletrain.checkpoint import Checkpointer, TrainState, latest_valid
+from scaletrain.checkpoint import load as load_checkpoint
+from scaletrain.config import Config, Derived, config_to_toml, resolve
 from scaletrain.data.sampler import GlobalBatchSampler, eval_indices
-from scaletrain.data.sources import ArrayDataset, Batch, load_source
+from scaletrain.data.loader import Dataset, load_dataset
+from scaletrain.data.sources import Batch
 from scaletrain.metrics import MetricsLogger
 from scaletrain.models import build_model
 from scaletrain.parallel.compose import parallelize, unwrap
@@ -51,8 +55,24 @@ class Window:
     start: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class Parts:
+    """Everything `train` builds from the config, handed to the loop."""
+
+    state: TrainState  # model, optimizer, scheduler, precision, step: what a checkpoint holds
+    sampler: GlobalBatchSampler
+    train_ds: Dataset
+    eval_ds: Dataset
+    device: torch.device
+    comm: "CommCounter"
+    checkpointer: Checkpointer
+
+
 def train(config: Config, *, run_dir: Path | None) -> dict | None:
     """Train as this process's rank; return the summary on rank 0 (None elsewhere).
+
+    Resumes from the newest valid checkpoint in RUN_DIR/checkpoints when there is one (an
+    elastic restart, or `--resume`), on any world size.
 
     Args:
         config: the validated config.
@@ -66,10 +86,31 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
     if penv.is_main:
         write_config(run_dir, config)
     seed_everything(config.train.seed)
+    parts = build(config, derived, penv, device=device, run_dir=run_dir)
+    resume_from = broadcast_object(_latest_checkpoint(run_dir, penv) if penv.is_main else None)
+    if resume_from is not None:
+        load_checkpoint(Path(resume_from), parts.state)
+    logger = MetricsLogger(run_dir, total_steps=config.train.steps, enabled=penv.is_main,
+                           quiet=config.log.quiet, tensorboard=config.log.tensorboard,
+                           start_step=parts.state.step)
+    if resume_from is not None:
+        logger.message(f"scaletrain: resumed from {resume_from} at step {parts.state.step}")
+    for warning in derived.warnings:
+        logger.message(f"scaletrain: warning: {warning}")
+    try:
+        return _loop(config, derived, penv, parts, logger=logger, run_dir=run_dir)
+    finally:
+        parts.checkpointer.wait()
+        logger.close()
 
-    train_ds, eval_ds = (load_source(config.data.source, split=split, seq_len=config.data.seq_len,
-                                     synthetic_examples=config.data.synthetic_examples,
-                                     seed=config.train.seed) for split in ("train", "eval"))
+
+def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.device,
+          run_dir: Path) -> Parts:
+    """Data, model, precision, parallelism, optimizer, schedule, sampler: in that order."""
+    d = config.data
+    train_ds, eval_ds = (load_dataset(d.source, split=split, path=d.path, seq_len=d.seq_len,
+                                      synthetic_examples=d.synthetic_examples,
+                                      seed=config.train.seed) for split in ("train", "eval"))
     precision = make_precision(config.precision.mode, device_type=device.type,
                                init_scale=config.precision.init_scale,
                                growth_interval=config.precision.growth_interval)
@@ -90,71 +131,89 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
                                 min_lr_ratio=o.min_lr_ratio)
     sampler = GlobalBatchSampler(len(train_ds), global_batch=config.train.global_batch,
                                  micro_batch=config.train.micro_batch, dp_rank=penv.rank,
-                                 dp_size=derived.layout.dp, seed=config.train.seed)
-    logger = MetricsLogger(run_dir, total_steps=config.train.steps, enabled=penv.is_main,
-                           quiet=config.log.quiet, tensorboard=config.log.tensorboard)
-    for warning in derived.warnings:
-        logger.message(f"scaletrain: warning: {warning}")
-    comm = CommCounter(model, hook_state, dp=derived.layout.dp)
-    try:
-        return _loop(config, derived, penv, model=model, optimizer=optimizer, scheduler=scheduler,
-                     precision=precision, sampler=sampler, train_ds=train_ds, eval_ds=eval_ds,
-                     device=device, logger=logger, run_dir=run_dir, comm=comm)
-    finally:
-        logger.close()
+                                 dp_size=derived.layout.dp, seed=config.train.seed,
+                                 shard_rows=train_ds.shard_rows, shuffle_window=d.shuffle_window)
+    c = config.checkpoint
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.keep, async_save=c.async_save,
+                                config_toml=config_to_toml(config))
+    return Parts(state=TrainState(model, optimizer, scheduler, precision), sampler=sampler,
+                 train_ds=train_ds, eval_ds=eval_ds, device=device,
+                 comm=CommCounter(model, hook_state, dp=derived.layout.dp),
+                 checkpointer=checkpointer)
 
 
-def _loop(config: Config, derived: Derived, penv: ProcessEnv, *, model, optimizer, scheduler,
-          precision: Precision, sampler: GlobalBatchSampler, train_ds: ArrayDataset,
-          eval_ds: ArrayDataset, device: torch.device, logger: MetricsLogger,
-          run_dir: Path, comm: "CommCounter") -> dict | None:
-    t = config.train
-    bad_in_row, skipped, window, first_bad = 0, 0, Window(), None
+def _latest_checkpoint(run_dir: Path, penv: ProcessEnv) -> str | None:
+    found = latest_valid(run_dir / "checkpoints", report=lambda m: print(m, file=sys.stderr))
+    return str(found) if found else None
+
+
+def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
+          logger: MetricsLogger, run_dir: Path) -> dict | None:
+    t, state = config.train, parts.state
+    bad_in_row, window, first_bad = 0, Window(), None
     last_loss, eval_record = math.nan, {}
-    started = time.perf_counter()
+    started, first_step = time.perf_counter(), state.step
     # Fixed-size examples (images, packed text) have the same count on every rank; padded
     # text does not, and then the step all-reduces the count before its first forward.
-    ragged = train_ds.spec.ragged
-    for step in range(t.steps):
-        micro = [_to(train_ds.get(idx), device) for idx in sampler.micro_batches(step)]
+    ragged = parts.train_ds.spec.ragged
+    micro = []
+    for step in range(state.step, t.steps):
+        micro = [_to(parts.train_ds.get(idx), parts.device) for idx in parts.sampler.micro_batches(step)]
+        if step + 1 < t.steps:  # read the next step's rows in the background
+            parts.train_ds.prefetch(torch.cat(parts.sampler.micro_batches(step + 1)))
         with collective_guard("gradient all-reduce (DDP backward)", step=step):
-            result = train_step(model, micro, optimizer=optimizer, scheduler=scheduler,
-                                precision=precision, grad_clip=config.optim.grad_clip,
-                                dp_size=derived.layout.dp, ragged_counts=ragged)
+            result = train_step(state.model, micro, optimizer=state.optimizer,
+                                scheduler=state.scheduler, precision=state.precision,
+                                grad_clip=config.optim.grad_clip, dp_size=derived.layout.dp,
+                                ragged_counts=ragged)
+        state.step = step + 1
         bad_in_row = 0 if result.stepped else bad_in_row + 1
-        skipped += not result.stepped
+        state.skipped_steps += not result.stepped
         # fp16 overflows are the loss scaler's business; only persistent trouble stops the run.
         first_bad = result.first_nonfinite if bad_in_row == 1 else first_bad
         if bad_in_row >= t.max_bad_steps:
             raise TrainingDiverged(_diverged_message(step, bad_in_row, last_loss, config,
-                                                     first_bad, precision))
+                                                     first_bad, state.precision))
         window.loss_sum += float(result.loss_sum)
         window.count += result.count
         window.steps += 1
-        if (step + 1) % config.log.every == 0 or step + 1 == t.steps:
+        if state.step % config.log.every == 0 or state.step == t.steps:
             with collective_guard("metrics all-reduce", step=step):
-                record = _train_record(step, result, window, micro, optimizer, precision,
-                                       skipped=skipped, dp=derived.layout.dp)
-            record["comm_bytes_per_step"] = comm.per_step(window.steps)
+                record = _train_record(step, result, window, micro, state.optimizer,
+                                       state.precision, skipped=state.skipped_steps,
+                                       dp=derived.layout.dp)
+            record["comm_bytes_per_step"] = parts.comm.per_step(window.steps)
             last_loss = record["loss"]
             logger.log_step(record)
             window = Window()
         else:
             logger.advance()
-        if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+        stop_now = state.step == t.stop_after
+        if (config.checkpoint.every and state.step % config.checkpoint.every == 0) or stop_now:
+            with collective_guard("checkpoint save", step=step):
+                parts.checkpointer.save(state)
+        if stop_now:  # a planned stop (e.g. a job time limit): resume with --resume
+            parts.checkpointer.wait()
+            logger.message(f"scaletrain: stopped after step {state.step} (train.stop_after); "
+                           f"continue with: scaletrain train ... --run-dir {run_dir} --resume")
+            return None
+        if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
             with collective_guard("evaluation all-reduce", step=step):
-                logger.log_eval({"step": step + 1, **evaluate(model, eval_ds, config, penv, derived,
-                                                               precision=precision, device=device)})
+                logger.log_eval({"step": state.step, **evaluate(
+                    state.model, parts.eval_ds, config, penv, derived,
+                    precision=state.precision, device=parts.device)})
     wall = time.perf_counter() - started
     with collective_guard("evaluation all-reduce", step=t.steps):
-        eval_record = evaluate(model, eval_ds, config, penv, derived, precision=precision,
-                               device=device)
+        eval_record = evaluate(state.model, parts.eval_ds, config, penv, derived,
+                               precision=state.precision, device=parts.device)
     logger.log_eval({"step": t.steps, **eval_record})
     if not penv.is_main:
         return None
-    return _finish(run_dir, model=model, config=config, derived=derived, wall=wall,
-                   last_loss=last_loss, eval_record=eval_record, skipped=skipped,
-                   tokens_per_example=micro[0].tokens // max(1, len(micro[0].targets)))
+    return _finish(run_dir, model=state.model, config=config, derived=derived, wall=wall,
+                   last_loss=last_loss, eval_record=eval_record, skipped=state.skipped_steps,
+                   steps_run=t.steps - first_step,
+                   tokens_per_example=parts.train_ds.spec.input_shape[0]
+                   if parts.train_ds.spec.kind == "lm" else 0)
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
@@ -198,7 +257,7 @@ def peak_memory_bytes() -> int:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, eval_ds: ArrayDataset, config: Config, penv: ProcessEnv,
+def evaluate(model: torch.nn.Module, eval_ds: Dataset, config: Config, penv: ProcessEnv,
              derived: Derived, *, precision: Precision, device: torch.device) -> dict:
     """Held-out loss (and accuracy, or perplexity for text), each rank a strided share."""
     net = unwrap(model)
@@ -254,13 +313,14 @@ class CommCounter:
 
 
 def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: float,
-            last_loss: float, eval_record: dict, skipped: int, tokens_per_example: int) -> dict:
+            last_loss: float, eval_record: dict, skipped: int, steps_run: int,
+            tokens_per_example: int) -> dict:
     """Rank 0 writes the final weights (plain names, no DDP prefix) and the summary."""
     state = {k: v.detach().to("cpu", torch.float32).contiguous()
              for k, v in unwrap(model).state_dict().items()}
     save_file(state, str(run_dir / "model.safetensors"),
               metadata={"model": config.model.name, "size": config.model.size})
-    examples = config.train.steps * config.train.global_batch
+    examples = steps_run * config.train.global_batch  # this process's share of the run
     summary = {
         "final_loss": last_loss,
         "eval": eval_record,

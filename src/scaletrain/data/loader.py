@@ -1,0 +1,48 @@
+"""What the trainer asks of a dataset, and the one place a source name becomes one.
+
+Two kinds satisfy `Dataset`: in-memory `ArrayDataset`s (built-in sources, one "shard") and
+`ShardedDataset`s streaming Parquet shards (written by `scaletrain shard`, or any Parquet
+directory Spark wrote). Both index rows by a global row id and expose `shard_rows`, which
+is all the sampler needs to compute the (seed, epoch) order without reading data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from scaletrain.data.sources import Batch, TaskSpec, load_source
+
+
+class Dataset(Protocol):
+    spec: TaskSpec
+
+    def __len__(self) -> int: ...
+
+    @property
+    def shard_rows(self) -> tuple[int, ...]: ...  # rows per shard, in storage order
+
+    def get(self, indices: torch.Tensor) -> Batch: ...  # (B,) global row ids -> Batch
+
+    def prefetch(self, indices: torch.Tensor) -> None: ...  # start reading rows needed soon
+
+
+def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
+                 synthetic_examples: int = 4096, seed: int = 0) -> Dataset:
+    """A built-in source in memory, or (source == "shards") the Parquet shards under `path`.
+
+    Args:
+        source: a built-in source name, or "shards".
+        split: "train" or "eval".
+        path: for "shards": a directory written by `scaletrain shard` (with train/ and
+            eval/), or one split's directory, or a Parquet directory written by Spark.
+        seq_len, synthetic_examples, seed: for the built-in sources.
+    """
+    if source == "shards":
+        from scaletrain.data.shards import load_dataset as load_shards
+
+        return load_shards(Path(path), split)
+    return load_source(source, split=split, seq_len=seq_len,
+                       synthetic_examples=synthetic_examples, seed=seed)

@@ -1,0 +1,289 @@
+"""Write shards with Apache Spark: the job of `shards.write_shards` as a Spark program.
+
+Same sources, same split rules, same rows and the same `manifest.json` as the pyarrow
+writer, so `ShardedDataset` reads either; part files keep Spark's names
+(`part-00000-<uuid>-c000.snappy.parquet`) and Spark's schema (`list<element: float>`).
+Runs in local mode here (`spark_session`); the same code runs on a cluster session.
+
+How the job keeps the order. Rows are numbered in source order (files in name order, then
+position in the file) with a distributed exclusive running sum (`_running_sum`): range
+partition, per-partition totals to the driver, a window within each partition; no step
+moves all rows to one partition. Rows then go to shard `row_id // rows_per_shard` with a
+range repartition into ceil(rows / rows_per_shard) partitions, sorted within each, so the
+part files in name order hold the rows in order (sizes are exact unless Spark samples the
+range bounds of a very large split, then approximate; the manifest records what was
+written). Row groups are sized through `parquet.block.size`, an estimate in bytes.
+
+Text is packed in Spark without Python workers: each document's UTF-8 bytes (plus the
+separator, except after the split's last document) get their start offset in the packed
+stream from the same running sum; each document is cut into the pieces that fall into
+windows of seq_len + 1 bytes; pieces are grouped by window, ordered by offset and joined;
+the trailing partial window is dropped. Built-in sources are decoded by `load_source`,
+written once to a temporary Parquet file and read from there (no per-row Python).
+
+pyspark is an optional dependency (`pip install scaletrain[spark]`), imported on use.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from scaletrain.data.shards import (TEXT_SEPARATOR, Manifest, builtin_table, eval_rows,
+                                    image_shape, source_files, write_manifest)
+from scaletrain.data.sources import SOURCE_NAMES, SPLITS, TaskSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+_READERS = {"json": "json", "csv": "csv", "parquet": "parquet"}
+
+
+def spark_session(*, cores: int = 2, driver_memory: str = "1g",
+                  app_name: str = "scaletrain-shards") -> SparkSession:
+    """A local-mode SparkSession (no UI, loopback only), or the one already running.
+
+    Args:
+        cores: local[cores] executor threads.
+        driver_memory: JVM heap of the driver, which is also the executor in local mode.
+        app_name: shown in Spark's logs.
+    """
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # else Spark may bind another interface
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers run this interpreter
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as e:
+        raise ImportError("write_shards_spark needs pyspark: pip install 'scaletrain[spark]'") from e
+    spark = (SparkSession.builder.master(f"local[{cores}]").appName(app_name)
+             .config("spark.ui.enabled", "false")
+             .config("spark.driver.memory", driver_memory)
+             .config("spark.sql.shuffle.partitions", str(2 * cores))
+             .config("spark.ui.showConsoleProgress", "false")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int,
+                       seq_len: int = 128, row_group_rows: int = 1024,
+                       synthetic_examples: int = 4096, seed: int = 0,
+                       spark: SparkSession | None = None, overwrite: bool = False) -> Manifest:
+    """Write a source's train and eval splits as Parquet with Spark, then their manifests.
+
+    Args:
+        source: a built-in name or a JSONL / CSV / Parquet file or directory, as in
+            `write_shards` (same split rule: the last 5% of rows are eval).
+        out_dir: gets `train/` and `eval/` (Spark part files + `manifest.json`).
+        rows_per_shard: rows per part file (Spark partitions: ceil(rows / rows_per_shard)).
+        seq_len: tokens per example for text (rows hold seq_len + 1).
+        row_group_rows: wanted rows per row group (approximate: Spark sizes them in bytes).
+        synthetic_examples, seed: as in `load_source`, for the synthetic sources.
+        spark: a session to use; None starts a local one and stops it at the end.
+        overwrite: replace existing split directories instead of refusing.
+
+    Returns the train split's manifest.
+    """
+    if rows_per_shard < 1 or row_group_rows < 1:
+        raise ValueError(f"rows_per_shard and row_group_rows must be >= 1, got "
+                         f"{rows_per_shard}, {row_group_rows}")
+    own = spark is None
+    spark = spark_session() if own else spark
+    name = str(source)
+    from scaletrain import __version__
+
+    writer = f"scaletrain {__version__} (pyspark {spark.version})"
+    manifests = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="scaletrain-spark-") as tmp:
+            if name in SOURCE_NAMES:
+                splits = _builtin_frames(spark, name, Path(tmp), seq_len=seq_len,
+                                         synthetic_examples=synthetic_examples, seed=seed)
+            else:
+                splits = _file_frames(spark, Path(source), seq_len=seq_len)
+            for split, (df, rows, task, row_bytes) in splits.items():
+                split_dir = Path(out_dir) / split
+                _write_parquet(df, split_dir, rows=rows, rows_per_shard=rows_per_shard,
+                               block_bytes=row_group_rows * row_bytes, overwrite=overwrite)
+                manifests[split] = write_manifest(split_dir, task=task, split=split,
+                                                  source=name, writer=writer)
+    finally:
+        if own:
+            spark.stop()
+    return manifests["train"]
+
+
+def _row_bytes(task: TaskSpec) -> int:
+    """Bytes per row as Parquet's writer counts them (float32 values, int32 tokens)."""
+    if task.kind == "lm":
+        return 4 * (task.input_shape[0] + 1) + 8
+    return 4 * math.prod(task.input_shape) + 16
+
+
+def _builtin_frames(spark: SparkSession, name: str, tmp: Path, *, seq_len: int,
+                    synthetic_examples: int, seed: int) -> dict:
+    """{split: (DataFrame with row_id, rows, task, bytes per row)} of a built-in source."""
+    frames = {}
+    for split in SPLITS:
+        table, task = builtin_table(name, split=split, seq_len=seq_len,
+                                    synthetic_examples=synthetic_examples, seed=seed)
+        table = table.append_column("row_id", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+        path = tmp / f"{split}.parquet"  # Spark reads this columnar file: no per-row Python
+        pq.write_table(table, path, row_group_size=8192, compression="none")
+        frames[split] = (spark.read.parquet(str(path)), table.num_rows, task, _row_bytes(task))
+    return frames
+
+
+def _file_frames(spark: SparkSession, path: Path, *, seq_len: int) -> dict:
+    """{split: (DataFrame with row_id from 0, rows, task, bytes per row)} of a file source."""
+    from pyspark.sql import functions as F
+
+    files, fmt = source_files(path)
+    reader = spark.read.format(_READERS[fmt])
+    if fmt == "csv":
+        reader = reader.option("header", True).option("inferSchema", True)
+    df = (reader.load([str(f) for f in files])
+          .withColumn("_file", F.input_file_name())  # file order first, then position in it
+          .withColumn("_mono", F.monotonically_increasing_id()))
+    df, n = _running_sum(df, ["_file", "_mono"], F.lit(1), name="row_id")
+    n_train = n - eval_rows(n)
+    parts = {"train": df.where(F.col("row_id") < n_train),
+             "eval": df.where(F.col("row_id") >= n_train)
+                       .withColumn("row_id", F.col("row_id") - n_train)}
+    if "text" in df.columns:
+        task = TaskSpec("lm", (seq_len,), 256)
+        frames = {}
+        for split, part in parts.items():
+            last = (n_train if split == "train" else n - n_train) - 1  # the split's last row_id
+            windows, rows = _pack_text(part, seq_len=seq_len, split=split, last=last)
+            frames[split] = (windows, rows, task, _row_bytes(task))
+        return frames
+    task, inputs = _classification(df, fmt=fmt, where=path)
+    return {split: (part.select("row_id", inputs.alias("inputs"),
+                                F.col("label").cast("long").alias("targets")),
+                    n_train if split == "train" else n - n_train, task, _row_bytes(task))
+            for split, part in parts.items()}
+
+
+def _classification(df: DataFrame, *, fmt: str, where: Path) -> tuple[TaskSpec, Column]:
+    """Check labels and feature widths in one Spark job; return the task and the inputs column."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    if "label" not in fields:
+        raise ValueError(f"{where}: needs a `text` column (language modelling) or a `label` "
+                         f"column (classification); columns are {list(fields)}")
+    if not isinstance(fields["label"], T.IntegralType):
+        raise ValueError(f"{where}: `label` must be integers, got {fields['label'].simpleString()}")
+    if "features" in fields:
+        inputs = F.col("features").cast("array<float>")
+    else:
+        numeric = [c for c, t in fields.items() if isinstance(t, T.NumericType)
+                   and c not in ("label", "_mono", "row_id")]
+        if not numeric:
+            raise ValueError(f"{where}: no `features` list column and no numeric columns "
+                             "besides `label`")
+        numeric = sorted(numeric) if fmt == "json" else numeric  # as the pyarrow writer does
+        inputs = F.array(*[F.col(c).cast("float") for c in numeric])
+    s = df.agg(F.min("label"), F.max("label"), F.count_if(F.col("label").isNull()),
+               F.min(F.size(inputs)), F.max(F.size(inputs)),
+               F.count_if(F.exists(inputs, lambda x: x.isNull()))).first()
+    low, high, null_labels, width, widest, null_inputs = s
+    if null_labels or low is None or low < 0:
+        raise ValueError(f"{where}: labels must be integers >= 0 without nulls "
+                         f"(min {low}, {null_labels} nulls)")
+    if width != widest or null_inputs:
+        raise ValueError(f"{where}: feature rows must all hold {width} numbers without nulls "
+                         f"(widths {width}..{widest}, {null_inputs} rows with nulls)")
+    shape = image_shape(width) if "features" in fields else (width,)
+    return TaskSpec("classification", shape, int(high) + 1), inputs
+
+
+def _running_sum(df: DataFrame, order: list[str], value: Column, *,
+                 name: str) -> tuple[DataFrame, int]:
+    """Add `name` = sum of `value` over the rows before each row in `order`; return the total.
+
+    Range-partitions by `order`, sends one total per partition to the driver, and sums
+    within each partition with a window, so no step gathers all rows in one partition.
+    The partitioned frame is checkpointed: its partition ids must not change between the
+    job that totals them and the one that uses them.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    parts = df.rdd.getNumPartitions()
+    if parts <= 1:  # already one partition: a plain window moves nothing
+        before = Window.orderBy(*order).rowsBetween(Window.unboundedPreceding, -1)
+        out = df.withColumn("_value", value.cast("long"))
+        out = out.withColumn(name, F.coalesce(F.sum("_value").over(before), F.lit(0)))
+        return out.drop("_value"), out.agg(F.sum("_value")).first()[0] or 0
+    ranged = (df.withColumn("_value", value.cast("long")).repartitionByRange(parts, *order)
+              .withColumn("_pid", F.spark_partition_id()).localCheckpoint(eager=True))
+    totals = dict(ranged.groupBy("_pid").agg(F.sum("_value")).collect())
+    offsets, total = [], 0
+    for pid in range(parts):
+        offsets.append(total)
+        total += totals.get(pid) or 0
+    before = Window.partitionBy("_pid").orderBy(*order).rowsBetween(Window.unboundedPreceding, -1)
+    base = F.element_at(F.array(*[F.lit(o).cast("long") for o in offsets]), F.col("_pid") + 1)
+    out = ranged.withColumn(name, base + F.coalesce(F.sum("_value").over(before), F.lit(0)))
+    return out.drop("_value", "_pid"), total
+
+
+def _pack_text(docs: DataFrame, *, seq_len: int, split: str,
+               last: int) -> tuple[DataFrame, int]:
+    """Documents (row_id, text) -> packed windows (row_id, tokens: array<int>) and their count.
+
+    `last` is the split's last row_id: every other document is followed by the separator.
+    """
+    from pyspark.sql import functions as F
+
+    w = seq_len + 1
+    text = F.encode(F.coalesce(F.col("text"), F.lit("")), "UTF-8")  # (bytes of one document)
+    sep = F.lit(bytearray(TEXT_SEPARATOR))
+    docs = docs.select("row_id", F.when(F.col("row_id") < last, F.concat(text, sep))
+                       .otherwise(text).alias("b"))
+    docs, total = _running_sum(docs.withColumn("len", F.octet_length("b")), ["row_id"],
+                               F.col("len"), name="start")
+    windows = total // w
+    if windows == 0:
+        raise ValueError(f"{split}: {total} bytes of text are too few for one window of {w}")
+    # Document bytes [start, start + len) meet windows start div w .. (start + len - 1) div w.
+    pieces = (docs.where("len > 0")
+              .withColumn("w", F.explode(F.expr(f"sequence(start div {w}, "
+                                                f"(start + len - 1) div {w})")))
+              .where(F.col("w") < windows)  # the trailing partial window is dropped
+              .withColumn("lo", F.greatest("start", F.col("w") * w))
+              .withColumn("hi", F.least(F.col("start") + F.col("len"), (F.col("w") + 1) * w))
+              .select("w", (F.col("lo") - F.col("w") * w).alias("off"),
+                      F.expr("substring(b, cast(lo - start + 1 as int), cast(hi - lo as int))")
+                      .alias("piece")))
+    to_ints = ("transform(sequence(1, octet_length(piece)), "  # byte i of the piece as an int
+               "i -> cast(conv(hex(substring(piece, i, 1)), 16, 10) as int))")
+    packed = (pieces.select("w", "off", F.expr(to_ints).alias("t")).groupBy("w")
+              .agg(F.expr("flatten(transform(array_sort(collect_list(struct(off, t))), "
+                          "x -> x.t))").alias("tokens")))
+    return packed.select(F.col("w").alias("row_id"), "tokens"), windows
+
+
+def _write_parquet(df: DataFrame, split_dir: Path, *, rows: int, rows_per_shard: int,
+                   block_bytes: int, overwrite: bool) -> None:
+    """Shard i = rows [i * rows_per_shard, (i + 1) * rows_per_shard): one partition, one file."""
+    from pyspark.sql import functions as F
+
+    shards = max(1, math.ceil(rows / rows_per_shard))
+    out = (df.withColumn("_shard", F.floor(F.col("row_id") / rows_per_shard))
+           .repartitionByRange(shards, "_shard").sortWithinPartitions("row_id")
+           .drop("_shard", "row_id"))
+    (out.write.mode("overwrite" if overwrite else "errorifexists")
+     .option("compression", "snappy")
+     .option("parquet.block.size", str(max(block_bytes, 16 * 1024)))
+     .parquet(str(split_dir)))
