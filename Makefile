@@ -26,7 +26,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/pip install -q -r requirements-bench.txt
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/scaling.py
 

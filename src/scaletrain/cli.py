@@ -214,15 +214,15 @@ def cmd_shard(args: argparse.Namespace) -> int:
     if args.out_dir.exists() and any(args.out_dir.iterdir()):
         raise ConfigError(f"OUT_DIR {str(args.out_dir)!r} is not empty; choose a new directory "
                           "so nothing is overwritten")
-    if args.engine == "spark":
-        from scaletrain.data.spark import write_shards_spark as write
-    else:
-        from scaletrain.data.shards import write_shards as write
     from scaletrain.data.shards import ShardError
 
     try:
+        if args.engine == "spark":  # pyspark is an optional extra: a missing one is an error
+            from scaletrain.data.spark import write_shards_spark as write
+        else:
+            from scaletrain.data.shards import write_shards as write
         write(args.source, args.out_dir, rows_per_shard=args.rows_per_shard, seq_len=args.seq_len)
-    except (ShardError, ValueError, FileNotFoundError) as e:
+    except (ShardError, ValueError, FileNotFoundError, ImportError) as e:
         raise ConfigError(str(e)) from None
     print(f"scaletrain: shards in {args.out_dir}")
     return 0

@@ -30,7 +30,8 @@ class Dataset(Protocol):
 
 
 def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
-                 synthetic_examples: int = 4096, seed: int = 0) -> Dataset:
+                 synthetic_examples: int = 4096, seed: int = 0,
+                 shuffle_window: int | None = None) -> Dataset:
     """A built-in source in memory, or (source == "shards") the Parquet shards under `path`.
 
     Args:
@@ -39,10 +40,12 @@ def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
         path: for "shards": a directory written by `scaletrain shard` (with train/ and
             eval/), or one split's directory, or a Parquet directory written by Spark.
         seq_len, synthetic_examples, seed: for the built-in sources.
+        shuffle_window: the sampler's window (0 = whole split), so the row-group cache holds
+            what one window touches; None for splits read in storage order (eval).
     """
     if source == "shards":
         from scaletrain.data.shards import load_dataset as load_shards
 
-        return load_shards(Path(path), split)
+        return load_shards(Path(path), split, shuffle_window=shuffle_window)
     return load_source(source, split=split, seq_len=seq_len,
                        synthetic_examples=synthetic_examples, seed=seed)

@@ -18,24 +18,29 @@ holds its shape) and `targets: int64`; language modelling -> `tokens: list<int32
 seq_len + 1 bytes per row (inputs = the first seq_len, targets = the last seq_len). Text is
 packed at shard time: UTF-8 bytes of the documents joined by a blank line (b"\\n\\n"), cut
 into consecutive windows of seq_len + 1; the trailing partial window is dropped. Plain
-lists (not fixed-size lists) because that is what Apache Spark writes for `array<float>`.
+lists (not fixed-size lists) because that is what Apache Spark writes for `array<float>`;
+Arrow reads either writer's lists back as `list<element: float>`, and the manifest stores
+the schema as read back from the files.
 
 Sources: a built-in name (`load_source`; both splits exactly as in memory) or a JSONL /
-CSV / Parquet file or directory of them (one format; files in name order). A `text` column
-makes a language-modelling set; otherwise a `label` integer column and either a `features`
-list column (a perfect square s*s becomes a (1, s, s) image) or every other numeric column
-(in file order; for JSON, whose objects have no column order, in name order). Files hold
+CSV / Parquet file or directory of them (one format; files in name order). This writer
+holds a source in memory; `data/spark.py` writes the same shards with Spark. A `text`
+column makes a language-modelling set; otherwise a `label` integer column and either a
+`features` list column (a perfect square s*s becomes a (1, s, s) image) or every other
+numeric column (in file order; for JSON, whose objects have no column order, by name). Files hold
 one dataset, so the split is positional: the last 5% of rows (at least one) are `eval`,
 the rest `train`, in file order: shuffle a file that is sorted by label first.
 
 Reading (`ShardedDataset`) has the same interface as `ArrayDataset` (`spec`, `len`,
 `get(indices) -> Batch`). `get` decodes only the row groups holding the requested rows
 (`ParquetFile.read_row_group`) and keeps the last `cache_row_groups` decoded ones (LRU):
-with the sampler's shuffle window, a rank walks through a few row groups at a time, so the
-cache should hold `shuffle_window / row_group_rows + 2` of them or row groups are decoded
-more than once. `prefetch(indices)` starts those reads on background threads (pyarrow
-decodes without the GIL) so the next `get` finds them ready. Counters (`stats`) record
-every row group read, for tests and benchmarks.
+with the sampler's shuffle window, a rank walks through a few row groups at a time, and
+`size_cache_for(shuffle_window)` makes the cache hold two windows' worth (a batch may
+straddle two windows), so each row group is decoded once per epoch; a smaller cache
+decodes them again and again (measured: ~100x slower on MNIST), and says so in a warning.
+`prefetch(indices)` starts those reads on background threads (pyarrow decodes without the
+GIL) so the next `get` finds them ready. Counters (`stats`) record every row group read,
+for tests and benchmarks.
 
 Integrity is checked on open, never assumed: every listed shard must exist, open as
 Parquet, have the manifest's schema, row count, row groups and size, and (verify=True) its
@@ -316,6 +321,8 @@ def file_tables(path: Path, *, seq_len: int) -> dict[str, tuple[pa.Table, TaskSp
     if targets.min() < 0:
         raise ValueError(f"{path}: labels must be >= 0, found {targets.min()}")
     columns = feature_columns(table.schema, fmt)
+    if nulls := [c for c in columns if table.column(c).null_count]:
+        raise ValueError(f"{path}: null values in column(s) {nulls}")
     if columns == ["features"]:
         inputs = _list_rows(table.column("features").combine_chunks(), what=f"{path}: features")
         shape = image_shape(inputs.shape[1])
@@ -384,12 +391,15 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
     manifests = {}
     for split, (table, task) in tables.items():
         split_dir = prepare_split_dir(Path(out_dir) / split, overwrite=overwrite)
+        written = []  # hidden temp names until all are done: a crash leaves no part-*.parquet
         for k, start in enumerate(range(0, table.num_rows, rows_per_shard)):
-            final = split_dir / f"part-{k:05d}.parquet"
-            tmp = split_dir / f".{final.name}.tmp"
+            tmp = split_dir / f".part-{k:05d}.parquet.tmp"
+            # Dictionary encoding for labels only: MNIST pixels decoded ~1.8x slower with it.
             pq.write_table(table.slice(start, rows_per_shard), tmp, row_group_size=row_group_rows,
                            compression=compression, use_dictionary=["targets"])
-            os.replace(tmp, final)
+            written.append(tmp)
+        for tmp in written:
+            os.replace(tmp, split_dir / tmp.name[1:-4])
         manifests[split] = write_manifest(split_dir, task=task, split=split, source=name,
                                           writer=f"scaletrain {__version__} (pyarrow "
                                                  f"{pa.__version__})")
@@ -399,11 +409,11 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
 def prepare_split_dir(split_dir: Path, *, overwrite: bool) -> Path:
     """Create a split directory; refuse (or, with overwrite, clear) one that holds shards."""
     split_dir.mkdir(parents=True, exist_ok=True)
-    existing = part_files(split_dir) + [p for p in [split_dir / MANIFEST] if p.exists()]
+    existing = [p for p in [split_dir / MANIFEST] if p.exists()] + part_files(split_dir)
     if existing and not overwrite:
         raise FileExistsError(f"{split_dir} already holds shards ({existing[0].name}, ...); "
                               "pass overwrite=True to replace them")
-    for p in existing:
+    for p in existing + list(split_dir.glob(".part-*.parquet.tmp")):  # manifest goes first
         p.unlink()
     return split_dir
 
@@ -461,7 +471,7 @@ class ShardedDataset:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._warned = False
+        self._warned, self._served = False, 0  # rows returned by get, for the warning
         self.stats = ReadStats()
 
     def _check_unlisted(self) -> None:
@@ -489,10 +499,24 @@ class ShardedDataset:
         """Rows per shard in manifest order (the sampler's `shard_rows`)."""
         return tuple(s.rows for s in self.manifest.shards)
 
-    def row_group_bytes(self, shard: int, row_group: int) -> int:
-        """Compressed bytes of one row group, as `stats.bytes_read` counts them."""
-        g = self._rg_shard.index(shard) + row_group
-        return self._rg_bytes[g]
+    def size_cache_for(self, shuffle_window: int) -> int:
+        """Hold enough decoded row groups for the sampler's shuffle window; return how many.
+
+        A window of W rows spans about W / (rows per row group) + 2 row groups (its ends
+        and shard boundaries cut row groups). Rows are permuted within it, so a global batch
+        that straddles two windows touches row groups all over both: twice that. With a
+        smaller cache batches decode row groups again and again (~100x slower). Window 0
+        (one permutation of everything) means every row group: the split decoded in memory.
+
+        Args:
+            shuffle_window: the sampler's `shuffle_window` (0 = the whole dataset).
+        """
+        groups = len(self._rg_shard)
+        rows_per_group = len(self) / groups if groups else 1  # the mean
+        per_window = math.ceil(shuffle_window / rows_per_group) + 2
+        need = groups if shuffle_window <= 0 else 2 * per_window
+        self._cache_size = max(self._cache_size, min(need, max(groups, 1)))
+        return self._cache_size
 
     def __len__(self) -> int:
         return int(self._rg_starts[-1])
@@ -518,13 +542,12 @@ class ShardedDataset:
         """
         g, local = self._locate(indices)
         groups = np.unique(g)
-        if len(groups) > self._cache_size and not self._warned:
-            self._warned = True  # each get would evict what the next one needs: say so once
-            warnings.warn(f"one batch needs {len(groups)} row groups but the cache holds "
-                          f"{self._cache_size}: row groups will be decoded repeatedly; raise "
-                          "cache_row_groups or use a smaller shuffle window", stacklevel=2)
+        self._served += len(local)
+        self._warn_if_thrashing()
         parts = [self._row_group(int(u)) for u in groups]  # each: (rows, ...) tensors
-        if len(groups) == 1:  # the common case with a shuffle window: one gather, no copy-in
+        if len(groups) == 0:
+            rows = [t[:0] for t in self._row_group(0)]
+        elif len(groups) == 1:  # the common case with a shuffle window: one gather, no copy-in
             rows = [t.index_select(0, torch.from_numpy(local)) for t in parts[0]]
         else:
             rows = [t.new_empty((len(local), *t.shape[1:])) for t in parts[0]]
@@ -540,6 +563,25 @@ class ShardedDataset:
             return Batch(inputs=inputs, targets=targets, count=count, tokens=inputs.numel())
         inputs, targets = rows
         return Batch(inputs=inputs, targets=targets, count=len(local), tokens=0)
+
+    def _warn_if_thrashing(self) -> None:
+        """Say once when row groups are decoded for a small fraction of their rows each.
+
+        Reading a split once decodes every row group once for all its rows; an order that
+        jumps between more row groups than the cache holds (no shuffle window, or a window
+        larger than the cache) decodes each many times for a few rows: ~100x slower.
+        """
+        reads = self.stats.row_groups_read
+        if self._warned or reads < 4 * self._cache_size:
+            return
+        rows_per_group = len(self) / max(1, len(self._rg_shard))
+        if self._served < reads * rows_per_group / 4:
+            self._warned = True
+            warnings.warn(f"{self.path}: {reads} row groups decoded for {self._served} rows: "
+                          f"the access order jumps between more row groups than the cache "
+                          f"holds ({self._cache_size}); use a shuffle window of at most "
+                          f"cache_row_groups x row group rows, or raise cache_row_groups",
+                          stacklevel=3)
 
     def prefetch(self, indices: torch.Tensor) -> None:
         """Start reading, in the background, the row groups `indices` need and lack."""
@@ -587,8 +629,11 @@ class ShardedDataset:
         """Read and decode one row group (thread-safe: each call opens its own reader)."""
         s, r = self._rg_shard[g], self._rg_index[g]
         info = self.manifest.shards[s]
-        pf = pq.ParquetFile(self.path / info.file, metadata=self._metadata[s])
-        table = pf.read_row_group(r, columns=list(self._columns), use_threads=False)
+        try:
+            pf = pq.ParquetFile(self.path / info.file, metadata=self._metadata[s])
+            table = pf.read_row_group(r, columns=list(self._columns), use_threads=False)
+        except (OSError, pa.ArrowException) as e:
+            raise ShardError(f"shard {info.file} row group {r}: unreadable: {e}") from e
         tensors = decode(table, self._columns, self.spec, where=f"shard {info.file} row group {r}")
         with self._lock:
             self.stats.row_groups_read += 1
@@ -611,7 +656,7 @@ class ShardedDataset:
 
 def decode(table: pa.Table, columns: tuple[str, ...], spec: TaskSpec, *,
            where: str) -> tuple[torch.Tensor, ...]:
-    """A row group's columns -> tensors: (tokens (n, T + 1),) or (inputs (n, *shape), targets (n,))."""
+    """A row group's columns -> (tokens (n, T + 1),) or (inputs (n, *shape), targets (n,))."""
     if spec.kind == "lm":
         width = spec.input_shape[0] + 1
         tokens = _list_rows(table.column(columns[0]).combine_chunks(), what=where, width=width)
@@ -736,7 +781,8 @@ def _first_row_width(files: list[Path], metadata: list[pq.FileMetaData], column:
 
 
 def load_dataset(path: Path | str, split: Literal["train", "eval"], *, verify: bool = True,
-                 prefetch: int = 2, cache_row_groups: int = 8) -> ShardedDataset:
+                 prefetch: int = 2, cache_row_groups: int = 8,
+                 shuffle_window: int | None = None) -> ShardedDataset:
     """Open `<path>/<split>`, or `path` itself when it is a split or Spark directory.
 
     A split directory's manifest records its split, and asking it for the other split is
@@ -747,6 +793,8 @@ def load_dataset(path: Path | str, split: Literal["train", "eval"], *, verify: b
         path: the `out_dir` of `write_shards`, a split directory, or a Spark output.
         split: "train" or "eval".
         verify, prefetch, cache_row_groups: as in `ShardedDataset`.
+        shuffle_window: the sampler's window, if known: the cache grows to hold it
+            (`ShardedDataset.size_cache_for`).
     """
     path = Path(path)
     kwargs = dict(verify=verify, prefetch=prefetch, cache_row_groups=cache_row_groups)
@@ -756,6 +804,8 @@ def load_dataset(path: Path | str, split: Literal["train", "eval"], *, verify: b
             if ds.manifest.split not in (None, split):
                 raise ValueError(f"{candidate} holds the {ds.manifest.split!r} split, not "
                                  f"{split!r}")
+            if shuffle_window is not None:
+                ds.size_cache_for(shuffle_window)
             return ds
     raise FileNotFoundError(f"no shards for split {split!r}: neither {path / split} nor {path} "
                             f"has {MANIFEST} or part-*.parquet files")

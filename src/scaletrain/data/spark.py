@@ -12,7 +12,8 @@ moves all rows to one partition. Rows then go to shard `row_id // rows_per_shard
 range repartition into ceil(rows / rows_per_shard) partitions, sorted within each, so the
 part files in name order hold the rows in order (sizes are exact unless Spark samples the
 range bounds of a very large split, then approximate; the manifest records what was
-written). Row groups are sized through `parquet.block.size`, an estimate in bytes.
+written). Row groups hold `row_group_rows` rows through parquet-java's
+`parquet.block.row.count.limit` (`parquet.block.size` alone counts compressed bytes).
 
 Text is packed in Spark without Python workers: each document's UTF-8 bytes (plus the
 separator, except after the split's last document) get their start offset in the packed
@@ -61,7 +62,8 @@ def spark_session(*, cores: int = 2, driver_memory: str = "1g",
     try:
         from pyspark.sql import SparkSession
     except ImportError as e:
-        raise ImportError("write_shards_spark needs pyspark: pip install 'scaletrain[spark]'") from e
+        raise ImportError("write_shards_spark needs pyspark: "
+                          "pip install 'scaletrain[spark]'") from e
     spark = (SparkSession.builder.master(f"local[{cores}]").appName(app_name)
              .config("spark.ui.enabled", "false")
              .config("spark.driver.memory", driver_memory)
@@ -84,7 +86,7 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
         out_dir: gets `train/` and `eval/` (Spark part files + `manifest.json`).
         rows_per_shard: rows per part file (Spark partitions: ceil(rows / rows_per_shard)).
         seq_len: tokens per example for text (rows hold seq_len + 1).
-        row_group_rows: wanted rows per row group (approximate: Spark sizes them in bytes).
+        row_group_rows: rows per Parquet row group (the last of a file may hold fewer).
         synthetic_examples, seed: as in `load_source`, for the synthetic sources.
         spark: a session to use; None starts a local one and stops it at the end.
         overwrite: replace existing split directories instead of refusing.
@@ -94,6 +96,10 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
     if rows_per_shard < 1 or row_group_rows < 1:
         raise ValueError(f"rows_per_shard and row_group_rows must be >= 1, got "
                          f"{rows_per_shard}, {row_group_rows}")
+    for split in SPLITS:  # refuse before any Spark job runs, as the pyarrow writer does
+        if (Path(out_dir) / split).exists() and not overwrite:
+            raise FileExistsError(f"{Path(out_dir) / split} exists; pass overwrite=True to "
+                                  "replace it")
     own = spark is None
     spark = spark_session() if own else spark
     name = str(source)
@@ -108,10 +114,10 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
                                          synthetic_examples=synthetic_examples, seed=seed)
             else:
                 splits = _file_frames(spark, Path(source), seq_len=seq_len)
-            for split, (df, rows, task, row_bytes) in splits.items():
+            for split, (df, rows, task) in splits.items():
                 split_dir = Path(out_dir) / split
                 _write_parquet(df, split_dir, rows=rows, rows_per_shard=rows_per_shard,
-                               block_bytes=row_group_rows * row_bytes, overwrite=overwrite)
+                               row_group_rows=row_group_rows, overwrite=overwrite)
                 manifests[split] = write_manifest(split_dir, task=task, split=split,
                                                   source=name, writer=writer)
     finally:
@@ -120,16 +126,9 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
     return manifests["train"]
 
 
-def _row_bytes(task: TaskSpec) -> int:
-    """Bytes per row as Parquet's writer counts them (float32 values, int32 tokens)."""
-    if task.kind == "lm":
-        return 4 * (task.input_shape[0] + 1) + 8
-    return 4 * math.prod(task.input_shape) + 16
-
-
 def _builtin_frames(spark: SparkSession, name: str, tmp: Path, *, seq_len: int,
                     synthetic_examples: int, seed: int) -> dict:
-    """{split: (DataFrame with row_id, rows, task, bytes per row)} of a built-in source."""
+    """{split: (DataFrame with row_id, rows, task)} of a built-in source."""
     frames = {}
     for split in SPLITS:
         table, task = builtin_table(name, split=split, seq_len=seq_len,
@@ -137,12 +136,12 @@ def _builtin_frames(spark: SparkSession, name: str, tmp: Path, *, seq_len: int,
         table = table.append_column("row_id", pa.array(np.arange(table.num_rows, dtype=np.int64)))
         path = tmp / f"{split}.parquet"  # Spark reads this columnar file: no per-row Python
         pq.write_table(table, path, row_group_size=8192, compression="none")
-        frames[split] = (spark.read.parquet(str(path)), table.num_rows, task, _row_bytes(task))
+        frames[split] = (spark.read.parquet(str(path)), table.num_rows, task)
     return frames
 
 
 def _file_frames(spark: SparkSession, path: Path, *, seq_len: int) -> dict:
-    """{split: (DataFrame with row_id from 0, rows, task, bytes per row)} of a file source."""
+    """{split: (DataFrame with row_id from 0, rows, task)} of a file source."""
     from pyspark.sql import functions as F
 
     files, fmt = source_files(path)
@@ -152,23 +151,18 @@ def _file_frames(spark: SparkSession, path: Path, *, seq_len: int) -> dict:
     df = (reader.load([str(f) for f in files])
           .withColumn("_file", F.input_file_name())  # file order first, then position in it
           .withColumn("_mono", F.monotonically_increasing_id()))
-    df, n = _running_sum(df, ["_file", "_mono"], F.lit(1), name="row_id")
+    if "text" in df.columns:
+        return _text_frames(df, seq_len=seq_len)
+    df, totals = _running_sum(df, ["_file", "_mono"], {"row_id": F.lit(1)})
+    n = totals["row_id"]
     n_train = n - eval_rows(n)
     parts = {"train": df.where(F.col("row_id") < n_train),
              "eval": df.where(F.col("row_id") >= n_train)
                        .withColumn("row_id", F.col("row_id") - n_train)}
-    if "text" in df.columns:
-        task = TaskSpec("lm", (seq_len,), 256)
-        frames = {}
-        for split, part in parts.items():
-            last = (n_train if split == "train" else n - n_train) - 1  # the split's last row_id
-            windows, rows = _pack_text(part, seq_len=seq_len, split=split, last=last)
-            frames[split] = (windows, rows, task, _row_bytes(task))
-        return frames
     task, inputs = _classification(df, fmt=fmt, where=path)
     return {split: (part.select("row_id", inputs.alias("inputs"),
                                 F.col("label").cast("long").alias("targets")),
-                    n_train if split == "train" else n - n_train, task, _row_bytes(task))
+                    n_train if split == "train" else n - n_train, task)
             for split, part in parts.items()}
 
 
@@ -207,52 +201,79 @@ def _classification(df: DataFrame, *, fmt: str, where: Path) -> tuple[TaskSpec, 
     return TaskSpec("classification", shape, int(high) + 1), inputs
 
 
-def _running_sum(df: DataFrame, order: list[str], value: Column, *,
-                 name: str) -> tuple[DataFrame, int]:
-    """Add `name` = sum of `value` over the rows before each row in `order`; return the total.
+def _running_sum(df: DataFrame, order: list[str],
+                 values: dict[str, Column]) -> tuple[DataFrame, dict[str, int]]:
+    """Add, for each name, the sum of its value over the rows before each row in `order`.
 
-    Range-partitions by `order`, sends one total per partition to the driver, and sums
-    within each partition with a window, so no step gathers all rows in one partition.
-    The partitioned frame is checkpointed: its partition ids must not change between the
-    job that totals them and the one that uses them.
+    Returns the frame and each value's total. Range-partitions by `order`, sends one total
+    per partition to the driver, and sums within each partition with a window, so no step
+    gathers all rows in one partition. The partitioned frame is checkpointed: its partition
+    ids must not change between the job that totals them and the one that uses them.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     parts = df.rdd.getNumPartitions()
+    temp = {name: f"_value_{name}" for name in values}
+    df = df.select("*", *[v.cast("long").alias(temp[name]) for name, v in values.items()])
     if parts <= 1:  # already one partition: a plain window moves nothing
         before = Window.orderBy(*order).rowsBetween(Window.unboundedPreceding, -1)
-        out = df.withColumn("_value", value.cast("long"))
-        out = out.withColumn(name, F.coalesce(F.sum("_value").over(before), F.lit(0)))
-        return out.drop("_value"), out.agg(F.sum("_value")).first()[0] or 0
-    ranged = (df.withColumn("_value", value.cast("long")).repartitionByRange(parts, *order)
-              .withColumn("_pid", F.spark_partition_id()).localCheckpoint(eager=True))
-    totals = dict(ranged.groupBy("_pid").agg(F.sum("_value")).collect())
-    offsets, total = [], 0
+        sums = df.agg(*[F.sum(t) for t in temp.values()]).first()
+        out = df.select("*", *[F.coalesce(F.sum(temp[name]).over(before), F.lit(0)).alias(name)
+                               for name in values])
+        return out.drop(*temp.values()), {n: sums[i] or 0 for i, n in enumerate(values)}
+    ranged = (df.repartitionByRange(parts, *order).withColumn("_pid", F.spark_partition_id())
+              .localCheckpoint(eager=True))
+    per_part = {row[0]: row[1:] for row in
+                ranged.groupBy("_pid").agg(*[F.sum(t) for t in temp.values()]).collect()}
+    offsets = np.zeros((parts + 1, len(values)), dtype=np.int64)  # (P + 1, V) exclusive sums
     for pid in range(parts):
-        offsets.append(total)
-        total += totals.get(pid) or 0
+        offsets[pid + 1] = offsets[pid] + [v or 0 for v in per_part.get(pid, [0] * len(values))]
     before = Window.partitionBy("_pid").orderBy(*order).rowsBetween(Window.unboundedPreceding, -1)
-    base = F.element_at(F.array(*[F.lit(o).cast("long") for o in offsets]), F.col("_pid") + 1)
-    out = ranged.withColumn(name, base + F.coalesce(F.sum("_value").over(before), F.lit(0)))
-    return out.drop("_value", "_pid"), total
+    columns = []
+    for i, name in enumerate(values):
+        base = F.element_at(F.array(*[F.lit(int(o)) for o in offsets[:-1, i]]), F.col("_pid") + 1)
+        columns.append((base + F.coalesce(F.sum(temp[name]).over(before), F.lit(0))).alias(name))
+    out = ranged.select("*", *columns).drop("_pid", *temp.values())
+    return out, {name: int(offsets[-1, i]) for i, name in enumerate(values)}
 
 
-def _pack_text(docs: DataFrame, *, seq_len: int, split: str,
-               last: int) -> tuple[DataFrame, int]:
-    """Documents (row_id, text) -> packed windows (row_id, tokens: array<int>) and their count.
+def _text_frames(df: DataFrame, *, seq_len: int) -> dict:
+    """{split: (packed windows with row_id, rows, task)} of a file source with `text`.
 
-    `last` is the split's last row_id: every other document is followed by the separator.
+    One pass numbers the documents and places their bytes: each document is followed by the
+    separator, so document i starts at the sum of (length + separator) before it. That is
+    the joined stream plus one trailing separator, which only the dropped partial window
+    can contain. Eval offsets start at the first eval document's.
+    """
+    from pyspark.sql import functions as F
+
+    text = F.encode(F.coalesce(F.col("text"), F.lit("")), "UTF-8")  # (bytes of one document)
+    docs = df.select("_file", "_mono", F.concat(text, F.lit(bytearray(TEXT_SEPARATOR))).alias("b"))
+    docs, totals = _running_sum(docs.withColumn("len", F.octet_length("b")), ["_file", "_mono"],
+                                {"row_id": F.lit(1), "start": F.col("len")})
+    n = totals["row_id"]
+    n_train = n - eval_rows(n)
+    cut = docs.where(F.col("row_id") == n_train).select("start").first()[0]
+    task, frames = TaskSpec("lm", (seq_len,), 256), {}
+    for split, part, base, end in (
+            ("train", docs.where(F.col("row_id") < n_train), 0, cut),
+            ("eval", docs.where(F.col("row_id") >= n_train), cut, totals["start"])):
+        part = part.withColumn("start", F.col("start") - base)
+        windows, rows = _pack_text(part, seq_len=seq_len, split=split,
+                                   total=end - base - len(TEXT_SEPARATOR))
+        frames[split] = (windows, rows, task)
+    return frames
+
+
+def _pack_text(docs: DataFrame, *, seq_len: int, split: str, total: int) -> tuple[DataFrame, int]:
+    """Placed documents (b, len, start) -> packed windows (row_id, tokens: array<int>), count.
+
+    `total` is the length of the split's joined stream (without a trailing separator).
     """
     from pyspark.sql import functions as F
 
     w = seq_len + 1
-    text = F.encode(F.coalesce(F.col("text"), F.lit("")), "UTF-8")  # (bytes of one document)
-    sep = F.lit(bytearray(TEXT_SEPARATOR))
-    docs = docs.select("row_id", F.when(F.col("row_id") < last, F.concat(text, sep))
-                       .otherwise(text).alias("b"))
-    docs, total = _running_sum(docs.withColumn("len", F.octet_length("b")), ["row_id"],
-                               F.col("len"), name="start")
     windows = total // w
     if windows == 0:
         raise ValueError(f"{split}: {total} bytes of text are too few for one window of {w}")
@@ -275,7 +296,7 @@ def _pack_text(docs: DataFrame, *, seq_len: int, split: str,
 
 
 def _write_parquet(df: DataFrame, split_dir: Path, *, rows: int, rows_per_shard: int,
-                   block_bytes: int, overwrite: bool) -> None:
+                   row_group_rows: int, overwrite: bool) -> None:
     """Shard i = rows [i * rows_per_shard, (i + 1) * rows_per_shard): one partition, one file."""
     from pyspark.sql import functions as F
 
@@ -285,5 +306,5 @@ def _write_parquet(df: DataFrame, split_dir: Path, *, rows: int, rows_per_shard:
            .drop("_shard", "row_id"))
     (out.write.mode("overwrite" if overwrite else "errorifexists")
      .option("compression", "snappy")
-     .option("parquet.block.size", str(max(block_bytes, 16 * 1024)))
+     .option("parquet.block.row.count.limit", str(row_group_rows))
      .parquet(str(split_dir)))

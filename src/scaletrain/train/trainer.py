@@ -110,7 +110,9 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
     d = config.data
     train_ds, eval_ds = (load_dataset(d.source, split=split, path=d.path, seq_len=d.seq_len,
                                       synthetic_examples=d.synthetic_examples,
-                                      seed=config.train.seed) for split in ("train", "eval"))
+                                      seed=config.train.seed,
+                                      shuffle_window=d.shuffle_window if split == "train" else None)
+                         for split in ("train", "eval"))
     precision = make_precision(config.precision.mode, device_type=device.type,
                                init_scale=config.precision.init_scale,
                                growth_interval=config.precision.growth_interval)

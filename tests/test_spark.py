@@ -1,0 +1,135 @@
+"""Apache Spark in local mode writes Parquet that `ShardedDataset` reads: the Spark writer
+(`write_shards_spark`) gives the same rows as the in-memory source and as the pyarrow
+writer, and a plain `df.write.parquet` of array<float> features is read with no manifest.
+One SparkSession (~5 s to start) serves the module."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from harness import run_workers
+from scaletrain.data.shards import ShardedDataset, load_dataset, write_shards
+from scaletrain.data.sources import TaskSpec, load_source
+from scaletrain.data.spark import spark_session, write_shards_spark
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = spark_session(cores=2, driver_memory="1g")
+    yield session
+    session.stop()
+
+
+def _all(ds: ShardedDataset):
+    return ds.get(torch.arange(len(ds)))
+
+
+def test_spark_writer_equals_the_source(spark, tmp_path):
+    manifest = write_shards_spark("digits", tmp_path, rows_per_shard=500, row_group_rows=128,
+                                  spark=spark)
+    assert [s.rows for s in manifest.shards] == [500, 500, 438]  # ceil(1438 / 500) partitions
+    assert all(s.file.startswith("part-") and s.file.endswith(".snappy.parquet")
+               for s in manifest.shards)  # Spark's own part names are kept
+    assert all(max(s.row_groups) == 128 for s in manifest.shards)  # row_group_rows honoured
+    assert (tmp_path / "train" / "_SUCCESS").exists()
+    for split in ("train", "eval"):
+        ds, ref = ShardedDataset(tmp_path / split, verify=True), load_source("digits", split=split)
+        assert ds.spec == ref.spec and ds.manifest.schema[0] == ("inputs", "list<element: float>")
+        got = _all(ds)
+        assert torch.equal(got.inputs, ref.inputs) and torch.equal(got.targets, ref.targets)
+
+
+def test_spark_writer_packs_text_and_splits_files_like_the_pyarrow_writer(spark, tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / "docs").mkdir()
+    for part in range(2):  # a directory: files in name order, each in order
+        with open(tmp_path / "docs" / f"{part}.jsonl", "w") as f:  # UTF-8 straddles windows
+            f.writelines(json.dumps({"text": f"doc {part}.{i} é \u4e2d "
+                                             + "xy" * int(rng.integers(0, 60))}) + "\n"
+                         for i in range(60))
+    with open(tmp_path / "rows.csv", "w") as f:
+        f.write("p1,label,p0\n")
+        f.writelines(f"{float(i) / 8!r},{i % 5},{-float(i)!r}\n" for i in range(200))
+    # Small input splits: several partitions per file, so the distributed numbering and
+    # running sums (not the one-partition shortcut) must put rows back in file order.
+    spark.conf.set("spark.sql.files.maxPartitionBytes", "2048")
+    spark.conf.set("spark.sql.files.openCostInBytes", "1024")
+    try:
+        _compare_writers(spark, tmp_path)
+    finally:
+        spark.conf.unset("spark.sql.files.maxPartitionBytes")
+        spark.conf.unset("spark.sql.files.openCostInBytes")
+    assert load_dataset(tmp_path / "spark-rows.csv", "eval").spec == TaskSpec(
+        "classification", (2,), 5)
+    assert len(load_dataset(tmp_path / "spark-rows.csv", "eval")) == 10  # 5% of 200
+
+
+def _compare_writers(spark, tmp_path) -> None:
+    for source, seq_len in (("docs", 24), ("rows.csv", 8)):
+        assert spark.read.text(str(tmp_path / source)).rdd.getNumPartitions() > 1
+        write_shards_spark(tmp_path / source, tmp_path / f"spark-{source}", rows_per_shard=20,
+                           seq_len=seq_len, spark=spark)
+        write_shards(tmp_path / source, tmp_path / f"arrow-{source}", rows_per_shard=20,
+                     seq_len=seq_len)
+        for split in ("train", "eval"):
+            a = load_dataset(tmp_path / f"spark-{source}", split)
+            b = load_dataset(tmp_path / f"arrow-{source}", split)
+            assert a.spec == b.spec and a.shard_rows == b.shard_rows
+            x, y = _all(a), _all(b)
+            assert torch.equal(x.inputs, y.inputs) and torch.equal(x.targets, y.targets)
+
+
+def test_plain_spark_parquet_of_array_features_is_read_without_manifest(spark, tmp_path):
+    digits = load_source("digits", split="train")
+    x, y = digits.inputs.flatten(1), digits.targets
+    rows = [(int(label), [float(v) for v in features]) for label, features in
+            zip(y.tolist(), x.tolist())]
+    df = spark.createDataFrame(rows, "label long, features array<float>")
+    df.write.parquet(str(tmp_path / "plain"))
+    ds = ShardedDataset(tmp_path / "plain")
+    assert ds.spec == TaskSpec("classification", (1, 8, 8), 10)  # 64 = 8 x 8, max label + 1
+    assert ds.manifest.schema == (("label", "int64"), ("features", "list<element: float>"))
+    assert sum(ds.shard_rows) == len(digits) and len(ds.shard_rows) == 2  # local[2]
+    got = _all(ds)  # parallelize slices the list in order: part files hold it in order
+    assert torch.equal(got.inputs, digits.inputs) and torch.equal(got.targets, y)
+
+
+def test_training_runs_directly_on_a_plain_spark_directory(spark, tmp_path):
+    """`data.source = "shards"` on what Spark wrote (part files, _SUCCESS, .crc), 2 ranks."""
+    digits = load_source("digits", split="train")
+    rows = [(int(label), [float(v) for v in features]) for label, features in
+            zip(digits.targets.tolist(), digits.inputs.flatten(1).tolist())]
+    spark.createDataFrame(rows, "label long, features array<float>").write.parquet(
+        str(tmp_path / "spark"))
+    assert (tmp_path / "spark" / "_SUCCESS").exists()
+    config = tmp_path / "cfg.toml"
+    config.write_text(f"""
+[model]
+name = "mlp"
+size = "small"
+[data]
+source = "shards"
+path = "{tmp_path / 'spark'}"
+[optim]
+lr = 3e-3
+[train]
+steps = 40
+global_batch = 64
+micro_batch = 32
+eval_examples = 256
+[log]
+every = 10
+quiet = true
+""")
+    run_dir = tmp_path / "run"
+    run_workers(config, ["parallel.dp=2"], world_size=2, run_dir=run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert train[-1]["loss"] < 0.5 * train[0]["loss"]
+    assert json.loads((run_dir / "summary.json").read_text())["eval"]["accuracy"] > 0.8
