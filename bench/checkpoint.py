@@ -7,8 +7,10 @@ per-step stall of async vs sync saves during training, side by side.
 (b) One checkpoint of a GPT-base training state (parameters + AdamW moments, ~59 MB), saved
     with scaletrain's Checkpointer (DCP + SHA-256 manifest + atomic rename): MB/s and the
     ratio to dd.
-(c) The same training run twice, checkpointing every N steps, sync then async: the stall is
-    the step time of the steps that include a save minus the median step time.
+(c) How long `save()` blocks the training thread, sync vs async (idle CPU, warm buffers).
+(d) The same training run twice, checkpointing every N steps, sync then async: the stall is
+    the step time of the steps that include a save minus the median step time. On a machine
+    whose cores all train, the background write competes with the step for CPU and the GIL.
 """
 
 import argparse
@@ -53,7 +55,7 @@ def dd_bandwidth(directory: Path) -> float:
     return 512 * 2**20 / seconds
 
 
-def save_throughput(directory: Path) -> tuple[float, float]:
+def _state():
     from scaletrain.checkpoint import Checkpointer, TrainState
     from scaletrain.data.sources import TaskSpec
     from scaletrain.models import build_model
@@ -65,15 +67,39 @@ def save_throughput(directory: Path) -> tuple[float, float]:
                           momentum=0.0)
     model(torch.randint(0, 256, (2, 64))).sum().backward()
     opt.step()  # materialise the AdamW moments
-    state = TrainState(model, opt, build_scheduler(opt, warmup_steps=0, total_steps=10,
-                                                   schedule="constant", min_lr_ratio=1.0),
-                       make_precision("fp32", device_type="cpu"), step=1)
+    return TrainState(model, opt, build_scheduler(opt, warmup_steps=0, total_steps=10,
+                                                  schedule="constant", min_lr_ratio=1.0),
+                      make_precision("fp32", device_type="cpu"), step=1)
+
+
+def save_throughput(directory: Path) -> tuple[float, float]:
+    from scaletrain.checkpoint import Checkpointer
+
+    state = _state()
     saver = Checkpointer(directory / "ckpt", keep=1, async_save=False, config_toml="")
     start = time.perf_counter()
     saver.save(state)
     seconds = time.perf_counter() - start
     size = sum(p.stat().st_size for p in (directory / "ckpt").rglob("*") if p.is_file())
     return size / seconds, size
+
+
+def blocking(directory: Path, *, async_save: bool, reps: int = 5) -> float:
+    """Median time the training thread is blocked in `save()` (warm: buffers allocated)."""
+    from scaletrain.checkpoint import Checkpointer
+
+    state = _state()
+    saver = Checkpointer(directory / f"block-{async_save}", keep=1, async_save=async_save,
+                         config_toml="")
+    times = []
+    for _ in range(reps + 1):
+        state.step += 1
+        start = time.perf_counter()
+        saver.save(state)
+        times.append(time.perf_counter() - start)
+        saver.wait()
+    saver.close()
+    return statistics.median(times[1:])
 
 
 def stall(directory: Path, *, steps: int, every: int, async_save: bool) -> tuple[float, float]:
@@ -104,6 +130,9 @@ def main() -> None:
         print(f"disk write bandwidth (dd, 512 MiB, fdatasync): {disk / 1e6:8.1f} MB/s")
         print(f"checkpoint save ({size / 1e6:.1f} MB, GPT-base + AdamW): {rate / 1e6:8.1f} MB/s"
               f"  ratio to dd: {rate / disk:.2f}")
+        for async_save in (False, True):
+            print(f"{'async' if async_save else 'sync '} save() blocks the training thread "
+                  f"{blocking(tmp, async_save=async_save) * 1e3:7.1f} ms (median of 5, idle CPU)")
         for async_save in (False, True):
             extra, median = stall(tmp, steps=a.steps, every=a.every, async_save=async_save)
             print(f"{'async' if async_save else 'sync '} save every {a.every} steps: stall "

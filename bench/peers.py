@@ -218,7 +218,8 @@ def main() -> None:
                           f"steps/s  loss {r['final_loss']:.5f}  foreign load {foreign:.2f} cores"
                           f"{f' (attempt {attempts})' if attempts > 1 else ''}", flush=True)
     print()
-    print(f"{'precision':<11} {'library':<11} {'steps/s':>8}  {'per rep':<21} {'vs scaletrain':>13} "
+    width = 8 * a.reps  # the per-rep column: "12.34~ " each
+    print(f"{'precision':<11} {'library':<11} {'steps/s':>8}  {'per rep':<{width}} {'vs scaletrain':>13} "
           f"{'final loss':>11} {'procs':>5} {'threads':>7}")
     verdicts = []
     for precision in precisions:
@@ -229,7 +230,7 @@ def main() -> None:
             per_rep = " ".join(f"{r['steps_per_s']:.2f}{'~' if r['noisy'] else ''}" for r in runs)
             losses = {round(r["final_loss"], 6) for r in runs}  # deterministic: one value
             loss = f"{runs[0]['final_loss']:.5f}" + ("" if len(losses) == 1 else "*")
-            print(f"{precision:<11} {library:<11} {speed:>8.2f}  {per_rep:<21} {speed / ours:>13.3f} "
+            print(f"{precision:<11} {library:<11} {speed:>8.2f}  {per_rep:<{width}} {speed / ours:>13.3f} "
                   f"{loss:>11} {runs[0]['world_size']:>5} {runs[0]['threads']:>7}")
             if library != "scaletrain":
                 verdicts.append((precision, library, ours / speed))

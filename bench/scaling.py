@@ -17,10 +17,10 @@ from pathlib import Path
 CONFIG = """
 name = "bench-scaling"
 [model]
-name = "mlp"
-size = "base"
+name = "{model}"
+size = "{size}"
 [data]
-source = "synthetic-images"
+source = "{source}"
 synthetic_examples = 16384
 [optim]
 schedule = "constant"
@@ -38,9 +38,17 @@ quiet = true
 """
 
 
-def examples_per_s(tmp: Path, dp: int, steps: int, tag: str) -> float:
+MODELS = {  # name: (model, size, source, what it shows)
+    "cnn-small": ("cnn", "small", "mnist", "compute-bound: 85k params, conv-heavy"),
+    "mlp-base": ("mlp", "base", "synthetic-images", "communication-heavy: 1.9M params"),
+}
+
+
+def examples_per_s(tmp: Path, dp: int, steps: int, tag: str, model: str) -> float:
+    name, size, source, _ = MODELS[model]
     cfg = tmp / f"cfg{dp}.toml"
-    cfg.write_text(CONFIG.format(steps=steps, micro=256 // dp, dp=dp))
+    cfg.write_text(CONFIG.format(steps=steps, micro=256 // dp, dp=dp, model=name, size=size,
+                                 source=source))
     run_dir = tmp / tag
     subprocess.run([sys.executable, "-m", "scaletrain", "train", str(cfg), "--run-dir",
                     str(run_dir)], check=True, capture_output=True, timeout=1800)
@@ -54,16 +62,18 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     a = p.parse_args()
-    effs = []
-    print("mlp-base (784-1024-1024-10, 1.9M params) on synthetic images, global batch 256")
-    print(f"{'rep':>3} {'1 proc ex/s':>12} {'2 procs ex/s':>13} {'speed-up':>9} {'efficiency':>11}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(a.reps):
-            one = examples_per_s(Path(tmp), 1, a.steps, f"one{rep}")
-            two = examples_per_s(Path(tmp), 2, a.steps, f"two{rep}")
-            effs.append(two / (2 * one))
-            print(f"{rep:>3} {one:>12.0f} {two:>13.0f} {two / one:>9.2f} {effs[-1]:>11.2f}")
-    print(f"median scaling efficiency, 2 processes vs 1: {statistics.median(effs):.2f}")
+    for model, (_, _, source, what) in MODELS.items():
+        effs = []
+        print(f"{model} on {source} ({what}), global batch 256, 1 thread per process")
+        print(f"{'rep':>3} {'1 proc ex/s':>12} {'2 procs ex/s':>13} {'speed-up':>9} "
+              f"{'efficiency':>11}")
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(a.reps):
+                one = examples_per_s(Path(tmp), 1, a.steps, f"one{rep}", model)
+                two = examples_per_s(Path(tmp), 2, a.steps, f"two{rep}", model)
+                effs.append(two / (2 * one))
+                print(f"{rep:>3} {one:>12.0f} {two:>13.0f} {two / one:>9.2f} {effs[-1]:>11.2f}")
+        print(f"median scaling efficiency, 2 processes vs 1: {statistics.median(effs):.2f}\n")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import pickle
 import random
 import shutil
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,6 +201,11 @@ def _finalize(tmp: Path, final: Path, *, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _finish_async(future: Future, tmp: Path, final: Path, keep: int) -> None:
+    future.result()
+    _finalize(tmp, final, keep=keep)
+
+
 @dataclass
 class Checkpointer:
     """Saves TrainStates under `directory` every so often, synchronously or in the background.
@@ -217,8 +222,10 @@ class Checkpointer:
     keep: int
     async_save: bool
     config_toml: str
-    _pending: tuple[Future, Path, Path] | None = field(default=None, repr=False)
+    _pending: Future | None = field(default=None, repr=False)
+    _finisher: ThreadPoolExecutor | None = field(default=None, repr=False)
     _group: object = field(default=None, repr=False)
+    _stager: object = field(default=None, repr=False)
 
     def save(self, state: TrainState) -> None:
         self.wait()  # at most one save in flight
@@ -237,9 +244,26 @@ class Checkpointer:
         if self.async_save:
             if self._group is None and dist.is_initialized():
                 self._group = dist.new_group(backend="gloo")
+            if self._stager is None:
+                # The default stager copies into fresh shared memory on every save (page
+                # faults: ~3x slower on CPU); plain CPU copies, staged before returning so
+                # the next optimizer step cannot change what is being written.
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                cuda = torch.cuda.is_available()
+                self._stager = DefaultStager(StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                    use_non_blocking_copy=cuda))
             future = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._group,
-                                    no_dist=not dist.is_initialized())
-            self._pending = (future, tmp, final)
+                                    async_stager=self._stager, no_dist=not dist.is_initialized())
+            if _rank() == 0:
+                # Rank 0's future resolves after DCP's coordinator has gathered every rank's
+                # write results and written the metadata: all data is on disk. The manifest
+                # (hashing every byte) and the rename then run off the training thread too.
+                if self._finisher is None:
+                    self._finisher = ThreadPoolExecutor(max_workers=1)
+                future = self._finisher.submit(_finish_async, future, tmp, final, self.keep)
+            self._pending = future
         else:
             dcp.save(sd, checkpoint_id=tmp, no_dist=not dist.is_initialized())
             _barrier()
@@ -247,17 +271,21 @@ class Checkpointer:
                 _finalize(tmp, final, keep=self.keep)
             _barrier()
 
+    def close(self) -> None:
+        """Finish any save in flight and release the staging buffers."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._finisher is not None:
+            self._finisher.shutdown()
+            self._finisher = None
+
     def wait(self) -> None:
-        """Finish a save in flight (rank 0 renames it into place once all ranks wrote)."""
-        if self._pending is None:
-            return
-        future, tmp, final = self._pending
-        self._pending = None
-        future.result()
-        _barrier()  # every rank's background write is complete
-        if _rank() == 0:
-            _finalize(tmp, final, keep=self.keep)
-        _barrier()
+        """Block until a save in flight is written (and, on rank 0, renamed into place)."""
+        if self._pending is not None:
+            future, self._pending = self._pending, None
+            future.result()
 
 
 def _barrier() -> None:

@@ -100,7 +100,7 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
     try:
         return _loop(config, derived, penv, parts, logger=logger, run_dir=run_dir)
     finally:
-        parts.checkpointer.wait()
+        parts.checkpointer.close()
         logger.close()
 
 
