@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,9 +156,10 @@ def wait_for_quiet(*, limit_s: float = 180.0) -> float:
 def measured(fn, *, retries: int):
     """Run `fn()` (which runs subprocesses) until one attempt has little foreign load.
 
-    Returns (result, foreign cores, attempts) of the attempt with the least foreign load.
+    Returns (result, foreign cores, note): the attempt with the least foreign load, and a
+    note saying which attempt that was when there was more than one.
     """
-    best = None
+    best, attempt = None, 0
     for attempt in range(1, retries + 2):
         wait_for_quiet()
         busy, ours, start = machine_busy_s(), children_cpu_s(), time.perf_counter()
@@ -168,7 +170,8 @@ def measured(fn, *, retries: int):
             best = (result, foreign, attempt)
         if foreign <= NOISY_CORES:
             break
-    return best
+    result, foreign, kept = best
+    return result, foreign, (f" (attempt {kept} of {attempt})" if attempt > 1 else "")
 
 
 def main() -> None:
@@ -205,18 +208,17 @@ def main() -> None:
             for precision in precisions:
                 for library in order:
                     tag = f"{library}-{precision}-{rep}"
-                    if library == "scaletrain":
-                        job = lambda: run_scaletrain(Path(tmp), a, precision, tag)  # noqa: E731
-                    else:
-                        job = lambda: run_peer(Path(tmp), a, library, precision, tag)  # noqa: E731
-                    r, foreign, attempts = measured(job, retries=a.retries)
+                    job = (partial(run_scaletrain, Path(tmp), a, precision, tag)
+                           if library == "scaletrain" else
+                           partial(run_peer, Path(tmp), a, library, precision, tag))
+                    r, foreign, note = measured(job, retries=a.retries)
                     assert r["world_size"] == 2, f"{tag} ran {r['world_size']} process(es), not 2"
                     assert r["threads"] == 1, f"{tag} ran {r['threads']} threads per process"
                     r["noisy"] = foreign > NOISY_CORES
                     results.setdefault((precision, library), []).append(r)
                     print(f"  rep {rep} {precision:>10} {library:<10} {r['steps_per_s']:7.2f} "
                           f"steps/s  loss {r['final_loss']:.5f}  foreign load {foreign:.2f} cores"
-                          f"{f' (attempt {attempts})' if attempts > 1 else ''}", flush=True)
+                          f"{note}", flush=True)
     print()
     width = 8 * a.reps  # the per-rep column: "12.34~ " each
     print(f"{'precision':<11} {'library':<11} {'steps/s':>8}  {'per rep':<{width}} {'vs scaletrain':>13} "

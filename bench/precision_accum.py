@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from peers import BIN, NOISY_CORES, measured
@@ -98,15 +99,15 @@ def run_pair(tmp: Path, a, name: str, variants: dict[str, dict], common: dict) -
         order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
         for variant in order:
             tag = f"{name}-{variant.replace('=', '')}-{rep}"  # run names: [A-Za-z0-9_.-]
-            job = lambda: train(tmp, tag, **common, **variants[variant])  # noqa: E731
-            r, foreign, attempts = measured(job, retries=a.retries)
+            job = partial(train, tmp, tag, **common, **variants[variant])
+            r, foreign, note = measured(job, retries=a.retries)
             assert r["world_size"] == 1
             r["noisy"] = foreign > NOISY_CORES
             results[variant].append(r)
             print(f"  rep {rep} {variant:>6}: {r['step_time_s'] * 1e3:8.1f} ms/step "
                   f"{r['examples_per_s']:8.0f} examples/s  peak {r['peak_mem_bytes'] / 2**20:6.0f} MiB"
                   f"  loss {r['final_loss']:.5f}  foreign load {foreign:.2f} cores"
-                  f"{f' (attempt {attempts})' if attempts > 1 else ''}", flush=True)
+                  f"{note}", flush=True)
     return results
 
 

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from scaletrain.data.sampler import GlobalBatchSampler, epoch_order
+from scaletrain.data.shard_writer import write_shards
 from scaletrain.data.shards import (MANIFEST, ShardedDataset, ShardError, load_dataset,
-                                    read_manifest, write_shards)
+                                    read_manifest)
 from scaletrain.data.sources import TaskSpec, load_source
 
 

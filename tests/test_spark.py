@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from harness import run_workers
-from scaletrain.data.shards import ShardedDataset, load_dataset, write_shards
+from scaletrain.data.shard_writer import write_shards
+from scaletrain.data.shards import ShardedDataset, load_dataset
 from scaletrain.data.sources import TaskSpec, load_source
 from scaletrain.data.spark import spark_session, write_shards_spark
 

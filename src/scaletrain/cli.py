@@ -220,7 +220,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
         if args.engine == "spark":  # pyspark is an optional extra: a missing one is an error
             from scaletrain.data.spark import write_shards_spark as write
         else:
-            from scaletrain.data.shards import write_shards as write
+            from scaletrain.data.shard_writer import write_shards as write
         write(args.source, args.out_dir, rows_per_shard=args.rows_per_shard, seq_len=args.seq_len)
     except (ShardError, ValueError, FileNotFoundError, ImportError) as e:
         raise ConfigError(str(e)) from None

@@ -1,4 +1,4 @@
-"""Write shards with Apache Spark: the job of `shards.write_shards` as a Spark program.
+"""Write shards with Apache Spark: the job of `shard_writer.write_shards` as a Spark program.
 
 Same sources, same split rules, same rows and the same `manifest.json` as the pyarrow
 writer, so `ShardedDataset` reads either; part files keep Spark's names
@@ -38,8 +38,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from scaletrain.data.shards import (TEXT_SEPARATOR, Manifest, builtin_table, eval_rows,
-                                    image_shape, source_files, write_manifest)
+from scaletrain.data.shard_writer import TEXT_SEPARATOR, builtin_table, eval_rows, source_files
+from scaletrain.data.shards import Manifest, image_shape, write_manifest
 from scaletrain.data.sources import SOURCE_NAMES, SPLITS, TaskSpec
 
 if TYPE_CHECKING:
