@@ -15,9 +15,9 @@ $(STAMP): requirements-dev.txt pyproject.toml
 
 setup: $(STAMP)
 
+# Each run gets its own runs/<name>-<time>/ (report.png included); the paths are printed.
 demo: $(STAMP)
-	$(BIN)/scaletrain train configs/default.toml --run-dir runs/demo
-	$(BIN)/scaletrain report runs/demo --out runs/demo/report.png
+	$(BIN)/scaletrain train configs/default.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
@@ -29,6 +29,10 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -r requirements-bench.txt
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/scaling.py
+	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/precision_accum.py
+	$(BIN)/python bench/loader.py
+	$(BIN)/python bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -200,10 +200,12 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
                            f"continue with: scaletrain train ... --run-dir {run_dir} --resume")
             return None
         if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
+            eval_started = time.perf_counter()
             with collective_guard("evaluation all-reduce", step=step):
                 logger.log_eval({"step": state.step, **evaluate(
                     state.model, parts.eval_ds, config, penv, derived,
                     precision=state.precision, device=parts.device)})
+            window.start += time.perf_counter() - eval_started  # throughput is training only
     wall = time.perf_counter() - started
     with collective_guard("evaluation all-reduce", step=t.steps):
         eval_record = evaluate(state.model, parts.eval_ds, config, penv, derived,
