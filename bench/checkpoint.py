@@ -56,7 +56,7 @@ def dd_bandwidth(directory: Path) -> float:
 
 
 def _state():
-    from scaletrain.checkpoint import Checkpointer, TrainState
+    from scaletrain.checkpoint import TrainState
     from scaletrain.data.sources import TaskSpec
     from scaletrain.models import build_model
     from scaletrain.precision import make_precision

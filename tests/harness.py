@@ -8,6 +8,7 @@ test fails with every rank's output, so a hang cannot stall CI.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -71,6 +72,32 @@ def run_cli(args: list[str], *, timeout: float = 180.0, **env: str) -> subproces
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"scaletrain {' '.join(args)} did not finish in {timeout} s:\n"
                              f"{(e.stderr or b'')[-3000:]}") from None
+
+
+def records(run_dir: Path, kind: str = "train") -> list[dict]:
+    """The run's metrics.jsonl records of one kind ("train" or "eval"), in file order."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def losses(run_dir: Path) -> list[float]:
+    """The logged training losses, in order."""
+    return [r["loss"] for r in records(run_dir)]
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """RANK -> pid of a launcher's worker children, read from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        rank = [e for e in env if e.startswith(b"RANK=")]
+        if ppid == launcher_pid and rank:
+            found[int(rank[0][5:])] = int(entry.name)
+    return found
 
 
 def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:

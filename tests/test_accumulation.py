@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from harness import load_weights, max_abs_diff, run_workers
+from harness import load_weights, losses, max_abs_diff, run_workers
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.sources import load_source
 
@@ -39,9 +38,6 @@ CASES = {
 LAYOUTS = [(2, 1), (1, 2), (2, 2), (1, 4)]  # (dp, accumulation)
 
 
-def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if r["kind"] == "train"]
 
 
 def test_padded_paragraphs_really_are_ragged() -> None:
@@ -67,12 +63,12 @@ def test_accumulation_and_dp_match_one_big_batch(tmp_path: Path, model: str) -> 
         return run_dir
 
     reference = run(1, 1)
-    ref_weights, ref_losses = load_weights(reference), _losses(reference)
+    ref_weights, ref_losses = load_weights(reference), losses(reference)
     for dp, acc in LAYOUTS:
         run_dir = run(dp, acc)
         diff = max_abs_diff(load_weights(run_dir), ref_weights)
         assert diff < TOL, f"dp={dp} x acc={acc}: parameters differ by {diff:.3g}"
-        assert _losses(run_dir) == pytest.approx(ref_losses, rel=1e-6), f"dp={dp} x acc={acc}"
+        assert losses(run_dir) == pytest.approx(ref_losses, rel=1e-6), f"dp={dp} x acc={acc}"
 
 
 @pytest.mark.slow

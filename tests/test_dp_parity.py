@@ -3,12 +3,11 @@ same parameters (to 1e-5) as a single process on the whole global batch, for the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from harness import load_weights, max_abs_diff, run_workers
+from harness import load_weights, losses, max_abs_diff, run_workers
 
 TOL = 1e-5
 
@@ -33,9 +32,6 @@ CASES = {
 }
 
 
-def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if r.get("kind") == "train"]
 
 
 @pytest.mark.slow
@@ -53,13 +49,13 @@ def test_dp_matches_single_process(tmp_path: Path, model: str) -> None:
         return run_dir
 
     reference = run(1)  # one process, the whole global batch in one micro-batch
-    ref_weights, ref_losses = load_weights(reference), _losses(reference)
+    ref_weights, ref_losses = load_weights(reference), losses(reference)
     assert len(ref_losses) == 5
     for dp in (2, 4):
         run_dir = run(dp)
         diff = max_abs_diff(load_weights(run_dir), ref_weights)
         assert diff < TOL, f"dp={dp}: parameters differ from 1 process by {diff:.3g}"
-        assert _losses(run_dir) == pytest.approx(ref_losses, abs=1e-6)
+        assert losses(run_dir) == pytest.approx(ref_losses, abs=1e-6)
     # The check can fail: training moved the parameters far beyond the tolerance.
     initial = tmp_path / "dp1-0"
     run_workers(config, [f"train.global_batch={global_batch}", f"train.micro_batch={global_batch}",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from harness import cli_env, free_port, run_cli
+from harness import cli_env, free_port, records, run_cli, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +46,6 @@ def config(tmp_path: Path) -> Path:
     return path
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_train_two_processes_writes_the_whole_run_directory(tmp_path: Path, config: Path) -> None:
@@ -58,14 +56,14 @@ def test_train_two_processes_writes_the_whole_run_directory(tmp_path: Path, conf
     for name in ("config.toml", "metrics.jsonl", "model.safetensors", "summary.json", "report.png"):
         assert (run_dir / name).is_file(), name
     assert 'global_batch = 32' in (run_dir / "config.toml").read_text()
-    train = [r for r in _records(run_dir) if r["kind"] == "train"]
+    train = records(run_dir)
     assert [r["step"] for r in train] == list(range(5, 41, 5))
     for field in ("step", "loss", "lr", "grad_norm", "examples", "tokens", "examples_per_s",
                   "tokens_per_s", "step_time_s", "peak_mem_bytes"):
         assert field in train[0], field
     assert train[0]["examples"] == 5 * 32
     assert train[-1]["loss"] < train[0]["loss"]
-    evals = [r for r in _records(run_dir) if r["kind"] == "eval"]
+    evals = records(run_dir, "eval")
     assert [e["step"] for e in evals] == [20, 40] and evals[-1]["accuracy"] > 0.5
     weights = load_file(str(run_dir / "model.safetensors"))
     assert not any(k.startswith("module.") for k in weights)  # no DDP prefix
@@ -96,25 +94,10 @@ def test_two_nodes_meet_through_c10d_rendezvous(tmp_path: Path, config: Path) ->
         assert n.returncode == 0, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 20
-    train = [r for r in _records(run_dir) if r["kind"] == "train"]
+    train = records(run_dir)
     assert train[-1]["examples"] == 5 * 32 and train[-1]["loss"] < train[0]["loss"]
 
 
-def _worker_pids(launcher_pid: int) -> dict[int, int]:
-    """RANK -> pid of the launcher's worker children, read from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            continue
-        rank = [e for e in env if e.startswith(b"RANK=")]
-        if ppid == launcher_pid and rank:
-            found[int(rank[0][5:])] = int(entry.name)
-    return found
 
 
 def _wait_for(predicate, timeout: float) -> None:
@@ -133,7 +116,7 @@ def test_killed_rank_ends_the_run_naming_it(tmp_path: Path, config: Path) -> Non
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), timeout=90)
-        pids = _worker_pids(launcher.pid)
+        pids = worker_pids(launcher.pid)
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[1], signal.SIGKILL)
         _, err = launcher.communicate(timeout=60)

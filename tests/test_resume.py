@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import cli_env, load_weights, run_cli, run_workers
+from harness import cli_env, load_weights, records, run_cli, run_workers, worker_pids
 from scaletrain.checkpoint import (Checkpointer, CheckpointError, TrainState, latest_valid, load,
                                    list_checkpoints)
 from scaletrain.data.sources import TaskSpec
@@ -47,8 +47,7 @@ quiet = true
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}  # last record per step
+    return {r["step"]: r["loss"] for r in records(run_dir)}  # the last record of each step
 
 
 @pytest.mark.slow
@@ -72,18 +71,6 @@ def test_stop_and_resume_on_another_world_size(tmp_path: Path, before: int, afte
     assert abs(ref[5] - ref[10]) > 1e-2
 
 
-def _worker_pids(launcher_pid: int) -> dict[int, int]:
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        rank = [e for e in env if e.startswith(b"RANK=")]
-        if ppid == launcher_pid and rank:
-            found[int(rank[0][5:])] = int(entry.name)
-    return found
 
 
 KILL_CONFIG = """
@@ -126,7 +113,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
         while not (run_dir / "checkpoints" / "step-00000050").exists():
             assert time.monotonic() < deadline and launcher.poll() is None, "no checkpoint"
             time.sleep(0.05)
-        pids = _worker_pids(launcher.pid)
+        pids = worker_pids(launcher.pid)
         os.kill(pids[1], signal.SIGKILL)
         out, err = launcher.communicate(timeout=300)
     finally:

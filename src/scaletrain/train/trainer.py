@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from scaletrain.checkpoint import Checkpointer, TrainState, latest_valid
