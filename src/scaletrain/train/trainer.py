@@ -214,7 +214,7 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
         return None
     return _finish(run_dir, model=state.model, config=config, derived=derived, wall=wall,
                    last_loss=last_loss, eval_record=eval_record, skipped=state.skipped_steps,
-                   steps_run=t.steps - first_step,
+                   steps_run=t.steps - first_step, precision_mode=state.precision.mode,
                    tokens_per_example=parts.train_ds.spec.input_shape[0]
                    if parts.train_ds.spec.kind == "lm" else 0)
 
@@ -317,7 +317,7 @@ class CommCounter:
 
 def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: float,
             last_loss: float, eval_record: dict, skipped: int, steps_run: int,
-            tokens_per_example: int) -> dict:
+            tokens_per_example: int, precision_mode: str) -> dict:
     """Rank 0 writes the final weights (plain names, no DDP prefix) and the summary."""
     state = {k: v.detach().to("cpu", torch.float32).contiguous()
              for k, v in unwrap(model).state_dict().items()}
@@ -325,7 +325,7 @@ def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: flo
               metadata={"model": config.model.name, "size": config.model.size})
     examples = steps_run * config.train.global_batch  # this process's share of the run
     summary = {
-        "final_loss": last_loss,
+        "final_loss": last_loss,  # mean training loss of the last log.every-step window
         "eval": eval_record,
         "wall_time_s": wall,
         "steps": config.train.steps,
@@ -333,7 +333,7 @@ def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: flo
         "world_size": derived.world_size,
         "examples_per_s": examples / wall,
         "tokens_per_s": examples * tokens_per_example / wall,
-        "precision": config.precision.mode,
+        "precision": precision_mode,  # what ran ("auto" resolved)
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
