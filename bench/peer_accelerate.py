@@ -24,24 +24,12 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from scaletrain.data.sampler import GlobalBatchSampler
-from scaletrain.data.sources import load_source
-from scaletrain.models import build_model
+from peer_job import add_job_args, build_job  # bench/ is on sys.path
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="cnn")
-    p.add_argument("--size", default="small")
-    p.add_argument("--source", default="mnist")
-    p.add_argument("--global-batch", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=200, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=10, help="untimed optimizer steps first")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    add_job_args(p, steps=200)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--world-size", type=int, default=2, help="expected processes (asserted)")
     p.add_argument("--precision", choices=("no", "bf16"), default="no")
@@ -60,12 +48,8 @@ def main() -> None:
         f"expected {world} processes, Accelerate runs {accelerator.num_processes} "
         f"({accelerator.distributed_type})")
     set_seed(a.seed)
-    data = load_source(a.source, split="train")
-    model = build_model(a.model, size=a.size, task=data.spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, foreach=True)
+    data, model, optimizer, sampler = build_job(a, rank=accelerator.process_index, world=world)
     model, optimizer = accelerator.prepare(model, optimizer)
-    sampler = GlobalBatchSampler(len(data), global_batch=a.global_batch, micro_batch=a.micro_batch,
-                                 dp_rank=accelerator.process_index, dp_size=world, seed=a.seed)
 
     window_loss, final_loss = torch.zeros(()), float("nan")
     for step in range(a.warmup + a.steps):

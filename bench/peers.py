@@ -39,6 +39,8 @@ import tomllib
 from functools import partial
 from pathlib import Path
 
+from peer_job import add_job_args  # bench/ is on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's console scripts: scaletrain, accelerate
 LIBRARIES = ("scaletrain", "accelerate", "fabric")
@@ -177,18 +179,8 @@ def measured(fn, *, retries: int):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=150, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=10, help="untimed optimizer steps first")
-    p.add_argument("--log-every", type=int, default=10)
+    add_job_args(p, steps=150)
     p.add_argument("--precisions", default="fp32,bf16-mixed")
-    p.add_argument("--model", default="cnn")
-    p.add_argument("--size", default="small")
-    p.add_argument("--source", default="mnist")
-    p.add_argument("--global-batch", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--retries", type=int, default=2,
                    help="re-runs of a run disturbed by other processes")
     a = p.parse_args()

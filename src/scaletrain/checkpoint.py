@@ -48,6 +48,8 @@ from torch.distributed.checkpoint._traverse import set_element  # what DefaultLo
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from scaletrain.runtime import barrier
+
 MANIFEST = "manifest.json"
 
 
@@ -235,7 +237,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             (tmp / "config.toml").write_text(self.config_toml)
-        _barrier()
+        barrier()
         sd = state.state_dict()
         with _single_process_quiet():
             self._write(sd, tmp, final)
@@ -266,10 +268,10 @@ class Checkpointer:
             self._pending = future
         else:
             dcp.save(sd, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-            _barrier()
+            barrier()
             if _rank() == 0:
                 _finalize(tmp, final, keep=self.keep)
-            _barrier()
+            barrier()
 
     def close(self) -> None:
         """Finish any save in flight and release the staging buffers."""
@@ -287,10 +289,6 @@ class Checkpointer:
             future, self._pending = self._pending, None
             future.result()
 
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

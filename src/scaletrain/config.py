@@ -260,7 +260,9 @@ def _describe(error: ValidationError, data: dict[str, Any]) -> str:
     given = _lookup(data, path) if len(path) < len(first["loc"]) else first.get("input")
     msg = first["msg"]
     if first["type"] in ("missing", "too_short", "too_long") and len(path) < len(first["loc"]):
-        msg = "expected 2 values, e.g. optim.betas=[0.9, 0.95]" if loc == "optim.betas" else msg
+        default = _default(path)
+        if isinstance(default, tuple):  # a fixed-length field given too few or too many values
+            msg = f"expected {len(default)} values, e.g. {loc}={list(default)}"
     elif first["type"] == "string_pattern_mismatch":
         msg = "use only letters, digits, '_', '.' and '-'"
     ctx = first.get("ctx") or {}
@@ -268,6 +270,14 @@ def _describe(error: ValidationError, data: dict[str, Any]) -> str:
         msg = f"allowed values are {ctx['expected']}"
     more = f" (and {error.error_count() - 1} more problem(s))" if error.error_count() > 1 else ""
     return f"{loc} = {given!r} is invalid: {msg}{more}"
+
+
+def _default(path: list) -> Any:
+    """The schema's default at a dotted path (None if the path is not a field)."""
+    node: Any = Config()
+    for part in path:
+        node = getattr(node, str(part), None)
+    return node
 
 
 def _lookup(data: dict[str, Any], path: list) -> Any:
@@ -307,7 +317,6 @@ class Derived:
     examples_per_rank: int  # per optimizer step
     threads: int  # torch threads per process
     backend: str  # gloo or nccl
-    nproc_per_node: int
     warnings: tuple[str, ...] = ()  # legal but probably unwanted choices, printed at start
 
 
@@ -375,6 +384,5 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
         examples_per_rank=t.global_batch // layout.dp,
         threads=threads,
         backend=backend,
-        nproc_per_node=nproc_per_node,
         warnings=tuple(warnings),
     )

@@ -157,11 +157,12 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     # Fixed-size examples (images, packed text) have the same count on every rank; padded
     # text does not, and then the step all-reduces the count before its first forward.
     ragged = parts.train_ds.spec.ragged
-    micro = []
+    micro, indices = [], parts.sampler.micro_batches(state.step)
     for step in range(state.step, t.steps):
-        micro = [_to(parts.train_ds.get(idx), parts.device) for idx in parts.sampler.micro_batches(step)]
+        micro = [parts.train_ds.get(idx).to(parts.device, non_blocking=True) for idx in indices]
         if step + 1 < t.steps:  # read the next step's rows in the background
-            parts.train_ds.prefetch(torch.cat(parts.sampler.micro_batches(step + 1)))
+            indices = parts.sampler.micro_batches(step + 1)
+            parts.train_ds.prefetch(torch.cat(indices))
         with collective_guard("gradient all-reduce (DDP backward)", step=step):
             result = train_step(state.model, micro, optimizer=state.optimizer,
                                 scheduler=state.scheduler, precision=state.precision,
@@ -219,14 +220,6 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
                    if parts.train_ds.spec.kind == "lm" else 0)
 
 
-def _to(batch: Batch, device: torch.device) -> Batch:
-    if device.type == "cpu":
-        return batch
-    return Batch(inputs=batch.inputs.to(device, non_blocking=True),
-                 targets=batch.targets.to(device, non_blocking=True),
-                 count=batch.count, tokens=batch.tokens)
-
-
 def _train_record(step: int, result: StepResult, window: Window, micro: list[Batch], optimizer,
                   precision: Precision, *, skipped: int, dp: int) -> dict:
     # One all-reduce per record: the window's summed loss over every rank. Counts are global.
@@ -268,7 +261,7 @@ def evaluate(model: torch.nn.Module, eval_ds: Dataset, config: Config, penv: Pro
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
     for idx in eval_indices(len(eval_ds), limit=config.train.eval_examples, dp_rank=penv.rank,
                             dp_size=derived.layout.dp, batch=config.train.micro_batch):
-        batch = _to(eval_ds.get(idx), device)
+        batch = eval_ds.get(idx).to(device, non_blocking=True)
         with precision.forward_context():
             logits = net(precision.convert_input(batch.inputs))
         totals[0] += float(summed_loss(logits, batch.targets))
