@@ -1,87 +1,65 @@
-"""The `bench/peers.py` job written the way HF Accelerate's docs write a training loop.
+"""The contender written the way HF Accelerate's docs write a training loop.
 
-`Accelerator(cpu=True, mixed_precision=..., gradient_accumulation_steps=k)`, `prepare`,
-`accumulate(model)` (DDP `no_sync` on all but the k-th micro-batch), `accelerator.backward`
-(divides the loss by k), `clip_grad_norm_` on the sync micro-batch, and the wrapped
-optimizer, which only steps when gradients were synced. The model comes from scaletrain's
-registry and the micro-batches from scaletrain's sampler, so every library sees the same
-network, initial weights and examples. Launch (PLATFORM-NOTES: `--cpu` runs ONE process):
+`Accelerator(cpu=True, mixed_precision=..., gradient_accumulation_steps=k)`, `prepare`
+(DDP with Accelerate's default kwargs), `accumulate(model)` (DDP `no_sync` on all but the
+k-th micro-batch), `accelerator.backward` (divides the loss by k), `clip_grad_norm_` on
+the sync micro-batch, and the wrapped optimizer, which only steps when gradients were
+synced. AdamW as the docs construct it. Data, model and examples come from the shared job
+(bench/common.py). Launch (PLATFORM-NOTES: `--cpu` runs ONE process):
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
-        --mixed_precision bf16 --dynamo_backend no bench/peer_accelerate.py --out r.json
+        --mixed_precision no --dynamo_backend no bench/peer_accelerate.py --out r.json
 
-Writes one JSON object (rank 0): steps_per_s over the timed steps, final_loss (see below),
-world_size, threads, precision.
+Writes one JSON object (rank 0), as every contender does (see bench/common.py).
 """
 
-import argparse
-import json
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from peer_job import add_job_args, build_job  # bench/ is on sys.path
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_job_args(p, steps=200)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--world-size", type=int, default=2, help="expected processes (asserted)")
-    p.add_argument("--precision", choices=("no", "bf16"), default="no")
-    p.add_argument("--out", required=True)
-    return p.parse_args()
+from common import (ACCELERATE_PRECISION, WallClock, build_job, docs_adamw, worker_args,
+                    write_peer_result)
 
 
 def main() -> None:
-    a = parse_args()
+    a = worker_args(__doc__)
     torch.set_num_threads(a.threads)
-    world = a.world_size
-    accum = a.global_batch // (a.micro_batch * world)
-    accelerator = Accelerator(cpu=True, mixed_precision=a.precision,
+    accum = a.global_batch // (a.micro_batch * a.procs)
+    accelerator = Accelerator(cpu=True, mixed_precision=ACCELERATE_PRECISION[a.precision],
                               gradient_accumulation_steps=accum)
-    assert accelerator.num_processes == world, (
-        f"expected {world} processes, Accelerate runs {accelerator.num_processes} "
+    assert accelerator.num_processes == a.procs, (
+        f"expected {a.procs} processes, Accelerate runs {accelerator.num_processes} "
         f"({accelerator.distributed_type})")
     set_seed(a.seed)
-    data, model, optimizer, sampler = build_job(a, rank=accelerator.process_index, world=world)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    data, model, sampler = build_job(a, rank=accelerator.process_index,
+                                     world=accelerator.num_processes)
+    model, optimizer = accelerator.prepare(model, docs_adamw(model, a))
 
-    window_loss, final_loss = torch.zeros(()), float("nan")
-    for step in range(a.warmup + a.steps):
-        if step == a.warmup:
-            start = time.perf_counter()
+    clock, logged, window_loss = WallClock(warmup=a.warmup, steps=a.steps), {}, torch.zeros(())
+    for step in range(clock.total_steps):
+        clock.tick(step)
         for idx in sampler.micro_batches(step):
             batch = data.get(idx)
             with accelerator.accumulate(model):  # no_sync unless this is the k-th micro-batch
                 logits = model(batch.inputs)  # autocast inside the wrapped forward; fp32 out
-                loss = F.cross_entropy(logits.flatten(0, -2), batch.targets.flatten())  # mean
+                loss = F.cross_entropy(logits, batch.targets)  # mean
                 accelerator.backward(loss)  # loss / k
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients and a.grad_clip:
                     accelerator.clip_grad_norm_(model.parameters(), a.grad_clip)
                 optimizer.step()  # a no-op until gradients are synced
                 optimizer.zero_grad()
             window_loss += loss.detach()
-        if (step + 1) % a.log_every == 0:
-            # The usual Accelerate logging: reduce the mean over ranks. A mean of per-micro-batch
-            # means equals the global mean here (equal micro-batches); with ragged token counts
-            # it would not.
+        if (step + 1) % a.log_every == 0:  # the usual Accelerate logging: a mean over ranks
             mean = accelerator.reduce(window_loss / (a.log_every * accum), reduction="mean")
-            final_loss, window_loss = float(mean), torch.zeros(())
-    seconds = time.perf_counter() - start
+            logged[step + 1], window_loss = float(mean), torch.zeros(())
 
     if accelerator.is_main_process:
-        with open(a.out, "w") as f:
-            json.dump({"library": "accelerate", "precision": a.precision,
-                       "world_size": accelerator.num_processes,
-                       "distributed_type": str(accelerator.distributed_type),
-                       "threads": torch.get_num_threads(), "accumulation": accum,
-                       "steps": a.steps, "seconds": seconds, "steps_per_s": a.steps / seconds,
-                       "final_loss": final_loss}, f)
+        write_peer_result(a, clock, logged, library="accelerate", model=model,
+                          optimizer=optimizer, world_size=accelerator.num_processes,
+                          distributed_type=str(accelerator.distributed_type))
     accelerator.end_training()  # destroys the process group
     os._exit(0)  # skip gloo's intermittent abort at interpreter shutdown (PLATFORM-NOTES)
 

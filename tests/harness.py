@@ -41,9 +41,13 @@ def run_workers(config: Path, overrides: list[str], *, world_size: int, run_dir:
     port = free_port()
     procs = []
     for rank in range(world_size):
+        # OMP_NUM_THREADS as the launcher sets it: some kernels (stock PowerSGD's QR) pick
+        # their thread count at start-up from it and are not reproducible without it.
+        threads = str(max(1, len(os.sched_getaffinity(0)) // world_size))
         env = cli_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="test")
+                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="test",
+                      OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
         cmd = [sys.executable, "-m", "scaletrain", "train", str(config), *overrides,
                "--run-dir", str(run_dir)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,

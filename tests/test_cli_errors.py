@@ -92,6 +92,8 @@ CASES = [
     case("steps-zero", "train {cfg} train.steps=0", "train.steps = 0", "greater than or equal to 1"),
     case("lr-negative", "train {cfg} optim.lr=-1", "optim.lr = -1", "greater than 0"),
     case("lr-too-large", "train {cfg} optim.lr=20", "optim.lr = 20", "less than or equal to 10"),
+    case("lr-nan", "train {cfg} optim.lr=nan", "optim.lr = nan", "NaN is not allowed",
+         "finite number"),
     case("dropout-above-one", "train {cfg} model.dropout=1.5", "model.dropout = 1.5", "less than 1"),
     case("grad-clip-negative", "train {cfg} optim.grad_clip=-1",
          "optim.grad_clip = -1", "greater than or equal to 0"),
@@ -144,7 +146,8 @@ CASES = [
     case("toml-string-for-section", "train {cfg}", "model is a section", "'gpt'",
          toml='model = "gpt"\n'),
     case("config-file-missing", "train {tmp}/missing.toml", "missing.toml", "does not exist"),
-    case("config-file-is-a-directory", "explain {tmp}", ("does not exist", "not a file", "directory")),
+    case("config-file-is-a-directory", "explain {tmp}", "is a directory", "TOML file",
+         absent=("does not exist",)),
     case("config-invalid-toml", "train {cfg}", "config.toml", "not valid TOML", "line 1",
          toml="[train\nsteps = 3\n"),
     case("config-duplicate-key", "train {cfg}", "config.toml", "not valid TOML",
@@ -183,6 +186,22 @@ CASES = [
          "--run-dir", "afile", "not a directory", files={"afile": "x\n"}),
     case("bad-config-before-run-dir", "train {cfg} train.steps=0 --run-dir {tmp}/old",
          "train.steps = 0", files={"old/metrics.jsonl": RUN}),
+    # --- data that is not there (checked before any process starts)
+    case("data-path-missing", "train {cfg} data.source=shards data.path={tmp}/nowhere",
+         "data.path", "nowhere", "does not exist", "scaletrain shard"),
+    case("explain-data-path-missing", "explain {cfg} data.source=shards data.path={tmp}/nowhere",
+         "data.path", "does not exist"),
+    case("data-path-is-a-file", "train {cfg} data.source=shards data.path={tmp}/afile",
+         "data.path", "afile", "is a file", files={"afile": "x\n"}),
+    # --- export
+    case("export-run-without-checkpoints", "export {tmp}/run {tmp}/out.safetensors",
+         "run", "has no checkpoints", "checkpoint.every = 0", "run/model.safetensors",
+         absent=("incomplete save",),
+         files={"run/metrics.jsonl": RUN, "run/model.safetensors": "weights"}),
+    case("export-neither-checkpoint-nor-run", "export {tmp}/other {tmp}/out.safetensors",
+         "other", "neither a checkpoint", "nor a run directory", files={"other/notes.txt": "x"}),
+    case("export-missing", "export {tmp}/nowhere {tmp}/out.safetensors", "nowhere",
+         "not a directory"),
     # --- report
     case("report-dir-without-metrics", "report {tmp}/empty",
          "empty", "not a run directory", "metrics.jsonl", files={"empty/summary.json": "{}\n"}),
@@ -273,3 +292,61 @@ def test_good_config_passes_validation(tmp_path: Path, capsys: pytest.CaptureFix
     # global 8 = micro 4 x dp 2 x 1 accumulation step
     assert re.search(r"accumulation steps\W+1\W*$", out, re.MULTILINE), out
     assert "2 process(es) x 1 node(s)" in out
+    # digits has 1438 training rows: 2 steps x 8 examples = 0.0111 epochs
+    assert re.search(r"epochs\W+0\.0111 \(2 steps x 8 / 1438 rows\)", out), out
+
+
+@pytest.mark.parametrize("model", ["gpt", "cnn"])
+def test_model_that_does_not_fit_the_shards_is_refused_before_launch(
+        model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from scaletrain.data.shard_writer import write_shards
+
+    shards = tmp_path / "shards"
+    write_shards("synthetic-text" if model == "cnn" else "digits", shards, rows_per_shard=512,
+                 seq_len=16, synthetic_examples=64)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(GOOD_TOML)
+    before = _tree(tmp_path)
+
+    code = _main(["train", str(cfg), "data.source=shards", f"data.path={shards}",
+                  f"model.name={model}", "data.seq_len=16"])
+
+    err = capsys.readouterr().err
+    assert code == 2, err
+    message = [line for line in err.splitlines() if line.startswith("scaletrain: error: ")]
+    assert len(message) == 1 and "Traceback" not in err, err
+    assert f"model.name = {model!r} needs" in message[0] and str(shards) in message[0]
+    assert _tree(tmp_path) == before
+
+
+def test_explain_warns_about_oversubscribed_cores(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(GOOD_TOML.replace("global_batch = 8", "global_batch = 256"))
+    cores = len(os.sched_getaffinity(0))
+
+    code = _main(["explain", str(cfg), "--nproc", str(4 * cores)])
+
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    warning = [line for line in err.splitlines() if "oversubscribed" in line]
+    assert len(warning) == 1 and warning[0].startswith("scaletrain: warning: "), err
+    assert f"{4 * cores} process(es) x 1 thread(s)" in warning[0]
+    assert f"on {cores} core(s)" in warning[0] and f"--nproc <= {cores}" in warning[0]
+
+    code = _main(["explain", str(cfg), "--nproc", "1"])
+    assert code == 0 and "oversubscribed" not in capsys.readouterr().err
+
+
+def test_empty_config_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "empty.toml"
+    cfg.write_text("# nothing here yet\n")
+
+    code = _main(["explain", str(cfg), "train.steps=5"])
+
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"scaletrain: warning: config file {str(cfg)!r} sets nothing" in err
+    assert "model.name = 'cnn'" in err and "train.steps = 5" in err
+    cfg.write_text(GOOD_TOML)
+    assert _main(["explain", str(cfg)]) == 0 and "sets nothing" not in capsys.readouterr().err

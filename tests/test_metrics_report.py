@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from scaletrain.metrics import MetricsLogger, read_metrics
-from scaletrain.report import write_report
+from scaletrain.report import (build_figure, config_table, differing_keys, flatten_config,
+                               legend_labels, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -161,3 +162,59 @@ def test_report_refuses_a_run_without_metrics(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"run directory .*empty has no metrics\.jsonl"):
         write_report([tmp_path / "good", tmp_path / "empty"], out=tmp_path / "r.png")
     assert not (tmp_path / "r.png").exists()
+
+
+def _config(run_dir: Path, text: str) -> None:
+    (run_dir / "config.toml").write_text(text)
+
+
+def test_differing_keys_lists_changed_and_missing_keys_only() -> None:
+    a = flatten_config({"name": "a", "optim": {"lr": 1e-3, "betas": [0.9, 0.99]},
+                        "train": {"steps": 100, "micro_batch": 32}})
+    b = flatten_config({"name": "b", "optim": {"lr": 3e-3, "betas": [0.9, 0.99]},
+                        "train": {"steps": 100, "micro_batch": 32, "compile": True}})
+    c = flatten_config({"name": "c", "optim": {"lr": 1e-3, "betas": [0.9, 0.95]},
+                        "train": {"steps": 100, "micro_batch": 32}})
+    assert a["optim.lr"] == 1e-3 and "optim" not in a  # dotted keys, no tables
+    assert differing_keys([a, b]) == ["optim.lr", "train.compile"]  # the name is in the label
+    assert differing_keys([a, b, c]) == ["optim.lr", "optim.betas", "train.compile"]
+    assert differing_keys([a, a]) == [] and differing_keys([a]) == []
+    assert differing_keys([a, {}, b]) == ["optim.lr", "train.compile"]  # no config: not compared
+
+
+def test_legend_labels_and_table_name_each_differing_value() -> None:
+    configs = [{"optim.lr": 0.001, "train.compile": True}, {"optim.lr": 0.003}]
+    keys = ["optim.lr", "train.compile"]
+    labels = legend_labels(["r1", "r2"], configs, keys)
+    assert labels == ["r1\noptim.lr=0.001, train.compile=true", "r2\noptim.lr=0.003, train.compile=-"]
+    assert legend_labels(["r1", "r2"], configs, []) == ["r1", "r2"]
+    many = [f"k.{i}" for i in range(5)]
+    label = legend_labels(["r"], [{k: 1 for k in many}], many)[0]
+    assert "k.0=1, k.1=1, k.2=1 (+2 in the table)" in label and "k.3" not in label
+    table = config_table(["r1", "r2"], configs, keys)
+    assert table[1].split() == ["run", "optim.lr", "train.compile"]
+    assert table[2].split() == ["r1", "0.001", "true"] and table[3].split() == ["r2", "0.003", "-"]
+
+
+def test_report_shows_what_differs_between_the_runs_configs(tmp_path: Path) -> None:
+    for name, lr, micro in (("fast", 3e-3, 64), ("slow", 1e-3, 32)):
+        _fake_run(tmp_path / name, steps=10, tokens=False, eval_key="accuracy")
+        _config(tmp_path / name, f'name = "mnist"\n[model]\nname = "cnn"\n'
+                                 f'[optim]\nlr = {lr}\n[train]\nmicro_batch = {micro}\n')
+    fig = build_figure([tmp_path / "fast", tmp_path / "slow"])
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["fast (mnist)\noptim.lr=0.003, train.micro_batch=64",
+                      "slow (mnist)\noptim.lr=0.001, train.micro_batch=32"]
+    footnote = fig.get_supxlabel()
+    assert "optim.lr" in footnote and "train.micro_batch" in footnote
+    assert "model.name" not in footnote and "model.name" not in "".join(legend)  # the same in both
+
+
+def test_eval_is_drawn_as_a_line_through_a_marker_per_evaluation(tmp_path: Path) -> None:
+    _fake_run(tmp_path / "run", steps=20, tokens=False, eval_key="accuracy")  # evals at 5..20
+    fig = build_figure([tmp_path / "run"])
+    (line,) = fig.axes[2].lines
+    assert list(line.get_xdata()) == [5, 10, 15, 20]
+    assert list(line.get_ydata()) == pytest.approx([0.55, 0.6, 0.65, 0.7])
+    assert line.get_linestyle() == "-" and line.get_linewidth() > 0  # a line, not lone dots
+    assert line.get_marker() == "o"

@@ -1,6 +1,7 @@
 """Precision policies, in one process through the real train step: fp16 overflow skips the
 step and lowers the scale; bf16-mixed trains within tolerance of fp32; `auto` picks bf16 on
-hardware with fast bf16; persistent overflow names the first parameter that overflowed."""
+hardware with fast bf16 (a decision table over torch's capability checks); fp64 keeps every
+tensor in float64; persistent overflow names the first parameter that overflowed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import torch
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.sources import load_source
 from scaletrain.models import build_model
-from scaletrain.precision import PRECISION_MODES, choose_auto, cpu_has_fast_bf16, make_precision
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from scaletrain.precision import (PRECISION_MODES, Hardware, choose_auto, decide_auto,
+                                  detect_hardware, make_precision)
 from scaletrain.train.optim import build_optimizer, build_scheduler
 from scaletrain.train.step import train_step
 
@@ -75,12 +79,47 @@ def test_fp16_clean_steps_grow_the_scale() -> None:
     assert precision.loss_scale == 512.0
 
 
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the input dtypes of every matmul that actually runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.seen |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode,matmul_dtype", [("bf16-mixed", torch.bfloat16),
+                                               ("fp32", torch.float32),
+                                               ("fp64", torch.float64)])
+def test_matmuls_run_in_the_mode_s_dtype(mode: str, matmul_dtype: torch.dtype) -> None:
+    # A no-op forward context would leave bf16-mixed's matmuls in fp32: this sees it.
+    data, model, precision, opt, sched, sampler = _setup(mode)
+    micro = [data.get(i) for i in sampler.micro_batches(0)]
+    with _MatmulDtypes() as seen:
+        with precision.forward_context():
+            model(precision.convert_input(micro[0].inputs))
+    assert seen.seen == {matmul_dtype}, (mode, seen.seen)
+
+
 def test_bf16_mixed_trains_within_tolerance_of_fp32() -> None:
     loss32, acc32 = _train("fp32", 60)
     loss16, acc16 = _train("bf16-mixed", 60)
     assert abs(loss16 - loss32) < 0.05 + 0.1 * loss32, (loss32, loss16)
     assert abs(acc16 - acc32) < 0.03, (acc32, acc16)
     assert acc32 > 0.9
+
+
+def test_fp64_keeps_parameters_gradients_and_optimizer_state_in_float64() -> None:
+    data, model, precision, opt, sched, sampler = _setup("fp64")
+    r = _step(data, model, precision, opt, sched, sampler, 0)
+    assert r.stepped and r.loss_sum.dtype == torch.float64
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    moments = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    assert moments and all(m.dtype == torch.float64 for m in moments)
 
 
 def test_bf16_true_keeps_parameters_in_bf16_and_learns() -> None:
@@ -92,14 +131,26 @@ def test_bf16_true_keeps_parameters_in_bf16_and_learns() -> None:
     assert float(last.loss_sum) / last.count < 0.5 * float(first.loss_sum) / first.count
 
 
-def test_auto_follows_the_cpu_flags() -> None:
-    fast, why = cpu_has_fast_bf16()
-    mode, reason = choose_auto("cpu")
-    assert mode == ("bf16-mixed" if fast else "fp32") and reason == why
-    assert make_precision("auto", device_type="cpu").mode == mode
-    flags = open("/proc/cpuinfo").read()
-    if "avx512_bf16" in flags or "amx_bf16" in flags:  # this project's machines
-        assert mode == "bf16-mixed"
+@pytest.mark.parametrize("hw,mode", [
+    (Hardware("cpu", avx512_bf16=True, amx=True), "bf16-mixed"),
+    (Hardware("cpu", avx512_bf16=True, amx=False), "bf16-mixed"),
+    (Hardware("cpu", avx512_bf16=False, amx=True), "bf16-mixed"),
+    (Hardware("cpu", avx512_bf16=False, amx=False), "fp32"),
+    (Hardware("cuda", cuda_capability=(9, 0)), "bf16-mixed"),
+    (Hardware("cuda", cuda_capability=(8, 0)), "bf16-mixed"),
+    (Hardware("cuda", cuda_capability=(7, 5)), "fp32"),
+])
+def test_auto_decision_table(hw: Hardware, mode: str) -> None:
+    chosen, why = decide_auto(hw)
+    assert chosen == mode and why
+
+
+def test_auto_on_this_machine_uses_torch_s_own_checks() -> None:
+    hw = detect_hardware("cpu")
+    assert hw.avx512_bf16 == torch.cpu._is_avx512_bf16_supported()
+    assert hw.amx == torch.cpu._is_amx_tile_supported()
+    assert choose_auto("cpu") == decide_auto(hw)
+    assert make_precision("auto", device_type="cpu").mode == decide_auto(hw)[0]
 
 
 def test_every_mode_builds_and_bad_mode_is_refused() -> None:

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from harness import cli_env, load_weights, records, run_cli, run_workers, worker_pids
-from scaletrain.checkpoint import (Checkpointer, CheckpointError, TrainState, latest_valid, load,
-                                   list_checkpoints)
+from scaletrain.checkpoint import Checkpointer, TrainState, load
+from scaletrain.checkpoint_files import CheckpointError, latest_valid, list_checkpoints
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models import build_model
 from scaletrain.precision import make_precision

@@ -1,7 +1,8 @@
 """Parquet shards: round trips equal the in-memory sources, the manifest describes the files,
-ranks of any world size read the sampler's global order and only the row groups they need,
-prefetch lands in the cache, and every kind of damaged shard is refused by name. No Spark
-here (tests/test_spark.py); directories shaped like Spark's are written with pyarrow."""
+file sources split by the hold-out rule, ranks of any world size read the sampler's global
+order and only the row groups they need, prefetch lands in the cache, and every kind of
+damaged shard is refused by name. No Spark here (tests/test_spark.py); directories shaped
+like Spark's are written with pyarrow. The rule itself: tests/test_data_holdout.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from scaletrain.data.holdout import HeldOutSplit, eval_mask
 from scaletrain.data.sampler import GlobalBatchSampler, epoch_order
 from scaletrain.data.shard_writer import write_shards
 from scaletrain.data.shards import (MANIFEST, ShardedDataset, ShardError, load_dataset,
@@ -104,12 +106,15 @@ def test_existing_shards_are_kept_unless_overwrite(tmp_path):
 # --- file sources -------------------------------------------------------------------------
 
 
-def test_text_file_is_packed_and_its_last_5_percent_of_rows_is_eval(tmp_path):
+def test_text_file_is_packed_and_1_document_in_20_is_eval(tmp_path):
     docs = [f"doc {i} é \u4e2d " + "ab" * (i % 37) for i in range(100)]
     with open(tmp_path / "docs.jsonl", "w") as f:
         f.writelines(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs))
     write_shards(tmp_path / "docs.jsonl", tmp_path / "out", rows_per_shard=40, seq_len=16)
-    for split, part in (("train", docs[:95]), ("eval", docs[95:])):
+    held = eval_mask(100)
+    assert held.sum() == 5 and not held[95:].all()  # 5 documents, not the file's tail
+    for split, part in (("train", [d for d, e in zip(docs, held) if not e]),
+                        ("eval", [d for d, e in zip(docs, held) if e])):
         stream = np.frombuffer(b"\n\n".join(d.encode() for d in part), dtype=np.uint8)
         n = len(stream) // 17
         windows = torch.from_numpy(stream[: n * 17].astype(np.int64)).view(n, 17)
@@ -124,20 +129,26 @@ def test_csv_and_json_classification_sources(tmp_path):
     lines = ["label,b,a,c"] + [",".join([str(y[i])] + [repr(float(v)) for v in x[i]])
                                for i in range(40)]
     (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
-    write_shards(tmp_path / "t.csv", tmp_path / "csv", rows_per_shard=16)
+    with pytest.warns(UserWarning, match="eval split has no rows of .* present in train"):
+        write_shards(tmp_path / "t.csv", tmp_path / "csv", rows_per_shard=16)  # 2 eval rows
     train, ev = (ShardedDataset(tmp_path / "csv" / split) for split in ("train", "eval"))
     assert train.spec == TaskSpec("classification", (3,), int(y.max()) + 1)
     assert (len(train), len(ev), train.shard_rows) == (38, 2, (16, 16, 6))  # ceil(5% of 40) = 2
-    assert torch.equal(_read_all(train).inputs, torch.from_numpy(x[:38]))  # CSV column order
-    assert torch.equal(_read_all(ev).targets, torch.from_numpy(y[38:]))
+    held = eval_mask(40)  # rows in file order within each split
+    assert torch.equal(_read_all(train).inputs, torch.from_numpy(x[~held]))  # CSV column order
+    assert torch.equal(_read_all(ev).targets, torch.from_numpy(y[held]))
+    assert train.manifest.label_counts == tuple(np.bincount(y[~held], minlength=4))
+    assert (train.manifest.label_column, train.manifest.feature_columns) == ("label",
+                                                                              ("b", "a", "c"))
     # A `features` list of a perfect square becomes a (1, s, s) image.
     with open(tmp_path / "img.jsonl", "w") as f:
         f.writelines(json.dumps({"label": int(i % 3), "features": [float(i)] * 16}) + "\n"
                      for i in range(30))
-    write_shards(tmp_path / "img.jsonl", tmp_path / "img", rows_per_shard=100)
+    with pytest.warns(UserWarning, match="no rows of"):
+        write_shards(tmp_path / "img.jsonl", tmp_path / "img", rows_per_shard=100)
     img = ShardedDataset(tmp_path / "img" / "train")
     assert img.spec == TaskSpec("classification", (1, 4, 4), 3)
-    assert torch.equal(_read_all(img).inputs[:, 0, 0, 0], torch.arange(28.0))
+    assert torch.equal(_read_all(img).inputs[:, 0, 0, 0], torch.arange(30.0)[~eval_mask(30)])
 
 
 # --- ranks and the sampler ----------------------------------------------------------------
@@ -147,9 +158,12 @@ N_IDS = 1213  # 1213 - ceil(5%) = 1152 train rows = 12 steps of a global batch o
 
 @pytest.fixture(scope="module")
 def ids_dir(tmp_path_factory) -> Path:
-    """Rows that say who they are: inputs = (row id, -row id), label = row id % 7."""
+    """Train rows that say who they are: inputs = (row id, -row id), label = row id % 7."""
     root = tmp_path_factory.mktemp("ids")
-    ids = np.arange(N_IDS)
+    held = eval_mask(N_IDS)
+    ids = np.full(N_IDS, 10_000)  # eval rows: a number no train row has
+    ids[~held] = np.arange(N_IDS - held.sum())  # train row i (after the split) holds i
+    ids[held] += np.arange(held.sum())  # eval rows: labels of every class, no warning
     pq.write_table(pa.table({"id": ids.astype(np.float64), "neg": -ids.astype(np.float64),
                              "label": ids % 7}), root / "ids.parquet")
     write_shards(root / "ids.parquet", root / "shards", rows_per_shard=100, row_group_rows=32)
@@ -344,7 +358,7 @@ def test_a_spark_directory_without_manifest_is_read_directly(tmp_path):
     x, y = digits.inputs.flatten(1).numpy(), digits.targets.numpy()
     _spark_like_dir(tmp_path / "img", {"label": (y, pa.int64()),
                                        "features": (x, pa.float32())}, parts=3)
-    ds = load_dataset(tmp_path / "img", "train")
+    ds = ShardedDataset(tmp_path / "img")  # the whole directory; load_dataset splits it
     assert ds.spec == TaskSpec("classification", (1, 8, 8), 10)
     assert ds.manifest.shards[0].sha256 is None and len(ds.shard_rows) == 3
     assert ds.manifest.schema[1] == ("features", "list<element: float>")
@@ -360,6 +374,27 @@ def test_a_spark_directory_without_manifest_is_read_directly(tmp_path):
     lm = ShardedDataset(tmp_path / "lm")
     assert lm.spec == TaskSpec("lm", (16,), 256)
     assert torch.equal(_read_all(lm).targets, torch.from_numpy(windows[:, 1:]))
+
+
+def test_a_spark_directory_serves_disjoint_held_out_splits(tmp_path):
+    ids = np.arange(1000)
+    _spark_like_dir(tmp_path / "d", {"features": (np.stack([ids, ids], 1), pa.float64()),
+                                     "label": (ids % 10, pa.int64())}, parts=3)
+    with pytest.warns(UserWarning, match="no scaletrain manifest.*1 row in 20") as caught:
+        train = load_dataset(tmp_path / "d", "train")
+        ev = load_dataset(tmp_path / "d", "eval", shuffle_window=64)
+    assert len(caught) == 1  # said once, not once per split
+    assert isinstance(train, HeldOutSplit) and (len(train), len(ev)) == (950, 50)
+    assert sum(train.shard_rows) == 950 and len(train.shard_rows) == 3
+    seen = {split: _read_all(ds).inputs[:, 0].long() for split, ds in (("train", train),
+                                                                       ("eval", ev))}
+    assert not set(seen["train"].tolist()) & set(seen["eval"].tolist())  # disjoint
+    assert torch.equal(torch.cat(list(seen.values())).sort().values, torch.arange(1000))
+    assert torch.equal(seen["eval"], torch.from_numpy(np.flatnonzero(eval_mask(1000))))
+    assert torch.equal(_read_all(ev).targets, seen["eval"] % 10)  # rows stay whole
+    assert set(_read_all(ev).targets.tolist()) == set(range(10))  # label = row % 10 too
+    again = load_dataset(tmp_path / "d", "eval")  # another rank, another run: the same rows
+    assert torch.equal(_read_all(again).inputs, _read_all(ev).inputs)
 
 
 def test_a_spark_directory_with_mixed_schemas_is_refused(tmp_path):

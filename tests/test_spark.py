@@ -1,7 +1,8 @@
 """Apache Spark in local mode writes Parquet that `ShardedDataset` reads: the Spark writer
 (`write_shards_spark`) gives the same rows as the in-memory source and as the pyarrow
-writer, and a plain `df.write.parquet` of array<float> features is read with no manifest.
-One SparkSession (~5 s to start) serves the module."""
+writer (the same hold-out split, computed in Spark SQL) and refuses the same bad cells, and a
+plain `df.write.parquet` of array<float> features is read with no manifest, its eval split
+held out of its rows. One SparkSession (~5 s to start) serves the module."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from harness import run_workers
+from harness import load_weights, run_workers
+from scaletrain.data.file_source import SourceError
+from scaletrain.data.holdout import HeldOutSplit
 from scaletrain.data.shard_writer import write_shards
 from scaletrain.data.shards import ShardedDataset, load_dataset
 from scaletrain.data.sources import TaskSpec, load_source
 from scaletrain.data.spark import spark_session, write_shards_spark
+from scaletrain.models import build_model
 
 pytestmark = pytest.mark.slow
 
@@ -54,9 +58,9 @@ def test_spark_writer_packs_text_and_splits_files_like_the_pyarrow_writer(spark,
             f.writelines(json.dumps({"text": f"doc {part}.{i} é \u4e2d "
                                              + "xy" * int(rng.integers(0, 60))}) + "\n"
                          for i in range(60))
-    with open(tmp_path / "rows.csv", "w") as f:
+    with open(tmp_path / "rows.csv", "w") as f:  # sorted by label: eval still gets every class
         f.write("p1,label,p0\n")
-        f.writelines(f"{float(i) / 8!r},{i % 5},{-float(i)!r}\n" for i in range(200))
+        f.writelines(f"{float(i) / 8!r},{i // 40},{-float(i)!r}\n" for i in range(200))
     # Small input splits: several partitions per file, so the distributed numbering and
     # running sums (not the one-partition shortcut) must put rows back in file order.
     spark.conf.set("spark.sql.files.maxPartitionBytes", "2048")
@@ -68,7 +72,22 @@ def test_spark_writer_packs_text_and_splits_files_like_the_pyarrow_writer(spark,
         spark.conf.unset("spark.sql.files.openCostInBytes")
     assert load_dataset(tmp_path / "spark-rows.csv", "eval").spec == TaskSpec(
         "classification", (2,), 5)
-    assert len(load_dataset(tmp_path / "spark-rows.csv", "eval")) == 10  # 5% of 200
+    ev = load_dataset(tmp_path / "spark-rows.csv", "eval")
+    assert len(ev) == 10 and set(ev.get(torch.arange(10)).targets.tolist()) == set(range(5))
+
+
+@pytest.mark.parametrize("cell, shown", [("abc", "'abc' is not a number"), ("", "empty")])
+def test_spark_writer_refuses_a_bad_cell_like_the_pyarrow_writer(spark, tmp_path, cell, shown):
+    lines = ["label,a,b"] + [f"{i % 3},{i * 0.5},{-i}" for i in range(120)]
+    lines[75] = f"1,{cell},3"  # data row 75, line 76
+    (tmp_path / "bad.csv").write_text("\n".join(lines) + "\n")
+    messages = []
+    for write in (write_shards, lambda *a, **k: write_shards_spark(*a, spark=spark, **k)):
+        with pytest.raises(SourceError) as caught:
+            write(tmp_path / "bad.csv", tmp_path / f"out{len(messages)}", rows_per_shard=50)
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]
+    assert f"bad.csv, row 75 (line 76), column `a`: {shown};" in messages[0]
 
 
 def _compare_writers(spark, tmp_path) -> None:
@@ -133,4 +152,17 @@ quiet = true
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert train[-1]["loss"] < 0.5 * train[0]["loss"]
-    assert json.loads((run_dir / "summary.json").read_text())["eval"]["accuracy"] > 0.8
+    # The eval split is held out of the directory's rows: disjoint from what trained.
+    with pytest.warns(UserWarning, match="no scaletrain manifest"):
+        seen, held = (load_dataset(tmp_path / "spark", split) for split in ("train", "eval"))
+    assert isinstance(held, HeldOutSplit) and (len(seen), len(held)) == (1366, 72)
+    ids = {ds.split: set(ds.global_ids(torch.arange(len(ds))).tolist()) for ds in (seen, held)}
+    assert not ids["train"] & ids["eval"] and len(ids["train"] | ids["eval"]) == len(digits)
+    # The accuracy the run reports is the final model's on exactly those held-out rows.
+    model = build_model("mlp", size="small", task=held.spec)
+    model.load_state_dict(load_weights(run_dir))
+    batch = held.get(torch.arange(len(held)))
+    with torch.no_grad():
+        accuracy = float((model.eval()(batch.inputs).argmax(-1) == batch.targets).float().mean())
+    reported = json.loads((run_dir / "summary.json").read_text())["eval"]["accuracy"]
+    assert reported == pytest.approx(accuracy, abs=1e-6) and reported > 0.8

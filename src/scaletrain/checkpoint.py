@@ -1,41 +1,47 @@
 """Checkpoints: every stateful piece of a run, saved and restored together.
 
-What is saved (torch.distributed.checkpoint, one directory per checkpoint):
-    model      parameters by plain name (DDP prefix stripped by get_state_dict)
-    optim      optimizer moments and param groups
-    scheduler  LR schedule position
-    precision  loss scaler (fp16-mixed) and overflow count
-    rng        every rank's torch / numpy / python RNG state, under its own key
-    progress   step, skipped steps (the data position follows from the step: the sampler is
-               a pure function of (seed, epoch, step))
+What is saved (torch.distributed.checkpoint, one directory per checkpoint). Each piece is a
+DCP `Stateful` (state_dict / load_state_dict) under its own key, so `dcp.load` restores it
+in place:
+    model        parameters by plain name (no DDP prefix: get_model_state_dict)
+    optim        optimizer moments and param groups, keyed by parameter name
+    scheduler    LR schedule position
+    precision    fp16-mixed's loss scaler (scale, growth tracker) and the overflow count
+    progress     step, skipped steps, examples and tokens seen (the data position follows
+                 from the step: the sampler is a pure function of (seed, epoch, step))
+    rng.rankR    rank R's torch CPU, CUDA (every device, when present), numpy and python
+                 RNG states
+    hook.rankR   rank R's DDP comm hook state (parallel/comm_hooks.py): iteration, error
+                 feedback, P/Q memory, bytes sent, the bucket layout they are keyed by, and
+                 for torch's PowerSGD its numpy RNG and compression statistics
+    loop.rankR   rank R's loop state (the trainer's RunProgress): the bad-step streak, the
+                 last logged loss, the open metrics window, the comm counter's position
 plus `config.toml` (the resolved config) and `manifest.json` (SHA-256 of every file).
 
-Atomic: DCP writes into `.tmp-step-N/`; when every rank is done, rank 0 writes the
-manifest and renames the directory to `step-N/`. A crash mid-save leaves only a `.tmp-`
-directory, which is ignored, so the previous checkpoint stays the latest valid one. On
-load, the newest `step-N/` whose files match its manifest wins; a truncated or corrupted
-one is reported and skipped. The last `keep` checkpoints are kept.
+Per-rank pieces differ between ranks (error feedback and a window's loss sum are local), so
+every rank writes its own entry and takes back its own. Their key sets can grow as a run
+goes (PowerSGD adds tensors per bucket), so on load the template comes from the
+checkpoint's metadata, not from the fresh objects.
 
-Safety: DCP's stock reader unpickles its `.metadata` file and loads non-tensor items with
-`torch.load(weights_only=False)`: both can execute code from the checkpoint. Here the
-metadata goes through an unpickler that admits only DCP's metadata classes and torch's
-dtype/layout/size values, and non-tensor items are loaded with `weights_only=True`.
+On disk (checkpoint_files.py): DCP writes into `.tmp-step-N/`, which rank 0 renames to
+`step-N/` once every rank is done and the manifest is written, so a crash mid-save never
+leaves a half checkpoint that looks complete. Loading goes through that module's safe
+reader and planner: no pickled code runs, and the model and optimizer must fit exactly.
+This module decides what goes in and drives DCP; that one owns the directories.
 
-Resharding: DDP replicas hold the same state, so a checkpoint written by 2 ranks loads into
-1 or 4; each rank takes its own RNG entry when it exists (else keeps its seeded state).
+Resharding: DDP replicas hold the same model and optimizer, so a checkpoint written by 2
+ranks loads into 1 or 4; each rank takes its own RNG entry when it exists (else keeps its
+seeded state). The comm hook and loop entries are restored only on the same world size
+(error feedback and per-rank loss sums do not redistribute); on another one they start
+fresh on every rank alike, so no rank compresses while another does not.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import io
-import json
-import os
-import pickle
 import random
 import shutil
-import warnings
+import sys
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,168 +50,188 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
 
+from scaletrain.checkpoint_files import (CheckpointError, SafeFileSystemReader,
+                                         SafeLoadPlanner, finalize, single_process_quiet)
 from scaletrain.runtime import barrier
 
-MANIFEST = "manifest.json"
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and the problem."""
-
-
-# --------------------------------------------------------------------------- safe loading
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admit DCP's metadata dataclasses and plain torch values, nothing that can run code."""
-
-    _TORCH_NAMES = {"Size", "device", "strided", "sparse_coo", "contiguous_format",
-                    "channels_last", "preserve_format", "channels_last_3d"}
-
-    _ALLOWED = {("torch.serialization", "_get_layout"),  # how layouts pickle
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # file names
-                ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
-
-    def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint.") or (
-            module == "collections" and name in ("OrderedDict", "defaultdict")
-        ) or (module == "builtins" and name in ("set", "frozenset", "slice", "tuple", "list",
-                                                "dict")):
-            return super().find_class(module, name)
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and (name in self._TORCH_NAMES
-                                  or isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a "
-                              "checkpoint has no reason to contain: refusing to load it")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        with open(self._get_metadata_path(rank), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    """DefaultLoadPlanner with non-tensor items loaded as weights_only (no code runs)."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-# --------------------------------------------------------------------------- state
-
-
-def _rng_state() -> dict[str, torch.Tensor]:
-    np_state = np.random.get_state()
-    py_version, py_state, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy_key": torch.from_numpy(np_state[1].astype(np.int64)),
-        "numpy_pos": torch.tensor([np_state[2], np_state[3]], dtype=torch.int64),
-        "numpy_gauss": torch.tensor([np_state[4]], dtype=torch.float64),
-        "python": torch.tensor([py_version, *py_state], dtype=torch.int64),
-        "python_gauss": torch.tensor([float("nan") if py_gauss is None else py_gauss]),
-    }
-
-
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["torch"])
-    pos, has_gauss = (int(x) for x in state["numpy_pos"])
-    np.random.set_state(("MT19937", state["numpy_key"].numpy().astype(np.uint32), pos, has_gauss,
-                         float(state["numpy_gauss"][0])))
-    py = [int(x) for x in state["python"]]
-    gauss = float(state["python_gauss"][0])
-    random.setstate((py[0], tuple(py[1:]), None if gauss != gauss else gauss))
-
-
-@contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns that it "assumes" one process even when told so (no_dist=True)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+# --------------------------------------------------------------------------- the pieces
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@dataclass
+class _Model:
+    """Parameters by plain name (get_model_state_dict drops the DDP prefix)."""
+
+    model: torch.nn.Module
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=True))
+
+
+@dataclass
+class _Optimizer:
+    """Optimizer state keyed by parameter name, so it loads into any world size."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+@dataclass
+class _Schedule:
+    """The schedule's position; its lambdas are functions, rebuilt from the config."""
+
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state})
+
+
+@dataclass
+class _Progress:
+    """The counters that say where the run is."""
+
+    state: TrainState
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        s = self.state
+        return {"step": torch.tensor(s.step), "skipped": torch.tensor(s.skipped_steps),
+                "examples_seen": torch.tensor(s.examples_seen),
+                "tokens_seen": torch.tensor(s.tokens_seen)}
+
+    def load_state_dict(self, state: dict) -> None:
+        s = self.state
+        s.step, s.skipped_steps = int(state["step"]), int(state["skipped"])
+        s.examples_seen, s.tokens_seen = int(state["examples_seen"]), int(state["tokens_seen"])
+
+
+class _RNG:
+    """This process's RNGs: torch CPU, every CUDA device, numpy, python."""
+
+    cuda = torch.cuda  # a class attribute, so a test can stand in a fake GPU for this alone
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        np_state = np.random.get_state()
+        py_version, py_state, py_gauss = random.getstate()
+        state = {
+            "torch": torch.get_rng_state(),
+            "numpy_key": torch.from_numpy(np_state[1].astype(np.int64)),
+            "numpy_pos": torch.tensor([np_state[2], np_state[3]], dtype=torch.int64),
+            "numpy_gauss": torch.tensor([np_state[4]], dtype=torch.float64),
+            "python": torch.tensor([py_version, *py_state], dtype=torch.int64),
+            "python_gauss": torch.tensor([float("nan") if py_gauss is None else py_gauss]),
+        }
+        if self.cuda.is_available():  # dropout on a GPU draws from the device's generator
+            state.update({f"cuda.{i}": s for i, s in enumerate(self.cuda.get_rng_state_all())})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["torch"])
+        pos, has_gauss = (int(x) for x in state["numpy_pos"])
+        np.random.set_state(("MT19937", state["numpy_key"].numpy().astype(np.uint32), pos,
+                             has_gauss, float(state["numpy_gauss"][0])))
+        py = [int(x) for x in state["python"]]
+        gauss = float(state["python_gauss"][0])
+        random.setstate((py[0], tuple(py[1:]), None if gauss != gauss else gauss))
+        devices = self.cuda.device_count() if self.cuda.is_available() else 0
+        for key, value in state.items():  # a device this process lacks keeps nothing
+            if key.startswith("cuda.") and int(key.removeprefix("cuda.")) < devices:
+                self.cuda.set_rng_state(value, int(key.removeprefix("cuda.")))
+
+
+class _PerRank:
+    """A piece that differs between ranks, saved as `rank{R}`; each rank takes back its own.
+
+    Args:
+        piece: the Stateful; its state_dict must be flat ({name: tensor or plain value}).
+        any_world: restore it on another world size too (RNGs); else only on the same one.
+    """
+
+    def __init__(self, piece: Stateful, *, any_world: bool) -> None:
+        self.piece = piece
+        self.any_world = any_world
+        self.template: dict | None = None  # on load: placeholders from the metadata
+
+    def state_dict(self) -> dict:
+        return {f"rank{_rank()}": self.piece.state_dict() if self.template is None
+                else self.template}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = state.get(f"rank{_rank()}")
+        if mine:  # a rank that did not exist when saving keeps its fresh state
+            self.piece.load_state_dict(mine)
+
+
 @dataclass
 class TrainState:
-    """Everything the loop needs to continue: the pieces a checkpoint holds."""
+    """Everything the loop needs to continue: the pieces a checkpoint holds.
+
+    The trainer fills `hook` (the comm hook's HookState, None without one) and `loop` (its
+    RunProgress); both are DCP Statefuls with flat state dicts.
+    """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    precision: object  # scaletrain.precision.Precision (state_dict / load_state_dict)
+    precision: Stateful  # scaletrain.precision.Precision
     step: int = 0
     skipped_steps: int = 0
+    examples_seen: int = 0  # over every rank, since step 0
+    tokens_seen: int = 0  # input tokens (text), over every rank, since step 0
+    hook: Stateful | None = None
+    loop: Stateful | None = None
+    tokens_per_example: int = 0  # text: input tokens per example, for tokens_seen (not saved)
 
-    def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            "scheduler": sched,
-            "precision": self.precision.state_dict(),
-            "rng": {f"rank{_rank()}": _rng_state()},
-            "progress": {"step": torch.tensor(self.step), "skipped": torch.tensor(self.skipped_steps)},
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
-        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state["scheduler"]})
-        self.precision.load_state_dict(state["precision"])
-        mine = state["rng"].get(f"rank{_rank()}")
-        if mine:  # a rank that did not exist when saving keeps its seeded state
-            _set_rng_state(mine)
-        self.step = int(state["progress"]["step"])
-        self.skipped_steps = int(state["progress"]["skipped"])
+    def pieces(self) -> dict[str, Stateful]:
+        """The Statefuls a checkpoint holds, by key (see the module docstring)."""
+        pieces = {"model": _Model(self.model), "optim": _Optimizer(self.model, self.optimizer),
+                  "scheduler": _Schedule(self.scheduler), "precision": self.precision,
+                  "progress": _Progress(self), "rng": _PerRank(_RNG(), any_world=True)}
+        if self.hook is not None:
+            pieces["hook"] = _PerRank(self.hook, any_world=False)
+        if self.loop is not None:
+            pieces["loop"] = _PerRank(self.loop, any_world=False)
+        return pieces
 
 
 # --------------------------------------------------------------------------- save / load
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _finalize(tmp: Path, final: Path, *, keep: int) -> None:
-    """Rank 0, after every rank has written: manifest, atomic rename, prune old ones."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(tmp.iterdir()) if p.is_file()}
-    (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-    os.replace(tmp, final)
-    for old in list_checkpoints(final.parent)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _finish_async(future: Future, tmp: Path, final: Path, keep: int) -> None:
+def _finish_async(future: Future, tmp: Path, final: Path, keep: int,
+                  report: Callable[[str], None]) -> None:
     future.result()
-    _finalize(tmp, final, keep=keep)
+    finalize(tmp, final, keep=keep, report=report)
 
 
 @dataclass
@@ -218,12 +244,14 @@ class Checkpointer:
         async_save: overlap writing with the following steps (DCP async_save on its own
             gloo group, so its collectives never interleave with the training ones).
         config_toml: the resolved config, stored in each checkpoint.
+        report: where warnings go (a checkpoint that could not be pruned); stderr.
     """
 
     directory: Path
     keep: int
     async_save: bool
     config_toml: str
+    report: Callable[[str], None] = _to_stderr
     _pending: Future | None = field(default=None, repr=False)
     _finisher: ThreadPoolExecutor | None = field(default=None, repr=False)
     _group: object = field(default=None, repr=False)
@@ -238,11 +266,10 @@ class Checkpointer:
             tmp.mkdir(parents=True)
             (tmp / "config.toml").write_text(self.config_toml)
         barrier()
-        sd = state.state_dict()
-        with _single_process_quiet():
-            self._write(sd, tmp, final)
+        with single_process_quiet():
+            self._write(state.pieces(), tmp, final)
 
-    def _write(self, sd: dict, tmp: Path, final: Path) -> None:
+    def _write(self, pieces: dict[str, Stateful], tmp: Path, final: Path) -> None:
         if self.async_save:
             if self._group is None and dist.is_initialized():
                 self._group = dist.new_group(backend="gloo")
@@ -256,7 +283,8 @@ class Checkpointer:
                 self._stager = DefaultStager(StagingOptions(
                     use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                     use_non_blocking_copy=cuda))
-            future = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._group,
+            # DCP calls every piece's state_dict() now, before staging returns.
+            future = dcp.async_save(pieces, checkpoint_id=tmp, process_group=self._group,
                                     async_stager=self._stager, no_dist=not dist.is_initialized())
             if _rank() == 0:
                 # Rank 0's future resolves after DCP's coordinator has gathered every rank's
@@ -264,13 +292,14 @@ class Checkpointer:
                 # (hashing every byte) and the rename then run off the training thread too.
                 if self._finisher is None:
                     self._finisher = ThreadPoolExecutor(max_workers=1)
-                future = self._finisher.submit(_finish_async, future, tmp, final, self.keep)
+                future = self._finisher.submit(_finish_async, future, tmp, final, self.keep,
+                                               self.report)
             self._pending = future
         else:
-            dcp.save(sd, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+            dcp.save(pieces, checkpoint_id=tmp, no_dist=not dist.is_initialized())
             barrier()
             if _rank() == 0:
-                _finalize(tmp, final, keep=self.keep)
+                finalize(tmp, final, keep=self.keep, report=self.report)
             barrier()
 
     def close(self) -> None:
@@ -290,81 +319,53 @@ class Checkpointer:
             future.result()
 
 
-
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints (renamed into place), oldest first."""
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir() if p.is_dir() and p.name.startswith("step-"))
-
-
-def verify(checkpoint: Path) -> None:
-    """Raise CheckpointError naming the first file that does not match the manifest."""
-    manifest = checkpoint / MANIFEST
-    if not manifest.is_file():
-        raise CheckpointError(f"{checkpoint}: no {MANIFEST} (incomplete save)")
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{manifest}: unreadable ({e})") from None
-    for name, want in files.items():
-        path = checkpoint / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing")
-        if path.stat().st_size != want["bytes"]:
-            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, manifest says "
-                                  f"{want['bytes']} (truncated?)")
-        if _sha256(path) != want["sha256"]:
-            raise CheckpointError(f"{path}: sha256 mismatch (corrupted)")
-
-
-def latest_valid(directory: Path, *, report=print) -> Path | None:
-    """The newest checkpoint whose files match its manifest; broken ones are reported."""
-    for checkpoint in reversed(list_checkpoints(directory)):
-        try:
-            verify(checkpoint)
-            return checkpoint
-        except CheckpointError as e:
-            report(f"scaletrain: warning: skipping checkpoint {checkpoint.name}: {e}")
-    return None
-
-
 def load(checkpoint: Path, state: TrainState) -> None:
-    """Restore `state` in place from a verified checkpoint (any world size)."""
-    sd = state.state_dict()
-    sd["rng"] = _all_rng_keys(checkpoint)
-    with _single_process_quiet():
-        dcp.load(sd, storage_reader=SafeFileSystemReader(checkpoint),
-                 planner=SafeLoadPlanner(allow_partial_load=True),
-                 no_dist=not dist.is_initialized())
-    state.load_state_dict(sd)
+    """Restore `state` in place from a verified checkpoint (any world size; see Resharding).
 
-
-def _all_rng_keys(checkpoint: Path) -> dict:
-    """Placeholders for the RNG entries this rank can take (its own, if it was saved)."""
+    Raises:
+        CheckpointError: the checkpoint is unsafe, or does not fit this run's model and
+            optimizer (a changed model or optimizer), with the reason.
+    """
     metadata = SafeFileSystemReader(checkpoint).read_metadata()
-    key = f"rng.rank{_rank()}."
-    mine = {k.removeprefix(key): v for k, v in metadata.state_dict_metadata.items()
-            if k.startswith(key)}
-    if not mine:
-        return {}
-    return {f"rank{_rank()}": {name: torch.empty(meta.size, dtype=meta.properties.dtype)
-                               for name, meta in mine.items()}}
+    same_world = _saved_world_size(metadata) == _world_size()
+    pieces = state.pieces()
+    for name, piece in list(pieces.items()):
+        if isinstance(piece, _PerRank):
+            if not (piece.any_world or same_world):
+                del pieces[name]  # starts fresh, on every rank alike
+                continue
+            piece.template = _saved_entries(metadata, f"{name}.rank{_rank()}.")
+    try:
+        with single_process_quiet():
+            dcp.load(pieces, storage_reader=SafeFileSystemReader(checkpoint),
+                     planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+    except (CheckpointError, CheckpointException, RuntimeError, KeyError, ValueError) as e:
+        cause = _first_failure(e)
+        if isinstance(cause, CheckpointError):
+            raise CheckpointError(f"{checkpoint}: {cause}") from None
+        first_line = (str(cause).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{checkpoint}: cannot be loaded into this run "
+                              f"({type(cause).__name__}: {first_line})") from e
 
 
-def export_weights(checkpoint: Path, out: Path) -> Path:
-    """Consolidated fp32 model weights of a checkpoint as safetensors, no process group."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def _first_failure(error: BaseException) -> BaseException:
+    """The underlying exception: DCP wraps each rank's in a CheckpointException."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return next(iter(error.failures.values()))[0]
+    return error
 
-    verify(checkpoint)
-    metadata = SafeFileSystemReader(checkpoint).read_metadata()
-    model = {k: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    with _single_process_quiet():
-        dcp.load(model, storage_reader=SafeFileSystemReader(checkpoint),
-                 planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
-    save_file({k.removeprefix("model."): v.float().contiguous() for k, v in model.items()},
-              str(out))
-    return out
+
+def _saved_world_size(metadata: Metadata) -> int:
+    """Every rank saves its RNG under rng.rankR, so the saved ranks are in the metadata."""
+    return len({key.split(".")[1] for key in metadata.state_dict_metadata
+                if key.startswith("rng.rank")})
+
+
+def _saved_entries(metadata: Metadata, prefix: str) -> dict:
+    """Placeholders for the entries under `prefix`, keyed by the rest of their name: a
+    tensor of the saved size and dtype, or None for a plain value."""
+    return {key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
+            if isinstance(meta, TensorStorageMetadata) else None
+            for key, meta in metadata.state_dict_metadata.items() if key.startswith(prefix)}
+
+

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 from scaletrain.config import ConfigError, Config, describe_fields, load_config, resolve
-from scaletrain.launch import (LaunchError, LaunchSpec, launch, slurm_defaults,
+from scaletrain.launch import (Interrupted, LaunchError, LaunchSpec, launch, slurm_defaults,
                                under_elastic_agent, validate_spec)
+from scaletrain.launch_output import describe_interrupt
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -35,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<time>)")
     train.add_argument("--resume", action="store_true",
                        help="continue the run in --run-dir from its newest valid checkpoint")
+    train.add_argument("--allow-config-change", action="store_true",
+                       help="with --resume: accept a config that differs from the checkpoint's "
+                            "in keys an exact resume must keep (printed as a warning)")
+    train.add_argument("--debug", action="store_true",
+                       help="show every rank's full output (C++ frames, tracebacks, torch's "
+                            "logs) on the console, unfiltered; else it is in RUN_DIR/logs")
 
     explain = sub.add_parser("explain", help="print the resolved config and derived values")
     _add_config_args(explain)
@@ -99,44 +106,83 @@ def launch_spec(args: argparse.Namespace, config: Config) -> LaunchSpec:
 def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir
 
-    config = load_config(args.config, args.overrides)
     if under_elastic_agent():  # a worker started by torchrun or by our launcher
-        return _run_worker(config, args.run_dir)
+        from scaletrain.runtime import prepare_worker_process
+
+        prepare_worker_process()  # first: die with the launcher, write into the rank's log
+        return _run_worker(load_config(args.config, args.overrides), args.run_dir)
+    config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
     derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
+    _preflight(config)
+    _warn_if_empty(args.config, config)
     run_dir = args.run_dir or default_run_dir(config.name)
-    if args.resume:
-        check_resumable(args.run_dir)
+    if args.resume:  # before any process starts, and before config.toml is rewritten
+        for warning in check_resumable(args.run_dir, config,
+                                       allow_config_change=args.allow_config_change):
+            print(f"scaletrain: warning: {warning}", file=sys.stderr)
     else:
         check_run_dir(run_dir)
-    if spec.in_process:
-        code = _run_worker(config, run_dir, exit_process=False)
-    else:
-        # Workers always resume from a valid checkpoint in the run directory when one exists:
-        # that is how an elastic restart continues.
-        worker_args = ["train", str(args.config), *args.overrides, "--run-dir", str(run_dir)]
-        code = launch(spec, worker_args, threads=derived.threads)
+    try:
+        if spec.in_process:
+            code = _run_worker(config, run_dir, exit_process=False, debug=args.debug)
+        else:
+            # Workers always resume from a valid checkpoint in the run directory when one
+            # exists: that is how an elastic restart continues.
+            worker_args = ["train", str(args.config), *args.overrides, "--run-dir", str(run_dir)]
+            code = launch(spec, worker_args, threads=derived.threads, run_dir=run_dir,
+                          debug=args.debug)
+    except Interrupted as e:  # Ctrl-C, or a scheduler's SIGTERM: the workers are gone
+        print(describe_interrupt(run_dir, signum=e.signum), file=sys.stderr)
+        return 128 + e.signum
     if code == 0 and (run_dir / "summary.json").exists():
         _print_outcome(run_dir)
     return code
 
 
-def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = True) -> int:
-    """Train as one rank; known failures become one message and a status code."""
-    from scaletrain.checkpoint import CheckpointError
+def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = True,
+                debug: bool = False) -> int:
+    """Train as one rank; known failures become one message and a status code.
+
+    A worker (exit_process) leaves with 130 on SIGINT and 143 on SIGTERM, saying nothing:
+    the launcher reports the interrupt. In the launcher's own process (one process, no
+    agent) a signal becomes `Interrupted`, which the CLI turns into its one line.
+    """
+    import signal
+    import traceback
+
+    from scaletrain.checkpoint_files import CheckpointError
     from scaletrain.data.shards import ShardError
     from scaletrain.runtime import CollectiveFailure, exit_worker
+    from scaletrain.train import signals
     from scaletrain.train.trainer import TrainingDiverged, train
 
-    code = 0
-    try:
-        train(config, run_dir=run_dir)
-    except ConfigError as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
-        code = EXIT_USAGE
-    except (CollectiveFailure, TrainingDiverged, CheckpointError, ShardError) as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
-        code = EXIT_FAILED
+    code, interrupted = 0, None
+    with signals.installed(save_on_term=config.checkpoint.every > 0):
+        try:
+            train(config, run_dir=run_dir)
+            signals.drain()
+            if signals.stopped_by_sigterm():  # saved a checkpoint and stopped early
+                interrupted = signal.SIGTERM
+        except ConfigError as e:
+            print(f"scaletrain: error: {e}", file=sys.stderr)
+            code = EXIT_USAGE
+        except (CollectiveFailure, TrainingDiverged, CheckpointError, ShardError) as e:
+            print(f"scaletrain: error: {e}", file=sys.stderr)
+            code = EXIT_FAILED
+        except (KeyboardInterrupt, signals.Terminated) as e:
+            if debug:
+                traceback.print_exc()
+            interrupted = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        except Exception:
+            if not exit_process:
+                raise  # in the launcher's own process a bug shows as one
+            traceback.print_exc()  # into this rank's log; the launcher quotes its last line
+            code = EXIT_FAILED
+    if interrupted is not None:
+        if not exit_process:
+            raise Interrupted(interrupted)
+        code = 128 + interrupted
     if exit_process:  # leave without the gloo shutdown abort (shared/PLATFORM-NOTES.md)
         exit_worker(code)
     return code
@@ -148,10 +194,70 @@ def _print_outcome(run_dir: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     report = write_report([run_dir], out=run_dir / "report.png")
     metric = ", ".join(f"{k} {v:.4g}" for k, v in summary["eval"].items())
+    training = _training_rate(run_dir)
+    rate = f"{training:.0f} examples/s in training steps (as the bar), " if training else ""
     print(f"scaletrain: done in {summary['wall_time_s']:.1f} s, final loss "
-          f"{summary['final_loss']:.4g}, eval {metric}, {summary['examples_per_s']:.0f} examples/s")
+          f"{summary['final_loss']:.4g}, eval {metric}; {rate}"
+          f"{summary['examples_per_s']:.0f} examples/s over the wall time (evals included)")
     print(f"scaletrain: run directory {run_dir}")
     print(f"scaletrain: report {report}")
+
+
+def _training_rate(run_dir: Path) -> float | None:
+    """Examples per second of training steps alone (eval excluded, as the progress bar),
+    from the metrics records; a step logged twice (re-run after a resume) counts once."""
+    from scaletrain.metrics import read_metrics
+
+    windows = {r["step"]: r for r in read_metrics(run_dir) if r.get("kind") == "train"}
+    examples = sum(r.get("examples") or 0 for r in windows.values())
+    seconds = sum(r["examples"] / r["examples_per_s"] for r in windows.values()
+                  if r.get("examples") and r.get("examples_per_s"))
+    return examples / seconds if seconds > 0 else None
+
+
+def _preflight(config: Config) -> None:
+    """Data checks that need no process (data.path, the model against the data's task):
+    refused with exit status 2 before anything starts; a usable oddity is one note line."""
+    from scaletrain.data.preflight import DataCheckError, check_data
+
+    d = config.data
+    try:
+        note = check_data(source=d.source, path=d.path, seq_len=d.seq_len,
+                          model_name=config.model.name)
+    except DataCheckError as e:  # a user mistake like a bad config value: same exit
+        raise ConfigError(str(e)) from e
+    if note:
+        print(f"scaletrain: note: {note}", file=sys.stderr)
+
+
+def _warn_if_empty(path: Path, config: Config) -> None:
+    """An empty config file trains on every default: legal, but rarely meant."""
+    import tomllib
+
+    if not tomllib.loads(path.read_text()):  # load_config has read and parsed it already
+        print(f"scaletrain: warning: config file {str(path)!r} sets nothing, so every key not "
+              f"given as an override has its default (model.name = {config.model.name!r}, "
+              f"data.source = {config.data.source!r}, train.steps = {config.train.steps}); "
+              f"`scaletrain explain {path}` lists them all", file=sys.stderr)
+
+
+def _train_rows(config: Config) -> int | None:
+    """Rows in the training split: from the manifest for shards, else by loading the source
+    (the built-in ones load in well under a second); None if they cannot be read."""
+    d = config.data
+    try:
+        if d.source == "shards":
+            from scaletrain.data.manifest import MANIFEST, find_split_dir, read_manifest
+
+            split = find_split_dir(Path(d.path), "train")
+            if split is not None and (split / MANIFEST).is_file():
+                return read_manifest(split).rows
+        from scaletrain.data.loader import load_dataset
+
+        return len(load_dataset(d.source, split="train", path=d.path, seq_len=d.seq_len,
+                                synthetic_examples=d.synthetic_examples, seed=config.train.seed))
+    except (OSError, ValueError):  # ShardError is a ValueError; preflight names the problem
+        return None
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -163,6 +269,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
     d = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
+    _preflight(config)
+    _warn_if_empty(args.config, config)
     table = Table(title=f"config {args.config}", show_lines=False)
     for col in ("key", "value", "meaning"):
         table.add_column(col)
@@ -185,6 +293,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "threads per process": d.threads,
         "backend": d.backend,
         "precision": precision,
+        "optimizer kernels": _optimizer_kernels(config.optim.impl, device),
+        "CPU heap policy": ("auto -> retain" if config.train.allocator == "auto"
+                            and device == "cpu" else config.train.allocator),
+        "torch.compile": "on (inductor, before DDP)" if config.train.compile else "off",
+        "epochs": _epochs(config),
     }
     out = Table(title="derived")
     out.add_column("quantity")
@@ -192,7 +305,28 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for k, v in derived.items():
         out.add_row(k, str(v))
     console.print(out)
+    for warning in d.warnings:
+        print(f"scaletrain: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _optimizer_kernels(impl: str, device: str) -> str:
+    """What optim.impl resolves to on this device, and why (for explain)."""
+    import torch
+
+    from scaletrain.train.optim import resolve_impl
+
+    probe = [torch.zeros(1, device=device)] if device == "cpu" else []
+    if impl != "auto" or not probe:
+        return impl
+    return f"auto -> {resolve_impl(impl, probe)}"
+
+
+def _epochs(config: Config) -> str:
+    rows, t = _train_rows(config), config.train
+    if not rows:
+        return "unknown (the training rows could not be counted)"
+    return f"{t.steps * t.global_batch / rows:.3g} ({t.steps} steps x {t.global_batch} / {rows} rows)"
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -214,37 +348,66 @@ def cmd_shard(args: argparse.Namespace) -> int:
     if args.out_dir.exists() and any(args.out_dir.iterdir()):
         raise ConfigError(f"OUT_DIR {str(args.out_dir)!r} is not empty; choose a new directory "
                           "so nothing is overwritten")
-    from scaletrain.data.shards import ShardError
+    import warnings
+
+    from scaletrain.data.manifest import ShardError, read_manifest, summary_lines
 
     try:
         if args.engine == "spark":  # pyspark is an optional extra: a missing one is an error
             from scaletrain.data.spark import write_shards_spark as write
         else:
             from scaletrain.data.shard_writer import write_shards as write
-        write(args.source, args.out_dir, rows_per_shard=args.rows_per_shard, seq_len=args.seq_len)
+        # The writers' warnings (a split missing a class) become lines of ours, not tracebacks.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train = write(args.source, args.out_dir, rows_per_shard=args.rows_per_shard,
+                          seq_len=args.seq_len)
+        lines = summary_lines(train, read_manifest(args.out_dir / "eval"), out_dir=args.out_dir)
     except (ShardError, ValueError, FileNotFoundError, ImportError) as e:
         raise ConfigError(str(e)) from None
-    print(f"scaletrain: shards in {args.out_dir}")
+    for line in lines:  # what was understood: columns, classes, features, rows, shards
+        print(f"scaletrain: {line}")
+    for w in caught:
+        print(f"scaletrain: warning: {w.message}", file=sys.stderr)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from scaletrain.checkpoint import CheckpointError, export_weights, latest_valid, verify
+    from scaletrain.checkpoint_files import MANIFEST, CheckpointError, export_weights, latest_valid
+    from scaletrain.runtime import honour_umask
 
     checkpoint = args.checkpoint
+    if not checkpoint.is_dir():
+        raise ConfigError(f"CHECKPOINT {str(checkpoint)!r} is not a directory")
+    final = checkpoint / "model.safetensors"
     if (checkpoint / "checkpoints").is_dir():  # a run directory: its newest valid checkpoint
         checkpoint = latest_valid(checkpoint / "checkpoints",
                                   report=lambda m: print(m, file=sys.stderr))
         if checkpoint is None:
-            raise ConfigError(f"{str(args.checkpoint)!r} has no valid checkpoint")
-    elif not checkpoint.is_dir():
-        raise ConfigError(f"CHECKPOINT {str(checkpoint)!r} is not a directory")
+            raise ConfigError(f"{str(args.checkpoint)!r} has no valid checkpoint"
+                              + _final_weights_hint(final))
+    elif not (checkpoint / MANIFEST).exists() and not checkpoint.name.startswith(
+            ("step-", ".tmp-step-")):
+        # Neither a checkpoint nor a run directory with checkpoints/: say which it is.
+        if (checkpoint / "metrics.jsonl").exists() or final.exists():
+            raise ConfigError(f"run directory {str(args.checkpoint)!r} has no checkpoints "
+                              "(it ran with checkpoint.every = 0)" + _final_weights_hint(final))
+        raise ConfigError(f"CHECKPOINT {str(checkpoint)!r} is neither a checkpoint (no "
+                          f"{MANIFEST}) nor a run directory (no checkpoints/)")
     try:
-        verify(checkpoint)
-        print(f"scaletrain: wrote {export_weights(checkpoint, args.out)}")
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
+        out = export_weights(checkpoint, args.out)  # verifies the manifest first
+    except CheckpointError as e:  # a damaged or incomplete checkpoint: the user's input
+        raise ConfigError(str(e)) from e
+    honour_umask(out)  # safetensors writes 0600
+    print(f"scaletrain: wrote {out}")
     return 0
+
+
+def _final_weights_hint(final: Path) -> str:
+    if not final.is_file():
+        return ""
+    return (f"; its final weights are already in {final}, in the format export writes "
+            "(safetensors, plain parameter names)")
 
 
 COMMANDS = {"train": cmd_train, "explain": cmd_explain, "report": cmd_report,

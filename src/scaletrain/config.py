@@ -72,7 +72,7 @@ class DataConfig(_Section):
 
 class OptimConfig(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
-    """Optimizer: adamw (foreach) or sgd (with momentum)."""
+    """Optimizer: adamw or sgd (with momentum)."""
     lr: float = Field(1e-3, gt=0.0, le=10.0)
     """Peak learning rate, reached after warmup."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -89,6 +89,8 @@ class OptimConfig(_Section):
     """Final LR as a fraction of the peak, for the cosine schedule."""
     grad_clip: float = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    impl: Literal["auto", "fused", "foreach"] = "auto"
+    """Optimizer kernels: fused (one kernel per step), foreach (multi-tensor), auto = fused where the device supports it."""
 
 
 class TrainConfig(_Section):
@@ -110,6 +112,10 @@ class TrainConfig(_Section):
     """Torch threads per process; 0 = available cores / processes on this node."""
     stop_after: int = Field(0, ge=0)
     """Planned stop: checkpoint and exit after this step (0: run to train.steps)."""
+    compile: bool = False
+    """Wrap the model in torch.compile (inductor) before DDP; the first steps pay the compile time."""
+    allocator: Literal["auto", "system", "retain"] = "auto"
+    """CPU heap: retain keeps freed activation memory mapped (no per-step mmap/munmap), system = glibc's defaults, auto = retain on CPU."""
 
 
 class ParallelConfig(_Section):
@@ -132,8 +138,8 @@ class ParallelConfig(_Section):
 
 
 class PrecisionConfig(_Section):
-    mode: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "auto"] = "fp32"
-    """fp32, bf16-mixed, fp16-mixed (loss scaling), bf16-true, or auto (bf16-mixed on fast-bf16 hardware)."""
+    mode: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto"] = "fp32"
+    """fp32, bf16-mixed, fp16-mixed (loss scaling), bf16-true, fp64 (for verifying numerics, slow), or auto (bf16-mixed on fast-bf16 hardware)."""
     init_scale: float = Field(2.0**16, gt=0.0)
     """fp16-mixed: initial dynamic loss scale."""
     growth_interval: int = Field(2000, ge=1)
@@ -187,6 +193,9 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a directory; give a TOML file "
+                              "(e.g. configs/default.toml)")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
@@ -268,6 +277,8 @@ def _describe(error: ValidationError, data: dict[str, Any]) -> str:
     ctx = first.get("ctx") or {}
     if "expected" in ctx:
         msg = f"allowed values are {ctx['expected']}"
+    if isinstance(given, float) and given != given:  # NaN fails any bound; the bound is not why
+        msg = f"NaN is not allowed; give a finite number ({msg[0].lower()}{msg[1:]})"
     more = f" (and {error.error_count() - 1} more problem(s))" if error.error_count() > 1 else ""
     return f"{loc} = {given!r} is invalid: {msg}{more}"
 
@@ -377,6 +388,12 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
                         "~200x slower than fp32 here); use 'bf16-mixed' or 'auto' on CPU")
     if config.parallel.comm_hook != "none" and layout.dp == 1:
         warnings.append(f"parallel.comm_hook = {config.parallel.comm_hook!r} has no effect with dp = 1")
+    if nproc_per_node * threads > cores:
+        warnings.append(
+            f"{nproc_per_node} process(es) x {threads} thread(s) = {nproc_per_node * threads} "
+            f"threads on {cores} core(s): the node is oversubscribed and every step waits for "
+            f"the slowest; use --nproc <= {cores}, or train.threads so that processes x "
+            f"threads <= {cores}")
     return Derived(
         world_size=world_size,
         layout=layout,

@@ -15,16 +15,47 @@ Platform traps handled here (shared/PLATFORM-NOTES.md):
   `last_call_timeout` is set to 1 s instead of 30 s.
 - SLURM: when run inside an allocation (SLURM_JOB_ID set) and no node flags are given, the
   node count, node rank and rendezvous endpoint come from SLURM's environment.
+
+What the user sees and what the logs keep (RUN_DIR/logs/rank-N.log, the console filter, the
+failure paragraph, the interrupt line) is launch_output.py's concern; `launch` wires it in.
+
+Signals:
+- Ctrl-C / SIGTERM: torchrun's agent forwards the signal to the workers (SIGTERM: they save
+  a checkpoint at the end of the step, see train/signals.py) and waits up to
+  SCALETRAIN_SIGTERM_GRACE_S seconds (default 30) before killing them; `launch` then raises
+  `Interrupted` and the CLI prints one line with the step, the last checkpoint and how to
+  continue, and exits 128 + the signal number (130, 143).
+- Workers die with the launcher (runtime.prepare_worker_process: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-SUBPROCESS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+from scaletrain.launch_output import ConsoleEcho, agent_log, describe_child_failure, run_dir_logs
+
+LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # a worker dies when this process does
+MERGE_STREAMS_ENV = "SCALETRAIN_MERGE_STREAMS"  # "1": a worker points stdout at its stderr log
+SUBPROCESS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", MERGE_STREAMS_ENV: "1"}
+GRACE_ENV, DEFAULT_GRACE_S = "SCALETRAIN_SIGTERM_GRACE_S", 30
+
+
+def grace_s() -> int:
+    """Seconds the agent waits for workers after forwarding a signal before it kills them."""
+    raw = os.environ.get(GRACE_ENV, "")
+    if not raw:
+        return DEFAULT_GRACE_S
+    if not raw.isdigit() or int(raw) < 1:
+        raise LaunchError(f"{GRACE_ENV} = {raw!r} is invalid: use a whole number of seconds >= 1")
+    return int(raw)
 
 
 class LaunchError(ValueError):
@@ -84,6 +115,7 @@ def validate_spec(spec: LaunchSpec) -> LaunchSpec:
         raise LaunchError(
             f"--nnodes = {spec.nnodes} needs --rdzv-endpoint HOST:PORT (a node every node can "
             "reach), or run inside a SLURM allocation")
+    grace_s()  # SCALETRAIN_SIGTERM_GRACE_S: refused here rather than at launch
     return spec
 
 
@@ -113,10 +145,21 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def torchrun_argv(spec: LaunchSpec, worker_args: list[str]) -> list[str]:
-    """The torchrun command line (without the program name) that starts the workers."""
+def torchrun_argv(spec: LaunchSpec, worker_args: list[str], *, log_dir: Path | None = None,
+                  debug: bool = False) -> list[str]:
+    """The torchrun command line (without the program name) that starts the workers.
+
+    Args:
+        spec: validated launcher flags.
+        worker_args: the `train ...` arguments each worker receives.
+        log_dir: where each rank's stderr goes (--log-dir, --redirects 2); None: the console.
+        debug: also copy every rank's output to the console (--tee 2).
+    """
     argv = [f"--nproc-per-node={spec.nproc}", f"--nnodes={spec.nnodes}",
-            f"--max-restarts={spec.max_restarts}", f"--monitor-interval={spec.monitor_interval}"]
+            f"--max-restarts={spec.max_restarts}", f"--monitor-interval={spec.monitor_interval}",
+            f"--shutdown-timeout={grace_s()}"]
+    if log_dir is not None:
+        argv += [f"--log-dir={log_dir}", "--redirects=2", f"--tee={2 if debug else 0}"]
     if spec.max_nodes == 1 and not spec.rdzv_endpoint:
         # torchrun's --standalone: a private c10d store on a free local port.
         argv += ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
@@ -136,41 +179,90 @@ def under_elastic_agent() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def launch(spec: LaunchSpec, worker_args: list[str], *, threads: int) -> int:
+class Interrupted(Exception):
+    """The launcher (or its workers) got SIGINT / SIGTERM / SIGHUP; the workers are gone."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+def launch(spec: LaunchSpec, worker_args: list[str], *, threads: int, run_dir: Path,
+           debug: bool = False) -> int:
     """Run the workers through the elastic agent; return 0, or 1 with the failure described.
 
     Args:
         spec: validated launcher flags.
         worker_args: the `train ...` arguments each worker receives.
         threads: torch/OpenMP threads per worker (the workers set torch's; this sets OpenMP's).
+        run_dir: the run directory; each rank's output goes to run_dir/logs/rank-N.log.
+        debug: show every rank's output and torchrun's own log on the console, unfiltered.
+
+    Raises:
+        Interrupted: a signal stopped the run (after the workers have exited).
     """
+    from torch.distributed.elastic.multiprocessing import SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, elastic_launch, get_args_parser
 
+    log_dir = Path(run_dir) / "logs"
     os.environ.update(SUBPROCESS_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    args = get_args_parser().parse_args(torchrun_argv(spec, worker_args))
+    args = get_args_parser().parse_args(torchrun_argv(spec, worker_args, log_dir=log_dir,
+                                                      debug=debug))
     config, cmd, cmd_args = config_from_args(args)
+    echo = None if debug else ConsoleEcho(sys.stderr)
+    logs = run_dir_logs(log_dir, tee=Std.from_str(args.tee),
+                        on_attempt=echo.follow if echo else None)
+    config.logs_specs = logs  # torchrun's hook for naming the log files
+    failure, signum = None, None
     try:
-        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+        agent_log_path = None if debug else log_dir / "launcher.log"
+        with _signals_raise(SignalException), agent_log(agent_log_path):
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
-        print(describe_child_failure(e), file=sys.stderr)
+        failure = e
+    except SignalException as e:  # the agent has stopped the workers before re-raising it
+        signum = e.sigval
+    except KeyboardInterrupt:  # Ctrl-C before the agent installed its handler
+        signum = signal.SIGINT
+    finally:
+        if echo is not None:
+            echo.stop()
+    if failure is not None:
+        codes = {f.exitcode for f in failure.failures.values()}
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the workers were signalled directly
+            if codes <= {128 + sig, -sig}:
+                signum = sig
+    if signum is not None:
+        raise Interrupted(signum)
+    if failure is not None:
+        print(describe_child_failure(failure, logs=logs.paths), file=sys.stderr)
         return 1
     return 0
 
 
-def describe_child_failure(error) -> str:
-    """Name every failed rank: its exit code or the signal that killed it."""
-    lines = ["scaletrain: the run failed:"]
-    for rank, failure in sorted(error.failures.items()):
-        if failure.exitcode < 0:
-            import signal
+@contextlib.contextmanager
+def _signals_raise(exception: type) -> Iterator[None]:
+    """Until the agent installs its own handlers (when the workers start), SIGTERM and SIGHUP
+    raise torch's SignalException like the agent's handler does, instead of killing us
+    (SIGINT raises KeyboardInterrupt by itself)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-            try:
-                what = f"was killed by {signal.Signals(-failure.exitcode).name}"
-            except ValueError:
-                what = f"was killed by signal {-failure.exitcode}"
-        else:
-            what = f"exited with code {failure.exitcode}"
-        lines.append(f"  rank {rank} (pid {failure.pid}, local rank {failure.local_rank}) {what}")
-    return "\n".join(lines)
+    def handler(signum, frame):
+        raise exception(f"Process {os.getpid()} got signal: {signum}",
+                        sigval=signal.Signals(signum))
+
+    # The agent's handlers replace these and stay after it returns: restore all four.
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT,
+                                            signal.SIGQUIT)}
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -11,8 +11,13 @@ The train step calls the same four methods whatever the mode; it never patches
   overflow (inf/NaN gradient) skips the optimizer step and halves the scale; after
   `growth_interval` clean steps the scale doubles. Only this mode owns a scaler.
 - bf16-true: parameters themselves in bf16 (half the memory, no fp32 master copy).
+- fp64: parameters, activations, gradients and optimizer state in float64. A mode for
+  verifying numerics, not for speed: fp32 summation order changes with the CPU's kernels
+  (AMX or not, avx512 or not), so a parity test in fp32 needs a tolerance tuned to one CPU;
+  in float64 the same test holds to 1e-9 on every CPU, which makes it a proof.
 - auto: bf16-mixed where the hardware has fast bf16 (CPU avx512_bf16 or AMX; CUDA compute
-  capability >= 8.0), else fp32; `choose_auto` says which and why.
+  capability >= 8.0), else fp32; `choose_auto` says which and why. The CPU's capabilities
+  come from torch's own checks (the ones its oneDNN kernels dispatch on), not /proc/cpuinfo.
 
 FSDP2's MixedPrecisionPolicy will stand in for autocast when FSDP is applied: the same object
 then reports `param_dtype`/`reduce_dtype` and returns a null forward context.
@@ -26,32 +31,45 @@ from typing import ContextManager, Literal
 
 import torch
 
-PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "auto"]
-PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "auto")
+PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto"]
+PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64",
+                                    "auto")
 
 
-def cpu_has_fast_bf16() -> tuple[bool, str]:
-    """Whether this CPU runs bf16 matmuls natively (avx512_bf16 or AMX), from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False, "cannot read /proc/cpuinfo"
-    found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+@dataclass(frozen=True)
+class Hardware:
+    """What `auto` decides on: the device and its bf16 capabilities."""
+
+    device_type: str  # "cpu" or "cuda"
+    avx512_bf16: bool = False  # CPU: native bf16 dot products
+    amx: bool = False  # CPU: AMX tiles (bf16 matrix units)
+    cuda_capability: tuple[int, int] | None = None
+
+
+def detect_hardware(device_type: str) -> Hardware:
+    """This machine's capabilities, from torch's own checks (what its kernels dispatch on)."""
+    if device_type == "cuda":
+        return Hardware("cuda", cuda_capability=torch.cuda.get_device_capability())
+    return Hardware("cpu", avx512_bf16=torch.cpu._is_avx512_bf16_supported(),
+                    amx=torch.cpu._is_amx_tile_supported())
+
+
+def decide_auto(hw: Hardware) -> tuple[str, str]:
+    """The decision table of `auto`: (mode, why) for the given hardware."""
+    if hw.device_type == "cuda":
+        major, minor = hw.cuda_capability or (0, 0)
+        if major >= 8:
+            return "bf16-mixed", f"GPU compute capability {major}.{minor} >= 8.0 has fast bf16"
+        return "fp32", f"GPU compute capability {major}.{minor} < 8.0 lacks fast bf16"
+    found = [name for name, has in (("AMX", hw.amx), ("avx512_bf16", hw.avx512_bf16)) if has]
     if found:
-        return True, f"CPU has {' and '.join(found)}"
-    return False, "CPU has neither avx512_bf16 nor amx_bf16"
+        return "bf16-mixed", f"CPU has {' and '.join(found)}"
+    return "fp32", "CPU has neither avx512_bf16 nor AMX"
 
 
 def choose_auto(device_type: str) -> tuple[str, str]:
     """The mode `auto` resolves to on this hardware, and why."""
-    if device_type == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        if major >= 8:
-            return "bf16-mixed", f"GPU compute capability {major}.{minor} >= 8.0 has fast bf16"
-        return "fp32", f"GPU compute capability {major}.{minor} < 8.0 lacks fast bf16"
-    fast, why = cpu_has_fast_bf16()
-    return ("bf16-mixed", why) if fast else ("fp32", why)
+    return decide_auto(detect_hardware(device_type))
 
 
 @dataclass
@@ -66,11 +84,11 @@ class Precision:
     overflow_steps: int = field(default=0)
 
     def convert_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Cast parameters for `bf16-true`; other modes keep fp32 master weights."""
+        """Cast parameters for `bf16-true` and `fp64`; mixed modes keep fp32 master weights."""
         return model.to(self.param_dtype) if self.param_dtype != torch.float32 else model
 
     def convert_input(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Floating-point inputs follow the parameters' dtype in bf16-true; ids stay ints."""
+        """Floating-point inputs follow the parameters' dtype (bf16-true, fp64); ids stay ints."""
         if self.param_dtype != torch.float32 and inputs.is_floating_point():
             return inputs.to(self.param_dtype)
         return inputs
@@ -140,6 +158,8 @@ def make_precision(mode: str, *, device_type: str, init_scale: float = 2.0**16,
             return Precision(mode, device_type, autocast_dtype=torch.bfloat16)
         case "bf16-true":
             return Precision(mode, device_type, param_dtype=torch.bfloat16)
+        case "fp64":
+            return Precision(mode, device_type, param_dtype=torch.float64)
         case "fp16-mixed":
             scaler = torch.amp.GradScaler(device_type, init_scale=init_scale,
                                           growth_interval=growth_interval)

@@ -6,14 +6,24 @@
     RUN_DIR/summary.json       final loss, eval metric, wall time, throughput
     RUN_DIR/report.png         loss and throughput curves (`scaletrain report`)
     RUN_DIR/checkpoints/step-N sharded checkpoints (torch.distributed.checkpoint), see checkpoint.py
+    RUN_DIR/checkpoints/step-N.corrupt-<time>  a damaged checkpoint, moved aside on resume
+
+Resuming (`--resume`) is checked here, in the launcher, before any process starts: the run
+directory must hold a checkpoint, and the new config may differ from the checkpoint's own
+config.toml only in keys that leave the training trajectory alone (logging, evaluation,
+checkpoint cadence, the launch layout at the same global batch). Any other change is
+refused, naming each key with its old and new value, unless `--allow-config-change` says
+so on purpose; then it is printed as a warning.
 """
 
 from __future__ import annotations
 
 import time
+import tomllib
 from pathlib import Path
+from typing import Any
 
-from scaletrain.config import Config, ConfigError, config_to_toml
+from scaletrain.config import Config, ConfigError, config_to_toml, validate_config
 
 
 def default_run_dir(name: str) -> Path:
@@ -38,11 +48,96 @@ def write_config(run_dir: Path, config: Config) -> Path:
     return path
 
 
-def check_resumable(run_dir: Path | None) -> None:
-    """`--resume` needs a run directory that holds at least one checkpoint."""
+# Keys a resume may change and still continue the same trajectory: what is logged or
+# evaluated, checkpoint cadence, how the step is laid out over processes and threads (the
+# global batch, fixed separately, is what the gradient is of: rounding may differ, as it
+# does between dp=1 and dp=2). Everything else (model.*, data.*, optim.*, precision.*,
+# train.steps / global_batch / seed, the comm hook) changes what is trained. A key not
+# listed here counts as changing it: a new config field has to be placed on purpose.
+RESUME_SAFE_KEYS = frozenset({
+    "name", "train.micro_batch", "train.eval_every", "train.eval_examples",
+    "train.max_bad_steps", "train.threads", "train.stop_after", "train.compile",
+    "train.allocator", "parallel.dp", "parallel.backend", "parallel.bucket_cap_mb",
+    "parallel.gradient_as_bucket_view", "parallel.timeout_s",
+})
+RESUME_SAFE_SECTIONS = ("checkpoint.", "log.")
+# PowerSGD's error feedback and P/Q memory are laid out per DDP bucket.
+_LAYOUT_KEYED_HOOKS = ("powersgd", "batched-powersgd")
+
+
+def check_resumable(run_dir: Path | None, config: Config, *,
+                    allow_config_change: bool = False) -> list[str]:
+    """`--resume` needs a run directory with a valid checkpoint whose config this one continues.
+
+    Args:
+        run_dir: the run directory given with --run-dir.
+        config: the config the resumed run will use.
+        allow_config_change: let a change that breaks exact resume through (as a warning).
+
+    Returns:
+        Warnings to print (the changes `allow_config_change` let through).
+
+    Raises:
+        ConfigError: no run directory, no valid checkpoint, or a refused config change.
+    """
+    from scaletrain.checkpoint_files import latest_valid
+
     if run_dir is None:
         raise ConfigError("--resume needs --run-dir, the run to continue")
-    checkpoints = run_dir / "checkpoints"
-    if not checkpoints.is_dir() or not any(p.name.startswith("step-") for p in checkpoints.iterdir()):
-        raise ConfigError(f"--resume: {str(run_dir)!r} holds no checkpoint to resume from "
-                          "(set checkpoint.every or train.stop_after when starting a run)")
+    damaged: list[str] = []
+    # Sizes only: the workers hash every byte before they load; this is the same choice of
+    # checkpoint unless a file was corrupted in place.
+    checkpoint = latest_valid(
+        run_dir / "checkpoints", hashes=False,
+        report=lambda m: damaged.append(m.removeprefix("scaletrain: warning: ")))
+    if checkpoint is None:
+        why = f" ({'; '.join(damaged)})" if damaged else ""
+        raise ConfigError(f"--resume: {str(run_dir)!r} holds no valid checkpoint to resume "
+                          f"from{why} (set checkpoint.every or train.stop_after when starting "
+                          "a run)")
+    old = _flat(_checkpoint_config(checkpoint / "config.toml"))
+    new = _flat(config.model_dump(mode="json"))
+    changed = [key for key in sorted(old.keys() | new.keys())
+               if old.get(key) != new.get(key) and _breaks_resume(key, new)]
+    if not changed:
+        return []
+    what = ", ".join(f"{key} ({_show(old, key)} -> {_show(new, key)})" for key in changed)
+    if not allow_config_change:
+        raise ConfigError(
+            f"--resume: the config differs from checkpoint {checkpoint.name}'s in keys an "
+            f"exact resume must keep: {what}. Resume with the checkpoint's values (its "
+            f"config.toml), or add --allow-config-change to continue with the new ones")
+    return [f"--allow-config-change: resuming {checkpoint.name} with {what}; the run will "
+            "not match an uninterrupted one"]
+
+
+def _checkpoint_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's config, with today's defaults for keys it predates."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--resume: cannot read {path}: {e}") from None
+    try:
+        return validate_config(data).model_dump(mode="json")
+    except ConfigError:  # written by another version of the schema: compare what is there
+        return data
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _breaks_resume(key: str, new: dict[str, Any]) -> bool:
+    if key == "parallel.bucket_cap_mb":  # safe, unless the comm hook's state is per bucket
+        return new.get("parallel.comm_hook") in _LAYOUT_KEYED_HOOKS
+    return key not in RESUME_SAFE_KEYS and not key.startswith(RESUME_SAFE_SECTIONS)
+
+
+def _show(values: dict[str, Any], key: str) -> str:
+    return repr(values[key]) if key in values else "unset"

@@ -10,6 +10,10 @@ Two platform traps (shared/PLATFORM-NOTES.md) are handled here:
 - Ranks can abort at interpreter shutdown ("terminate called without an active
   exception", a gloo thread freeing work late). Workers leave through `exit_worker`, which
   destroys the group and calls `os._exit` once every file is flushed.
+
+A worker started by scaletrain's launcher also calls `prepare_worker_process` first: it dies
+with the launcher (`kill -9` of the launcher must not leave workers training unsupervised)
+and writes stdout and stderr, in order, into one log file (RUN_DIR/logs/rank-N.log).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,6 +80,64 @@ def init_distributed(penv: ProcessEnv, *, backend: str, timeout_s: float) -> tor
     return device
 
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def prepare_worker_process() -> None:
+    """First thing in a worker started by scaletrain's launcher (a no-op elsewhere).
+
+    - Dies with the launcher: prctl(PR_SET_PDEATHSIG, SIGKILL), so a `kill -9` of the
+      launcher (which cannot forward anything) does not leave workers running unsupervised.
+      If the launcher is already gone by the time this runs, exit at once.
+    - The launcher redirects this process's stderr into RUN_DIR/logs/rank-N.log (torchrun's
+      --redirects); stdout is pointed at the same file, so the log holds the rank's whole
+      output in the order it was written, and starts with one line saying who wrote it.
+    """
+    from scaletrain.launch import LAUNCHER_PID_ENV, MERGE_STREAMS_ENV
+
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            print(f"scaletrain: warning: prctl(PR_SET_PDEATHSIG) failed: "
+                  f"{os.strerror(ctypes.get_errno())}; this worker will outlive a killed "
+                  "launcher", file=sys.stderr, flush=True)
+        if os.getppid() != int(launcher):  # the launcher died before prctl took effect
+            os._exit(143)
+    if os.environ.get(MERGE_STREAMS_ENV) == "1":
+        sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+        penv = read_env()
+        print(f"# scaletrain worker: rank {penv.rank} of {penv.world_size} (local rank "
+              f"{penv.local_rank}), pid {os.getpid()}, host {os.uname().nodename}, "
+              f"torch {torch.__version__}, started {time.strftime('%Y-%m-%d %H:%M:%S')}",
+              file=sys.stderr, flush=True)
+
+
+def honour_umask(path: os.PathLike | str) -> None:
+    """Give a finished output file the mode a new file gets (0666 minus the umask).
+
+    safetensors writes its files with mode 0600; weights are meant to be read by others.
+    """
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    # Read, not set-and-restore: os.umask(0) would briefly apply to files other threads create.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)  # no /proc: the classic way
+    os.umask(umask)
+    return umask
+
+
 def set_threads(threads: int) -> None:
     """Torch intra-op threads for this process (cores / processes on the node by default)."""
     torch.set_num_threads(threads)
@@ -119,13 +182,14 @@ def missing_ranks(*, tag: str, wait_s: float = 3.0) -> list[int] | None:
 
     Every surviving rank writes `failed/<tag>/<rank>` into the rendezvous store, then waits
     up to `wait_s` for the others. Ranks that never write are dead or hung. Returns None when
-    the store itself is unreachable (its host, rank 0, is gone).
+    the store itself is unreachable (its host, rank 0, is gone); any other store failure
+    (e.g. its own timeout) is raised as the DistError it is.
     """
     if not dist.is_initialized():
         return []
     rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
     try:
-        store = dist.distributed_c10d._get_default_store()
         store.set(f"failed/{tag}/{rank}", "1")
         deadline = time.monotonic() + wait_s
         while True:
@@ -133,24 +197,33 @@ def missing_ranks(*, tag: str, wait_s: float = 3.0) -> list[int] | None:
             if len(present) == world or time.monotonic() > deadline:
                 return [r for r in range(world) if r not in present]
             time.sleep(0.1)
-    except Exception:  # the store's host died with its rank: we cannot tell more
-        return None
+    except (dist.DistNetworkError, ConnectionError):  # refused, reset, broken pipe
+        return None  # the store's host died (rank 0, or the agent under plain torchrun)
 
 
 def describe_collective_failure(error: BaseException, *, operation: str, step: int) -> str:
     """One message for a failed collective: which operation, which step, which ranks."""
-    missing = missing_ranks(tag=f"step{step}")
-    if missing is None:
-        who = "rank 0 (which hosts the rendezvous store) is unreachable"
-    elif missing:
-        who = f"rank(s) {', '.join(map(str, missing))} did not arrive (died or hung)"
+    try:
+        missing = missing_ranks(tag=f"step{step}")
+    except dist.DistError as e:  # the store answered, but not usefully (e.g. its own timeout)
+        who = (f"the ranks that did not arrive could not be found, as the rendezvous store "
+               f"failed too ({type(e).__name__}: {_first_line(e)})")
     else:
-        who = "every rank reported in, so the failure is in the transport"
-    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        if missing is None:
+            who = "rank 0 (which hosts the rendezvous store) is unreachable"
+        elif missing:
+            who = f"rank(s) {', '.join(map(str, missing))} did not arrive (died or hung)"
+        else:
+            who = "every rank reported in, so the failure is in the transport"
     return (
         f"collective '{operation}' at step {step} could not complete: {who}. "
-        f"Backend said: {first_line}"
+        f"Backend said: {_first_line(error)}"
     )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def exit_worker(code: int) -> None:
@@ -160,8 +233,10 @@ def exit_worker(code: int) -> None:
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:
-            pass
+        except RuntimeError as e:  # the group broke with a peer; expected after a failure
+            if code == 0:
+                print(f"scaletrain: warning: destroy_process_group failed after a clean run: "
+                      f"{_first_line(e)}", file=sys.stderr, flush=True)
     os._exit(code)
 
 
@@ -173,7 +248,9 @@ def collective_guard(operation: str, *, step: int) -> Iterator[None]:
         yield
     except Exception as e:
         if is_collective_error(e):
-            raise CollectiveFailure(describe_collective_failure(e, operation=operation, step=step)) from None
+            # Chained, not hidden: the message says what failed, __cause__ keeps what gloo said.
+            message = describe_collective_failure(e, operation=operation, step=step)
+            raise CollectiveFailure(message) from e
         raise
 
 

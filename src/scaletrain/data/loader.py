@@ -1,9 +1,11 @@
 """What the trainer asks of a dataset, and the one place a source name becomes one.
 
-Two kinds satisfy `Dataset`: in-memory `ArrayDataset`s (built-in sources, one "shard") and
-`ShardedDataset`s streaming Parquet shards (written by `scaletrain shard`, or any Parquet
-directory Spark wrote). Both index rows by a global row id and expose `shard_rows`, which
-is all the sampler needs to compute the (seed, epoch) order without reading data.
+Three kinds satisfy `Dataset`: in-memory `ArrayDataset`s (built-in sources, one "shard"),
+`ShardedDataset`s streaming Parquet shards written by `scaletrain shard`, and
+`HeldOutSplit`s of a Parquet directory Spark wrote without a manifest (train and eval
+disjoint, 1 row in 20 held out: `data/holdout.py`). All index rows by a row id and expose
+`shard_rows`, which is all the sampler needs to compute the (seed, epoch) order without
+reading data.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
         source: a built-in source name, or "shards".
         split: "train" or "eval".
         path: for "shards": a directory written by `scaletrain shard` (with train/ and
-            eval/), or one split's directory, or a Parquet directory written by Spark.
+            eval/), or one split's directory, or a Parquet directory written by Spark
+            (its eval split held out of its rows).
         seq_len, synthetic_examples, seed: for the built-in sources.
         shuffle_window: the sampler's window (0 = whole split), so the row-group cache holds
             what one window touches; None for splits read in storage order (eval).

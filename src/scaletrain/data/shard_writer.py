@@ -1,21 +1,23 @@
 """Parquet shards, the writing side: a source -> one Arrow table per split -> shard files.
 
-The format (layout, schema, manifest) and the reader are in `data/shards.py`; this module
-only makes rows in that schema and writes them. It holds a whole source in memory, which
-suits every built-in source and files up to a few GB; `data/spark.py` writes the same
-shards with Spark for larger ones, reusing the split rule and helpers defined here.
+The format (layout, schema, manifest) is in `data/manifest.py` and the reader in
+`data/shards.py`; this module only makes rows in that schema and writes them. It holds a
+whole source in memory, which suits every built-in source and files up to a few GB;
+`data/spark.py` writes the same shards with Spark for larger ones, reusing the helpers
+defined here.
 
 Sources: a built-in name (`load_source`; both splits exactly as in memory) or a JSONL /
-CSV / Parquet file or directory of them (one format; files in name order). A `text`
-column makes a language-modelling set; otherwise a `label` integer column and either a
-`features` list column (a perfect square s*s becomes a (1, s, s) image) or every other
-numeric column (in file order; for JSON, whose objects have no column order, by name). Files hold
-one dataset, so the split is positional: the last 5% of rows (at least one) are `eval`,
-the rest `train`, in file order: shuffle a file that is sorted by label first.
+CSV / Parquet file or directory of them, read and checked cell by cell by
+`data/file_source.py` (what makes a text or classification set is described there). A
+file holds one dataset, so the writer splits it: 1 row in 20 (5%, at least one) goes to
+`eval` and the rest to `train`, each in file order, by the fixed, seeded rule of
+`data/holdout.py` (seed `HOLDOUT_SEED` = 0; blocks of 20 rows, one hashed position each),
+so a file sorted by label still gets every class into both splits. A split that lacks a
+class the other has (a rare class, fewer than 20 rows of it) is reported in a warning.
 
-Text is packed at shard time: UTF-8 bytes of the documents joined by a blank line
-(b"\\n\\n"), cut into consecutive windows of seq_len + 1; the trailing partial window is
-dropped.
+Text is packed at shard time: the documents of a split (whole documents go to one split)
+as UTF-8 bytes joined by a blank line (b"\\n\\n"), cut into consecutive windows of
+seq_len + 1; the trailing partial window is dropped.
 
 Writing is crash-safe by ordering: shards go to hidden temp names, are renamed to
 `part-NNNNN.parquet` only when all are written, and the manifest (`write_manifest`) comes
@@ -24,8 +26,8 @@ last, so a reader never takes a half-written split for a complete one.
 
 from __future__ import annotations
 
-import math
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -33,14 +35,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from scaletrain.data.shards import (MANIFEST, Manifest, image_shape, list_rows, part_files,
-                                    write_manifest)
+from scaletrain.data.file_source import LABEL, feature_columns, read_files
+from scaletrain.data.holdout import EVAL_EVERY, eval_mask, missing_classes
+from scaletrain.data.manifest import (MANIFEST, Manifest, image_shape, part_files,
+                                      write_manifest)
+from scaletrain.data.shards import list_rows
 from scaletrain.data.sources import SOURCE_NAMES, SPLITS, ArrayDataset, TaskSpec, load_source
 
-EVAL_FRACTION = 0.05  # file sources: the last 5% of rows (at least one) are the eval split
 TEXT_SEPARATOR = b"\n\n"  # between documents when text is packed
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv",
-                ".parquet": "parquet"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -84,55 +86,6 @@ def dataset_table(ds: ArrayDataset) -> pa.Table:
     return classification_table(ds.inputs.flatten(1).numpy(), ds.targets.numpy())
 
 
-def source_files(path: Path) -> tuple[list[Path], str]:
-    """The data files of a file source in name order, and their one format (json/csv/parquet)."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in FILE_FORMATS
-                       and not p.name.startswith(("_", ".")))
-    elif path.is_file():
-        files = [path]
-    else:
-        raise ValueError(f"data source {str(path)!r} is neither a built-in name "
-                         f"({', '.join(SOURCE_NAMES)}) nor an existing file or directory")
-    formats = {FILE_FORMATS.get(p.suffix) for p in files}
-    if not files or None in formats:
-        raise ValueError(f"{path}: expected .jsonl/.json, .csv or .parquet files")
-    if len(formats) > 1:
-        raise ValueError(f"{path}: mixes formats {sorted(formats)}; use one format per source")
-    return files, formats.pop()
-
-
-def read_files(path: Path) -> tuple[pa.Table, str]:
-    """Read a file source into one Arrow table (files concatenated in name order)."""
-    import pyarrow.csv
-    import pyarrow.json
-
-    files, fmt = source_files(path)
-    readers = {"json": pyarrow.json.read_json, "csv": pyarrow.csv.read_csv,
-               "parquet": pq.read_table}
-    tables = [readers[fmt](str(f)) for f in files]
-    return pa.concat_tables(tables, promote_options="permissive"), fmt
-
-
-def eval_rows(n: int) -> int:
-    """Rows of a file source that go to eval: the last 5%, rounded up, at least one."""
-    if n < 2:
-        raise ValueError(f"a file source needs at least 2 rows (train and eval), got {n}")
-    return max(1, math.ceil(EVAL_FRACTION * n))
-
-
-def feature_columns(schema: pa.Schema, fmt: str) -> list[str]:
-    """The input columns of a classification file: `features`, else every other number."""
-    if "features" in schema.names:
-        return ["features"]
-    numeric = [f.name for f in schema if f.name != "label"
-               and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
-    if not numeric:
-        raise ValueError("no `features` list column and no numeric columns besides `label`")
-    return sorted(numeric) if fmt == "json" else numeric  # JSON objects have no column order
-
-
 def pack_bytes(data: bytes, *, seq_len: int) -> np.ndarray:
     """Cut bytes into consecutive windows of seq_len + 1: (N, seq_len + 1) uint8."""
     w = seq_len + 1
@@ -142,28 +95,24 @@ def pack_bytes(data: bytes, *, seq_len: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, count=n * w).reshape(n, w)
 
 
-def file_tables(path: Path, *, seq_len: int) -> dict[str, tuple[pa.Table, TaskSpec]]:
-    """A file source as {split: (shard table, task)}; see the module docstring for the rules."""
+def file_tables(path: Path, *, seq_len: int) -> tuple[dict[str, tuple[pa.Table, TaskSpec]],
+                                                  str | None, tuple[str, ...]]:
+    """A file source as ({split: (shard table, task)}, label column, feature columns).
+
+    The rules are in `data/file_source.py` (columns, checks) and `data/holdout.py` (split).
+    """
     table, fmt = read_files(path)
-    n_train = table.num_rows - eval_rows(table.num_rows)
+    is_eval = eval_mask(table.num_rows)  # (N,) bool: 1 row in 20, at hashed positions
     if "text" in table.schema.names:
-        texts = [t if t is not None else "" for t in table.column("text").to_pylist()]
+        texts = np.array([t if t is not None else "" for t in table.column("text").to_pylist()],
+                         dtype=object)
         spec = TaskSpec("lm", (seq_len,), 256)
-        return {split: (lm_table(pack_bytes(TEXT_SEPARATOR.join(t.encode() for t in part),
-                                            seq_len=seq_len)), spec)
-                for split, part in (("train", texts[:n_train]), ("eval", texts[n_train:]))}
-    if "label" not in table.schema.names:
-        raise ValueError(f"{path}: needs a `text` column (language modelling) or a `label` "
-                         f"column (classification); columns are {table.schema.names}")
-    labels = table.column("label")
-    if not pa.types.is_integer(labels.type) or labels.null_count:
-        raise ValueError(f"{path}: `label` must be integers without nulls, got {labels.type}")
-    targets = labels.to_numpy().astype(np.int64)
-    if targets.min() < 0:
-        raise ValueError(f"{path}: labels must be >= 0, found {targets.min()}")
+        return ({split: (lm_table(pack_bytes(TEXT_SEPARATOR.join(t.encode() for t in part),
+                                             seq_len=seq_len)), spec)
+                 for split, part in (("train", texts[~is_eval]), ("eval", texts[is_eval]))},
+                None, ("text",))
+    targets = table.column(LABEL).to_numpy().astype(np.int64)  # checked: integers >= 0
     columns = feature_columns(table.schema, fmt)
-    if nulls := [c for c in columns if table.column(c).null_count]:
-        raise ValueError(f"{path}: null values in column(s) {nulls}")
     if columns == ["features"]:
         inputs = list_rows(table.column("features").combine_chunks(), what=f"{path}: features")
         shape = image_shape(inputs.shape[1])
@@ -171,8 +120,24 @@ def file_tables(path: Path, *, seq_len: int) -> dict[str, tuple[pa.Table, TaskSp
         inputs = np.column_stack([table.column(c).to_numpy().astype(np.float32) for c in columns])
         shape = (len(columns),)
     spec = TaskSpec("classification", shape, int(targets.max()) + 1)
-    return {"train": (classification_table(inputs[:n_train], targets[:n_train]), spec),
-            "eval": (classification_table(inputs[n_train:], targets[n_train:]), spec)}
+    return ({"train": (classification_table(inputs[~is_eval], targets[~is_eval]), spec),
+             "eval": (classification_table(inputs[is_eval], targets[is_eval]), spec)},
+            LABEL, tuple(columns))
+
+
+def warn_if_classes_missing(manifests: dict[str, Manifest], *, source: str) -> None:
+    """Warn when one split lacks a class the other has: its accuracy says nothing of it."""
+    train, ev = manifests["train"].label_counts, manifests["eval"].label_counts
+    if train is None or ev is None:
+        return
+    width = max(len(train), len(ev))
+    counts = {name: np.pad(np.array(c, dtype=np.int64), (0, width - len(c)))
+              for name, c in (("train", train), ("eval", ev))}
+    if message := missing_classes(counts):
+        warnings.warn(f"{source}: {message}; with 1 row in {EVAL_EVERY} held out, a class "
+                      f"with few rows can miss a split, and that split's accuracy says nothing "
+                      f"of it: add rows of these classes, or write train and eval yourself",
+                      stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,7 +151,7 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
 
     Args:
         source: a built-in name (SOURCE_NAMES except the padded `wikitext-paragraphs`) or a
-            JSONL / CSV / Parquet file or directory (last 5% of rows -> eval).
+            JSONL / CSV / Parquet file or directory (1 row in 20 -> eval, `data/holdout.py`).
         out_dir: gets `train/` and `eval/`, each `part-NNNNN.parquet` + `manifest.json`.
         rows_per_shard: rows per file (the last file of a split may hold fewer).
         seq_len: tokens per example for text (rows hold seq_len + 1).
@@ -206,8 +171,9 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
         tables = {split: builtin_table(name, split=split, seq_len=seq_len,
                                        synthetic_examples=synthetic_examples, seed=seed)
                   for split in SPLITS}
+        label_column, features = None, ()
     else:
-        tables = file_tables(Path(source), seq_len=seq_len)
+        tables, label_column, features = file_tables(Path(source), seq_len=seq_len)
     from scaletrain import __version__
 
     manifests = {}
@@ -222,9 +188,14 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
             written.append(tmp)
         for tmp in written:
             os.replace(tmp, split_dir / tmp.name[1:-4])
+        counts = (tuple(np.bincount(table.column("targets").to_numpy(),
+                                    minlength=task.num_classes).tolist())
+                  if task.kind == "classification" else None)
         manifests[split] = write_manifest(split_dir, task=task, split=split, source=name,
                                           writer=f"scaletrain {__version__} (pyarrow "
-                                                 f"{pa.__version__})")
+                                                 f"{pa.__version__})", label_column=label_column,
+                                          feature_columns=features, label_counts=counts)
+    warn_if_classes_missing(manifests, source=name)
     return manifests["train"]
 
 

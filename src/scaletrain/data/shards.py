@@ -1,28 +1,15 @@
-"""Parquet shards, the reading side: the manifest, the checks on open, and `ShardedDataset`.
+"""Parquet shards, the reading side: `ShardedDataset` and `load_dataset`.
 
-Writing a dataset as shards lives in `data/shard_writer.py` (in memory, pyarrow) and
-`data/spark.py` (Apache Spark); both end with `write_manifest` from here, so the format is
-defined in this one module and the writers only produce rows in it.
+The format (layout, schema, manifest) and the checks every shard passes on open live in
+`data/manifest.py`; the writers are `data/shard_writer.py` (pyarrow) and `data/spark.py`
+(Spark). The names other modules have always imported from here (`ShardError`, `MANIFEST`,
+`Manifest`, `read_manifest`, ...) are re-exported, so `from scaletrain.data.shards import
+ShardError` keeps working.
 
-Layout on disk
---------------
-    OUT_DIR/train/part-00000.parquet ... manifest.json
-    OUT_DIR/eval/ part-00000.parquet ... manifest.json
-
-Each split is a directory of Parquet files (the shards) and a `manifest.json` that lists
-them in order with their row counts, sizes, SHA-256 and row groups, plus the task
-(`TaskSpec`) and the Arrow schema. The manifest is written last, atomically (temp file +
-rename), so a directory with a manifest is a complete one. A global row id is the offset of
-its shard in manifest order plus its row in the shard; the sampler's `epoch_order` works on
-these ids from the row counts alone, so a rank knows which row groups it needs before
-reading any.
-
-Schema: classification -> `inputs: list<float32>` (the example flattened; the manifest
-holds its shape) and `targets: int64`; language modelling -> `tokens: list<int32>` of
-seq_len + 1 bytes per row (inputs = the first seq_len, targets = the last seq_len; how text
-becomes windows is in `shard_writer`). Plain lists (not fixed-size lists) because that is
-what Apache Spark writes for `array<float>`; Arrow reads either writer's lists back as
-`list<element: float>`, and the manifest stores the schema as read back from the files.
+A global row id is the offset of its shard in manifest order plus its row in the shard; the
+sampler's `epoch_order` works on these ids from the row counts alone, so a rank knows which
+row groups it needs before reading any. Language-modelling rows hold seq_len + 1 tokens:
+inputs = the first seq_len, targets = the last seq_len.
 
 Reading (`ShardedDataset`) has the same interface as `ArrayDataset` (`spec`, `len`,
 `get(indices) -> Batch`). `get` decodes only the row groups holding the requested rows
@@ -35,163 +22,39 @@ decodes them again and again (measured: ~100x slower on MNIST), and says so in a
 GIL) so the next `get` finds them ready. Counters (`stats`) record every row group read,
 for tests and benchmarks.
 
-Integrity is checked on open, never assumed: every listed shard must exist, open as
-Parquet, have the manifest's schema, row count, row groups and size, and (verify=True) its
-SHA-256. Any failure raises `ShardError` naming the file and the problem; nothing is
-skipped. A directory written by Spark without a manifest (`part-*.parquet`, `_SUCCESS`,
-`.crc` files) is read directly: parts in name order, task inferred from the schema, no
-checksums, but footers and schemas are still checked.
+A directory without a manifest (plain Spark output) holds one collection of rows, not a
+split: `load_dataset` serves train and eval from it as disjoint `HeldOutSplit`s (1 row in
+20 held out, `data/holdout.py`) and says so once in a warning.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
 import threading
 import warnings
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from scaletrain.data.holdout import HeldOutSplit, announce
+from scaletrain.data.manifest import (  # re-exported: imported from here by other modules
+    FORMAT, INPUT_COLUMNS, MANIFEST, TARGET_COLUMNS, VERSION, Manifest, ShardError, ShardInfo,
+    describe_shard, find_split_dir, image_shape, infer_manifest, open_shard, part_files,
+    read_manifest, schema_pairs, sha256_file, task_columns, write_manifest)
 from scaletrain.data.sources import IGNORE_INDEX, Batch, TaskSpec
 
-FORMAT, VERSION = "scaletrain-shards", 1
-MANIFEST = "manifest.json"
-INPUT_COLUMNS, TARGET_COLUMNS = ("inputs", "features"), ("targets", "label")
-
-
-class ShardError(ValueError):
-    """A shard (or manifest) is missing, damaged or inconsistent; the message names it."""
-
-
-# ---------------------------------------------------------------------------------------
-# The manifest
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard as the manifest lists it."""
-
-    file: str  # name inside the split directory
-    rows: int
-    bytes: int
-    sha256: str | None  # None only for directories read without a manifest
-    row_groups: tuple[int, ...]  # rows per row group
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A split's table of contents: the task, the Arrow schema and the shards in order."""
-
-    task: TaskSpec
-    schema: tuple[tuple[str, str], ...]  # (column, Arrow type as str()) as in the files
-    shards: tuple[ShardInfo, ...]
-    split: str | None = None
-    source: str | None = None
-    writer: str = ""
-
-    @property
-    def rows(self) -> int:
-        return sum(s.rows for s in self.shards)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "split": self.split, "source": self.source,
-                "writer": self.writer, "rows": self.rows, "task": asdict(self.task),
-                "schema": [list(pair) for pair in self.schema],
-                "shards": [asdict(s) for s in self.shards]}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Manifest:
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}, "
-                             f"expected {FORMAT!r} version {VERSION}")
-        t = data["task"]
-        task = TaskSpec(t["kind"], tuple(t["input_shape"]), int(t["num_classes"]),
-                        bool(t.get("ragged", False)))
-        shards = tuple(ShardInfo(s["file"], int(s["rows"]), int(s["bytes"]), s["sha256"],
-                                 tuple(s["row_groups"])) for s in data["shards"])
-        return cls(task, tuple((n, ty) for n, ty in data["schema"]), shards,
-                   split=data.get("split"), source=data.get("source"),
-                   writer=data.get("writer", ""))
-
-    def save(self, split_dir: Path) -> None:
-        """Write `split_dir/manifest.json` atomically: readers see the old file or the new."""
-        tmp = split_dir / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        os.replace(tmp, split_dir / MANIFEST)
-
-
-def read_manifest(split_dir: Path) -> Manifest:
-    """Parse `split_dir/manifest.json`; any problem is a ShardError naming the file."""
-    path = Path(split_dir) / MANIFEST
-    try:
-        return Manifest.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ShardError(f"{path}: unreadable manifest: {e}") from e
-
-
-def schema_pairs(schema: pa.Schema) -> tuple[tuple[str, str], ...]:
-    """The schema as the manifest stores it: (name, str(type)) per column."""
-    return tuple((f.name, str(f.type)) for f in schema)
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def describe_shard(path: Path) -> ShardInfo:
-    """Measure one written shard: rows and row groups from its footer, size, SHA-256."""
-    md = pq.read_metadata(path)
-    return ShardInfo(path.name, md.num_rows, path.stat().st_size, sha256_file(path),
-                     tuple(md.row_group(i).num_rows for i in range(md.num_row_groups)))
-
-
-def part_files(split_dir: Path) -> list[Path]:
-    """`part-*.parquet` in name order (Spark's `.crc`, `_SUCCESS` and temp files excluded)."""
-    return sorted(p for p in Path(split_dir).glob("part-*.parquet") if p.is_file())
-
-
-def write_manifest(split_dir: Path, *, task: TaskSpec, split: str | None, source: str | None,
-                   writer: str) -> Manifest:
-    """Scan the part files of a finished split directory and write its manifest, last.
-
-    Args:
-        split_dir: a directory of `part-*.parquet` (written by `write_shards` or by Spark).
-        task: the task the rows pose.
-        split, source, writer: recorded for people; the reader only checks `split`.
-    """
-    files = part_files(split_dir)
-    if not files:
-        raise ShardError(f"{split_dir}: no part-*.parquet files to list")
-    schema = schema_pairs(pq.read_schema(files[0]))
-    for f in files[1:]:
-        if schema_pairs(pq.read_schema(f)) != schema:
-            raise ShardError(f"shard {f.name}: schema differs from {files[0].name}'s")
-    manifest = Manifest(task, schema, tuple(describe_shard(f) for f in files), split=split,
-                        source=source, writer=writer)
-    manifest.save(Path(split_dir))
-    return manifest
-
-
-# ---------------------------------------------------------------------------------------
-# Columns <-> arrays (also used by the writers)
-
-
-def image_shape(width: int) -> tuple[int, ...]:
-    """(1, s, s) when a flat example of `width` values is a perfect square s*s, else (width,)."""
-    side = math.isqrt(width)
-    return (1, side, side) if side > 1 and side * side == width else (width,)
+__all__ = ["FORMAT", "INPUT_COLUMNS", "MANIFEST", "TARGET_COLUMNS", "VERSION", "HeldOutSplit",
+           "Manifest", "ReadStats", "ShardError", "ShardInfo", "ShardedDataset", "decode",
+           "describe_shard", "image_shape", "infer_manifest", "list_rows", "load_dataset",
+           "open_shard", "part_files", "read_manifest", "schema_pairs", "sha256_file",
+           "task_columns", "write_manifest"]
 
 
 def list_rows(column: pa.Array, *, what: str, width: int | None = None) -> np.ndarray:
@@ -475,114 +338,15 @@ def _check_range(values: torch.Tensor, limit: int, *, what: str) -> None:
                          f"outside [0, {limit})")
 
 
-def task_columns(schema: tuple[tuple[str, str], ...], spec: TaskSpec, *,
-                 where: Path) -> tuple[str, ...]:
-    """The columns a task reads: (tokens,) or (inputs|features, targets|label)."""
-    names = [n for n, _ in schema]
-    if spec.kind == "lm":
-        if "tokens" not in names:
-            raise ShardError(f"{where}: a language-modelling split needs a `tokens` column, "
-                             f"has {names}")
-        return ("tokens",)
-    inputs = next((c for c in INPUT_COLUMNS if c in names), None)
-    targets = next((c for c in TARGET_COLUMNS if c in names), None)
-    if inputs is None or targets is None:
-        raise ShardError(f"{where}: a classification split needs `inputs` (or `features`) and "
-                         f"`targets` (or `label`) columns, has {names}")
-    return inputs, targets
-
-
-def open_shard(split_dir: Path, info: ShardInfo, schema: tuple[tuple[str, str], ...], *,
-               verify: bool) -> pq.FileMetaData:
-    """Check one listed shard against the manifest; return its footer. Raises ShardError."""
-    path = split_dir / info.file
-    where = f"shard {info.file}"
-    if not path.is_file():
-        raise ShardError(f"{where}: missing (listed in {split_dir / MANIFEST})")
-    size = path.stat().st_size
-    try:
-        md = pq.read_metadata(path)
-    except (OSError, pa.ArrowException) as e:
-        raise ShardError(f"{where}: not a readable Parquet file, truncated or corrupt ({size} "
-                         f"bytes, manifest says {info.bytes}): {e}") from e
-    if (got := schema_pairs(md.schema.to_arrow_schema())) != schema:
-        raise ShardError(f"{where}: schema {_fmt(got)} differs from the manifest's {_fmt(schema)}")
-    if md.num_rows != info.rows:
-        raise ShardError(f"{where}: {md.num_rows} rows in the file, manifest says {info.rows}")
-    groups = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
-    if groups != info.row_groups:
-        raise ShardError(f"{where}: row groups of {list(groups)} rows, manifest says "
-                         f"{list(info.row_groups)}")
-    if size != info.bytes:
-        raise ShardError(f"{where}: {size} bytes, manifest says {info.bytes}")
-    if verify and (digest := sha256_file(path)) != info.sha256:
-        raise ShardError(f"{where}: sha256 mismatch (manifest {info.sha256}, file {digest})")
-    return md
-
-
-def _fmt(schema: tuple[tuple[str, str], ...]) -> str:
-    return "(" + ", ".join(f"{n}: {t}" for n, t in schema) + ")"
-
-
-def infer_manifest(split_dir: Path) -> tuple[Manifest, list[pq.FileMetaData]]:
-    """Describe a directory of part files with no manifest (e.g. Spark's output).
-
-    Parts in name order are the shards; rows come from the footers. `tokens` -> language
-    modelling with seq_len = list length - 1 (bytes: vocabulary 256); `inputs`/`features`
-    + `targets`/`label` -> classification, input shape from the list length (`image_shape`),
-    num_classes = max label + 1 (reads the label column only). No checksums to compare.
-    """
-    files = part_files(split_dir)
-    if not files:
-        raise ShardError(f"{split_dir}: no {MANIFEST} and no part-*.parquet files")
-    metadata, schema = [], None
-    for f in files:
-        try:
-            md = pq.read_metadata(f)
-        except (OSError, pa.ArrowException) as e:
-            raise ShardError(f"shard {f.name}: not a readable Parquet file: {e}") from e
-        pairs = schema_pairs(md.schema.to_arrow_schema())
-        if schema is not None and pairs != schema:
-            raise ShardError(f"shard {f.name}: schema {_fmt(pairs)} differs from "
-                             f"{files[0].name}'s {_fmt(schema)}")
-        schema = pairs
-        metadata.append(md)
-    names = [n for n, _ in schema]
-    kind = "lm" if "tokens" in names else "classification"
-    columns = task_columns(schema, TaskSpec(kind, (0,), 0), where=split_dir)
-    width = _first_row_width(files, metadata, columns[0])
-    if kind == "lm":
-        if width < 2:
-            raise ShardError(f"{split_dir}: `tokens` rows of {width} tokens; need >= 2")
-        task = TaskSpec("lm", (width - 1,), 256)
-    else:
-        top = max((pc.max(pq.read_table(f, columns=[columns[1]]).column(0)).as_py()
-                   for f, md in zip(files, metadata) if md.num_rows), default=None)
-        if top is None:
-            raise ShardError(f"{split_dir}: no labels found")
-        task = TaskSpec("classification", image_shape(width), int(top) + 1)
-    shards = tuple(ShardInfo(f.name, md.num_rows, f.stat().st_size, None,
-                             tuple(md.row_group(i).num_rows for i in range(md.num_row_groups)))
-                   for f, md in zip(files, metadata))
-    return Manifest(task, schema, shards, split=None, source=str(split_dir), writer=""), metadata
-
-
-def _first_row_width(files: list[Path], metadata: list[pq.FileMetaData], column: str) -> int:
-    for f, md in zip(files, metadata):
-        if md.num_rows:
-            first = pq.ParquetFile(f).read_row_group(0, columns=[column]).column(0)
-            return len(first[0].as_py() or [])
-    raise ShardError(f"{files[0].parent}: every part file is empty")
-
-
 def load_dataset(path: Path | str, split: Literal["train", "eval"], *, verify: bool = True,
                  prefetch: int = 2, cache_row_groups: int = 8,
-                 shuffle_window: int | None = None) -> ShardedDataset:
+                 shuffle_window: int | None = None) -> ShardedDataset | HeldOutSplit:
     """Open `<path>/<split>`, or `path` itself when it is a split or Spark directory.
 
     A split directory's manifest records its split, and asking it for the other split is
-    refused. A Spark directory has no such record and serves whichever split is asked for
-    (the same rows): give train and eval their own directories.
+    refused. A directory without a manifest (Spark's output) holds both: train and eval are
+    disjoint `HeldOutSplit`s of its rows (1 in 20 held out, the same on every rank and run;
+    `data/holdout.py`), announced once per process in a warning.
 
     Args:
         path: the `out_dir` of `write_shards`, a split directory, or a Spark output.
@@ -592,15 +356,17 @@ def load_dataset(path: Path | str, split: Literal["train", "eval"], *, verify: b
             (`ShardedDataset.size_cache_for`).
     """
     path = Path(path)
-    kwargs = dict(verify=verify, prefetch=prefetch, cache_row_groups=cache_row_groups)
-    for candidate in (path / split, path):
-        if (candidate / MANIFEST).exists() or part_files(candidate):
-            ds = ShardedDataset(candidate, **kwargs)
-            if ds.manifest.split not in (None, split):
-                raise ValueError(f"{candidate} holds the {ds.manifest.split!r} split, not "
-                                 f"{split!r}")
-            if shuffle_window is not None:
-                ds.size_cache_for(shuffle_window)
-            return ds
-    raise FileNotFoundError(f"no shards for split {split!r}: neither {path / split} nor {path} "
-                            f"has {MANIFEST} or part-*.parquet files")
+    candidate = find_split_dir(path, split)
+    if candidate is None:
+        raise FileNotFoundError(f"no shards for split {split!r}: neither {path / split} nor "
+                                f"{path} has {MANIFEST} or part-*.parquet files")
+    ds = ShardedDataset(candidate, verify=verify, prefetch=prefetch,
+                        cache_row_groups=cache_row_groups)
+    if ds.manifest.split not in (None, split):
+        raise ValueError(f"{candidate} holds the {ds.manifest.split!r} split, not {split!r}")
+    if not (candidate / MANIFEST).exists():
+        announce(str(candidate))
+        ds = HeldOutSplit(ds, split)
+    if shuffle_window is not None:
+        ds.size_cache_for(shuffle_window)
+    return ds

@@ -1,8 +1,11 @@
 """Write shards with Apache Spark: the job of `shard_writer.write_shards` as a Spark program.
 
-Same sources, same split rules, same rows and the same `manifest.json` as the pyarrow
-writer, so `ShardedDataset` reads either; part files keep Spark's names
-(`part-00000-<uuid>-c000.snappy.parquet`) and Spark's schema (`list<element: float>`).
+Same sources, same checks (every cell of a file source, `data/file_source.py`, refused by
+file, row and column), same split rule (`data/holdout.py`: 1 row in 20 held out at hashed
+positions, the hash computed in Spark SQL from the same definition), same rows and the same
+`manifest.json` as the pyarrow writer, so `ShardedDataset` reads either; part files keep
+Spark's names (`part-00000-<uuid>-c000.snappy.parquet`) and Spark's schema
+(`list<element: float>`).
 Runs in local mode here (`spark_session`); the same code runs on a cluster session.
 
 How the job keeps the order. Rows are numbered in source order (files in name order, then
@@ -15,9 +18,10 @@ range bounds of a very large split, then approximate; the manifest records what 
 written). Row groups hold `row_group_rows` rows through parquet-java's
 `parquet.block.row.count.limit` (`parquet.block.size` alone counts compressed bytes).
 
-Text is packed in Spark without Python workers: each document's UTF-8 bytes (plus the
-separator, except after the split's last document) get their start offset in the packed
-stream from the same running sum; each document is cut into the pieces that fall into
+Text is packed in Spark without Python workers: documents are numbered with one running
+sum, assigned to a split by the hold-out rule, and each document's UTF-8 bytes (plus the
+separator, except after the split's last document) get their start offset in its split's
+packed stream from a second running sum; each document is cut into the pieces that fall into
 windows of seq_len + 1 bytes; pieces are grouped by window, ordered by offset and joined;
 the trailing partial window is dropped. Built-in sources are decoded by `load_source`,
 written once to a temporary Parquet file and read from there (no per-row Python).
@@ -38,8 +42,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from scaletrain.data.shard_writer import TEXT_SEPARATOR, builtin_table, eval_rows, source_files
-from scaletrain.data.shards import Manifest, image_shape, write_manifest
+from scaletrain.data.file_source import LABEL, SourceError, cell_error, source_files
+from scaletrain.data.holdout import block_hash, block_size, eval_count
+from scaletrain.data.manifest import Manifest, image_shape, write_manifest
+from scaletrain.data.shard_writer import TEXT_SEPARATOR, builtin_table, warn_if_classes_missing
 from scaletrain.data.sources import SOURCE_NAMES, SPLITS, TaskSpec
 
 if TYPE_CHECKING:
@@ -82,7 +88,7 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
 
     Args:
         source: a built-in name or a JSONL / CSV / Parquet file or directory, as in
-            `write_shards` (same split rule: the last 5% of rows are eval).
+            `write_shards` (same checks and split rule: 1 row in 20 is eval).
         out_dir: gets `train/` and `eval/` (Spark part files + `manifest.json`).
         rows_per_shard: rows per part file (Spark partitions: ceil(rows / rows_per_shard)).
         seq_len: tokens per example for text (rows hold seq_len + 1).
@@ -114,15 +120,19 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
                                          synthetic_examples=synthetic_examples, seed=seed)
             else:
                 splits = _file_frames(spark, Path(source), seq_len=seq_len)
+            columns = splits.pop("columns", (None, ()))
             for split, (df, rows, task) in splits.items():
                 split_dir = Path(out_dir) / split
                 _write_parquet(df, split_dir, rows=rows, rows_per_shard=rows_per_shard,
                                row_group_rows=row_group_rows, overwrite=overwrite)
                 manifests[split] = write_manifest(split_dir, task=task, split=split,
-                                                  source=name, writer=writer)
+                                                  source=name, writer=writer,
+                                                  label_column=columns[0],
+                                                  feature_columns=columns[1])
     finally:
         if own:
             spark.stop()
+    warn_if_classes_missing(manifests, source=name)
     return manifests["train"]
 
 
@@ -141,7 +151,7 @@ def _builtin_frames(spark: SparkSession, name: str, tmp: Path, *, seq_len: int,
 
 
 def _file_frames(spark: SparkSession, path: Path, *, seq_len: int) -> dict:
-    """{split: (DataFrame with row_id from 0, rows, task)} of a file source."""
+    """{split: (DataFrame with row_id from 0, rows, task), "columns": (label, features)}."""
     from pyspark.sql import functions as F
 
     files, fmt = source_files(path)
@@ -152,53 +162,93 @@ def _file_frames(spark: SparkSession, path: Path, *, seq_len: int) -> dict:
           .withColumn("_file", F.input_file_name())  # file order first, then position in it
           .withColumn("_mono", F.monotonically_increasing_id()))
     if "text" in df.columns:
-        return _text_frames(df, seq_len=seq_len)
+        return {**_text_frames(df, seq_len=seq_len), "columns": (None, ("text",))}
     df, totals = _running_sum(df, ["_file", "_mono"], {"row_id": F.lit(1)})
     n = totals["row_id"]
-    n_train = n - eval_rows(n)
-    parts = {"train": df.where(F.col("row_id") < n_train),
-             "eval": df.where(F.col("row_id") >= n_train)
-                       .withColumn("row_id", F.col("row_id") - n_train)}
-    task, inputs = _classification(df, fmt=fmt, where=path)
-    return {split: (part.select("row_id", inputs.alias("inputs"),
-                                F.col("label").cast("long").alias("targets")),
-                    n_train if split == "train" else n - n_train, task)
-            for split, part in parts.items()}
+    task, inputs, features = _classification(df, fmt=fmt, where=path)
+    is_eval, local = _holdout_columns(n)
+    df = df.withColumn("_eval", is_eval).withColumn("row_id", local)
+    frames = {split: (df.where(F.col("_eval") == (split == "eval"))
+                      .select("row_id", inputs.alias("inputs"),
+                              F.col(LABEL).cast("long").alias("targets")), rows, task)
+              for split, rows in (("train", n - eval_count(n)), ("eval", eval_count(n)))}
+    return {**frames, "columns": (LABEL, features)}
 
 
-def _classification(df: DataFrame, *, fmt: str, where: Path) -> tuple[TaskSpec, Column]:
-    """Check labels and feature widths in one Spark job; return the task and the inputs column."""
+def _holdout_columns(n: int) -> tuple[Column, Column]:
+    """(is this row eval?, its row id within its split) from `row_id`: `holdout`'s rule."""
+    from pyspark.sql import functions as F
+
+    k, full = block_size(n), n // block_size(n)
+    row, block = F.col("row_id"), F.expr(f"row_id div {k}")
+    size = F.when(block < full, F.lit(k)).otherwise(F.lit(n % k))  # the last block may be short
+    offset = block_hash(block, xor_shift=lambda x, s: x.bitwiseXOR(F.shiftright(x, s))) % size
+    pos = row - block * k
+    is_eval = pos == offset
+    local = F.when(is_eval, block).otherwise(row - block - F.when(pos > offset, 1).otherwise(0))
+    return is_eval, local
+
+
+def _classification(df: DataFrame, *, fmt: str,
+                    where: Path) -> tuple[TaskSpec, Column, tuple[str, ...]]:
+    """Check every cell in one Spark job; return the task, the inputs column, its sources."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
     fields = {f.name: f.dataType for f in df.schema.fields}
-    if "label" not in fields:
-        raise ValueError(f"{where}: needs a `text` column (language modelling) or a `label` "
-                         f"column (classification); columns are {list(fields)}")
-    if not isinstance(fields["label"], T.IntegralType):
-        raise ValueError(f"{where}: `label` must be integers, got {fields['label'].simpleString()}")
+    if LABEL not in fields:
+        raise SourceError(f"{where}: needs a `text` column (language modelling) or a `{LABEL}` "
+                          f"column (classification); columns are {list(fields)}")
+    label = fields[LABEL]
+    if isinstance(label, T.IntegralType):
+        bad = {LABEL: F.col(LABEL).isNull() | (F.col(LABEL) < 0)}
+    else:  # text (a CSV column with a bad cell) may still hold digits; decimals never pass
+        digits = F.col(LABEL).rlike(r"^\s*[0-9]+\s*$")
+        bad = {LABEL: F.lit(True) if not isinstance(label, T.StringType)
+               else F.col(LABEL).isNull() | ~digits}
     if "features" in fields:
-        inputs = F.col("features").cast("array<float>")
+        names = ("features",)
+        item = getattr(fields["features"], "elementType", None)
+        bad["features"] = (F.col("features").isNull()
+                           | F.exists("features", lambda x: x.isNull())
+                           if isinstance(item, T.NumericType) else F.lit(True))
+        inputs, width_of = F.col("features").cast("array<float>"), F.size("features")
     else:
-        numeric = [c for c, t in fields.items() if isinstance(t, T.NumericType)
-                   and c not in ("label", "_mono", "row_id")]
-        if not numeric:
-            raise ValueError(f"{where}: no `features` list column and no numeric columns "
-                             "besides `label`")
-        numeric = sorted(numeric) if fmt == "json" else numeric  # as the pyarrow writer does
-        inputs = F.array(*[F.col(c).cast("float") for c in numeric])
-    s = df.agg(F.min("label"), F.max("label"), F.count_if(F.col("label").isNull()),
-               F.min(F.size(inputs)), F.max(F.size(inputs)),
-               F.count_if(F.exists(inputs, lambda x: x.isNull()))).first()
-    low, high, null_labels, width, widest, null_inputs = s
-    if null_labels or low is None or low < 0:
-        raise ValueError(f"{where}: labels must be integers >= 0 without nulls "
-                         f"(min {low}, {null_labels} nulls)")
-    if width != widest or null_inputs:
-        raise ValueError(f"{where}: feature rows must all hold {width} numbers without nulls "
-                         f"(widths {width}..{widest}, {null_inputs} rows with nulls)")
+        names = tuple(c for c in fields if c not in (LABEL, "_file", "_mono", "row_id"))
+        if not names:
+            raise SourceError(f"{where}: no `features` list column and no columns besides "
+                              f"`{LABEL}`")
+        names = tuple(sorted(names)) if fmt == "json" else names  # as the pyarrow writer does
+        for c in names:  # a cell Spark could not type as a number made the column text
+            bad[c] = (F.col(f"`{c}`").isNull() if isinstance(fields[c], T.NumericType)
+                      else F.expr(f"try_cast(`{c}` as double)").isNull())
+        inputs = F.array(*[F.col(f"`{c}`").cast("float") for c in names])
+        width_of = F.lit(len(names))
+    # try_cast and the raw width: with ANSI SQL a cast of a bad cell would fail this job
+    # before the bad cell could be named.
+    s = df.agg(F.expr(f"max(try_cast(`{LABEL}` as bigint))"), F.min(width_of), F.max(width_of),
+               *[F.count_if(cond) for cond in bad.values()]).first()
+    high, width, widest, *bad_counts = s
+    for (column, cond), count in zip(bad.items(), bad_counts):
+        if count:
+            raise _first_bad_cell(df, cond, column=column, fmt=fmt)
+    if width != widest:
+        raise SourceError(f"{where}: `features` rows must all hold the same number of values "
+                          f"(widths {width}..{widest})")
     shape = image_shape(width) if "features" in fields else (width,)
-    return TaskSpec("classification", shape, int(high) + 1), inputs
+    return TaskSpec("classification", shape, int(high) + 1), inputs, names
+
+
+def _first_bad_cell(df: DataFrame, cond: Column, *, column: str, fmt: str) -> SourceError:
+    """The error naming the first row (in source order) where `cond` holds: file, row, column."""
+    from urllib.parse import unquote, urlparse
+
+    from pyspark.sql import functions as F
+
+    row = (df.where(cond).orderBy("row_id")
+           .select("_file", "row_id", F.col(f"`{column}`").cast("string")).first())
+    start = df.where(F.col("_file") == row[0]).agg(F.min("row_id")).first()[0]
+    return cell_error(Path(unquote(urlparse(row[0]).path)), fmt, row[1] - start, column, row[2])
 
 
 def _running_sum(df: DataFrame, order: list[str],
@@ -241,27 +291,29 @@ def _running_sum(df: DataFrame, order: list[str],
 def _text_frames(df: DataFrame, *, seq_len: int) -> dict:
     """{split: (packed windows with row_id, rows, task)} of a file source with `text`.
 
-    One pass numbers the documents and places their bytes: each document is followed by the
-    separator, so document i starts at the sum of (length + separator) before it. That is
-    the joined stream plus one trailing separator, which only the dropped partial window
-    can contain. Eval offsets start at the first eval document's.
+    One running sum numbers the documents (source order), which the hold-out rule assigns
+    to a split; a second places their bytes in their split's stream: each document is
+    followed by the separator, so a document starts at the sum of (length + separator) of
+    the split's documents before it. That is the joined stream plus one trailing separator,
+    which only the dropped partial window can contain.
     """
     from pyspark.sql import functions as F
 
     text = F.encode(F.coalesce(F.col("text"), F.lit("")), "UTF-8")  # (bytes of one document)
     docs = df.select("_file", "_mono", F.concat(text, F.lit(bytearray(TEXT_SEPARATOR))).alias("b"))
     docs, totals = _running_sum(docs.withColumn("len", F.octet_length("b")), ["_file", "_mono"],
-                                {"row_id": F.lit(1), "start": F.col("len")})
-    n = totals["row_id"]
-    n_train = n - eval_rows(n)
-    cut = docs.where(F.col("row_id") == n_train).select("start").first()[0]
+                                {"row_id": F.lit(1)})
+    is_eval, _ = _holdout_columns(totals["row_id"])
+    docs = docs.withColumn("_eval", is_eval)
+    docs, totals = _running_sum(docs, ["_file", "_mono"], {
+        "start_train": F.when(F.col("_eval"), 0).otherwise(F.col("len")),
+        "start_eval": F.when(F.col("_eval"), F.col("len")).otherwise(0)})
     task, frames = TaskSpec("lm", (seq_len,), 256), {}
-    for split, part, base, end in (
-            ("train", docs.where(F.col("row_id") < n_train), 0, cut),
-            ("eval", docs.where(F.col("row_id") >= n_train), cut, totals["start"])):
-        part = part.withColumn("start", F.col("start") - base)
+    for split in ("train", "eval"):
+        part = (docs.where(F.col("_eval") == (split == "eval"))
+                .withColumn("start", F.col(f"start_{split}")))
         windows, rows = _pack_text(part, seq_len=seq_len, split=split,
-                                   total=end - base - len(TEXT_SEPARATOR))
+                                   total=totals[f"start_{split}"] - len(TEXT_SEPARATOR))
         frames[split] = (windows, rows, task)
     return frames
 

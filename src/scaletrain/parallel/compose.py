@@ -1,8 +1,11 @@
 """The one order in which parallel techniques are applied, and what the step needs of them.
 
 Order (written down once, here): precision cast -> (later: tensor parallel -> activation
-checkpointing -> FSDP) -> DDP -> DDP comm hook. DDP goes last because it must see the final
-parameters; its comm hook (gradient compression) is registered on the wrapper.
+checkpointing -> FSDP) -> torch.compile -> DDP -> DDP comm hook. DDP goes last because it
+must see the final parameters; its comm hook (gradient compression) is registered on the
+wrapper. The module is compiled in place (`nn.Module.compile`) before DDP wraps it, so
+parameter names stay plain (no `_orig_mod.` prefix in checkpoints) and DDP's gradient hooks
+fire on the compiled graph's gradients as on eager ones.
 """
 
 from __future__ import annotations
@@ -20,14 +23,19 @@ from scaletrain.parallel.layout import ParallelLayout
 
 def parallelize(model: torch.nn.Module, *, layout: ParallelLayout, device: torch.device,
                 bucket_cap_mb: float, gradient_as_bucket_view: bool, comm_hook: str = "none",
-                powersgd_rank: int = 1, powersgd_start_iter: int = 10,
+                powersgd_rank: int = 1, powersgd_start_iter: int = 10, compile: bool = False,
                 ) -> tuple[torch.nn.Module, HookState | None]:
     """Apply the layout's techniques to `model` in the documented order.
 
     With dp == 1 nothing is wrapped: a single process trains the bare module.
     Returns the model and the comm hook's state (bytes sent), None without a hook.
+
+    Args:
+        compile: compile the module with torch.compile (inductor) before DDP wraps it.
     """
     model = model.to(device)
+    if compile:
+        model.compile()  # in place: the same module and parameter names, a compiled forward
     hook_state = None
     if layout.dp > 1:
         model = apply_ddp(model, device=device, bucket_cap_mb=bucket_cap_mb,

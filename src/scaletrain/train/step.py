@@ -29,17 +29,20 @@ IGNORE_INDEX = -100
 
 
 def summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed (not averaged) over examples or target tokens, in fp32.
+    """Cross-entropy summed (not averaged) over examples or target tokens, in fp32 or wider.
 
     logits (B, C) with targets (B,), or (B, T, V) with targets (B, T); -100 is ignored.
+    Half-precision logits are upcast to fp32; fp64 logits (precision fp64) stay fp64.
     """
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 @dataclass
 class StepResult:
-    loss_sum: torch.Tensor  # this rank's summed loss over its micro-batches (fp32, detached)
+    loss_sum: torch.Tensor  # this rank's summed loss over its micro-batches (fp64, detached)
     count: int  # global examples or target tokens in the step (the normaliser)
     grad_norm: float  # global gradient norm before clipping (inf/nan if non-finite)
     stepped: bool  # False when the step was skipped for a non-finite gradient
@@ -73,7 +76,8 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
     # gradient of (sum of all losses) / global_count.
     loss_weight = dp_size / max(global_count, 1)
 
-    loss_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0].targets.device)
+    # float64 so that neither fp32 rounding nor the number of micro-batches changes the sum.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=micro_batches[0].targets.device)
     for i, mb in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
         # All-reduce gradients only on the last micro-batch; earlier ones accumulate locally.
@@ -82,7 +86,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
                 logits = model(precision.convert_input(mb.inputs))
                 loss = summed_loss(logits, mb.targets)
             precision.backward(loss * loss_weight)
-        loss_sum += loss.detach().float()
+        loss_sum += loss.detach().double()
 
     params = [p for p in model.parameters() if p.grad is not None]
     precision.unscale_(optimizer)  # fp16: clip and check the true gradient, not the scaled one

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,14 +22,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from scaletrain.checkpoint import Checkpointer, TrainState, latest_valid
+from scaletrain.allocator import configure_allocator
+from scaletrain.checkpoint import Checkpointer, TrainState
+from scaletrain.checkpoint_files import latest_valid
 from scaletrain.checkpoint import load as load_checkpoint
 from scaletrain.config import Config, Derived, config_to_toml, resolve
 from scaletrain.data.sampler import GlobalBatchSampler, eval_indices
 from scaletrain.data.loader import Dataset, load_dataset
 from scaletrain.data.sources import Batch
+from scaletrain.memory import WindowPeak, lifetime_peak_bytes
 from scaletrain.metrics import MetricsLogger
 from scaletrain.models import build_model
+from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
 from scaletrain.parallel.compose import parallelize, unwrap
 from scaletrain.precision import Precision, make_precision
 from scaletrain.rundir import default_run_dir, write_config
@@ -58,7 +61,7 @@ class Window:
 class Parts:
     """Everything `train` builds from the config, handed to the loop."""
 
-    state: TrainState  # model, optimizer, scheduler, precision, step: what a checkpoint holds
+    state: TrainState  # what a checkpoint holds (checkpoint.py lists it)
     sampler: GlobalBatchSampler
     train_ds: Dataset
     eval_ds: Dataset
@@ -80,15 +83,21 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
     penv = read_env()
     derived = resolve(config, world_size=penv.world_size, nproc_per_node=penv.local_world_size)
     set_threads(derived.threads)
+    heap = configure_allocator(config.train.allocator,
+                               device_type="cuda" if derived.backend == "nccl" else "cpu")
     device = init_distributed(penv, backend=derived.backend, timeout_s=config.parallel.timeout_s)
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(config.name))))
-    if penv.is_main:
+    resume_from = broadcast_object(_latest_checkpoint(run_dir, penv) if penv.is_main else None)
+    if penv.is_main and resume_from is None:
         write_config(run_dir, config)
     seed_everything(config.train.seed)
     parts = build(config, derived, penv, device=device, run_dir=run_dir)
-    resume_from = broadcast_object(_latest_checkpoint(run_dir, penv) if penv.is_main else None)
     if resume_from is not None:
         load_checkpoint(Path(resume_from), parts.state)
+        if keyed_by_bucket(parts.comm.hook_state):
+            _rebuild_buckets(parts)
+        if penv.is_main:  # only now: a resume that fails leaves the run's config.toml as it was
+            write_config(run_dir, config)
     logger = MetricsLogger(run_dir, total_steps=config.train.steps, enabled=penv.is_main,
                            quiet=config.log.quiet, tensorboard=config.log.tensorboard,
                            start_step=parts.state.step)
@@ -96,6 +105,8 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
         logger.message(f"scaletrain: resumed from {resume_from} at step {parts.state.step}")
     for warning in derived.warnings:
         logger.message(f"scaletrain: warning: {warning}")
+    if heap != "system":
+        logger.message(f"scaletrain: CPU heap policy: {heap} (train.allocator)")
     try:
         return _loop(config, derived, penv, parts, logger=logger, run_dir=run_dir)
     finally:
@@ -120,13 +131,14 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
     model = precision.convert_module(model)
     pc = config.parallel
     model, hook_state = parallelize(model, layout=derived.layout, device=device,
+                                    compile=config.train.compile,
                                     bucket_cap_mb=pc.bucket_cap_mb,
                                     gradient_as_bucket_view=pc.gradient_as_bucket_view,
                                     comm_hook=pc.comm_hook, powersgd_rank=pc.powersgd_rank,
                                     powersgd_start_iter=pc.powersgd_start_iter)
     o = config.optim
     optimizer = build_optimizer(model, name=o.name, lr=o.lr, weight_decay=o.weight_decay,
-                                betas=o.betas, momentum=o.momentum)
+                                betas=o.betas, momentum=o.momentum, impl=o.impl)
     scheduler = build_scheduler(optimizer, warmup_steps=o.warmup_steps,
                                 total_steps=config.train.steps, schedule=o.schedule,
                                 min_lr_ratio=o.min_lr_ratio)
@@ -137,76 +149,73 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
     c = config.checkpoint
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.keep, async_save=c.async_save,
                                 config_toml=config_to_toml(config))
-    return Parts(state=TrainState(model, optimizer, scheduler, precision), sampler=sampler,
-                 train_ds=train_ds, eval_ds=eval_ds, device=device,
-                 comm=CommCounter(model, hook_state, dp=derived.layout.dp),
-                 checkpointer=checkpointer)
+    comm = CommCounter(model, hook_state, dp=derived.layout.dp)
+    # The loop's streak and window: a checkpoint loads into this RunProgress, the loop runs on it.
+    state = TrainState(model, optimizer, scheduler, precision, hook=hook_state,
+                       loop=RunProgress(first_step=0, comm=comm),
+                       tokens_per_example=train_ds.spec.input_shape[0]
+                       if train_ds.spec.kind == "lm" else 0)
+    return Parts(state=state, sampler=sampler, train_ds=train_ds, eval_ds=eval_ds,
+                 device=device, comm=comm, checkpointer=checkpointer)
+
+
+def _rebuild_buckets(parts: Parts) -> None:
+    """A resumed PowerSGD run needs DDP's rebuilt buckets before its first step: the hook
+    state it restored is keyed by them (parallel/comm_hooks.py, `rebuild_buckets`)."""
+    state = parts.state
+    # One example is enough: the bucket order follows the graph, not the values.
+    batch = parts.train_ds.get(parts.sampler.micro_batches(state.step)[0][:1]).to(parts.device)
+
+    def forward_backward() -> None:
+        with state.precision.forward_context():
+            logits = state.model(state.precision.convert_input(batch.inputs))
+            loss = summed_loss(logits, batch.targets)
+        loss.backward()
+
+    rebuild_buckets(state.model, parts.comm.hook_state, forward_backward=forward_backward,
+                    device=parts.device)
 
 
 def _latest_checkpoint(run_dir: Path, penv: ProcessEnv) -> str | None:
-    found = latest_valid(run_dir / "checkpoints", report=lambda m: print(m, file=sys.stderr))
+    # Rank 0 moves a damaged checkpoint aside, so the run's next save of that step succeeds.
+    found = latest_valid(run_dir / "checkpoints", report=lambda m: print(m, file=sys.stderr),
+                         quarantine=True)
     return str(found) if found else None
 
 
 def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
           logger: MetricsLogger, run_dir: Path) -> dict | None:
+    """Run steps state.step .. train.steps, then the final evaluation; None on a planned stop."""
     t, state = config.train, parts.state
-    bad_in_row, window, first_bad = 0, Window(), None
-    last_loss, eval_record = math.nan, {}
-    started, first_step = time.perf_counter(), state.step
-    # Fixed-size examples (images, packed text) have the same count on every rank; padded
-    # text does not, and then the step all-reduces the count before its first forward.
-    ragged = parts.train_ds.spec.ragged
-    micro, indices = [], parts.sampler.micro_batches(state.step)
+    run = state.loop  # fresh from build, or the streak and open window a checkpoint restored
+    run.first_step, run.started, run.memory = state.step, time.perf_counter(), WindowPeak.start()
+    if not run.window.steps:  # no window restored: start its clock now, not at build time
+        run.window = Window()
+    indices = parts.sampler.micro_batches(state.step)
     for step in range(state.step, t.steps):
-        micro = [parts.train_ds.get(idx).to(parts.device, non_blocking=True) for idx in indices]
-        if step + 1 < t.steps:  # read the next step's rows in the background
-            indices = parts.sampler.micro_batches(step + 1)
-            parts.train_ds.prefetch(torch.cat(indices))
+        micro, indices = _fetch(parts, indices, step=step, total_steps=t.steps)
         with collective_guard("gradient all-reduce (DDP backward)", step=step):
             result = train_step(state.model, micro, optimizer=state.optimizer,
                                 scheduler=state.scheduler, precision=state.precision,
                                 grad_clip=config.optim.grad_clip, dp_size=derived.layout.dp,
-                                ragged_counts=ragged)
+                                ragged_counts=parts.train_ds.spec.ragged)
         state.step = step + 1
-        bad_in_row = 0 if result.stepped else bad_in_row + 1
-        state.skipped_steps += not result.stepped
-        # fp16 overflows are the loss scaler's business; only persistent trouble stops the run.
-        first_bad = result.first_nonfinite if bad_in_row == 1 else first_bad
-        if bad_in_row >= t.max_bad_steps:
-            raise TrainingDiverged(_diverged_message(step, bad_in_row, last_loss, config,
-                                                     first_bad, state.precision))
-        window.loss_sum += float(result.loss_sum)
-        window.count += result.count
-        window.steps += 1
-        if state.step % config.log.every == 0 or state.step == t.steps:
-            with collective_guard("metrics all-reduce", step=step):
-                record = _train_record(step, result, window, micro, state.optimizer,
-                                       state.precision, skipped=state.skipped_steps,
-                                       dp=derived.layout.dp)
-            record["comm_bytes_per_step"] = parts.comm.per_step(window.steps)
-            last_loss = record["loss"]
-            logger.log_step(record)
-            window = Window()
-        else:
-            logger.advance()
-        stop_now = state.step == t.stop_after
-        if (config.checkpoint.every and state.step % config.checkpoint.every == 0) or stop_now:
-            with collective_guard("checkpoint save", step=step):
-                parts.checkpointer.save(state)
-        if stop_now:  # a planned stop (e.g. a job time limit): resume with --resume
-            parts.checkpointer.wait()
-            logger.message(f"scaletrain: stopped after step {state.step} (train.stop_after); "
-                           f"continue with: scaletrain train ... --run-dir {run_dir} --resume")
+        _count_bad_steps(state, result, run, config=config)
+        _log_window(state, result, micro, run, parts=parts, logger=logger, config=config,
+                    dp=derived.layout.dp)
+        if _checkpoint_or_stop(state, parts, logger=logger, config=config, run_dir=run_dir):
             return None
         if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
             eval_started = time.perf_counter()
             with collective_guard("evaluation all-reduce", step=step):
-                logger.log_eval({"step": state.step, **evaluate(
+                record = {"step": state.step, **evaluate(
                     state.model, parts.eval_ds, config, penv, derived,
-                    precision=state.precision, device=parts.device)})
-            window.start += time.perf_counter() - eval_started  # throughput is training only
-    wall = time.perf_counter() - started
+                    precision=state.precision, device=parts.device)}
+            logger.log_eval(record)
+            logger.message(f"scaletrain: eval at step {state.step}: " + ", ".join(
+                f"{k} {v:.4g}" for k, v in record.items() if k != "step"))
+            run.window.start += time.perf_counter() - eval_started  # throughput is training only
+    wall = time.perf_counter() - run.started
     with collective_guard("evaluation all-reduce", step=t.steps):
         eval_record = evaluate(state.model, parts.eval_ds, config, penv, derived,
                                precision=state.precision, device=parts.device)
@@ -214,10 +223,128 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     if not penv.is_main:
         return None
     return _finish(run_dir, model=state.model, config=config, derived=derived, wall=wall,
-                   last_loss=last_loss, eval_record=eval_record, skipped=state.skipped_steps,
-                   steps_run=t.steps - first_step, precision_mode=state.precision.mode,
+                   last_loss=run.last_loss, eval_record=eval_record, skipped=state.skipped_steps,
+                   steps_run=t.steps - run.first_step, precision_mode=state.precision.mode,
                    tokens_per_example=parts.train_ds.spec.input_shape[0]
                    if parts.train_ds.spec.kind == "lm" else 0)
+
+
+@dataclass
+class RunProgress:
+    """What the loop tracks between steps of this process's run.
+
+    A DCP Stateful: a checkpoint holds the streak, the last logged loss, the open window
+    (its elapsed time, not its clock) and the comm counter's position, so a resumed run
+    stops, logs and reports as the uninterrupted one would. `build` makes it (it is
+    `TrainState.loop`), a checkpoint loads into it, and the loop runs on it.
+    """
+
+    first_step: int
+    bad_in_row: int = 0  # consecutive skipped steps
+    first_bad: str | None = None  # the first parameter to overflow in the current streak
+    last_loss: float = math.nan
+    window: Window = field(default_factory=Window)
+    started: float = field(default_factory=time.perf_counter)
+    memory: WindowPeak | None = None  # each window's peak above the post-set-up baseline
+    comm: CommCounter | None = None  # its bytes at the last record belong to the window
+
+    def state_dict(self) -> dict:
+        w = self.window
+        return {"bad_in_row": self.bad_in_row, "first_bad": self.first_bad or "",
+                "last_loss": self.last_loss, "window.loss_sum": w.loss_sum,
+                "window.count": w.count, "window.steps": w.steps,
+                "window.elapsed_s": time.perf_counter() - w.start,
+                "comm_seen": self.comm.seen if self.comm is not None else 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bad_in_row, self.first_bad = int(state["bad_in_row"]), state["first_bad"] or None
+        self.last_loss = float(state["last_loss"])
+        self.window = Window(loss_sum=float(state["window.loss_sum"]),
+                             count=int(state["window.count"]), steps=int(state["window.steps"]),
+                             start=time.perf_counter() - float(state["window.elapsed_s"]))
+        if self.comm is not None:
+            self.comm.seen = int(state["comm_seen"])
+
+
+def _fetch(parts: Parts, indices: list[torch.Tensor], *, step: int,
+           total_steps: int) -> tuple[list[Batch], list[torch.Tensor]]:
+    """This step's micro-batches; starts reading the next step's rows in the background."""
+    micro = [parts.train_ds.get(idx).to(parts.device, non_blocking=True) for idx in indices]
+    if step + 1 < total_steps:
+        indices = parts.sampler.micro_batches(step + 1)
+        parts.train_ds.prefetch(torch.cat(indices))
+    return micro, indices
+
+
+def _count_bad_steps(state: TrainState, result: StepResult, run: RunProgress, *,
+                     config: Config) -> None:
+    """Per-step counters: skipped steps and the streak of them (fp16 overflows are the loss
+    scaler's business; only a streak stops the run), examples and tokens seen."""
+    run.bad_in_row = 0 if result.stepped else run.bad_in_row + 1
+    state.skipped_steps += not result.stepped
+    state.examples_seen += config.train.global_batch
+    state.tokens_seen += config.train.global_batch * state.tokens_per_example
+    run.first_bad = result.first_nonfinite if run.bad_in_row == 1 else run.first_bad
+    if run.bad_in_row >= config.train.max_bad_steps:
+        raise TrainingDiverged(_diverged_message(state.step - 1, run.bad_in_row, run.last_loss,
+                                                 config, run.first_bad, state.precision))
+
+
+def _log_window(state: TrainState, result: StepResult, micro: list[Batch], run: RunProgress, *,
+                parts: Parts, logger: MetricsLogger, config: Config, dp: int) -> None:
+    """Add the step to the window; every log.every steps write one record and start a new one."""
+    window = run.window
+    window.loss_sum += float(result.loss_sum)
+    window.count += result.count
+    window.steps += 1
+    if state.step % config.log.every and state.step != config.train.steps:
+        logger.advance()
+        return
+    with collective_guard("metrics all-reduce", step=state.step - 1):
+        record = _train_record(state.step - 1, result, window, micro, state.optimizer,
+                               state.precision, skipped=state.skipped_steps, dp=dp)
+    record["comm_bytes_per_step"] = parts.comm.per_step(window.steps)
+    record["examples_seen"], record["tokens_seen"] = state.examples_seen, state.tokens_seen
+    record.update(run.memory.record() if run.memory else {})
+    if config.train.compile:  # proof that dynamo captured graphs (0: the model ran eager)
+        from torch._dynamo.utils import counters
+
+        record["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
+    run.last_loss = record["loss"]
+    logger.log_step(record)
+    run.window = Window()
+
+
+def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogger,
+                        config: Config, run_dir: Path) -> bool:
+    """Save on the checkpoint schedule; on a planned stop or a SIGTERM save, wait, return True.
+
+    SIGTERM (a scheduler's preemption, forwarded by torchrun's agent) only sets a flag; the
+    ranks agree on it a step later (train/signals.py), so every rank saves the same step.
+    """
+    import os
+
+    from scaletrain.train import signals
+
+    planned = state.step == config.train.stop_after
+    # stop_requested() runs on every step and rank: it is a collective (one step behind).
+    with collective_guard("SIGTERM flag all-reduce", step=state.step - 1):
+        preempted = signals.stop_requested() and state.step < config.train.steps
+    every = config.checkpoint.every
+    if (every and state.step % every == 0) or planned or preempted:
+        with collective_guard("checkpoint save", step=state.step - 1):
+            parts.checkpointer.save(state)
+    if not (planned or preempted):
+        return False
+    parts.checkpointer.wait()  # a stop (job time limit, preemption): resume with --resume
+    if preempted:
+        signals.mark_stopped()
+    # On SIGTERM the launcher of a single process, or ours for its workers, prints the line.
+    if planned or "TORCHELASTIC_RUN_ID" in os.environ:
+        why = "train.stop_after" if planned else "SIGTERM"
+        logger.message(f"scaletrain: stopped after step {state.step} ({why}); "
+                       f"continue with: scaletrain train ... --run-dir {run_dir} --resume")
+    return True
 
 
 def _train_record(step: int, result: StepResult, window: Window, micro: list[Batch], optimizer,
@@ -237,19 +364,12 @@ def _train_record(step: int, result: StepResult, window: Window, micro: list[Bat
         "examples_per_s": examples / elapsed,
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed / window.steps,
-        "peak_mem_bytes": peak_memory_bytes(),
+        "peak_mem_bytes": lifetime_peak_bytes(),
         "skipped_steps": skipped,
     }
     if precision.loss_scale is not None:
         record["loss_scale"] = precision.loss_scale
     return record
-
-
-def peak_memory_bytes() -> int:
-    """Peak memory of this process: CUDA allocator peak on GPU, else peak RSS."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 @torch.no_grad()
@@ -312,10 +432,13 @@ def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: flo
             last_loss: float, eval_record: dict, skipped: int, steps_run: int,
             tokens_per_example: int, precision_mode: str) -> dict:
     """Rank 0 writes the final weights (plain names, no DDP prefix) and the summary."""
-    state = {k: v.detach().to("cpu", torch.float32).contiguous()
-             for k, v in unwrap(model).state_dict().items()}
+    # In the dtype that was trained (fp32 master weights; bf16 for bf16-true, fp64 for fp64).
+    state = {k: v.detach().to("cpu").contiguous() for k, v in unwrap(model).state_dict().items()}
+    from scaletrain.runtime import honour_umask
+
     save_file(state, str(run_dir / "model.safetensors"),
               metadata={"model": config.model.name, "size": config.model.size})
+    honour_umask(run_dir / "model.safetensors")  # safetensors writes 0600
     examples = steps_run * config.train.global_batch  # this process's share of the run
     summary = {
         "final_loss": last_loss,  # mean training loss of the last log.every-step window
@@ -324,7 +447,7 @@ def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: flo
         "steps": config.train.steps,
         "skipped_steps": skipped,
         "world_size": derived.world_size,
-        "examples_per_s": examples / wall,
+        "examples_per_s": examples / wall,  # over the wall time, mid-run evals included
         "tokens_per_s": examples * tokens_per_example / wall,
         "precision": precision_mode,  # what ran ("auto" resolved)
     }

@@ -1,0 +1,354 @@
+"""Parquet shards, the format: the manifest, the checks a shard must pass, and `ShardError`.
+
+Both writers (`data/shard_writer.py`, pyarrow; `data/spark.py`, Spark) end with
+`write_manifest` from here, and the reader (`data/shards.py`) and the pre-launch checks
+(`data/preflight.py`) start with `read_manifest` or `infer_manifest`, so the format is
+defined in this one module. Nothing here decodes rows: everything reads footers, schemas
+and the manifest, and (verify=True) hashes bytes.
+
+Layout on disk
+--------------
+    OUT_DIR/train/part-00000.parquet ... manifest.json
+    OUT_DIR/eval/ part-00000.parquet ... manifest.json
+
+Each split is a directory of Parquet files (the shards) and a `manifest.json` that lists
+them in order with their row counts, sizes, SHA-256 and row groups, plus the task
+(`TaskSpec`) and the Arrow schema. The manifest is written last, atomically (temp file +
+rename), so a directory with a manifest is a complete one. It also records, for people and
+for `scaletrain shard`'s summary, which source columns the rows came from and how many rows
+each class has; the reader ignores those.
+
+Schema: classification -> `inputs: list<float32>` (the example flattened; the manifest
+holds its shape) and `targets: int64`; language modelling -> `tokens: list<int32>` of
+seq_len + 1 bytes per row. Plain lists (not fixed-size lists) because that is what Apache
+Spark writes for `array<float>`; Arrow reads either writer's lists back as
+`list<element: float>`, and the manifest stores the schema as read back from the files.
+
+Integrity is checked on open, never assumed (`open_shard`): every listed shard must exist,
+open as Parquet, have the manifest's schema, row count, row groups and size, and
+(verify=True) its SHA-256. Any failure raises `ShardError` naming the file and the problem.
+A directory without a manifest (Spark's `part-*.parquet`, `_SUCCESS`, `.crc`) is described
+by `infer_manifest`: parts in name order, task inferred from the schema, no checksums, but
+footers and schemas are still checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from scaletrain.data.holdout import EVAL_EVERY, HOLDOUT_SEED
+from scaletrain.data.sources import TaskSpec
+
+FORMAT, VERSION = "scaletrain-shards", 1
+MANIFEST = "manifest.json"
+INPUT_COLUMNS, TARGET_COLUMNS = ("inputs", "features"), ("targets", "label")
+
+
+class ShardError(ValueError):
+    """A shard (or manifest) is missing, damaged or inconsistent; the message names it."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard as the manifest lists it."""
+
+    file: str  # name inside the split directory
+    rows: int
+    bytes: int
+    sha256: str | None  # None only for directories read without a manifest
+    row_groups: tuple[int, ...]  # rows per row group
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A split's table of contents: the task, the Arrow schema and the shards in order."""
+
+    task: TaskSpec
+    schema: tuple[tuple[str, str], ...]  # (column, Arrow type as str()) as in the files
+    shards: tuple[ShardInfo, ...]
+    split: str | None = None
+    source: str | None = None
+    writer: str = ""
+    # Where the rows came from, for people: not read back by the reader.
+    label_column: str | None = None  # the source column that became `targets`
+    feature_columns: tuple[str, ...] = ()  # the source columns that became `inputs`/`tokens`
+    label_counts: tuple[int, ...] | None = None  # rows per class 0..num_classes-1
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "split": self.split, "source": self.source,
+                "writer": self.writer, "rows": self.rows, "task": asdict(self.task),
+                "schema": [list(pair) for pair in self.schema],
+                "label_column": self.label_column, "feature_columns": list(self.feature_columns),
+                "label_counts": None if self.label_counts is None else list(self.label_counts),
+                "shards": [asdict(s) for s in self.shards]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}, "
+                             f"expected {FORMAT!r} version {VERSION}")
+        t = data["task"]
+        task = TaskSpec(t["kind"], tuple(t["input_shape"]), int(t["num_classes"]),
+                        bool(t.get("ragged", False)))
+        shards = tuple(ShardInfo(s["file"], int(s["rows"]), int(s["bytes"]), s["sha256"],
+                                 tuple(s["row_groups"])) for s in data["shards"])
+        counts = data.get("label_counts")  # absent from manifests written before it existed
+        return cls(task, tuple((n, ty) for n, ty in data["schema"]), shards,
+                   split=data.get("split"), source=data.get("source"),
+                   writer=data.get("writer", ""), label_column=data.get("label_column"),
+                   feature_columns=tuple(data.get("feature_columns") or ()),
+                   label_counts=None if counts is None else tuple(int(c) for c in counts))
+
+    def save(self, split_dir: Path) -> None:
+        """Write `split_dir/manifest.json` atomically: readers see the old file or the new."""
+        tmp = split_dir / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        os.replace(tmp, split_dir / MANIFEST)
+
+
+def read_manifest(split_dir: Path) -> Manifest:
+    """Parse `split_dir/manifest.json`; any problem is a ShardError naming the file."""
+    path = Path(split_dir) / MANIFEST
+    try:
+        return Manifest.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ShardError(f"{path}: unreadable manifest: {e}") from e
+
+
+def schema_pairs(schema: pa.Schema) -> tuple[tuple[str, str], ...]:
+    """The schema as the manifest stores it: (name, str(type)) per column."""
+    return tuple((f.name, str(f.type)) for f in schema)
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def describe_shard(path: Path) -> ShardInfo:
+    """Measure one written shard: rows and row groups from its footer, size, SHA-256."""
+    md = pq.read_metadata(path)
+    return ShardInfo(path.name, md.num_rows, path.stat().st_size, sha256_file(path),
+                     tuple(md.row_group(i).num_rows for i in range(md.num_row_groups)))
+
+
+def part_files(split_dir: Path) -> list[Path]:
+    """`part-*.parquet` in name order (Spark's `.crc`, `_SUCCESS` and temp files excluded)."""
+    return sorted(p for p in Path(split_dir).glob("part-*.parquet") if p.is_file())
+
+
+def find_split_dir(path: Path, split: str) -> Path | None:
+    """`path/split`, else `path` itself, whichever holds a manifest or part files; else None."""
+    for candidate in (Path(path) / split, Path(path)):
+        if (candidate / MANIFEST).exists() or part_files(candidate):
+            return candidate
+    return None
+
+
+def write_manifest(split_dir: Path, *, task: TaskSpec, split: str | None, source: str | None,
+                   writer: str, label_column: str | None = None,
+                   feature_columns: tuple[str, ...] = (),
+                   label_counts: tuple[int, ...] | None = None) -> Manifest:
+    """Scan the part files of a finished split directory and write its manifest, last.
+
+    Args:
+        split_dir: a directory of `part-*.parquet` (written by `write_shards` or by Spark).
+        task: the task the rows pose.
+        split, source, writer: recorded for people; the reader only checks `split`.
+        label_column, feature_columns: the source columns the rows came from, for people.
+        label_counts: rows per class; None counts them in the files (classification only:
+            reads the label column of each shard).
+    """
+    files = part_files(split_dir)
+    if not files:
+        raise ShardError(f"{split_dir}: no part-*.parquet files to list")
+    schema = schema_pairs(pq.read_schema(files[0]))
+    for f in files[1:]:
+        if schema_pairs(pq.read_schema(f)) != schema:
+            raise ShardError(f"shard {f.name}: schema differs from {files[0].name}'s")
+    if label_counts is None and task.kind == "classification":
+        label_counts = count_labels(files, task_columns(schema, task, where=split_dir)[1],
+                                    num_classes=task.num_classes)
+    manifest = Manifest(task, schema, tuple(describe_shard(f) for f in files), split=split,
+                        source=source, writer=writer, label_column=label_column,
+                        feature_columns=tuple(feature_columns), label_counts=label_counts)
+    manifest.save(Path(split_dir))
+    return manifest
+
+
+def count_labels(files: list[Path], column: str, *, num_classes: int) -> tuple[int, ...]:
+    """Rows per class 0..num_classes-1 over the files (reads one column)."""
+    counts = np.zeros(num_classes, dtype=np.int64)
+    for f in files:
+        labels = pq.read_table(f, columns=[column]).column(0).to_numpy()
+        found = np.bincount(labels.astype(np.int64), minlength=num_classes)
+        counts = np.pad(counts, (0, max(0, len(found) - len(counts)))) + np.pad(
+            found, (0, max(0, len(counts) - len(found))))
+    return tuple(int(c) for c in counts)
+
+
+def summary_lines(train: Manifest, ev: Manifest, *, out_dir: Path) -> list[str]:
+    """What a written dataset holds, for `scaletrain shard` to print: columns, rows, shards."""
+    task, builtin = train.task, not train.feature_columns
+    source = f"source {train.source}"
+    if task.kind == "lm":
+        column = "the source's text" if builtin else f"text column `{train.feature_columns[0]}`"
+        what = f"{column}, seq_len {task.input_shape[0]} (rows of {task.input_shape[0] + 1} tokens)"
+    else:
+        labels = ("its own labels" if train.label_column is None
+                  else f"label column `{train.label_column}`")
+        counts = [a + b for a, b in zip(train.label_counts or (), ev.label_counts or ())]
+        present = sum(1 for c in counts if c)
+        classes = f"{task.num_classes} classes" + (
+            f" ({present} with rows)" if counts and present < task.num_classes else "")
+        width = math.prod(task.input_shape)
+        if train.feature_columns == ("features",):
+            features = f"{width} features (`features` lists, shape {task.input_shape})"
+        elif builtin:
+            features = f"{width} features (shape {task.input_shape})"
+        else:
+            names = ", ".join(train.feature_columns[:8]) + (", ..." if width > 8 else "")
+            features = f"{width} features ({names})"
+        what = f"{labels}, {classes}, {features}"
+    held = ("the source's own eval split" if builtin else
+            f"eval: 1 row in {EVAL_EVERY} of the source at hashed positions, seed {HOLDOUT_SEED}")
+    return [f"{source}: {what}",
+            f"rows: {train.rows} train, {ev.rows} eval ({held})",
+            f"wrote {len(train.shards)} train + {len(ev.shards)} eval shards to {out_dir}"]
+
+
+def image_shape(width: int) -> tuple[int, ...]:
+    """(1, s, s) when a flat example of `width` values is a perfect square s*s, else (width,)."""
+    side = math.isqrt(width)
+    return (1, side, side) if side > 1 and side * side == width else (width,)
+
+
+# ---------------------------------------------------------------------------------------
+# Checks on open
+
+
+def task_columns(schema: tuple[tuple[str, str], ...], spec: TaskSpec, *,
+                 where: Path) -> tuple[str, ...]:
+    """The columns a task reads: (tokens,) or (inputs|features, targets|label)."""
+    names = [n for n, _ in schema]
+    if spec.kind == "lm":
+        if "tokens" not in names:
+            raise ShardError(f"{where}: a language-modelling split needs a `tokens` column, "
+                             f"has {names}")
+        return ("tokens",)
+    inputs = next((c for c in INPUT_COLUMNS if c in names), None)
+    targets = next((c for c in TARGET_COLUMNS if c in names), None)
+    if inputs is None or targets is None:
+        raise ShardError(f"{where}: a classification split needs `inputs` (or `features`) and "
+                         f"`targets` (or `label`) columns, has {names}")
+    return inputs, targets
+
+
+def open_shard(split_dir: Path, info: ShardInfo, schema: tuple[tuple[str, str], ...], *,
+               verify: bool) -> pq.FileMetaData:
+    """Check one listed shard against the manifest; return its footer. Raises ShardError."""
+    path = split_dir / info.file
+    where = f"shard {info.file}"
+    if not path.is_file():
+        raise ShardError(f"{where}: missing (listed in {split_dir / MANIFEST})")
+    size = path.stat().st_size
+    try:
+        md = pq.read_metadata(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ShardError(f"{where}: not a readable Parquet file, truncated or corrupt ({size} "
+                         f"bytes, manifest says {info.bytes}): {e}") from e
+    if (got := schema_pairs(md.schema.to_arrow_schema())) != schema:
+        raise ShardError(f"{where}: schema {_fmt(got)} differs from the manifest's {_fmt(schema)}")
+    if md.num_rows != info.rows:
+        raise ShardError(f"{where}: {md.num_rows} rows in the file, manifest says {info.rows}")
+    groups = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
+    if groups != info.row_groups:
+        raise ShardError(f"{where}: row groups of {list(groups)} rows, manifest says "
+                         f"{list(info.row_groups)}")
+    if size != info.bytes:
+        raise ShardError(f"{where}: {size} bytes, manifest says {info.bytes}")
+    if verify and (digest := sha256_file(path)) != info.sha256:
+        raise ShardError(f"{where}: sha256 mismatch (manifest {info.sha256}, file {digest})")
+    return md
+
+
+def _fmt(schema: tuple[tuple[str, str], ...]) -> str:
+    return "(" + ", ".join(f"{n}: {t}" for n, t in schema) + ")"
+
+
+# ---------------------------------------------------------------------------------------
+# Directories without a manifest
+
+
+def infer_manifest(split_dir: Path, *,
+                   read_labels: bool = True) -> tuple[Manifest, list[pq.FileMetaData]]:
+    """Describe a directory of part files with no manifest (e.g. Spark's output).
+
+    Parts in name order are the shards; rows come from the footers. `tokens` -> language
+    modelling with seq_len = list length - 1 (bytes: vocabulary 256); `inputs`/`features`
+    + `targets`/`label` -> classification, input shape from the list length (`image_shape`),
+    num_classes = max label + 1 (reads the label column only). No checksums to compare.
+
+    Args:
+        split_dir: a directory of `part-*.parquet`.
+        read_labels: False skips reading the label column (num_classes is then 0): for
+            checks that need only the kind and shape.
+    """
+    files = part_files(split_dir)
+    if not files:
+        raise ShardError(f"{split_dir}: no {MANIFEST} and no part-*.parquet files")
+    metadata, schema = [], None
+    for f in files:
+        try:
+            md = pq.read_metadata(f)
+        except (OSError, pa.ArrowException) as e:
+            raise ShardError(f"shard {f.name}: not a readable Parquet file: {e}") from e
+        pairs = schema_pairs(md.schema.to_arrow_schema())
+        if schema is not None and pairs != schema:
+            raise ShardError(f"shard {f.name}: schema {_fmt(pairs)} differs from "
+                             f"{files[0].name}'s {_fmt(schema)}")
+        schema = pairs
+        metadata.append(md)
+    names = [n for n, _ in schema]
+    kind = "lm" if "tokens" in names else "classification"
+    columns = task_columns(schema, TaskSpec(kind, (0,), 0), where=split_dir)
+    width = _first_row_width(files, metadata, columns[0])
+    if kind == "lm":
+        if width < 2:
+            raise ShardError(f"{split_dir}: `tokens` rows of {width} tokens; need >= 2")
+        task = TaskSpec("lm", (width - 1,), 256)
+    else:
+        top = 0 if not read_labels else max(
+            (pc.max(pq.read_table(f, columns=[columns[1]]).column(0)).as_py()
+             for f, md in zip(files, metadata) if md.num_rows), default=None)
+        if top is None:
+            raise ShardError(f"{split_dir}: no labels found")
+        task = TaskSpec("classification", image_shape(width), int(top) + 1 if read_labels else 0)
+    shards = tuple(ShardInfo(f.name, md.num_rows, f.stat().st_size, None,
+                             tuple(md.row_group(i).num_rows for i in range(md.num_row_groups)))
+                   for f, md in zip(files, metadata))
+    return Manifest(task, schema, shards, split=None, source=str(split_dir), writer=""), metadata
+
+
+def _first_row_width(files: list[Path], metadata: list[pq.FileMetaData], column: str) -> int:
+    """Values in the first row's list: one batch of one row, not the whole row group."""
+    for f, md in zip(files, metadata):
+        if md.num_rows:
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=1, columns=[column]))
+            return len(batch.column(0)[0].as_py() or [])
+    raise ShardError(f"{files[0].parent}: every part file is empty")

@@ -1,0 +1,116 @@
+"""Pre-launch data checks: refuse data that cannot train before any worker starts.
+
+`check_data` is called by the command line after the config is validated and before the
+launcher spawns a process, so that a wrong `data.path`, a model that does not fit the
+data, or a `data.seq_len` the text shards were not written at is one message and exit
+status 2, not a traceback from every rank a minute later. It reads metadata only: the
+manifests, or for a directory without one (plain Spark output) the Parquet footers and
+the first row of one file. Reading labels, checksums and the other rows is left to
+`ShardedDataset` on open, where the integrity checks live.
+
+It takes explicit arguments, not the `Config`, so that `data/` does not import the
+config; each message names the config key, the value and what is allowed, like a
+`ConfigError`, and `DataCheckError` is a ValueError like it, so the caller can show it the
+same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scaletrain.data.holdout import EVAL_EVERY
+from scaletrain.data.manifest import (MANIFEST, Manifest, ShardError, find_split_dir,
+                                      infer_manifest, read_manifest)
+from scaletrain.data.sources import SPLITS, TaskSpec
+
+# The task kind each built-in model trains on (as in models/__init__.py's registry; kept
+# here so data/ imports no model code), and the smallest image side the CNN accepts
+# (models/cnn.py MIN_SIDE). tests/test_data_preflight.py checks both stay in step.
+MODEL_KINDS = {"mlp": "classification", "cnn": "classification", "gpt": "lm"}
+CNN_MIN_SIDE = 8
+
+
+class DataCheckError(ValueError):
+    """The data at `data.path` cannot train this config; the message says why and the fix."""
+
+
+def check_data(*, source: str, path: str, seq_len: int, model_name: str) -> str | None:
+    """Check `data.*` against the data on disk, reading metadata only.
+
+    Args:
+        source: `data.source`; only "shards" is checked (built-in sources are checked by
+            the config itself).
+        path: `data.path`: a `scaletrain shard` output (train/ and eval/), one split
+            directory, or a Parquet directory without a manifest (Spark's output).
+        seq_len: `data.seq_len`; for text shards it must equal the seq_len they were
+            written at.
+        model_name: `model.name`; its task kind must be the data's (unknown names are left
+            to the model registry).
+
+    Returns a note for the user when the data are usable but worth a word (a directory
+    without a manifest, whose eval split is held out of its rows), else None.
+
+    Raises:
+        DataCheckError: the path is missing, a file, or holds no shards, a split is missing, the
+            model does not fit the data's task, or seq_len differs from the shards'.
+    """
+    if source != "shards":
+        return None
+    root = Path(path)
+    if not root.exists():
+        raise DataCheckError(f"data.path = {path!r} does not exist; it must be the directory "
+                             f"`scaletrain shard SOURCE OUT_DIR` (or a Spark job) wrote")
+    if not root.is_dir():
+        raise DataCheckError(f"data.path = {path!r} is a file; it must be the directory "
+                             f"`scaletrain shard SOURCE OUT_DIR` (or a Spark job) wrote")
+    dirs = {split: find_split_dir(root, split) for split in SPLITS}
+    if dirs["train"] is None:
+        raise DataCheckError(f"data.path = {path!r} is not a shard directory: neither it nor "
+                             f"{str(root / 'train')!r} holds {MANIFEST} or part-*.parquet "
+                             f"files; write shards there with `scaletrain shard SOURCE "
+                             f"OUT_DIR`, or point data.path at such a directory")
+    if dirs["eval"] is None:
+        raise DataCheckError(f"data.path = {path!r} has a train split ({dirs['train']}) but no "
+                             f"eval split: expected {str(root / 'eval')!r} next to it, with "
+                             f"{MANIFEST} or part-*.parquet files")
+    manifest = _describe(dirs["train"], path=path)
+    _check_model(manifest.task, model_name=model_name, path=path)
+    if manifest.task.kind == "lm" and manifest.task.input_shape[0] != seq_len:
+        written = manifest.task.input_shape[0]
+        raise DataCheckError(f"data.seq_len = {seq_len} differs from the seq_len the text "
+                             f"shards at data.path = {path!r} were written at ({written}); "
+                             f"set data.seq_len={written}, or write the shards again with "
+                             f"`scaletrain shard SOURCE OUT_DIR --seq-len {seq_len}`")
+    if not (dirs["train"] / MANIFEST).exists():
+        return (f"data.path = {path!r} has no scaletrain manifest: eval is 1 row in "
+                f"{EVAL_EVERY} of its rows, held out of training (the same rows on every rank "
+                f"and run)")
+    return None
+
+
+def _describe(split_dir: Path, *, path: str) -> Manifest:
+    """The split's manifest, or one inferred from footers and one row (labels unread)."""
+    try:
+        if (split_dir / MANIFEST).exists():
+            return read_manifest(split_dir)
+        return infer_manifest(split_dir, read_labels=False)[0]
+    except ShardError as e:
+        raise DataCheckError(f"data.path = {path!r}: {e}") from None
+
+
+def _check_model(task: TaskSpec, *, model_name: str, path: str) -> None:
+    kind = MODEL_KINDS.get(model_name)
+    if kind is None:
+        return  # not a built-in model: the registry decides
+    words = "text (task kind 'lm')" if task.kind == "lm" else "classification data"
+    data = f"the shards at data.path = {path!r} hold {words} (examples of shape {task.input_shape})"
+    if kind != task.kind:
+        fitting = ", ".join(repr(m) for m, k in MODEL_KINDS.items() if k == task.kind)
+        needs = "text (task kind 'lm')" if kind == "lm" else "classification data"
+        raise DataCheckError(f"model.name = {model_name!r} needs {needs}, but {data}; models "
+                             f"for this data: {fitting}")
+    shape = task.input_shape
+    if model_name == "cnn" and (len(shape) != 3 or min(shape[1:]) < CNN_MIN_SIDE):
+        raise DataCheckError(f"model.name = 'cnn' needs images (C, H, W) of at least "
+                             f"{CNN_MIN_SIDE}x{CNN_MIN_SIDE}, but {data}; use model.name='mlp' "
+                             f"for flat features")

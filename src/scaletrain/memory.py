@@ -1,0 +1,88 @@
+"""Memory per logging window: the peak above what the run holds after set-up.
+
+The lifetime peak RSS (`ru_maxrss`) is dominated by the data and model floor loaded before
+the first step, so it hides what the step itself costs (activations, gradients, optimizer
+state, communication buffers). Each logging window therefore also reports its own peak,
+read from the kernel's high-water mark (VmHWM in /proc/self/status) after resetting it at
+the window's start (writing "5" to /proc/self/clear_refs), and that peak minus the RSS
+measured right after set-up. On CUDA the allocator's own peak counters play these roles.
+Where /proc cannot be reset (another kernel, a sandbox), the window peak falls back to the
+lifetime peak and `window_resettable` is False.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    except OSError:
+        pass
+    return None
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def lifetime_peak_bytes() -> int:
+    """Peak memory of this process so far: CUDA allocator peak on GPU, else peak RSS."""
+    if _cuda():
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def current_bytes() -> int:
+    """Memory held now: CUDA allocated bytes on GPU, else resident set size."""
+    if _cuda():
+        return int(torch.cuda.memory_allocated())
+    return _status_bytes("VmRSS") or lifetime_peak_bytes()
+
+
+@dataclass
+class WindowPeak:
+    """Tracks the peak of each logging window above the post-set-up baseline."""
+
+    baseline: int  # bytes held after set-up, before the first step
+    window_resettable: bool = True
+
+    @classmethod
+    def start(cls) -> WindowPeak:
+        """Measure the baseline now (call after set-up) and open the first window."""
+        tracker = cls(baseline=current_bytes())
+        tracker.reset()
+        return tracker
+
+    def reset(self) -> None:
+        """Open a new window: the next `peak()` covers only what happens from here."""
+        if _cuda():
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
+        except OSError:
+            self.window_resettable = False
+
+    def peak(self) -> int:
+        """Peak bytes since the last reset (the lifetime peak where that cannot be reset)."""
+        if _cuda():
+            return int(torch.cuda.max_memory_allocated())
+        hwm = _status_bytes("VmHWM") if self.window_resettable else None
+        return hwm if hwm is not None else lifetime_peak_bytes()
+
+    def record(self) -> dict[str, int]:
+        """The window's numbers for a metrics record, then open the next window."""
+        peak = self.peak()
+        self.reset()
+        return {"window_peak_mem_bytes": peak,
+                "window_peak_above_baseline_bytes": max(0, peak - self.baseline)}

@@ -1,0 +1,138 @@
+"""Signals to the launcher, through the real elastic agent: Ctrl-C prints one line and exits
+130; a scheduler's SIGTERM makes the workers checkpoint the current step, exits 143, and the
+run resumes from that checkpoint; `kill -9` of the launcher takes its workers with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import cli_env, records, run_cli, worker_pids
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+name = "signals"
+[model]
+name = "mlp"
+size = "tiny"
+[data]
+source = "digits"
+[train]
+steps = 1500
+global_batch = 32
+micro_batch = 16
+eval_examples = 64
+[log]
+every = 1
+quiet = true
+"""
+
+
+def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    config = tmp_path / "cfg.toml"
+    config.write_text(CONFIG)
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "train", str(config), "--run-dir", str(run_dir),
+         "parallel.timeout_s=20", *extra],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not (run_dir / "metrics.jsonl").exists() or not records(run_dir):
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill()
+            raise AssertionError(f"the run did not start:\n{launcher.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    return launcher, run_dir
+
+
+def _stop(launcher: subprocess.Popen, signum: int) -> tuple[str, list[str]]:
+    """Send `signum` to the launcher; return its stdout and its stderr lines."""
+    try:
+        launcher.send_signal(signum)
+        out, err = launcher.communicate(timeout=90)
+    finally:
+        launcher.kill()
+    return out, [line for line in err.splitlines() if line.strip()]
+
+
+def _the_one_line(lines: list[str]) -> str:
+    assert not any("Traceback" in line or "frame #" in line for line in lines), lines
+    others = [line for line in lines if not line.startswith("scaletrain: warning:")]
+    assert len(others) == 1, "\n".join(lines[-40:])
+    return others[0]
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path: Path, nproc: int) -> None:
+    launcher, run_dir = _start(tmp_path, "--nproc", str(nproc))
+    pids = worker_pids(launcher.pid)
+
+    _, lines = _stop(launcher, signal.SIGINT)
+
+    assert launcher.returncode == 130, lines
+    line = _the_one_line(lines)
+    assert line.startswith("scaletrain: interrupted (SIGINT) at step "), line
+    assert "no checkpoint to continue from" in line
+    assert all(not Path(f"/proc/{pid}").exists() for pid in pids.values())
+    if nproc == 2:
+        assert (run_dir / "logs/rank-0.log").read_text().startswith("# scaletrain worker: rank 0")
+
+
+def test_sigterm_saves_the_current_step_and_the_run_resumes(tmp_path: Path) -> None:
+    # checkpoint.every is far past train.steps: the only checkpoint is the one SIGTERM asks for.
+    every = "checkpoint.every=100000"
+    launcher, run_dir = _start(tmp_path, "--nproc", "2", every)
+
+    _, lines = _stop(launcher, signal.SIGTERM)
+
+    assert launcher.returncode == 143, lines
+    line = _the_one_line(lines)
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0].startswith("step-"), saved
+    step = int(saved[0].removeprefix("step-"))
+    assert 0 < step < 1500
+    assert line == (f"scaletrain: interrupted (SIGTERM) at step {step}; last checkpoint "
+                    f"{saved[0]}; continue with: scaletrain train ... --run-dir {run_dir} --resume")
+
+    r = run_cli(["train", str(tmp_path / "cfg.toml"), "--run-dir", str(run_dir), "--nproc", "2",
+                 "parallel.timeout_s=20", every, "--resume"])
+
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1500
+    resumed = [rec["step"] for rec in records(run_dir)]
+    assert resumed[-1] == 1500 and step + 1 in resumed
+    assert "rank-0.2.log" in os.listdir(run_dir / "logs")  # the first launch's logs are kept
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state == "Z"  # exited, waiting for whoever adopted it to reap it
+
+
+def test_kill_9_of_the_launcher_takes_the_workers_with_it(tmp_path: Path) -> None:
+    launcher, _ = _start(tmp_path, "--nproc", "2")
+    pids = worker_pids(launcher.pid)
+    assert sorted(pids) == [0, 1], pids
+    try:
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while not all(_gone(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in pids.values() if not _gone(p)]
+    finally:
+        for pid in pids.values():
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their launcher"
