@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/precision_accum.py
 	$(BIN)/python bench/loader.py
 	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/allocator.py
 
 clean:
 	rm -rf $(VENV) runs
