@@ -22,17 +22,24 @@ ALLOCATOR_MODES = ("auto", "system", "retain")
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # from glibc's malloc.h
 
 
+def resolve_allocator(mode: str, *, device_type: str) -> str:
+    """The policy `mode` means on this device: "auto" is retain on CPU (where activations
+    live on this heap) and system on CUDA (they live in torch's own caching allocator)."""
+    if mode not in ALLOCATOR_MODES:
+        raise ValueError(f"allocator {mode!r} is not one of {ALLOCATOR_MODES}")
+    if mode == "auto":
+        return "retain" if device_type == "cpu" else "system"
+    return mode
+
+
 def configure_allocator(mode: str, *, device_type: str) -> str:
     """Apply the heap policy to this process; returns what was done, for the run's log.
 
     Args:
-        mode: "retain", "system" (leave glibc's defaults), or "auto" (retain on CPU, where the
-            activations live on this heap; on CUDA they live in torch's own caching allocator).
+        mode: "retain", "system" (leave glibc's defaults), or "auto" (`resolve_allocator`).
         device_type: "cpu" or "cuda".
     """
-    if mode not in ALLOCATOR_MODES:
-        raise ValueError(f"allocator {mode!r} is not one of {ALLOCATOR_MODES}")
-    if mode == "system" or (mode == "auto" and device_type != "cpu"):
+    if resolve_allocator(mode, device_type=device_type) == "system":
         return "system"
     libc_name = ctypes.util.find_library("c")
     try:

@@ -61,8 +61,6 @@ RESUME_SAFE_KEYS = frozenset({
     "parallel.gradient_as_bucket_view", "parallel.timeout_s",
 })
 RESUME_SAFE_SECTIONS = ("checkpoint.", "log.")
-# PowerSGD's error feedback and P/Q memory are laid out per DDP bucket.
-_LAYOUT_KEYED_HOOKS = ("powersgd", "batched-powersgd")
 
 
 def check_resumable(run_dir: Path | None, config: Config, *,
@@ -135,7 +133,9 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _breaks_resume(key: str, new: dict[str, Any]) -> bool:
     if key == "parallel.bucket_cap_mb":  # safe, unless the comm hook's state is per bucket
-        return new.get("parallel.comm_hook") in _LAYOUT_KEYED_HOOKS
+        from scaletrain.parallel.comm_hooks import BUCKET_KEYED_HOOKS
+
+        return new.get("parallel.comm_hook") in BUCKET_KEYED_HOOKS
     return key not in RESUME_SAFE_KEYS and not key.startswith(RESUME_SAFE_SECTIONS)
 
 

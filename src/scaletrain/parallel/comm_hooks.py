@@ -45,6 +45,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as stock_d
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as stock_powersgd
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "batched-powersgd")
+BUCKET_KEYED_HOOKS = ("powersgd", "batched-powersgd")  # state laid out per DDP bucket
 
 
 @dataclass
@@ -303,4 +304,4 @@ def rebuild_buckets(model: torch.nn.parallel.DistributedDataParallel, state: Hoo
 
 def keyed_by_bucket(state: HookState | None) -> bool:
     """Whether the hook keeps state laid out by DDP bucket (both PowerSGD variants)."""
-    return state is not None and state.name in ("powersgd", "batched-powersgd")
+    return state is not None and state.name in BUCKET_KEYED_HOOKS

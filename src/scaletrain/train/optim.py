@@ -11,16 +11,18 @@ OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 
 
 def fused_supported(params: list[torch.Tensor]) -> tuple[bool, str]:
-    """Whether torch's fused optimizer kernels take these parameters, and why not."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    """Whether torch's fused optimizer kernels take these parameters, and why (or why not).
 
-    devices = {p.device.type for p in params}
-    unsupported = devices - set(_get_fused_kernels_supported_devices())
-    if unsupported:
-        return False, f"no fused optimizer kernels for device(s) {sorted(unsupported)}"
-    if not all(p.is_floating_point() for p in params):
-        return False, "fused kernels need floating-point parameters"
-    return True, f"fused kernels exist for {sorted(devices)}"
+    The decision is torch's own (the check its optimizers make when `fused=True` is asked
+    for): every parameter floating point, of a supported type, on a device with fused kernels.
+    """
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    fused, _ = _default_to_fused_or_foreach(params, differentiable=False, use_fused=True)
+    devices = sorted({p.device.type for p in params})
+    if fused:
+        return True, f"torch has fused kernels for these parameters on {devices}"
+    return False, f"torch's fused kernels do not take these parameters (devices {devices})"
 
 
 def resolve_impl(impl: str, params: list[torch.Tensor]) -> str:

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from scaletrain.allocator import configure_allocator
+from scaletrain.launch import under_elastic_agent
 from scaletrain.checkpoint import Checkpointer, TrainState
 from scaletrain.checkpoint_files import latest_valid
 from scaletrain.checkpoint import load as load_checkpoint
@@ -38,7 +39,9 @@ from scaletrain.parallel.compose import parallelize, unwrap
 from scaletrain.precision import Precision, make_precision
 from scaletrain.rundir import default_run_dir, write_config
 from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, collective_guard,
-                                init_distributed, read_env, seed_everything, set_threads)
+                                honour_umask, init_distributed, read_env, seed_everything,
+                                set_threads)
+from scaletrain.train import signals
 from scaletrain.train.optim import build_optimizer, build_scheduler
 from scaletrain.train.step import StepResult, summed_loss, train_step
 
@@ -225,8 +228,7 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     return _finish(run_dir, model=state.model, config=config, derived=derived, wall=wall,
                    last_loss=run.last_loss, eval_record=eval_record, skipped=state.skipped_steps,
                    steps_run=t.steps - run.first_step, precision_mode=state.precision.mode,
-                   tokens_per_example=parts.train_ds.spec.input_shape[0]
-                   if parts.train_ds.spec.kind == "lm" else 0)
+                   tokens_per_example=state.tokens_per_example)
 
 
 @dataclass
@@ -322,10 +324,6 @@ def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogge
     SIGTERM (a scheduler's preemption, forwarded by torchrun's agent) only sets a flag; the
     ranks agree on it a step later (train/signals.py), so every rank saves the same step.
     """
-    import os
-
-    from scaletrain.train import signals
-
     planned = state.step == config.train.stop_after
     # stop_requested() runs on every step and rank: it is a collective (one step behind).
     with collective_guard("SIGTERM flag all-reduce", step=state.step - 1):
@@ -340,7 +338,7 @@ def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogge
     if preempted:
         signals.mark_stopped()
     # On SIGTERM the launcher of a single process, or ours for its workers, prints the line.
-    if planned or "TORCHELASTIC_RUN_ID" in os.environ:
+    if planned or under_elastic_agent():
         why = "train.stop_after" if planned else "SIGTERM"
         logger.message(f"scaletrain: stopped after step {state.step} ({why}); "
                        f"continue with: scaletrain train ... --run-dir {run_dir} --resume")
@@ -434,8 +432,6 @@ def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: flo
     """Rank 0 writes the final weights (plain names, no DDP prefix) and the summary."""
     # In the dtype that was trained (fp32 master weights; bf16 for bf16-true, fp64 for fp64).
     state = {k: v.detach().to("cpu").contiguous() for k, v in unwrap(model).state_dict().items()}
-    from scaletrain.runtime import honour_umask
-
     save_file(state, str(run_dir / "model.safetensors"),
               metadata={"model": config.model.name, "size": config.model.size})
     honour_umask(run_dir / "model.safetensors")  # safetensors writes 0600
