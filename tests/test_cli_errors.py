@@ -62,6 +62,11 @@ def case(id: str, argv: str, *expect: str | tuple[str, ...], toml: str = GOOD_TO
 
 
 CASES = [
+    case("allow-config-change-without-resume", "train {cfg} --allow-config-change",
+         "--allow-config-change only applies with --resume"),
+    case("compile-with-tiny-ddp-buckets",
+         "train {cfg} --nproc 2 train.compile=true parallel.bucket_cap_mb=0.5",
+         "parallel.bucket_cap_mb = 0.5", "at least 1 MiB"),
     # --- unknown keys and sections, from overrides and from the file
     case("override-unknown-key-did-you-mean", "train {cfg} train.stpes=3",
          "'train.stpes'", "did you mean 'train.steps'", "allowed: steps"),

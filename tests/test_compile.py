@@ -43,3 +43,23 @@ def test_compiled_ddp_matches_eager_single_process(tmp_path: Path) -> None:
     assert "compiled_graphs" not in records(eager)[-1]
     diff = max_abs_diff(load_weights(compiled), load_weights(eager))
     assert diff < 1e-9, diff
+
+
+def test_compile_mistakes_are_refused_before_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both would fail inside every worker: tiny DDP buckets (dynamo's 1 MiB first bucket
+    assertion) and no C++ compiler for inductor."""
+    import shutil
+
+    from scaletrain.config import ConfigError, resolve, validate_config
+
+    config = validate_config({"model": {"name": "mlp"}, "data": {"source": "digits"},
+                              "train": {"compile": True, "global_batch": 32,
+                                        "micro_batch": 16}})
+    resolve(config, world_size=2)  # the defaults are fine
+    small = validate_config({**config.model_dump(), "parallel": {"bucket_cap_mb": 0.5}})
+    with pytest.raises(ConfigError, match=r"parallel.bucket_cap_mb = 0.5 .* at least 1 MiB"):
+        resolve(small, world_size=2)
+    resolve(small, world_size=1)  # no DDP, no buckets
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
+        resolve(config, world_size=1)

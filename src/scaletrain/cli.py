@@ -111,6 +111,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         prepare_worker_process()  # first: die with the launcher, write into the rank's log
         return _run_worker(load_config(args.config, args.overrides), args.run_dir)
+    if args.allow_config_change and not args.resume:
+        raise ConfigError("--allow-config-change only applies with --resume (it lets a resumed "
+                          "run continue with a changed config); add --resume or drop it")
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
     derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
@@ -294,8 +297,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "backend": d.backend,
         "precision": precision,
         "optimizer kernels": _optimizer_kernels(config.optim.impl, device),
-        "CPU heap policy": ("auto -> retain" if config.train.allocator == "auto"
-                            and device == "cpu" else config.train.allocator),
+        "CPU heap policy": _heap_policy(config.train.allocator, device),
         "torch.compile": "on (inductor, before DDP)" if config.train.compile else "off",
         "epochs": _epochs(config),
     }
@@ -320,6 +322,13 @@ def _optimizer_kernels(impl: str, device: str) -> str:
     if impl != "auto" or not probe:
         return impl
     return f"auto -> {resolve_impl(impl, probe)}"
+
+
+def _heap_policy(mode: str, device: str) -> str:
+    from scaletrain.allocator import resolve_allocator
+
+    chosen = resolve_allocator(mode, device_type=device)
+    return f"auto -> {chosen}" if mode == "auto" else chosen
 
 
 def _epochs(config: Config) -> str:

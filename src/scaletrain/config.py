@@ -318,6 +318,25 @@ def describe_fields(config: Config) -> list[tuple[str, Any, str]]:
 # --------------------------------------------------------------------------- derived values
 
 
+def _check_compile(*, bucket_cap_mb: float, dp: int) -> None:
+    """train.compile needs a C++ compiler (inductor builds its kernels with one), and under
+    DDP dynamo splits the graph at bucket boundaries with a first bucket of 1 MiB, which it
+    asserts is no larger than the others."""
+    import shutil
+
+    compilers = ("g++", "c++", "clang++")
+    if not any(shutil.which(c) for c in compilers):
+        raise ConfigError(f"train.compile = true needs a C++ compiler for inductor's kernels, "
+                          f"but none of {', '.join(compilers)} is on PATH: install one (e.g. "
+                          "g++) or set train.compile=false")
+    if dp > 1 and bucket_cap_mb < 1.0:
+        raise ConfigError(f"parallel.bucket_cap_mb = {bucket_cap_mb} is invalid with "
+                          f"train.compile = true and dp = {dp}: compiled DDP needs buckets of "
+                          "at least 1 MiB (its first bucket's size); use "
+                          "parallel.bucket_cap_mb >= 1 or train.compile=false")
+
+
+
 @dataclass(frozen=True)
 class Derived:
     """Values that follow from the config and the world the launcher starts."""
@@ -375,6 +394,8 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
     if t.stop_after >= t.steps:
         raise ConfigError(f"train.stop_after = {t.stop_after} must be below train.steps = "
                           f"{t.steps} (0 disables the planned stop)")
+    if t.compile:
+        _check_compile(bucket_cap_mb=config.parallel.bucket_cap_mb, dp=layout.dp)
     backend = config.parallel.backend
     if backend == "auto":
         import torch
