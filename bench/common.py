@@ -323,6 +323,7 @@ def run_contender(library: str, a: argparse.Namespace, *, out_dir: Path, tag: st
         assert r["threads"] == a.threads, f"{tag} ran {r['threads']} threads per process"
     r["examples_per_s"] = a.steps * a.global_batch / r["seconds"]
     r["steps_per_s"] = a.steps / r["seconds"]
+    r["ms_per_step"] = r["seconds"] / a.steps * 1e3
     return r
 
 

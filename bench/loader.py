@@ -29,11 +29,11 @@ timed; the reps alternate the sides.
 import argparse
 import inspect
 import itertools
-import json
 import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from common import BIN, ROOT, run
+from scaletrain.metrics import read_metrics
 
 BATCH = 128
 
@@ -91,9 +92,11 @@ def sharded_rate(split: Path, *, prefetch: int, steps: int, warmup: int, window:
         sampler = GlobalBatchSampler(len(ds), global_batch=BATCH, micro_batch=BATCH, dp_rank=0,
                                      dp_size=1, seed=0, shard_rows=ds.shard_rows,
                                      shuffle_window=window)
-        for step in range(warmup + steps):
-            if step == warmup:
-                start = time.perf_counter()
+        for step in range(warmup):
+            ds.get(sampler.micro_batches(step)[0])
+            ds.prefetch(sampler.micro_batches(step + 1)[0])
+        start = time.perf_counter()
+        for step in range(warmup, warmup + steps):
             batch = ds.get(sampler.micro_batches(step)[0])
             ds.prefetch(sampler.micro_batches(step + 1)[0])  # a no-op with prefetch=0
         seconds = time.perf_counter() - start
@@ -105,9 +108,10 @@ def plain_rate(split: Path, *, workers: int, steps: int, warmup: int, window: in
     loader = DataLoader(ParquetBatches(sorted(split.glob("part-*.parquet")), window=window),
                         batch_size=None, num_workers=workers)
     batches = iter(loader)
-    for step in range(warmup + steps):
-        if step == warmup:
-            start = time.perf_counter()
+    for _ in range(warmup):
+        next(batches)
+    start = time.perf_counter()
+    for _ in range(steps):
         x, y = next(batches)
     seconds = time.perf_counter() - start
     del batches  # stops the workers
@@ -121,7 +125,7 @@ def trainer_rate(shards: Path, tmp: Path, *, steps: int) -> float:
          f"data.path={shards}", "data.shuffle_window=16384", f"train.steps={steps}",
          "train.eval_every=0", "train.eval_examples=128", "log.quiet=true",
          "--run-dir", str(run_dir)])
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     timed = [r["examples_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 10]
     return sum(timed) / len(timed)
 
@@ -138,20 +142,19 @@ def main() -> None:
     from scaletrain.data.shards import load_dataset
 
     threads = inspect.signature(load_dataset).parameters["prefetch"].default  # scaletrain's
-    sides = {  # (comparison, side): rate function
-        ("a", "scaletrain"): lambda: sharded_rate(split, prefetch=0, **kw),
-        ("a", "DataLoader"): lambda: plain_rate(split, workers=0, **kw),
-        ("b", "scaletrain"): lambda: sharded_rate(split, prefetch=threads, **kw),
-        ("b", "DataLoader"): lambda: plain_rate(split, workers=threads, **kw),
-    }
-    rates: dict[tuple[str, str], list[float]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         shards = tmp / "mnist"
         run([sys.executable, "-m", "scaletrain", "shard", "mnist", str(shards),
              "--rows-per-shard", "8192"])
-        split = shards / "train"
         kw = dict(steps=a.steps, warmup=a.warmup, window=a.window)
+        sides = {  # (comparison, side): rate function
+            ("a", "scaletrain"): partial(sharded_rate, shards / "train", prefetch=0, **kw),
+            ("a", "DataLoader"): partial(plain_rate, shards / "train", workers=0, **kw),
+            ("b", "scaletrain"): partial(sharded_rate, shards / "train", prefetch=threads, **kw),
+            ("b", "DataLoader"): partial(plain_rate, shards / "train", workers=threads, **kw),
+        }
+        rates: dict[tuple[str, str], list[float]] = {side: [] for side in sides}
         for rep in range(a.reps):
             order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
             for side in order:

@@ -16,7 +16,6 @@ on the model and optimizer the trainer built.
 """
 
 import itertools
-import json
 import tomllib
 from pathlib import Path
 
@@ -28,6 +27,8 @@ from common import WallClock, describe_defaults, scaletrain_overrides, worker_ar
 def main() -> None:
     a = worker_args(__doc__)
     from scaletrain.config import load_config
+    from scaletrain.metrics import read_metrics
+    from scaletrain.config import flatten_config
     from scaletrain.runtime import exit_worker, read_env
     from scaletrain.train import trainer
 
@@ -45,25 +46,22 @@ def main() -> None:
         return inner(model, micro_batches, **kwargs)
 
     trainer.train_step = timed_train_step  # the loop looks the name up in its module
-    if hasattr(trainer, "configure_allocator"):  # a heap policy set with mallopt: record it
-        configure = trainer.configure_allocator
+    configure = trainer.configure_allocator  # the heap policy train() sets: record it
 
-        def recorded_configure(*args, **kwargs):
-            heap["heap policy (mallopt)"] = policy = configure(*args, **kwargs)
-            return policy
+    def recorded_configure(*args, **kwargs):
+        heap["heap policy (mallopt)"] = policy = configure(*args, **kwargs)
+        return policy
 
-        trainer.configure_allocator = recorded_configure
+    trainer.configure_allocator = recorded_configure
     run_dir = Path(a.out).with_suffix(".run")
     summary = trainer.train(config, run_dir=run_dir)
     assert clock.seconds is not None, "the trainer no longer calls trainer.train_step: fix the clock"
     if read_env().is_main:
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-        train = [r for r in records if r.get("kind") == "train"]
+        train = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]
         resolved = (run_dir / "config.toml").read_text()
-        for section, values in tomllib.loads(resolved).items():  # e.g. optim.impl, an allocator
-            for key, value in (values.items() if isinstance(values, dict) else ()):
-                if any(word in key for word in ("impl", "alloc", "fused", "foreach")):
-                    found[f"config {section}.{key}"] = str(value)
+        for key, value in flatten_config(tomllib.loads(resolved)).items():  # e.g. optim.impl
+            if any(word in key for word in ("impl", "alloc", "fused", "foreach")):
+                found[f"config {key}"] = str(value)
         write_result(a.out, library="scaletrain", seconds=clock.seconds, steps=a.steps,
                      final_loss=next(r["loss"] for r in train if r["step"] == clock.end),
                      peak_mem_bytes=max(r["peak_mem_bytes"] for r in train),

@@ -30,6 +30,7 @@ from common import (WallClock, all_reduce_mean, build_job, docs_adamw, scaletrai
 
 def scaletrain_parts(a, *, rank: int, world: int):
     """(data, DDP model, optimizer, sampler, heap policy) as scaletrain's trainer builds them."""
+    from scaletrain.allocator import configure_allocator
     from scaletrain.config import load_config, resolve
     from scaletrain.runtime import read_env, seed_everything
     from scaletrain.train import trainer
@@ -37,10 +38,8 @@ def scaletrain_parts(a, *, rank: int, world: int):
     config = load_config(None, scaletrain_overrides(a))
     penv = read_env()
     derived = resolve(config, world_size=world, nproc_per_node=penv.local_world_size)
-    heap = {}
-    configure = getattr(trainer, "configure_allocator", None)  # train() sets its heap policy
-    if configure is not None:
-        heap["heap policy (mallopt)"] = configure(config.train.allocator, device_type="cpu")
+    # The heap policy trainer.train() sets before it builds.
+    heap = {"heap policy (mallopt)": configure_allocator(config.train.allocator, device_type="cpu")}
     seed_everything(a.seed)
     parts = trainer.build(config, derived, penv, device=torch.device("cpu"),
                           run_dir=Path(a.out).with_suffix(".run"))

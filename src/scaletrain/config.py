@@ -302,6 +302,17 @@ def config_to_toml(config: Config) -> str:
     return tomli_w.dumps(config.model_dump(mode="json"))
 
 
+def flatten_config(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as one level of dotted keys: {"optim": {"lr": 1}} -> {"optim.lr": 1}."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def describe_fields(config: Config) -> list[tuple[str, Any, str]]:
     """(dotted key, value, description) for every field, for `explain`."""
     rows = []

@@ -31,6 +31,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from scaletrain.metrics import METRICS_FILE, read_metrics
+from scaletrain.config import flatten_config  # nested TOML tables -> {"section.key": value}
 
 EVAL_METRICS = ("accuracy", "loss", "perplexity")  # the first one the eval records hold is shown
 NAME_KEYS = ("name", "run.name")  # already in the label: not repeated as a difference
@@ -68,10 +69,9 @@ def build_figure(run_dirs: list[Path]) -> Figure:
         run_dirs: as for `write_report`.
     """
     runs = [_load(Path(d), color=f"C{i % 10}") for i, d in enumerate(run_dirs)]
-    keys = differing_keys([r.config for r in runs])
-    titles = [r.label for r in runs]
-    runs = [r._replace(label=label) for r, label in
-            zip(runs, legend_labels(titles, [r.config for r in runs], keys))]
+    titles, configs = [r.label for r in runs], [r.config for r in runs]
+    keys = differing_keys(configs)
+    runs = [r._replace(label=label) for r, label in zip(runs, legend_labels(titles, configs, keys))]
     ncols = 3 if any(r.evals for r in runs) else 2
     fig = Figure(figsize=(5.5 * ncols, 4.6), layout="constrained")
     axes = fig.subplots(1, ncols, squeeze=False)[0]
@@ -84,23 +84,12 @@ def build_figure(run_dirs: list[Path]) -> Figure:
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
     fig.suptitle("scaletrain report: " + ", ".join(titles), fontsize=11)
-    table = config_table(titles, [r.config for r in runs], keys)
+    table = config_table(titles, configs, keys)
     footnote = "\n".join([*table, *(_summary_line(title, r) for title, r in zip(titles, runs)
                                      if r.summary)])
     if footnote:
         fig.supxlabel(footnote, fontsize=8, family="monospace", ha="left", x=0.01)
     return fig
-
-
-def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested TOML tables -> {"section.key": value}."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flatten_config(value, prefix=f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:

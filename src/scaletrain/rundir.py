@@ -23,7 +23,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import Config, ConfigError, config_to_toml, validate_config
+from scaletrain.config import Config, ConfigError, config_to_toml, flatten_config, validate_config
 
 
 def default_run_dir(name: str) -> Path:
@@ -93,8 +93,8 @@ def check_resumable(run_dir: Path | None, config: Config, *,
         raise ConfigError(f"--resume: {str(run_dir)!r} holds no valid checkpoint to resume "
                           f"from{why} (set checkpoint.every or train.stop_after when starting "
                           "a run)")
-    old = _flat(_checkpoint_config(checkpoint / "config.toml"))
-    new = _flat(config.model_dump(mode="json"))
+    old = flatten_config(_checkpoint_config(checkpoint / "config.toml"))
+    new = flatten_config(config.model_dump(mode="json"))
     changed = [key for key in sorted(old.keys() | new.keys())
                if old.get(key) != new.get(key) and _breaks_resume(key, new)]
     if not changed:
@@ -119,16 +119,6 @@ def _checkpoint_config(path: Path) -> dict[str, Any]:
         return validate_config(data).model_dump(mode="json")
     except ConfigError:  # written by another version of the schema: compare what is there
         return data
-
-
-def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _breaks_resume(key: str, new: dict[str, Any]) -> bool:
