@@ -131,15 +131,16 @@ def _check_json_rows(file: Path) -> None:
         return
     columns = {n: [row.get(n) for row in rows] for n in names}
     _check_label_values(columns[LABEL], file=file, fmt="json")
-    for name in feature_columns(pa.schema([(n, pa.null()) for n in names]), "json"):
+    for name in feature_columns(names, "json"):
         _check_values(columns[name], name=name, file=file, fmt="json")
 
 
-def feature_columns(schema: pa.Schema, fmt: str) -> list[str]:
-    """The input columns of a classification file: `features`, else every other column."""
-    if "features" in schema.names:
+def feature_columns(names: list[str], fmt: str) -> list[str]:
+    """The input columns of a classification file (of its column `names`): `features`, else
+    every other column (the one rule both writers pick columns by)."""
+    if "features" in names:
         return ["features"]
-    columns = [name for name in schema.names if name != LABEL]
+    columns = [name for name in names if name != LABEL]
     if not columns:
         raise SourceError(f"no `features` list column and no columns besides `{LABEL}`")
     return sorted(columns) if fmt == "json" else columns  # JSON objects have no column order
@@ -152,13 +153,12 @@ def check_classification(table: pa.Table, *, file: Path, fmt: str) -> None:
     negatives, numeric feature columns without nulls, pass without looking at a cell.
     """
     if LABEL not in table.schema.names:
-        raise SourceError(f"{file}: needs a `text` column (language modelling) or a `{LABEL}` "
-                          f"column (classification); columns are {table.schema.names}")
+        raise no_task_error(file, table.schema.names)
     labels = table.column(LABEL)
     if not (pa.types.is_integer(labels.type) and not labels.null_count
             and (not len(labels) or pc.min(labels).as_py() >= 0)):
         _check_label_values(labels.to_pylist(), file=file, fmt=fmt)
-    for name in feature_columns(table.schema, fmt):
+    for name in feature_columns(table.schema.names, fmt):
         column = table.column(name)
         t = column.type.value_type if _is_list(column.type) else column.type
         numeric = pa.types.is_integer(t) or pa.types.is_floating(t)
@@ -171,6 +171,12 @@ def check_classification(table: pa.Table, *, file: Path, fmt: str) -> None:
                                   f"{_ALLOWED[name == 'features']}")
         if _is_list(column.type):
             _check_widths(column.combine_chunks(), file=file, fmt=fmt)
+
+
+def no_task_error(where: object, columns: list[str]) -> SourceError:
+    """The error for a source with neither a `text` nor a `label` column."""
+    return SourceError(f"{where}: needs a `text` column (language modelling) or a `{LABEL}` "
+                       f"column (classification); columns are {columns}")
 
 
 def cell_error(file: Path, fmt: str, row: int, column: str, value: object) -> SourceError:

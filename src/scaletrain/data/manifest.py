@@ -144,7 +144,12 @@ def describe_shard(path: Path) -> ShardInfo:
     """Measure one written shard: rows and row groups from its footer, size, SHA-256."""
     md = pq.read_metadata(path)
     return ShardInfo(path.name, md.num_rows, path.stat().st_size, sha256_file(path),
-                     tuple(md.row_group(i).num_rows for i in range(md.num_row_groups)))
+                     row_groups(md))
+
+
+def row_groups(md: pq.FileMetaData) -> tuple[int, ...]:
+    """Rows per row group, from a footer."""
+    return tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
 
 
 def part_files(split_dir: Path) -> list[Path]:
@@ -196,9 +201,8 @@ def count_labels(files: list[Path], column: str, *, num_classes: int) -> tuple[i
     counts = np.zeros(num_classes, dtype=np.int64)
     for f in files:
         labels = pq.read_table(f, columns=[column]).column(0).to_numpy()
-        found = np.bincount(labels.astype(np.int64), minlength=num_classes)
-        counts = np.pad(counts, (0, max(0, len(found) - len(counts)))) + np.pad(
-            found, (0, max(0, len(counts) - len(found))))
+        found = np.bincount(labels.astype(np.int64), minlength=len(counts))  # never shorter
+        counts = found + np.pad(counts, (0, len(found) - len(counts)))
     return tuple(int(c) for c in counts)
 
 
@@ -276,8 +280,7 @@ def open_shard(split_dir: Path, info: ShardInfo, schema: tuple[tuple[str, str], 
         raise ShardError(f"{where}: schema {_fmt(got)} differs from the manifest's {_fmt(schema)}")
     if md.num_rows != info.rows:
         raise ShardError(f"{where}: {md.num_rows} rows in the file, manifest says {info.rows}")
-    groups = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
-    if groups != info.row_groups:
+    if (groups := row_groups(md)) != info.row_groups:
         raise ShardError(f"{where}: row groups of {list(groups)} rows, manifest says "
                          f"{list(info.row_groups)}")
     if size != info.bytes:
@@ -333,16 +336,21 @@ def infer_manifest(split_dir: Path, *,
             raise ShardError(f"{split_dir}: `tokens` rows of {width} tokens; need >= 2")
         task = TaskSpec("lm", (width - 1,), 256)
     else:
-        top = 0 if not read_labels else max(
-            (pc.max(pq.read_table(f, columns=[columns[1]]).column(0)).as_py()
-             for f, md in zip(files, metadata) if md.num_rows), default=None)
-        if top is None:
-            raise ShardError(f"{split_dir}: no labels found")
-        task = TaskSpec("classification", image_shape(width), int(top) + 1 if read_labels else 0)
-    shards = tuple(ShardInfo(f.name, md.num_rows, f.stat().st_size, None,
-                             tuple(md.row_group(i).num_rows for i in range(md.num_row_groups)))
+        num_classes = _num_classes(split_dir, files, metadata, columns[1]) if read_labels else 0
+        task = TaskSpec("classification", image_shape(width), num_classes)
+    shards = tuple(ShardInfo(f.name, md.num_rows, f.stat().st_size, None, row_groups(md))
                    for f, md in zip(files, metadata))
     return Manifest(task, schema, shards, split=None, source=str(split_dir), writer=""), metadata
+
+
+def _num_classes(split_dir: Path, files: list[Path], metadata: list[pq.FileMetaData],
+                 column: str) -> int:
+    """Max label + 1 over the files (reads the label column only)."""
+    top = max((pc.max(pq.read_table(f, columns=[column]).column(0)).as_py()
+               for f, md in zip(files, metadata) if md.num_rows), default=None)
+    if top is None:
+        raise ShardError(f"{split_dir}: no labels found")
+    return int(top) + 1
 
 
 def _first_row_width(files: list[Path], metadata: list[pq.FileMetaData], column: str) -> int:

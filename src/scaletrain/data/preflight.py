@@ -57,11 +57,9 @@ def check_data(*, source: str, path: str, seq_len: int, model_name: str) -> str 
     if source != "shards":
         return None
     root = Path(path)
-    if not root.exists():
-        raise DataCheckError(f"data.path = {path!r} does not exist; it must be the directory "
-                             f"`scaletrain shard SOURCE OUT_DIR` (or a Spark job) wrote")
     if not root.is_dir():
-        raise DataCheckError(f"data.path = {path!r} is a file; it must be the directory "
+        what = "is a file" if root.exists() else "does not exist"
+        raise DataCheckError(f"data.path = {path!r} {what}; it must be the directory "
                              f"`scaletrain shard SOURCE OUT_DIR` (or a Spark job) wrote")
     dirs = {split: find_split_dir(root, split) for split in SPLITS}
     if dirs["train"] is None:

@@ -112,7 +112,7 @@ def file_tables(path: Path, *, seq_len: int) -> tuple[dict[str, tuple[pa.Table, 
                  for split, part in (("train", texts[~is_eval]), ("eval", texts[is_eval]))},
                 None, ("text",))
     targets = table.column(LABEL).to_numpy().astype(np.int64)  # checked: integers >= 0
-    columns = feature_columns(table.schema, fmt)
+    columns = feature_columns(table.schema.names, fmt)
     if columns == ["features"]:
         inputs = list_rows(table.column("features").combine_chunks(), what=f"{path}: features")
         shape = image_shape(inputs.shape[1])

@@ -44,17 +44,17 @@ import pyarrow.parquet as pq
 import torch
 
 from scaletrain.data.holdout import HeldOutSplit, announce
-from scaletrain.data.manifest import (  # re-exported: imported from here by other modules
-    FORMAT, INPUT_COLUMNS, MANIFEST, TARGET_COLUMNS, VERSION, Manifest, ShardError, ShardInfo,
-    describe_shard, find_split_dir, image_shape, infer_manifest, open_shard, part_files,
-    read_manifest, schema_pairs, sha256_file, task_columns, write_manifest)
+from scaletrain.data.manifest import (MANIFEST, ShardError, find_split_dir, infer_manifest,
+                                      open_shard, part_files, read_manifest, task_columns)
+from scaletrain.data.manifest import (  # only re-exported, for `from ...shards import`
+    FORMAT, Manifest, ShardInfo, describe_shard, image_shape, schema_pairs, sha256_file,
+    write_manifest)
 from scaletrain.data.sources import IGNORE_INDEX, Batch, TaskSpec
 
-__all__ = ["FORMAT", "INPUT_COLUMNS", "MANIFEST", "TARGET_COLUMNS", "VERSION", "HeldOutSplit",
-           "Manifest", "ReadStats", "ShardError", "ShardInfo", "ShardedDataset", "decode",
-           "describe_shard", "image_shape", "infer_manifest", "list_rows", "load_dataset",
-           "open_shard", "part_files", "read_manifest", "schema_pairs", "sha256_file",
-           "task_columns", "write_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "Manifest", "ReadStats", "ShardError", "ShardInfo",
+           "ShardedDataset", "decode", "describe_shard", "image_shape", "infer_manifest",
+           "list_rows", "load_dataset", "open_shard", "part_files", "read_manifest",
+           "schema_pairs", "sha256_file", "task_columns", "write_manifest"]
 
 
 def list_rows(column: pa.Array, *, what: str, width: int | None = None) -> np.ndarray:

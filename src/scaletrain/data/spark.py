@@ -42,7 +42,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from scaletrain.data.file_source import LABEL, SourceError, cell_error, source_files
+from scaletrain.data.file_source import (LABEL, SourceError, cell_error, feature_columns,
+                                         no_task_error, source_files)
 from scaletrain.data.holdout import block_hash, block_size, eval_count
 from scaletrain.data.manifest import Manifest, image_shape, write_manifest
 from scaletrain.data.shard_writer import TEXT_SEPARATOR, builtin_table, warn_if_classes_missing
@@ -118,9 +119,9 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
             if name in SOURCE_NAMES:
                 splits = _builtin_frames(spark, name, Path(tmp), seq_len=seq_len,
                                          synthetic_examples=synthetic_examples, seed=seed)
+                columns = (None, ())
             else:
-                splits = _file_frames(spark, Path(source), seq_len=seq_len)
-            columns = splits.pop("columns", (None, ()))
+                splits, columns = _file_frames(spark, Path(source), seq_len=seq_len)
             for split, (df, rows, task) in splits.items():
                 split_dir = Path(out_dir) / split
                 _write_parquet(df, split_dir, rows=rows, rows_per_shard=rows_per_shard,
@@ -150,8 +151,9 @@ def _builtin_frames(spark: SparkSession, name: str, tmp: Path, *, seq_len: int,
     return frames
 
 
-def _file_frames(spark: SparkSession, path: Path, *, seq_len: int) -> dict:
-    """{split: (DataFrame with row_id from 0, rows, task), "columns": (label, features)}."""
+def _file_frames(spark: SparkSession, path: Path, *,
+                 seq_len: int) -> tuple[dict, tuple[str | None, tuple[str, ...]]]:
+    """({split: (DataFrame with row_id from 0, rows, task)}, (label column, feature columns))."""
     from pyspark.sql import functions as F
 
     files, fmt = source_files(path)
@@ -162,7 +164,7 @@ def _file_frames(spark: SparkSession, path: Path, *, seq_len: int) -> dict:
           .withColumn("_file", F.input_file_name())  # file order first, then position in it
           .withColumn("_mono", F.monotonically_increasing_id()))
     if "text" in df.columns:
-        return {**_text_frames(df, seq_len=seq_len), "columns": (None, ("text",))}
+        return _text_frames(df, seq_len=seq_len), (None, ("text",))
     df, totals = _running_sum(df, ["_file", "_mono"], {"row_id": F.lit(1)})
     n = totals["row_id"]
     task, inputs, features = _classification(df, fmt=fmt, where=path)
@@ -172,7 +174,7 @@ def _file_frames(spark: SparkSession, path: Path, *, seq_len: int) -> dict:
                       .select("row_id", inputs.alias("inputs"),
                               F.col(LABEL).cast("long").alias("targets")), rows, task)
               for split, rows in (("train", n - eval_count(n)), ("eval", eval_count(n)))}
-    return {**frames, "columns": (LABEL, features)}
+    return frames, (LABEL, features)
 
 
 def _holdout_columns(n: int) -> tuple[Column, Column]:
@@ -197,8 +199,7 @@ def _classification(df: DataFrame, *, fmt: str,
 
     fields = {f.name: f.dataType for f in df.schema.fields}
     if LABEL not in fields:
-        raise SourceError(f"{where}: needs a `text` column (language modelling) or a `{LABEL}` "
-                          f"column (classification); columns are {list(fields)}")
+        raise no_task_error(where, list(fields))
     label = fields[LABEL]
     if isinstance(label, T.IntegralType):
         bad = {LABEL: F.col(LABEL).isNull() | (F.col(LABEL) < 0)}
@@ -206,19 +207,18 @@ def _classification(df: DataFrame, *, fmt: str,
         digits = F.col(LABEL).rlike(r"^\s*[0-9]+\s*$")
         bad = {LABEL: F.lit(True) if not isinstance(label, T.StringType)
                else F.col(LABEL).isNull() | ~digits}
-    if "features" in fields:
-        names = ("features",)
+    try:  # the pyarrow writer's rule, on the source's columns
+        names = tuple(feature_columns([c for c in fields if c not in ("_file", "_mono", "row_id")],
+                                      fmt))
+    except SourceError as e:
+        raise SourceError(f"{where}: {e}") from None
+    if names == ("features",):
         item = getattr(fields["features"], "elementType", None)
         bad["features"] = (F.col("features").isNull()
                            | F.exists("features", lambda x: x.isNull())
                            if isinstance(item, T.NumericType) else F.lit(True))
         inputs, width_of = F.col("features").cast("array<float>"), F.size("features")
     else:
-        names = tuple(c for c in fields if c not in (LABEL, "_file", "_mono", "row_id"))
-        if not names:
-            raise SourceError(f"{where}: no `features` list column and no columns besides "
-                              f"`{LABEL}`")
-        names = tuple(sorted(names)) if fmt == "json" else names  # as the pyarrow writer does
         for c in names:  # a cell Spark could not type as a number made the column text
             bad[c] = (F.col(f"`{c}`").isNull() if isinstance(fields[c], T.NumericType)
                       else F.expr(f"try_cast(`{c}` as double)").isNull())
@@ -235,7 +235,7 @@ def _classification(df: DataFrame, *, fmt: str,
     if width != widest:
         raise SourceError(f"{where}: `features` rows must all hold the same number of values "
                           f"(widths {width}..{widest})")
-    shape = image_shape(width) if "features" in fields else (width,)
+    shape = image_shape(width) if names == ("features",) else (width,)
     return TaskSpec("classification", shape, int(high) + 1), inputs, names
 
 
