@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/scaling.py
 	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/defaults.py
 	$(BIN)/python bench/precision_accum.py
 	$(BIN)/python bench/loader.py
 	$(BIN)/python bench/checkpoint.py

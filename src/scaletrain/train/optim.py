@@ -43,8 +43,8 @@ def build_optimizer(model: torch.nn.Module, *, name: str, lr: float, weight_deca
         model: the module whose trainable parameters are optimized.
         name: "adamw" or "sgd".
         lr, weight_decay, betas, momentum: the usual hyper-parameters.
-        impl: "fused" (one kernel over all parameters: on CPU the AdamW step of a
-            1.9M-parameter MLP takes 2.0 ms against 7.9 ms foreach), "foreach"
+        impl: "fused" (one kernel over all parameters: the MLP-base job's whole step is
+            1.22x faster than foreach on CPU, BENCHMARKS.md), "foreach"
             (multi-tensor ops), or "auto" (fused where the device supports it). Both compute
             the same update; tests/test_optim.py checks them against each other in fp64.
     """
