@@ -41,6 +41,7 @@ def _faults(mode: str) -> int:
     return int(out.stdout.strip())
 
 
+@pytest.mark.slow  # two subprocesses of a dozen training steps each
 def test_retain_stops_the_per_step_page_faults() -> None:
     system, retain = _faults("system"), _faults("retain")
     # Measured: ~1,400-2,000 faults per step with glibc's defaults, 25-65 with retain.
