@@ -30,9 +30,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/scaling.py
 	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/peers.py --preset hf-llama
 	$(BIN)/python bench/defaults.py
 	$(BIN)/python bench/precision_accum.py
 	$(BIN)/python bench/loader.py
+	$(BIN)/python bench/own_data.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/allocator.py
 

@@ -60,7 +60,7 @@ def _state():
     from scaletrain.data.sources import TaskSpec
     from scaletrain.models import build_model
     from scaletrain.precision import make_precision
-    from scaletrain.train.optim import build_optimizer, build_scheduler
+    from scaletrain.training.optim import build_optimizer, build_scheduler
 
     model = build_model("gpt", size="base", task=TaskSpec("lm", (64,), 256))
     opt = build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99),

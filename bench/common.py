@@ -3,9 +3,10 @@
 Two halves in one module:
 
 - Inside every rank (imported by the contender scripts `peer_*.py`): the job's flags
-  (`add_job_args`), its data, model and sampler (`build_job`), AdamW as the docs write it
-  (`docs_adamw`), the wall clock every contender is timed with (`WallClock`), what a
-  library chose by default (`describe_defaults`) and the result file (`write_result`).
+  (`add_job_args`), its data, model and sampler (`build_job`), the peers' loss
+  (`job_loss`), AdamW as the docs write it (`docs_adamw`), the wall clock every contender
+  is timed with (`WallClock`), what a library chose by default (`describe_defaults`) and
+  the result file (`write_result`).
 - In the driver (imported by the comparison scripts): how each contender is launched on N
   processes (`run_contender`), runs measured against other processes' load (`measured`),
   interleaved repetitions (`interleave`), the ratio table (`print_ratio_table`) and the
@@ -41,10 +42,11 @@ BIN = Path(sys.executable).parent  # the venv's console scripts: scaletrain, acc
 # Every flag of the job: the driver parses them and hands them on, unchanged, to each
 # contender's processes. Defaults: the headline job of bench/peers.py.
 JOB = {
-    "model": ("mlp", "model name in scaletrain's registry"),
+    "model": ("mlp", "model name in scaletrain's registry, or a preset of JOB_MODELS (hf-llama)"),
     "size": ("base", "model size (mlp base: 784-1024-1024-10)"),
     "source": ("mnist", "scaletrain data source, train split"),
     "synthetic_examples": (4096, "examples of a synthetic source"),
+    "seq_len": (128, "tokens per example of a text source (scaletrain's data.seq_len)"),
     "global_batch": (256, "examples per optimizer step over all ranks"),
     "micro_batch": (128, "examples per forward/backward on one rank"),
     "lr": (1e-3, "AdamW learning rate (constant)"),
@@ -61,6 +63,29 @@ JOB = {
 # scaletrain's precision name -> what Accelerate and Fabric call it
 ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16"}
 FABRIC_PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed"}
+
+
+# The one Llama of the "hf-llama" job (the sizes of configs/hf-llama.toml, 791,680
+# parameters): every contender builds it from these kwargs, scaletrain through its
+# overrides `model.kwargs.<k>=<v>`, the peers through `build_model("hf", kwargs=...)`.
+HF_LLAMA_KWARGS = {
+    "vocab_size": 256,  # byte-level text: the token ids are the bytes
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+# Job model names that are no registry name: the registry's arguments that build them.
+JOB_MODELS = {
+    "hf-llama": {"name": "hf", "hf_config": "LlamaConfig", "kwargs": HF_LLAMA_KWARGS},
+}
+
+
+def registry_model(a: argparse.Namespace) -> dict:
+    """`build_model`'s name, hf_config and kwargs for the job's --model."""
+    return {"name": a.model, "hf_config": "", "kwargs": {}, **JOB_MODELS.get(a.model, {})}
 
 
 def add_job_args(p: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
@@ -102,9 +127,15 @@ def worker_args(doc: str) -> argparse.Namespace:
 
 def scaletrain_overrides(a: argparse.Namespace) -> list[str]:
     """The job as scaletrain config overrides; everything not named is scaletrain's default."""
+    m = registry_model(a)
+    model = [f"model.name={m['name']}", f"model.size={a.size}"]
+    if m["hf_config"]:
+        model.append(f"model.hf_config={m['hf_config']}")
+    model += [f"model.kwargs.{k}={v}" for k, v in m["kwargs"].items()]
     return [
-        f"name=bench-{a.model}-{a.size}", f"model.name={a.model}", f"model.size={a.size}",
+        f"name=bench-{a.model}-{a.size}", *model,
         f"data.source={a.source}", f"data.synthetic_examples={a.synthetic_examples}",
+        f"data.seq_len={a.seq_len}",
         "optim.name=adamw", f"optim.lr={a.lr}", f"optim.weight_decay={float(a.weight_decay)}",
         "optim.schedule=constant", f"optim.grad_clip={float(a.grad_clip)}",
         f"train.steps={a.warmup + a.steps + 1}", f"train.global_batch={a.global_batch}",
@@ -127,12 +158,33 @@ def build_job(a: argparse.Namespace, *, rank: int, world: int):
     from scaletrain.models import build_model
 
     data = load_dataset(a.source, split="train", synthetic_examples=a.synthetic_examples,
-                        seed=a.seed)
-    model = build_model(a.model, size=a.size, task=data.spec)
+                        seq_len=a.seq_len, seed=a.seed)
+    m = registry_model(a)
+    model = build_model(m["name"], size=a.size, task=data.spec, hf_config=m["hf_config"],
+                        kwargs=m["kwargs"])
     sampler = GlobalBatchSampler(len(data), global_batch=a.global_batch,
                                  micro_batch=a.micro_batch, dp_rank=rank, dp_size=world,
                                  seed=a.seed, shard_rows=data.shard_rows)
     return data, model, sampler
+
+
+def job_loss(output, targets):
+    """The peers' loss: mean cross-entropy over every target (examples or tokens).
+
+    `output` is logits, (B, C) or (B, T, V), or a Hugging Face output holding them in
+    `.logits`; `targets` is (B,) or (B, T), -100 = no loss. On the MLP job this is
+    exactly `F.cross_entropy(model(x), y)` (flattening (B, C) changes nothing).
+
+    The peers do not pass `labels=` to a Hugging Face model: scaletrain's text sources
+    already shift the targets (targets[:, t] is the token after inputs[:, t]), and HF's
+    `labels=` would shift once more (logits[:, :-1] against labels[:, 1:]). Calling
+    `model(input_ids)` and this loss on the shifted targets is the same mean token
+    cross-entropy that scaletrain's summed loss / token count computes.
+    """
+    import torch.nn.functional as F
+
+    logits = getattr(output, "logits", output)  # (B, C) or (B, T, V)
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100)
 
 
 def docs_adamw(model, a: argparse.Namespace):
@@ -331,9 +383,10 @@ def run_contender(library: str, a: argparse.Namespace, *, out_dir: Path, tag: st
 # The bench machine may be shared: a test suite or a JVM of someone else's job on the same
 # cores halves a run's speed. Each run is therefore measured for CPU time used by anything
 # that is not this benchmark's process tree ("foreign" cores: the machine's busy time from
-# /proc/stat minus the CPU time of our finished children, over the wall time). A run with
-# more than NOISY_CORES of foreign load is retried after the machine is quiet again, up to
-# --retries times; the cleanest attempt is kept and the tables mark any that stayed noisy.
+# /proc/stat minus our own CPU time and that of our finished children, over the wall time;
+# so a run may be subprocesses or work in this process, as in bench/own_data.py). A run
+# with more than NOISY_CORES of foreign load is retried after the machine is quiet again, up
+# to --retries times; the cleanest attempt is kept and the tables mark any that stayed noisy.
 NOISY_CORES = 0.10
 
 
@@ -344,10 +397,10 @@ def machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def children_cpu_s() -> float:
-    """CPU seconds of this process's waited-for descendants (workers included)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of its waited-for descendants (workers included)."""
+    return sum(r.ru_utime + r.ru_stime for r in
+               map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 
 
 def wait_for_quiet(*, limit_s: float = 180.0) -> float:
@@ -363,7 +416,8 @@ def wait_for_quiet(*, limit_s: float = 180.0) -> float:
 
 
 def measured(fn, *, retries: int) -> tuple[dict, float, str]:
-    """Run `fn()` (which runs subprocesses) until one attempt has little foreign load.
+    """Run `fn()` (subprocesses, or work in this process) until one attempt has little
+    foreign load.
 
     Returns (result, foreign cores, note): the attempt with the least foreign load, and a
     note saying which attempt that was when there was more than one.
@@ -371,10 +425,10 @@ def measured(fn, *, retries: int) -> tuple[dict, float, str]:
     best, attempt = None, 0
     for attempt in range(1, retries + 2):
         wait_for_quiet()
-        busy, ours, start = machine_busy_s(), children_cpu_s(), time.perf_counter()
+        busy, ours, start = machine_busy_s(), own_cpu_s(), time.perf_counter()
         result = fn()
         wall = time.perf_counter() - start
-        foreign = max(0.0, (machine_busy_s() - busy) - (children_cpu_s() - ours)) / wall
+        foreign = max(0.0, (machine_busy_s() - busy) - (own_cpu_s() - ours)) / wall
         if best is None or foreign < best[1]:
             best = (result, foreign, attempt)
         if foreign <= NOISY_CORES:

@@ -4,8 +4,9 @@
 (DDP with Accelerate's default kwargs), `accumulate(model)` (DDP `no_sync` on all but the
 k-th micro-batch), `accelerator.backward` (divides the loss by k), `clip_grad_norm_` on
 the sync micro-batch, and the wrapped optimizer, which only steps when gradients were
-synced. AdamW as the docs construct it. Data, model and examples come from the shared job
-(bench/common.py). Launch (PLATFORM-NOTES: `--cpu` runs ONE process):
+synced. AdamW as the docs construct it. Data, model, examples and the mean loss
+(`job_loss`: logits or an HF output's `.logits`) come from the shared job (bench/common.py).
+Launch (PLATFORM-NOTES: `--cpu` runs ONE process):
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
         --mixed_precision no --dynamo_backend no bench/peer_accelerate.py --out r.json
@@ -16,12 +17,11 @@ Writes one JSON object (rank 0), as every contender does (see bench/common.py).
 import os
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from common import (ACCELERATE_PRECISION, WallClock, build_job, docs_adamw, worker_args,
-                    write_peer_result)
+from common import (ACCELERATE_PRECISION, WallClock, build_job, docs_adamw, job_loss,
+                    worker_args, write_peer_result)
 
 
 def main() -> None:
@@ -44,8 +44,8 @@ def main() -> None:
         for idx in sampler.micro_batches(step):
             batch = data.get(idx)
             with accelerator.accumulate(model):  # no_sync unless this is the k-th micro-batch
-                logits = model(batch.inputs)  # autocast inside the wrapped forward; fp32 out
-                loss = F.cross_entropy(logits, batch.targets)  # mean
+                output = model(batch.inputs)  # autocast inside the wrapped forward; fp32 out
+                loss = job_loss(output, batch.targets)  # mean
                 accelerator.backward(loss)  # loss / k
                 if accelerator.sync_gradients and a.grad_clip:
                     accelerator.clip_grad_norm_(model.parameters(), a.grad_clip)

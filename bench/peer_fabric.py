@@ -4,8 +4,8 @@
 (re-runs this script once per extra rank), `fabric.setup` (DDP with Fabric's default
 kwargs), `fabric.no_backward_sync(model, enabled=accumulating)` (DDP `no_sync` on all but
 the k-th micro-batch), `fabric.backward`, `fabric.clip_gradients`. AdamW as the docs
-construct it. Data, model and examples come from the shared job (bench/common.py). Run
-with plain python (`fabric run` refuses a script that calls `launch()`):
+construct it. Data, model, examples and the mean loss (`job_loss`) come from the shared
+job (bench/common.py). Run with plain python (`fabric run` refuses a script that calls `launch()`):
 
     python bench/peer_fabric.py --out r.json
 
@@ -15,11 +15,10 @@ Writes one JSON object (rank 0), as every contender does (see bench/common.py).
 import os
 
 import torch
-import torch.nn.functional as F
 from lightning_fabric import Fabric
 
-from common import (FABRIC_PRECISION, WallClock, build_job, docs_adamw, worker_args,
-                    write_peer_result)
+from common import (FABRIC_PRECISION, WallClock, build_job, docs_adamw, job_loss,
+                    worker_args, write_peer_result)
 
 
 def main() -> None:
@@ -41,8 +40,8 @@ def main() -> None:
         for i, idx in enumerate(sampler.micro_batches(step)):
             batch = data.get(idx)
             with fabric.no_backward_sync(model, enabled=i < accum - 1):  # sync on the k-th only
-                logits = model(batch.inputs)  # autocast inside the wrapped forward; fp32 out
-                loss = F.cross_entropy(logits, batch.targets)  # mean
+                output = model(batch.inputs)  # autocast inside the wrapped forward; fp32 out
+                loss = job_loss(output, batch.targets)  # mean
                 fabric.backward(loss / accum)  # Fabric leaves the 1/k to the user
             window_loss += loss.detach()
         if a.grad_clip:

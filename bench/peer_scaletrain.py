@@ -1,6 +1,6 @@
 """scaletrain as a contender: its trainer at its defaults, timed by the benchmarks' WallClock.
 
-Each rank runs `scaletrain.train.trainer.train(config, run_dir=...)`, as a worker of
+Each rank runs `scaletrain.training.trainer.train(config, run_dir=...)`, as a worker of
 `torchrun -m scaletrain train` would (bench/common.py gives it scaletrain's launcher
 environment). The config is the job's flags as scaletrain overrides
 (`common.scaletrain_overrides`) plus any `--set KEY=VALUE`; everything else (DDP settings,
@@ -30,7 +30,7 @@ def main() -> None:
     from scaletrain.metrics import read_metrics
     from scaletrain.config import flatten_config
     from scaletrain.runtime import exit_worker, read_env
-    from scaletrain.train import trainer
+    from scaletrain.training import trainer
 
     config = load_config(None, [*scaletrain_overrides(a), *a.set])
     clock, calls = WallClock(warmup=a.warmup, steps=a.steps), itertools.count()

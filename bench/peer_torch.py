@@ -3,8 +3,8 @@
 `DDP(model)` with DDP's defaults, `torch.optim.AdamW(model.parameters(), lr=...)` as the
 docs show it (no `foreach=` / `fused=`: torch picks), `no_sync()` on all but the last
 micro-batch, loss / k, `clip_grad_norm_`, `step`, `zero_grad`, and a loss all-reduce every
-`--log-every` steps. Data, model and examples come from the shared job (bench/common.py),
-so every contender trains the same network on the same batches.
+`--log-every` steps. Data, model, examples and the mean loss (`job_loss`) come from the
+shared job (bench/common.py), so every contender trains the same network on the same batches.
 
 With --match-scaletrain the same loop runs over the DDP wrapper, optimizer, data and
 sampler that scaletrain's trainer builds (`trainer.build`) for the same job: only the loop
@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (WallClock, all_reduce_mean, build_job, docs_adamw, scaletrain_overrides,
-                    worker_args, write_peer_result)
+from common import (WallClock, all_reduce_mean, build_job, docs_adamw, job_loss,
+                    scaletrain_overrides, worker_args, write_peer_result)
 
 
 def scaletrain_parts(a, *, rank: int, world: int):
@@ -33,7 +32,7 @@ def scaletrain_parts(a, *, rank: int, world: int):
     from scaletrain.allocator import configure_allocator
     from scaletrain.config import load_config, resolve
     from scaletrain.runtime import read_env, seed_everything
-    from scaletrain.train import trainer
+    from scaletrain.training import trainer
 
     config = load_config(None, scaletrain_overrides(a))
     penv = read_env()
@@ -71,7 +70,7 @@ def main() -> None:
             # All-reduce only on the last micro-batch; earlier ones accumulate locally.
             with model.no_sync() if i < accum - 1 else contextlib.nullcontext():
                 with autocast:
-                    loss = F.cross_entropy(model(batch.inputs), batch.targets)  # mean
+                    loss = job_loss(model(batch.inputs), batch.targets)  # mean
                 (loss / accum).backward()
             window_loss += loss.detach().float()
         if a.grad_clip:

@@ -27,8 +27,16 @@ Only the job is set; the libraries keep their defaults, and the script prints ea
 difference it finds on the live objects (DDP's gradient_as_bucket_view and buckets, the
 optimizer's kernels and wrapper, the heap policy, threads).
 
+A second job, `--preset hf-llama`: a Hugging Face Llama (`model.name = "hf"`,
+`LlamaConfig` with `common.HF_LLAMA_KWARGS`, 791,680 parameters), built by every contender
+through scaletrain's registry (`build_model("hf", hf_config="LlamaConfig", kwargs=...)`),
+on the Wikipedia bytes (`wikitext`, 128 tokens per example), global batch 32 = 2 ranks x
+16. The peers call `model(input_ids)` and `common.job_loss` on `.logits` (B, T, V)
+against the already shifted targets (B, T): the mean token cross-entropy, as scaletrain's.
+
     .venv/bin/python bench/peers.py [--reps 3] [--steps 150] [--precisions fp32,bf16-mixed]
     .venv/bin/python bench/peers.py --model cnn --size small --global-batch 128 --micro-batch 32
+    .venv/bin/python bench/peers.py --preset hf-llama     # --steps 30 --warmup 10 --log-every 10
 """
 
 import argparse
@@ -40,11 +48,19 @@ from common import (ACCELERATE_PRECISION, add_job_args, base_parser, check_job, 
 
 LIBRARIES = ("scaletrain", "torch", "accelerate", "fabric")
 TARGETS = {"torch": 1.10, "accelerate": 1.15, "fabric": 1.15}  # scaletrain / it, examples/s
+# Named jobs besides the headline one: the job flags they change (explicit flags win).
+PRESETS = {
+    "hf-llama": {"model": "hf-llama", "size": "small", "source": "wikitext", "seq_len": 128,
+                 "global_batch": 32, "micro_batch": 16, "steps": 30, "warmup": 10,
+                 "log_every": 10},  # ~0.33 s a step, ~20 s start-up: 3 reps in 8-12 min
+}
+TEXT_SOURCES = ("wikitext", "wikitext-paragraphs", "synthetic-text")
 
 
 def compare(a, *, libraries, targets: dict[str, float], title: str) -> None:
     """Interleave `libraries` on the job `a` for each precision; print ratios and defaults."""
-    print(f"{title}: {a.model}-{a.size} on {a.source}, global batch {a.global_batch} = "
+    tokens = f" ({a.seq_len} tokens an example)" if a.source in TEXT_SOURCES else ""
+    print(f"{title}: {a.model}-{a.size} on {a.source}{tokens}, global batch {a.global_batch} = "
           f"{a.procs} ranks x {a.global_batch // a.procs} (micro-batch {a.micro_batch}), AdamW "
           f"lr {a.lr} wd {a.weight_decay}, clip {a.grad_clip}, {a.procs} processes x "
           f"{a.threads} thread(s); {a.steps} timed steps after {a.warmup}, seed {a.seed}")
@@ -66,7 +82,15 @@ def compare(a, *, libraries, targets: dict[str, float], title: str) -> None:
 
 
 def main() -> None:
-    p = add_job_args(base_parser(__doc__))
+    preset = argparse.ArgumentParser(add_help=False)
+    preset.add_argument("--preset", choices=sorted(PRESETS))
+    job = PRESETS.get(preset.parse_known_args()[0].preset, {})
+    p = add_job_args(base_parser(__doc__), **job)
+    flags = {name: " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+             for name, values in PRESETS.items()}
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="a named job, whose flags become the defaults: "
+                        + "; ".join(f"{name} = {f}" for name, f in flags.items()))
     p.add_argument("--precisions", default="fp32", help="comma-separated: fp32,bf16-mixed")
     p.add_argument("--libraries", default=",".join(LIBRARIES),
                    help="comma-separated contenders; the first is the reference")

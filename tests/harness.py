@@ -36,8 +36,10 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def run_workers(config: Path, overrides: list[str], *, world_size: int, run_dir: Path,
-                timeout: float = 120.0, expect_ok: bool = True) -> list[subprocess.CompletedProcess]:
-    """Start `world_size` ranks of `scaletrain train CONFIG overrides --run-dir RUN_DIR`."""
+                timeout: float = 120.0, expect_ok: bool = True,
+                cwd: Path | None = None) -> list[subprocess.CompletedProcess]:
+    """Start `world_size` ranks of `scaletrain train CONFIG overrides --run-dir RUN_DIR`
+    (in `cwd`, where a user's own package would be imported from)."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -51,7 +53,7 @@ def run_workers(config: Path, overrides: list[str], *, world_size: int, run_dir:
         cmd = [sys.executable, "-m", "scaletrain", "train", str(config), *overrides,
                "--run-dir", str(run_dir)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+                                      stderr=subprocess.PIPE, text=True, cwd=cwd))
     deadline = time.monotonic() + timeout
     results = []
     for p in procs:
@@ -68,11 +70,12 @@ def run_workers(config: Path, overrides: list[str], *, world_size: int, run_dir:
     return results
 
 
-def run_cli(args: list[str], *, timeout: float = 180.0, **env: str) -> subprocess.CompletedProcess:
-    """`scaletrain ARGS` as a user runs it (launcher included), with a timeout."""
+def run_cli(args: list[str], *, timeout: float = 180.0, cwd: Path | None = None,
+            **env: str) -> subprocess.CompletedProcess:
+    """`scaletrain ARGS` as a user runs it (launcher included), with a timeout, in `cwd`."""
     try:
         return subprocess.run([sys.executable, "-m", "scaletrain", *args], env=cli_env(**env),
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, cwd=cwd)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"scaletrain {' '.join(args)} did not finish in {timeout} s:\n"
                              f"{(e.stderr or b'')[-3000:]}") from None

@@ -22,7 +22,7 @@ from scaletrain.data.sources import TaskSpec
 from scaletrain.models import build_model
 from scaletrain.precision import make_precision
 from scaletrain.rundir import check_resumable
-from scaletrain.train.optim import build_optimizer, build_scheduler
+from scaletrain.training.optim import build_optimizer, build_scheduler
 
 TOML = """\
 [model]

@@ -17,7 +17,7 @@ from scaletrain.checkpoint_files import latest_valid, list_checkpoints
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models import build_model
 from scaletrain.precision import make_precision
-from scaletrain.train.optim import build_optimizer, build_scheduler
+from scaletrain.training.optim import build_optimizer, build_scheduler
 
 
 def _state() -> TrainState:

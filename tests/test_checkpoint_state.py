@@ -24,9 +24,9 @@ from scaletrain.data.sources import Batch, TaskSpec
 from scaletrain.models import build_model
 from scaletrain.parallel.comm_hooks import HookState
 from scaletrain.precision import make_precision
-from scaletrain.train.optim import build_optimizer, build_scheduler
-from scaletrain.train.step import train_step
-from scaletrain.train.trainer import CommCounter, RunProgress, Window
+from scaletrain.training.optim import build_optimizer, build_scheduler
+from scaletrain.training.step import train_step
+from scaletrain.training.trainer import CommCounter, RunProgress, Window
 
 TASK = TaskSpec("classification", (1, 8, 8), 10)
 

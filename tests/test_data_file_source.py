@@ -1,6 +1,8 @@
 """File sources (data/file_source.py) refuse a bad cell by file, row and column, in every
-format and wherever the cell is; `scaletrain shard` says what it understood (label column,
-classes, features or seq_len, rows per split, shards) and shows bad cells as user errors."""
+format and wherever the cell is, and a source whose columns name no task (or two: `label`
+and `target`); `scaletrain shard` says what it understood (label column, classes, features
+or seq_len, rows per split, shards) and shows bad cells as user errors. Regression sources
+(a `target` column): tests/test_data_regression.py."""
 
 from __future__ import annotations
 
@@ -117,3 +119,26 @@ def test_shard_shows_a_bad_cell_and_a_missing_class_as_messages(tmp_path, capsys
     err = capsys.readouterr().err
     assert "scaletrain: warning: " in err and "no rows of 6 class(es)" not in err
     assert "present in eval: 9" in err
+
+
+def test_label_and_target_together_or_no_task_column_are_refused(tmp_path):
+    (tmp_path / "both.csv").write_text("label,target,x\n" + "1,0.5,2\n" * 30)
+    with pytest.raises(SourceError, match=r"both\.csv: has both a `label` column "
+                                          r"\(classification\) and a `target` column "
+                                          r"\(regression\); keep the one to train on and drop "
+                                          r"or rename the other"):
+        write_shards(tmp_path / "both.csv", tmp_path / "b", rows_per_shard=64)
+    (tmp_path / "both.jsonl").write_text(json.dumps({"label": 1, "target": 0.5, "x": 1}) + "\n")
+    with pytest.raises(SourceError, match=r"both\.jsonl: has both a `label`"):
+        write_shards(tmp_path / "both.jsonl", tmp_path / "bj", rows_per_shard=64)
+    (tmp_path / "none.csv").write_text("x1,x2,y\n" + "1,2,3\n" * 30)
+    with pytest.raises(SourceError, match=r"none\.csv: needs a column that names the task: "
+                                          r"`label` \(classification: integer class ids\), "
+                                          r"`target` \(regression: numbers\) or `text` "
+                                          r"\(language modelling\); columns are \['x1', 'x2', "
+                                          r"'y'\]"):
+        write_shards(tmp_path / "none.csv", tmp_path / "n", rows_per_shard=64)
+    (tmp_path / "only.csv").write_text("target\n" + "1.5\n" * 30)
+    with pytest.raises(SourceError, match=r"no `features` list column and no columns besides "
+                                          r"`target`"):
+        write_shards(tmp_path / "only.csv", tmp_path / "o", rows_per_shard=64)

@@ -4,6 +4,7 @@ message naming the key and the fix, from metadata alone."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -27,6 +28,12 @@ def shards(tmp_path_factory):
                    root / "flat" / "part-00000.parquet")
     (root / "spark-text").mkdir()
     pq.write_table(pa.table({"tokens": [[1] * 65] * 10}), root / "spark-text" / "part-0.parquet")
+    rows = "".join(f"{i},{i % 5},{i * 0.5},{i * 0.25 - 3}\n" for i in range(60))
+    (root / "reg.csv").write_text("a,b,c,target\n" + rows)  # a numeric target: regression
+    write_shards(root / "reg.csv", root / "reg", rows_per_shard=100)
+    (root / "spark-reg").mkdir()  # the same without a manifest: a Spark job's `target`
+    pq.write_table(pa.table({"features": [[0.5] * 3] * 40, "target": np.arange(40) * 0.5}),
+                   root / "spark-reg" / "part-00000.parquet")
     return root
 
 
@@ -42,6 +49,21 @@ def test_fitting_data_pass_and_builtin_sources_are_not_checked(shards):
     assert _check(shards / "nowhere", source="digits") is None
     note = _check(shards / "flat", model="mlp")
     assert "no scaletrain manifest: eval is 1 row in 20 of its rows" in note
+
+
+@pytest.mark.parametrize("data", ["reg", "spark-reg"])
+def test_regression_shards_train_the_mlp_and_no_other_model(shards, data):
+    note = _check(shards / data, model="mlp")
+    assert (note is None) == (data == "reg")  # a note only for the directory without manifest
+    for model, needs in (("cnn", "classification data (task kind 'classification')"),
+                         ("gpt", "text (task kind 'lm')"), ("hf", "text (task kind 'lm')")):
+        with pytest.raises(DataCheckError, match=rf"model.name = '{model}' needs "
+                                                 rf"{re.escape(needs)}, but the shards at "
+                                                 rf"data.path = '.*{data}' hold regression "
+                                                 rf"data \(task kind 'regression', examples of "
+                                                 rf"shape \(3,\)\); models for this data: "
+                                                 rf"'mlp'$"):
+            _check(shards / data, model=model, seq_len=32)
 
 
 def test_a_missing_or_empty_path_is_refused(shards, tmp_path):
@@ -63,10 +85,12 @@ def test_a_missing_or_empty_path_is_refused(shards, tmp_path):
 
 @pytest.mark.parametrize("data, model, words", [
     ("digits", "gpt", r"model.name = 'gpt' needs text \(task kind 'lm'\), but the shards at "
-                      r"data.path = '.*digits' hold classification data \(examples of shape "
-                      r"\(1, 8, 8\)\); models for this data: 'mlp', 'cnn'"),
-    ("text", "mlp", r"model.name = 'mlp' needs classification data, but .* hold text .*; "
-                    r"models for this data: 'gpt'"),
+                      r"data.path = '.*digits' hold classification data \(task kind "
+                      r"'classification', examples of shape \(1, 8, 8\)\); models for this "
+                      r"data: 'mlp', 'cnn'$"),
+    ("text", "mlp", r"model.name = 'mlp' needs classification data or regression data \(task "
+                    r"kind 'classification' or 'regression'\), but .* hold text \(task kind "
+                    r"'lm', .*; models for this data: 'gpt', 'hf'$"),
     ("spark-text", "cnn", r"'cnn' needs classification data"),  # read from the Parquet schema
     ("flat", "cnn", r"model.name = 'cnn' needs images \(C, H, W\) of at least 8x8, but .* "
                     r"shape \(20,\)\); use model.name='mlp'"),
@@ -95,13 +119,27 @@ def test_the_checks_read_metadata_only(shards, monkeypatch):
     monkeypatch.setattr(manifest_module, "sha256_file", refuse)
     assert _check(shards / "digits", model="cnn") is None
     assert _check(shards / "flat", model="mlp") is not None
+    assert _check(shards / "spark-reg", model="mlp") is not None
     with pytest.raises(DataCheckError, match="seq_len"):
         _check(shards / "spark-text", model="gpt", seq_len=8)
+
+
+def test_a_model_name_that_is_not_built_in_is_left_to_its_factory(shards):
+    # An import path is the user's factory: it decides what it trains on.
+    assert _check(shards / "digits", model="pkg.mod:make_model") is None
+    with pytest.raises(DataCheckError, match=r"model.name = 'hf' needs text \(task kind 'lm'\)"):
+        _check(shards / "digits", model="hf")
 
 
 def test_the_model_table_stays_in_step_with_the_registry():
     from scaletrain.models import _REGISTRY
     from scaletrain.models.cnn import MIN_SIDE
 
-    assert MODEL_KINDS == {name: kind for name, (kind, _) in _REGISTRY.items()}
+    def kinds(entry) -> set[str]:  # the registry's first field: a kind or a tuple of kinds
+        return {entry[0]} if isinstance(entry[0], str) else set(entry[0])
+
+    assert {name: kinds(entry) for name, entry in _REGISTRY.items()} == {
+        name: set(MODEL_KINDS[name]) for name in _REGISTRY}
+    assert set(MODEL_KINDS["mlp"]) == {"classification", "regression"}
+    assert set(MODEL_KINDS) == set(_REGISTRY) | {"hf"}  # hf: models/hf.py, not the registry
     assert CNN_MIN_SIDE == MIN_SIDE

@@ -169,7 +169,7 @@ def test_output_files_get_the_umask_mode(tmp_path: Path) -> None:
 
 
 def test_sigterm_sets_a_flag_with_checkpointing_and_stops_at_once_without() -> None:
-    from scaletrain.train import signals
+    from scaletrain.training import signals
 
     before = signal.getsignal(signal.SIGTERM)
     with signals.installed(save_on_term=True):

@@ -8,7 +8,7 @@ import torch
 
 from scaletrain.models import build_model
 from scaletrain.data.sources import TaskSpec
-from scaletrain.train.optim import build_optimizer, fused_supported, resolve_impl
+from scaletrain.training.optim import build_optimizer, fused_supported, resolve_impl
 
 TASK = TaskSpec(kind="classification", input_shape=(1, 8, 8), num_classes=10)
 

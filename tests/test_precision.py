@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.precision import (PRECISION_MODES, Hardware, choose_auto, decide_auto,
                                   detect_hardware, make_precision)
-from scaletrain.train.optim import build_optimizer, build_scheduler
-from scaletrain.train.step import train_step
+from scaletrain.training.optim import build_optimizer, build_scheduler
+from scaletrain.training.step import train_step
 
 
 def _setup(mode: str, *, init_scale: float = 2.0**16, seed: int = 0, lr: float = 3e-3):

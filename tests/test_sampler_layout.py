@@ -7,7 +7,7 @@ import torch
 
 from scaletrain.data.sampler import GlobalBatchSampler, eval_indices
 from scaletrain.parallel.layout import LayoutError, ParallelLayout
-from scaletrain.train.optim import lr_multiplier
+from scaletrain.training.optim import lr_multiplier
 
 
 def _sampler(dp_rank: int, dp: int, micro: int, *, n: int = 1000, seed: int = 3) -> GlobalBatchSampler:

@@ -90,6 +90,39 @@ def test_spark_writer_refuses_a_bad_cell_like_the_pyarrow_writer(spark, tmp_path
     assert f"bad.csv, row 75 (line 76), column `a`: {shown};" in messages[0]
 
 
+def test_spark_writer_writes_regression_like_the_pyarrow_writer(spark, tmp_path):
+    lines = ["a,target,b"] + [f"{i * 0.25!r},{i // 4 if i % 4 == 0 else i * 0.375 - 9!r},{i % 7}"
+                              for i in range(120)]  # integer and decimal targets
+    (tmp_path / "r.csv").write_text("\n".join(lines) + "\n")
+    write_shards_spark(tmp_path / "r.csv", tmp_path / "spark", rows_per_shard=50, spark=spark)
+    write_shards(tmp_path / "r.csv", tmp_path / "arrow", rows_per_shard=50)
+    for split in ("train", "eval"):
+        a, b = (ShardedDataset(tmp_path / w / split) for w in ("spark", "arrow"))
+        assert a.spec == b.spec == TaskSpec("regression", (2,), 1)
+        assert a.shard_rows == b.shard_rows and a.manifest.schema[1] == ("targets", "float")
+        x, y = _all(a), _all(b)
+        assert torch.equal(x.inputs, y.inputs) and torch.equal(x.targets, y.targets)
+        assert x.targets.dtype == torch.float32 and x.count == y.count == len(a)
+        assert a.manifest.target_stats == pytest.approx(b.manifest.target_stats)
+        assert (a.manifest.label_column, a.manifest.feature_columns) == ("target", ("a", "b"))
+    lines[76] = "1.5,NaN,3"  # data row 76, line 77: Spark reads NaN as a double
+    (tmp_path / "bad.csv").write_text("\n".join(lines) + "\n")
+    messages = []
+    for write in (write_shards, lambda *a, **k: write_shards_spark(*a, spark=spark, **k)):
+        with pytest.raises(SourceError) as caught:
+            write(tmp_path / "bad.csv", tmp_path / f"bad{len(messages)}", rows_per_shard=50)
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]
+    assert "bad.csv, row 76 (line 77), column `target`: 'NaN' is not finite;" in messages[0]
+    # A plain Spark job's `target` column, no manifest: read as regression.
+    spark.createDataFrame([(i * 0.5, [float(i), 1.0]) for i in range(50)],
+                          "target double, features array<float>").write.parquet(
+        str(tmp_path / "plain"))
+    plain = ShardedDataset(tmp_path / "plain")
+    assert plain.spec == TaskSpec("regression", (2,), 1)
+    assert torch.equal(_all(plain).targets, torch.arange(50) * 0.5)
+
+
 def _compare_writers(spark, tmp_path) -> None:
     for source, seq_len in (("docs", 24), ("rows.csv", 8)):
         assert spark.read.text(str(tmp_path / source)).rdd.getNumPartitions() > 1

@@ -16,6 +16,7 @@ from scaletrain.config import ConfigError, Config, describe_fields, load_config,
 from scaletrain.launch import (Interrupted, LaunchError, LaunchSpec, launch, slurm_defaults,
                                under_elastic_agent, validate_spec)
 from scaletrain.launch_output import describe_interrupt
+from scaletrain.user_code import UserCodeError
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -104,28 +105,22 @@ def launch_spec(args: argparse.Namespace, config: Config) -> LaunchSpec:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir
+    from scaletrain.api import prepare_run
 
     if under_elastic_agent():  # a worker started by torchrun or by our launcher
         from scaletrain.runtime import prepare_worker_process
 
         prepare_worker_process()  # first: die with the launcher, write into the rank's log
         return _run_worker(load_config(args.config, args.overrides), args.run_dir)
-    if args.allow_config_change and not args.resume:
-        raise ConfigError("--allow-config-change only applies with --resume (it lets a resumed "
-                          "run continue with a changed config); add --resume or drop it")
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
-    derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
-    _preflight(config)
+    # The checks the Python API runs too: config against the world, data, user code, run dir.
+    prepared = prepare_run(config, spec=spec, run_dir=args.run_dir, resume=args.resume,
+                           allow_config_change=args.allow_config_change)
     _warn_if_empty(args.config, config)
-    run_dir = args.run_dir or default_run_dir(config.name)
-    if args.resume:  # before any process starts, and before config.toml is rewritten
-        for warning in check_resumable(args.run_dir, config,
-                                       allow_config_change=args.allow_config_change):
-            print(f"scaletrain: warning: {warning}", file=sys.stderr)
-    else:
-        check_run_dir(run_dir)
+    for warning in prepared.warnings:
+        print(f"scaletrain: warning: {warning}", file=sys.stderr)
+    run_dir = prepared.run_dir
     try:
         if spec.in_process:
             code = _run_worker(config, run_dir, exit_process=False, debug=args.debug)
@@ -133,7 +128,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             # Workers always resume from a valid checkpoint in the run directory when one
             # exists: that is how an elastic restart continues.
             worker_args = ["train", str(args.config), *args.overrides, "--run-dir", str(run_dir)]
-            code = launch(spec, worker_args, threads=derived.threads, run_dir=run_dir,
+            code = launch(spec, worker_args, threads=prepared.derived.threads, run_dir=run_dir,
                           debug=args.debug)
     except Interrupted as e:  # Ctrl-C, or a scheduler's SIGTERM: the workers are gone
         print(describe_interrupt(run_dir, signum=e.signum), file=sys.stderr)
@@ -157,8 +152,8 @@ def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = Tr
     from scaletrain.checkpoint_files import CheckpointError
     from scaletrain.data.shards import ShardError
     from scaletrain.runtime import CollectiveFailure, exit_worker
-    from scaletrain.train import signals
-    from scaletrain.train.trainer import TrainingDiverged, train
+    from scaletrain.training import signals
+    from scaletrain.training.trainer import TrainingDiverged, train
 
     code, interrupted = 0, None
     with signals.installed(save_on_term=config.checkpoint.every > 0):
@@ -167,7 +162,9 @@ def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = Tr
             signals.drain()
             if signals.stopped_by_sigterm():  # saved a checkpoint and stopped early
                 interrupted = signal.SIGTERM
-        except ConfigError as e:
+        except (ConfigError, UserCodeError) as e:  # a mistake only a built model or data shows
+            if debug:
+                traceback.print_exc()
             print(f"scaletrain: error: {e}", file=sys.stderr)
             code = EXIT_USAGE
         except (CollectiveFailure, TrainingDiverged, CheckpointError, ShardError) as e:
@@ -218,21 +215,6 @@ def _training_rate(run_dir: Path) -> float | None:
     return examples / seconds if seconds > 0 else None
 
 
-def _preflight(config: Config) -> None:
-    """Data checks that need no process (data.path, the model against the data's task):
-    refused with exit status 2 before anything starts; a usable oddity is one note line."""
-    from scaletrain.data.preflight import DataCheckError, check_data
-
-    d = config.data
-    try:
-        note = check_data(source=d.source, path=d.path, seq_len=d.seq_len,
-                          model_name=config.model.name)
-    except DataCheckError as e:  # a user mistake like a bad config value: same exit
-        raise ConfigError(str(e)) from e
-    if note:
-        print(f"scaletrain: note: {note}", file=sys.stderr)
-
-
 def _warn_if_empty(path: Path, config: Config) -> None:
     """An empty config file trains on every default: legal, but rarely meant."""
     import tomllib
@@ -265,6 +247,8 @@ def _train_rows(config: Config) -> int | None:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from rich.console import Console
+
+    from scaletrain.api import preflight_data
     from rich.table import Table
 
     from scaletrain.precision import choose_auto
@@ -272,7 +256,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
     d = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
-    _preflight(config)
+    preflight_data(config)
     _warn_if_empty(args.config, config)
     table = Table(title=f"config {args.config}", show_lines=False)
     for col in ("key", "value", "meaning"):
@@ -316,7 +300,7 @@ def _optimizer_kernels(impl: str, device: str) -> str:
     """What optim.impl resolves to on this device, and why (for explain)."""
     import torch
 
-    from scaletrain.train.optim import resolve_impl
+    from scaletrain.training.optim import resolve_impl
 
     probe = [torch.zeros(1, device=device)] if device == "cpu" else []
     if impl != "auto" or not probe:
@@ -435,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)  # help, or an error naming the allowed subcommands
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, LaunchError) as e:
+    except (ConfigError, LaunchError, UserCodeError) as e:
+        if getattr(args, "debug", False):  # the user's own code's traceback, on request
+            import traceback
+
+            traceback.print_exc()
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 

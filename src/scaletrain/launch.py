@@ -21,7 +21,7 @@ failure paragraph, the interrupt line) is launch_output.py's concern; `launch` w
 
 Signals:
 - Ctrl-C / SIGTERM: torchrun's agent forwards the signal to the workers (SIGTERM: they save
-  a checkpoint at the end of the step, see train/signals.py) and waits up to
+  a checkpoint at the end of the step, see training/signals.py) and waits up to
   SCALETRAIN_SIGTERM_GRACE_S seconds (default 30) before killing them; `launch` then raises
   `Interrupted` and the CLI prints one line with the step, the last checkpoint and how to
   continue, and exits 128 + the signal number (130, 143).

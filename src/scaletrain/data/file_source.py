@@ -1,18 +1,21 @@
 """File sources: JSONL / CSV / Parquet files read into one checked Arrow table.
 
-A file source is a file or a directory of files of one format, read in name order. A
-`text` column makes a language-modelling set. Otherwise it is classification: a `label`
-column of integer class ids >= 0 and either a `features` list column of numbers (then no
-other column is read) or every other column as one feature each, in file order (for JSON,
-whose objects have no column order, by name).
+A file source is a file or a directory of files of one format, read in name order. One
+column names the task (`task_kind`): `text` makes a language-modelling set (no other column
+is read); otherwise a `label` column of integer class ids >= 0 makes a classification set,
+and a `target` column of numbers (integers or decimals, every one finite) a regression set
+with one target per row; a source with both is refused. The inputs of both are a `features`
+list column of numbers (then no other column is read) or else every other column as one
+feature each, in file order (for JSON, whose objects have no column order, by name).
 
 Every cell is checked before any row is written, per file, so an error names the file, the
 row and the column: a CSV cell that is not a number would otherwise make Arrow type the
-whole column as text, and a column that silently stopped being a feature would train a
-model on 19 features of 20 without a word. Rows are counted from 1 (the first data row),
-with the line for CSV (the header is line 1) and JSONL. A CSV whose bad cell lies past the
-block Arrow infers types from fails in the reader; it is read again as text to find the
-cell. `data/spark.py` applies the same rules in Spark.
+whole column as text, a column that silently stopped being a feature would train a model
+on 19 features of 20 without a word, and one NaN target makes every later loss NaN. Rows
+are counted from 1 (the first data row), with the line for CSV (the header is line 1) and
+JSONL. A CSV whose bad cell lies past the block Arrow infers types from fails in the
+reader; it is read again as text to find the cell. `data/spark.py` applies the same rules
+in Spark, with the helpers defined here (`task_kind`, `feature_columns`, `cell_error`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from scaletrain.data.sources import SOURCE_NAMES
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv",
                 ".parquet": "parquet"}
-LABEL = "label"
+LABEL, TARGET, TEXT = "label", "target", "text"  # the columns that name the task
+TASK_COLUMNS = {"classification": LABEL, "regression": TARGET}  # kind -> the column of targets
 
 
 class SourceError(ValueError):
@@ -90,30 +94,39 @@ def _read_checked(file: Path, fmt: str) -> pa.Table:
             table = pyarrow.csv.read_csv(str(file))
         else:
             table = pyarrow.json.read_json(str(file)) if fmt == "json" else pq.read_table(file)
-        if "text" not in table.schema.names:
-            check_classification(table, file=file, fmt=fmt)
-        return table
-    except (pa.ArrowInvalid, SourceError) as e:
+    except pa.ArrowInvalid as e:
         # Arrow could not convert a cell (for CSV: one past the block the types were inferred
-        # from), or a CSV cell became null ("", "n/a", "NA"). Look at the cells as written.
-        if fmt == "csv" and "text" not in (header := _csv_header(file)):
-            options = pyarrow.csv.ConvertOptions(
-                column_types={n: pa.string() for n in header}, null_values=[],
-                strings_can_be_null=False)  # every cell as the text it is
-            check_classification(pyarrow.csv.read_csv(str(file), convert_options=options),
-                                 file=file, fmt=fmt)
-        elif fmt == "json" and isinstance(e, pa.ArrowInvalid):
+        # from): look at the cells as written, which raises naming the cell.
+        if fmt == "csv":
+            _check_csv_as_text(file)
+        elif fmt == "json":
             _check_json_rows(file)
-        if isinstance(e, SourceError):
-            raise
         raise SourceError(f"{file}: not readable as {fmt}: {e}") from None
+    kind = task_kind(table.schema.names, where=file)
+    if kind != "lm":
+        try:
+            check_examples(table, kind=kind, file=file, fmt=fmt)
+        except SourceError:
+            if fmt == "csv":  # a cell may have become null ("", "n/a", "NaN"): show it as written
+                _check_csv_as_text(file)
+            raise
+    return table
 
 
-def _csv_header(file: Path) -> list[str]:
+def _check_csv_as_text(file: Path) -> None:
+    """Check a CSV file's cells as the text they are (the error path: one was refused)."""
     import csv
 
+    import pyarrow.csv
+
     with open(file, newline="") as f:
-        return next(csv.reader(f), [])
+        header = next(csv.reader(f), [])
+    if (kind := task_kind(header, where=file)) == "lm":
+        return
+    options = pyarrow.csv.ConvertOptions(column_types={n: pa.string() for n in header},
+                                         null_values=[], strings_can_be_null=False)
+    check_examples(pyarrow.csv.read_csv(str(file), convert_options=options), kind=kind,
+                   file=file, fmt="csv")
 
 
 def _check_json_rows(file: Path) -> None:
@@ -127,87 +140,144 @@ def _check_json_rows(file: Path) -> None:
                 except json.JSONDecodeError as e:
                     raise SourceError(f"{file}, line {line_no}: not valid JSON: {e}") from None
     names = list(dict.fromkeys(k for row in rows for k in row))
-    if "text" in names or LABEL not in names:
-        return
+    if TEXT in names or not {LABEL, TARGET} & set(names):
+        return  # no cell of a task column to name: Arrow's own error says what it could not read
+    column = TASK_COLUMNS[task_kind(names, where=file)]
     columns = {n: [row.get(n) for row in rows] for n in names}
-    _check_label_values(columns[LABEL], file=file, fmt="json")
+    _check_task_values(columns[column], column=column, file=file, fmt="json")
     for name in feature_columns(names, "json"):
-        _check_values(columns[name], name=name, file=file, fmt="json")
+        _check_values(columns[name], name=name, file=file, fmt="json", task_column=column)
+
+
+def task_kind(names: list[str], *, where: object) -> str:
+    """The task a source's column `names` pose: "lm", "classification" or "regression".
+
+    `text` -> language modelling (its other columns are not read); else `label` ->
+    classification and `target` -> regression. Both of these, or none of the three, is a
+    SourceError naming `where`.
+    """
+    if TEXT in names:
+        return "lm"
+    if LABEL in names and TARGET in names:
+        raise SourceError(f"{where}: has both a `{LABEL}` column (classification) and a "
+                          f"`{TARGET}` column (regression); keep the one to train on and drop "
+                          f"or rename the other (a renamed column becomes a feature)")
+    if LABEL in names:
+        return "classification"
+    if TARGET in names:
+        return "regression"
+    raise no_task_error(where, list(names))
 
 
 def feature_columns(names: list[str], fmt: str) -> list[str]:
-    """The input columns of a classification file (of its column `names`): `features`, else
-    every other column (the one rule both writers pick columns by)."""
+    """The input columns of a classification or regression file (of its column `names`):
+    `features`, else every other column (the one rule both writers pick columns by)."""
     if "features" in names:
         return ["features"]
-    columns = [name for name in names if name != LABEL]
+    columns = [name for name in names if name not in (LABEL, TARGET)]
     if not columns:
-        raise SourceError(f"no `features` list column and no columns besides `{LABEL}`")
+        task = " or ".join(f"`{c}`" for c in (LABEL, TARGET) if c in names)
+        raise SourceError(f"no `features` list column and no columns besides {task}")
     return sorted(columns) if fmt == "json" else columns  # JSON objects have no column order
 
 
-def check_classification(table: pa.Table, *, file: Path, fmt: str) -> None:
-    """Refuse the first cell that is not a label or a number, naming file, row and column.
+def check_examples(table: pa.Table, *, kind: str, file: Path, fmt: str) -> None:
+    """Refuse the first cell that is not a label, a target or a number, naming file, row
+    and column.
 
     Arrow's column types are the fast path: an integer label column without nulls or
-    negatives, numeric feature columns without nulls, pass without looking at a cell.
+    negatives, a numeric target column without nulls or NaN / infinity, numeric feature
+    columns without nulls, pass without looking at a cell.
+
+    Args:
+        table: one file's rows, typed by Arrow (or, on the error path, every cell as text).
+        kind: "classification" or "regression" (`task_kind`).
+        file, fmt: where the rows came from, for the messages.
     """
-    if LABEL not in table.schema.names:
-        raise no_task_error(file, table.schema.names)
-    labels = table.column(LABEL)
-    if not (pa.types.is_integer(labels.type) and not labels.null_count
-            and (not len(labels) or pc.min(labels).as_py() >= 0)):
-        _check_label_values(labels.to_pylist(), file=file, fmt=fmt)
+    column = TASK_COLUMNS[kind]
+    targets = table.column(column)
+    if kind == "classification":
+        fast = (pa.types.is_integer(targets.type) and not targets.null_count
+                and (not len(targets) or pc.min(targets).as_py() >= 0))
+    else:
+        fast = (_is_numeric(targets.type) and not targets.null_count
+                and (not pa.types.is_floating(targets.type) or not len(targets)
+                     or pc.all(pc.is_finite(targets)).as_py()))
+    if not fast:
+        _check_task_values(targets.to_pylist(), column=column, file=file, fmt=fmt)
+        if kind == "regression" and not _is_numeric(targets.type) and fmt != "csv":
+            raise SourceError(f"{file}, column `{TARGET}`: typed {targets.type}; "
+                              f"{_ALLOWED[TARGET]}")
     for name in feature_columns(table.schema.names, fmt):
-        column = table.column(name)
-        t = column.type.value_type if _is_list(column.type) else column.type
-        numeric = pa.types.is_integer(t) or pa.types.is_floating(t)
-        nulls = column.null_count or (_is_list(column.type)
-                                      and column.combine_chunks().flatten().null_count)
-        if not numeric or nulls:
-            _check_values(column.to_pylist(), name=name, file=file, fmt=fmt)
+        values = table.column(name)
+        t = values.type.value_type if _is_list(values.type) else values.type
+        nulls = values.null_count or (_is_list(values.type)
+                                      and values.combine_chunks().flatten().null_count)
+        if not _is_numeric(t) or nulls:
+            _check_values(values.to_pylist(), name=name, file=file, fmt=fmt, task_column=column)
             if fmt != "csv":  # CSV cells read as text may all be numbers; others may not
-                raise SourceError(f"{file}, column `{name}`: typed {column.type}; "
-                                  f"{_ALLOWED[name == 'features']}")
-        if _is_list(column.type):
-            _check_widths(column.combine_chunks(), file=file, fmt=fmt)
+                raise SourceError(f"{file}, column `{name}`: typed {values.type}; "
+                                  f"{_feature_rule(name, column)}")
+        if _is_list(values.type):
+            _check_widths(values.combine_chunks(), file=file, fmt=fmt)
 
 
 def no_task_error(where: object, columns: list[str]) -> SourceError:
-    """The error for a source with neither a `text` nor a `label` column."""
-    return SourceError(f"{where}: needs a `text` column (language modelling) or a `{LABEL}` "
-                       f"column (classification); columns are {columns}")
+    """The error for a source with no column that names a task (`label`, `target`, `text`)."""
+    return SourceError(f"{where}: needs a column that names the task: `{LABEL}` "
+                       f"(classification: integer class ids), `{TARGET}` (regression: numbers) "
+                       f"or `{TEXT}` (language modelling); columns are {columns}")
 
 
-def cell_error(file: Path, fmt: str, row: int, column: str, value: object) -> SourceError:
-    """The error for a bad cell: where it is, what it holds and what the column allows."""
+def cell_error(file: Path, fmt: str, row: int, column: str, value: object, *,
+               task_column: str = LABEL) -> SourceError:
+    """The error for a bad cell: where it is, what it holds and what the column allows.
+
+    Args:
+        file, fmt, row: where the cell is (`row` from 0, as `place` takes it).
+        column, value: its column and what it holds (None or "" for an empty cell).
+        task_column: the source's `label` or `target` column, which the rule for a feature
+            column names.
+    """
     if column == LABEL:
-        shown, allowed = "is not an integer class id", (f"`{LABEL}` must hold an integer "
-                                                        f"class id >= 0 in every row")
+        shown = "is not an integer class id"
+    elif column == TARGET:
+        shown = "is not finite" if _is_non_finite(value) else "is not a number"
     else:
-        shown, allowed = "is not a number", _ALLOWED[column == "features"]
+        shown = "is not a number"
     shown = "empty" if value in (None, "") else f"{value!r} {shown}"
+    allowed = _ALLOWED.get(column) or _feature_rule(column, task_column)
     return SourceError(f"{place(file, fmt, row)}, column `{column}`: {shown}; {allowed}")
 
 
-_ALLOWED = {False: f"every column besides `{LABEL}` is a feature and must hold a number "
-                   f"(integer or decimal) in every row: fix the cell, or remove the column",
-            True: "`features` must hold a list of numbers in every row, the same count in each"}
+_ALLOWED = {LABEL: f"`{LABEL}` must hold an integer class id >= 0 in every row",
+            TARGET: f"`{TARGET}` must hold a finite number (integer or decimal) in every row",
+            "features": "`features` must hold a list of numbers in every row, the same count "
+                        "in each"}
 
 
-def _check_label_values(values: list, *, file: Path, fmt: str) -> None:
+def _feature_rule(column: str, task_column: str) -> str:
+    if column == "features":
+        return _ALLOWED["features"]
+    return (f"every column besides `{task_column}` is a feature and must hold a number "
+            f"(integer or decimal) in every row: fix the cell, or remove the column")
+
+
+def _check_task_values(values: list, *, column: str, file: Path, fmt: str) -> None:
+    """The first cell of the `label` or `target` column that is not a class id or a number."""
+    ok = _is_label if column == LABEL else _is_target
     for row, value in enumerate(values):
-        if not _is_label(value, text=fmt == "csv"):
-            raise cell_error(file, fmt, row, LABEL, value)
+        if not ok(value, text=fmt == "csv"):
+            raise cell_error(file, fmt, row, column, value, task_column=column)
 
 
-def _check_values(values: list, *, name: str, file: Path, fmt: str) -> None:
+def _check_values(values: list, *, name: str, file: Path, fmt: str, task_column: str) -> None:
     """The first cell of a feature column (or a `features` list) that is not a number."""
     for row, value in enumerate(values):
         if name == "features" and isinstance(value, list):
             value = next((v for v in value if not _is_number(v, text=False)), 0)
         if not _is_number(value, text=fmt == "csv" and name != "features"):
-            raise cell_error(file, fmt, row, name, value)
+            raise cell_error(file, fmt, row, name, value, task_column=task_column)
 
 
 def _check_widths(column: pa.Array, *, file: Path, fmt: str) -> None:
@@ -215,7 +285,7 @@ def _check_widths(column: pa.Array, *, file: Path, fmt: str) -> None:
     if len(lengths) and (lengths != lengths[0]).any():
         row = int(np.flatnonzero(lengths != lengths[0])[0])
         raise SourceError(f"{place(file, fmt, row)}, column `features`: {lengths[row]} values, "
-                          f"row 1 has {lengths[0]}; {_ALLOWED[True]}")
+                          f"row 1 has {lengths[0]}; {_ALLOWED['features']}")
 
 
 def _is_number(value: object, *, text: bool) -> bool:
@@ -230,6 +300,25 @@ def _is_number(value: object, *, text: bool) -> bool:
         return math.isfinite(float(value))  # "nan", "inf": not a feature value
     except ValueError:
         return False
+
+
+def _is_target(value: object, *, text: bool) -> bool:
+    """A finite int or float; with text=True (CSV cells) also a string that parses as one."""
+    return _is_number(value, text=text) and not _is_non_finite(value)
+
+
+def _is_non_finite(value: object) -> bool:
+    """NaN or infinite, as a float or as text that parses as one ("NaN", "inf")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return False
+    try:
+        return not math.isfinite(float(value))
+    except (ValueError, OverflowError):
+        return False
+
+
+def _is_numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
 
 
 def _is_label(value: object, *, text: bool) -> bool:

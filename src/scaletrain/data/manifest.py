@@ -16,20 +16,24 @@ them in order with their row counts, sizes, SHA-256 and row groups, plus the tas
 (`TaskSpec`) and the Arrow schema. The manifest is written last, atomically (temp file +
 rename), so a directory with a manifest is a complete one. It also records, for people and
 for `scaletrain shard`'s summary, which source columns the rows came from and how many rows
-each class has; the reader ignores those.
+each class has (classification) or the target's min, mean and max (regression); the reader
+ignores those.
 
 Schema: classification -> `inputs: list<float32>` (the example flattened; the manifest
-holds its shape) and `targets: int64`; language modelling -> `tokens: list<int32>` of
-seq_len + 1 bytes per row. Plain lists (not fixed-size lists) because that is what Apache
-Spark writes for `array<float>`; Arrow reads either writer's lists back as
-`list<element: float>`, and the manifest stores the schema as read back from the files.
+holds its shape) and `targets: int64`; regression -> `inputs: list<float32>` and
+`targets: float` (one finite float32 per row, num_classes 1); language modelling ->
+`tokens: list<int32>` of seq_len + 1 bytes per row. Plain lists (not fixed-size lists)
+because that is what Apache Spark writes for `array<float>`; Arrow reads either writer's
+lists back as `list<element: float>`, and the manifest stores the schema as read back from
+the files.
 
 Integrity is checked on open, never assumed (`open_shard`): every listed shard must exist,
 open as Parquet, have the manifest's schema, row count, row groups and size, and
 (verify=True) its SHA-256. Any failure raises `ShardError` naming the file and the problem.
 A directory without a manifest (Spark's `part-*.parquet`, `_SUCCESS`, `.crc`) is described
-by `infer_manifest`: parts in name order, task inferred from the schema, no checksums, but
-footers and schemas are still checked.
+by `infer_manifest`: parts in name order, task inferred from the schema (`tokens`: text;
+`target`, or float `targets`: regression; `label`, or integer `targets`: classification), no
+checksums, but footers and schemas are still checked.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +57,12 @@ from scaletrain.data.sources import TaskSpec
 
 FORMAT, VERSION = "scaletrain-shards", 1
 MANIFEST = "manifest.json"
-INPUT_COLUMNS, TARGET_COLUMNS = ("inputs", "features"), ("targets", "label")
+INPUT_COLUMNS = ("inputs", "features")
+# The column of targets per task kind: the writers' `targets`, or a plain Spark job's source
+# column (`label`, `target`, as in a file source).
+TARGET_COLUMNS = {"classification": ("targets", "label"), "regression": ("targets", "target")}
+_SCALAR_NUMBERS = {"halffloat", "float", "double", *(f"{u}int{b}" for u in ("", "u")
+                                                     for b in (8, 16, 32, 64))}
 
 
 class ShardError(ValueError):
@@ -81,9 +91,10 @@ class Manifest:
     source: str | None = None
     writer: str = ""
     # Where the rows came from, for people: not read back by the reader.
-    label_column: str | None = None  # the source column that became `targets`
+    label_column: str | None = None  # the source column that became `targets` (label, target)
     feature_columns: tuple[str, ...] = ()  # the source columns that became `inputs`/`tokens`
     label_counts: tuple[int, ...] | None = None  # rows per class 0..num_classes-1
+    target_stats: tuple[float, float, float] | None = None  # regression: (min, mean, max)
 
     @property
     def rows(self) -> int:
@@ -95,6 +106,8 @@ class Manifest:
                 "schema": [list(pair) for pair in self.schema],
                 "label_column": self.label_column, "feature_columns": list(self.feature_columns),
                 "label_counts": None if self.label_counts is None else list(self.label_counts),
+                "target_stats": (None if self.target_stats is None else
+                                 dict(zip(("min", "mean", "max"), self.target_stats))),
                 "shards": [asdict(s) for s in self.shards]}
 
     @classmethod
@@ -108,11 +121,14 @@ class Manifest:
         shards = tuple(ShardInfo(s["file"], int(s["rows"]), int(s["bytes"]), s["sha256"],
                                  tuple(s["row_groups"])) for s in data["shards"])
         counts = data.get("label_counts")  # absent from manifests written before it existed
+        stats = data.get("target_stats")  # likewise
         return cls(task, tuple((n, ty) for n, ty in data["schema"]), shards,
                    split=data.get("split"), source=data.get("source"),
                    writer=data.get("writer", ""), label_column=data.get("label_column"),
                    feature_columns=tuple(data.get("feature_columns") or ()),
-                   label_counts=None if counts is None else tuple(int(c) for c in counts))
+                   label_counts=None if counts is None else tuple(int(c) for c in counts),
+                   target_stats=None if stats is None else tuple(
+                       float(stats[k]) for k in ("min", "mean", "max")))
 
     def save(self, split_dir: Path) -> None:
         """Write `split_dir/manifest.json` atomically: readers see the old file or the new."""
@@ -168,7 +184,8 @@ def find_split_dir(path: Path, split: str) -> Path | None:
 def write_manifest(split_dir: Path, *, task: TaskSpec, split: str | None, source: str | None,
                    writer: str, label_column: str | None = None,
                    feature_columns: tuple[str, ...] = (),
-                   label_counts: tuple[int, ...] | None = None) -> Manifest:
+                   label_counts: tuple[int, ...] | None = None,
+                   target_stats: tuple[float, float, float] | None = None) -> Manifest:
     """Scan the part files of a finished split directory and write its manifest, last.
 
     Args:
@@ -178,6 +195,8 @@ def write_manifest(split_dir: Path, *, task: TaskSpec, split: str | None, source
         label_column, feature_columns: the source columns the rows came from, for people.
         label_counts: rows per class; None counts them in the files (classification only:
             reads the label column of each shard).
+        target_stats: (min, mean, max) of the targets; None computes them from the files
+            (regression only: reads the target column of each shard).
     """
     files = part_files(split_dir)
     if not files:
@@ -186,12 +205,16 @@ def write_manifest(split_dir: Path, *, task: TaskSpec, split: str | None, source
     for f in files[1:]:
         if schema_pairs(pq.read_schema(f)) != schema:
             raise ShardError(f"shard {f.name}: schema differs from {files[0].name}'s")
+    column = task_columns(schema, task, where=split_dir)[-1]
     if label_counts is None and task.kind == "classification":
-        label_counts = count_labels(files, task_columns(schema, task, where=split_dir)[1],
-                                    num_classes=task.num_classes)
+        label_counts = count_labels(files, column, num_classes=task.num_classes)
+    if target_stats is None and task.kind == "regression":
+        target_stats = describe_targets(pq.read_table(f, columns=[column]).column(0)
+                                        for f in files)
     manifest = Manifest(task, schema, tuple(describe_shard(f) for f in files), split=split,
                         source=source, writer=writer, label_column=label_column,
-                        feature_columns=tuple(feature_columns), label_counts=label_counts)
+                        feature_columns=tuple(feature_columns), label_counts=label_counts,
+                        target_stats=target_stats)
     manifest.save(Path(split_dir))
     return manifest
 
@@ -206,13 +229,27 @@ def count_labels(files: list[Path], column: str, *, num_classes: int) -> tuple[i
     return tuple(int(c) for c in counts)
 
 
+def describe_targets(columns: Iterable[pa.Array | pa.ChunkedArray]
+                     ) -> tuple[float, float, float] | None:
+    """(min, mean, max) of regression targets given in pieces (one per shard); None if empty."""
+    low, high, total, n = math.inf, -math.inf, 0.0, 0
+    for column in columns:
+        if len(column):
+            extremes = pc.min_max(column)
+            low, high = min(low, extremes["min"].as_py()), max(high, extremes["max"].as_py())
+            total += pc.sum(column.cast(pa.float64())).as_py()  # float64: no float32 drift
+            n += len(column)
+    return (float(low), total / n, float(high)) if n else None
+
+
 def summary_lines(train: Manifest, ev: Manifest, *, out_dir: Path) -> list[str]:
     """What a written dataset holds, for `scaletrain shard` to print: columns, rows, shards."""
     task, builtin = train.task, not train.feature_columns
-    source = f"source {train.source}"
     if task.kind == "lm":
         column = "the source's text" if builtin else f"text column `{train.feature_columns[0]}`"
         what = f"{column}, seq_len {task.input_shape[0]} (rows of {task.input_shape[0] + 1} tokens)"
+    elif task.kind == "regression":
+        what = f"{_target_words(train, ev)}, {_feature_words(train)}"
     else:
         labels = ("its own labels" if train.label_column is None
                   else f"label column `{train.label_column}`")
@@ -220,20 +257,34 @@ def summary_lines(train: Manifest, ev: Manifest, *, out_dir: Path) -> list[str]:
         present = sum(1 for c in counts if c)
         classes = f"{task.num_classes} classes" + (
             f" ({present} with rows)" if counts and present < task.num_classes else "")
-        width = math.prod(task.input_shape)
-        if train.feature_columns == ("features",):
-            features = f"{width} features (`features` lists, shape {task.input_shape})"
-        elif builtin:
-            features = f"{width} features (shape {task.input_shape})"
-        else:
-            names = ", ".join(train.feature_columns[:8]) + (", ..." if width > 8 else "")
-            features = f"{width} features ({names})"
-        what = f"{labels}, {classes}, {features}"
+        what = f"{labels}, {classes}, {_feature_words(train)}"
     held = ("the source's own eval split" if builtin else
             f"eval: 1 row in {EVAL_EVERY} of the source at hashed positions, seed {HOLDOUT_SEED}")
-    return [f"{source}: {what}",
+    return [f"source {train.source}: {what}",
             f"rows: {train.rows} train, {ev.rows} eval ({held})",
             f"wrote {len(train.shards)} train + {len(ev.shards)} eval shards to {out_dir}"]
+
+
+def _feature_words(train: Manifest) -> str:
+    """"20 features (f0, f1, ...)": how many inputs an example has and where they came from."""
+    shape = train.task.input_shape
+    width = math.prod(shape)
+    if train.feature_columns == ("features",):
+        return f"{width} features (`features` lists, shape {shape})"
+    if not train.feature_columns:  # a built-in source
+        return f"{width} features (shape {shape})"
+    names = ", ".join(train.feature_columns[:8]) + (", ..." if width > 8 else "")
+    return f"{width} features ({names})"
+
+
+def _target_words(train: Manifest, ev: Manifest) -> str:
+    """"target column `target` (min -1.5, mean 0.2, max 3)" over both splits' rows."""
+    words = f"target column `{train.label_column or 'targets'}`"
+    if train.target_stats is None or ev.target_stats is None:
+        return words
+    (lo_t, mean_t, hi_t), (lo_e, mean_e, hi_e) = train.target_stats, ev.target_stats
+    mean = (mean_t * train.rows + mean_e * ev.rows) / max(1, train.rows + ev.rows)
+    return f"{words} (min {min(lo_t, lo_e):.4g}, mean {mean:.4g}, max {max(hi_t, hi_e):.4g})"
 
 
 def image_shape(width: int) -> tuple[int, ...]:
@@ -242,24 +293,50 @@ def image_shape(width: int) -> tuple[int, ...]:
     return (1, side, side) if side > 1 and side * side == width else (width,)
 
 
+def example_shape(width: int, *, kind: str, from_list: bool) -> tuple[int, ...]:
+    """The input shape of examples of `width` values, the one rule of every writer and reader.
+
+    Classification examples from a list column (`features`, `inputs`) of s*s values are
+    (1, s, s) images, for the CNN. Everything else stays flat, (width,): feature columns,
+    and regression, which only the MLP trains (it flattens its input anyway).
+    """
+    return image_shape(width) if kind == "classification" and from_list else (width,)
+
+
 # ---------------------------------------------------------------------------------------
 # Checks on open
 
 
 def task_columns(schema: tuple[tuple[str, str], ...], spec: TaskSpec, *,
                  where: Path) -> tuple[str, ...]:
-    """The columns a task reads: (tokens,) or (inputs|features, targets|label)."""
+    """The columns a task reads: (tokens,) or (inputs|features, targets|label|target).
+
+    A regression split must hold one number per row: num_classes 1 and a numeric column.
+    """
+    columns = _kind_columns(schema, spec.kind, where=where)
+    if spec.kind == "regression":
+        if spec.num_classes != 1:
+            raise ShardError(f"{where}: a regression split holds one target per row "
+                             f"(num_classes 1); its task says num_classes {spec.num_classes}")
+        if (typed := dict(schema)[columns[1]]) not in _SCALAR_NUMBERS:
+            raise ShardError(f"{where}: a regression split's `{columns[1]}` column must hold "
+                             f"one number per row; it is typed {typed}")
+    return columns
+
+
+def _kind_columns(schema: tuple[tuple[str, str], ...], kind: str, *,
+                  where: Path) -> tuple[str, ...]:
     names = [n for n, _ in schema]
-    if spec.kind == "lm":
+    if kind == "lm":
         if "tokens" not in names:
             raise ShardError(f"{where}: a language-modelling split needs a `tokens` column, "
                              f"has {names}")
         return ("tokens",)
     inputs = next((c for c in INPUT_COLUMNS if c in names), None)
-    targets = next((c for c in TARGET_COLUMNS if c in names), None)
+    targets = next((c for c in TARGET_COLUMNS[kind] if c in names), None)
     if inputs is None or targets is None:
-        raise ShardError(f"{where}: a classification split needs `inputs` (or `features`) and "
-                         f"`targets` (or `label`) columns, has {names}")
+        raise ShardError(f"{where}: a {kind} split needs `inputs` (or `features`) and "
+                         f"`targets` (or `{TARGET_COLUMNS[kind][1]}`) columns, has {names}")
     return inputs, targets
 
 
@@ -298,20 +375,48 @@ def _fmt(schema: tuple[tuple[str, str], ...]) -> str:
 # Directories without a manifest
 
 
-def infer_manifest(split_dir: Path, *,
-                   read_labels: bool = True) -> tuple[Manifest, list[pq.FileMetaData]]:
+def infer_manifest(split_dir: Path) -> tuple[Manifest, list[pq.FileMetaData]]:
     """Describe a directory of part files with no manifest (e.g. Spark's output).
 
-    Parts in name order are the shards; rows come from the footers. `tokens` -> language
-    modelling with seq_len = list length - 1 (bytes: vocabulary 256); `inputs`/`features`
-    + `targets`/`label` -> classification, input shape from the list length (`image_shape`),
-    num_classes = max label + 1 (reads the label column only). No checksums to compare.
+    Parts in name order are the shards; rows come from the footers; the task kind and the
+    example shape as in `infer_task`. num_classes: 256 for text (bytes), 1 for regression,
+    max label + 1 for classification (reads the label column only). No checksums to compare.
 
     Args:
         split_dir: a directory of `part-*.parquet`.
-        read_labels: False skips reading the label column (num_classes is then 0): for
-            checks that need only the kind and shape.
     """
+    files, metadata, schema = _read_footers(split_dir)
+    kind, shape, columns = _infer_layout(split_dir, files, metadata, schema)
+    if kind == "lm":
+        task = TaskSpec("lm", shape, 256)
+    elif kind == "regression":
+        task = TaskSpec("regression", shape, 1)
+    else:
+        task = TaskSpec("classification", shape,
+                        _num_classes(split_dir, files, metadata, columns[1]))
+    task_columns(schema, task, where=split_dir)  # a regression target must be one number
+    shards = tuple(ShardInfo(f.name, md.num_rows, f.stat().st_size, None, row_groups(md))
+                   for f, md in zip(files, metadata))
+    return Manifest(task, schema, shards, split=None, source=str(split_dir), writer=""), metadata
+
+
+def infer_task(split_dir: Path) -> tuple[str, tuple[int, ...]]:
+    """The task kind and example shape of a directory without a manifest, from its footers
+    and the first row of one file (no labels read): for checks that need no more.
+
+    `tokens` -> "lm", seq_len = list length - 1; `label` -> "classification" and `target` ->
+    "regression" (the file-source columns, as a Spark job would write them; both is
+    refused); else `targets` (the writers' name) -> "regression" when it is floating point,
+    "classification" when not. The shape follows `example_shape`.
+    """
+    files, metadata, schema = _read_footers(split_dir)
+    kind, shape, _ = _infer_layout(split_dir, files, metadata, schema)
+    return kind, shape
+
+
+def _read_footers(split_dir: Path) -> tuple[list[Path], list[pq.FileMetaData],
+                                            tuple[tuple[str, str], ...]]:
+    """The part files, their footers and their one schema (a mix is refused)."""
     files = part_files(split_dir)
     if not files:
         raise ShardError(f"{split_dir}: no {MANIFEST} and no part-*.parquet files")
@@ -327,20 +432,31 @@ def infer_manifest(split_dir: Path, *,
                              f"{files[0].name}'s {_fmt(schema)}")
         schema = pairs
         metadata.append(md)
-    names = [n for n, _ in schema]
-    kind = "lm" if "tokens" in names else "classification"
-    columns = task_columns(schema, TaskSpec(kind, (0,), 0), where=split_dir)
+    return files, metadata, schema
+
+
+def _infer_layout(split_dir: Path, files: list[Path], metadata: list[pq.FileMetaData],
+                  schema: tuple[tuple[str, str], ...]
+                  ) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
+    """(task kind, example shape, the columns it reads) from the schema and the first row."""
+    types = dict(schema)
+    if "tokens" in types:
+        kind = "lm"
+    elif "label" in types and "target" in types:
+        raise ShardError(f"{split_dir}: has both a `label` column (classification) and a "
+                         f"`target` column (regression); write the rows with one of them")
+    elif "target" in types or ("label" not in types
+                               and types.get("targets") in ("halffloat", "float", "double")):
+        kind = "regression"
+    else:
+        kind = "classification"
+    columns = _kind_columns(schema, kind, where=split_dir)
     width = _first_row_width(files, metadata, columns[0])
     if kind == "lm":
         if width < 2:
             raise ShardError(f"{split_dir}: `tokens` rows of {width} tokens; need >= 2")
-        task = TaskSpec("lm", (width - 1,), 256)
-    else:
-        num_classes = _num_classes(split_dir, files, metadata, columns[1]) if read_labels else 0
-        task = TaskSpec("classification", image_shape(width), num_classes)
-    shards = tuple(ShardInfo(f.name, md.num_rows, f.stat().st_size, None, row_groups(md))
-                   for f, md in zip(files, metadata))
-    return Manifest(task, schema, shards, split=None, source=str(split_dir), writer=""), metadata
+        return kind, (width - 1,), columns
+    return kind, example_shape(width, kind=kind, from_list=True), columns
 
 
 def _num_classes(split_dir: Path, files: list[Path], metadata: list[pq.FileMetaData],

@@ -19,15 +19,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from scaletrain.data.holdout import EVAL_EVERY
-from scaletrain.data.manifest import (MANIFEST, Manifest, ShardError, find_split_dir,
-                                      infer_manifest, read_manifest)
-from scaletrain.data.sources import SPLITS, TaskSpec
+from scaletrain.data.manifest import (MANIFEST, ShardError, find_split_dir, infer_task,
+                                      read_manifest)
+from scaletrain.data.sources import SPLITS, TASK_KINDS
 
-# The task kind each built-in model trains on (as in models/__init__.py's registry; kept
-# here so data/ imports no model code), and the smallest image side the CNN accepts
-# (models/cnn.py MIN_SIDE). tests/test_data_preflight.py checks both stay in step.
-MODEL_KINDS = {"mlp": "classification", "cnn": "classification", "gpt": "lm"}
+# The task kinds each model name trains on: the built-ins as in models/__init__.py's
+# registry (kept here so data/ imports no model code), and "hf" (a Hugging Face causal LM);
+# a user's factory ("package.module:function") is not checked here. And the smallest image
+# side the CNN accepts (models/cnn.py MIN_SIDE). tests/test_data_preflight.py checks both
+# stay in step.
+MODEL_KINDS: dict[str, frozenset[str]] = {
+    "mlp": frozenset({"classification", "regression"}),
+    "cnn": frozenset({"classification"}),
+    "gpt": frozenset({"lm"}),
+    "hf": frozenset({"lm"}),
+}
 CNN_MIN_SIDE = 8
+_DATA_WORDS = {"classification": "classification data", "regression": "regression data",
+               "lm": "text"}
 
 
 class DataCheckError(ValueError):
@@ -44,8 +53,8 @@ def check_data(*, source: str, path: str, seq_len: int, model_name: str) -> str 
             directory, or a Parquet directory without a manifest (Spark's output).
         seq_len: `data.seq_len`; for text shards it must equal the seq_len they were
             written at.
-        model_name: `model.name`; its task kind must be the data's (unknown names are left
-            to the model registry).
+        model_name: `model.name`; the data's task kind must be one it trains on
+            (`MODEL_KINDS`; other names, such as an import path, are not checked here).
 
     Returns a note for the user when the data are usable but worth a word (a directory
     without a manifest, whose eval split is held out of its rows), else None.
@@ -71,10 +80,10 @@ def check_data(*, source: str, path: str, seq_len: int, model_name: str) -> str 
         raise DataCheckError(f"data.path = {path!r} has a train split ({dirs['train']}) but no "
                              f"eval split: expected {str(root / 'eval')!r} next to it, with "
                              f"{MANIFEST} or part-*.parquet files")
-    manifest = _describe(dirs["train"], path=path)
-    _check_model(manifest.task, model_name=model_name, path=path)
-    if manifest.task.kind == "lm" and manifest.task.input_shape[0] != seq_len:
-        written = manifest.task.input_shape[0]
+    kind, shape = _describe(dirs["train"], path=path)
+    _check_model(kind, shape, model_name=model_name, path=path)
+    if kind == "lm" and shape[0] != seq_len:
+        written = shape[0]
         raise DataCheckError(f"data.seq_len = {seq_len} differs from the seq_len the text "
                              f"shards at data.path = {path!r} were written at ({written}); "
                              f"set data.seq_len={written}, or write the shards again with "
@@ -86,28 +95,35 @@ def check_data(*, source: str, path: str, seq_len: int, model_name: str) -> str 
     return None
 
 
-def _describe(split_dir: Path, *, path: str) -> Manifest:
-    """The split's manifest, or one inferred from footers and one row (labels unread)."""
+def _describe(split_dir: Path, *, path: str) -> tuple[str, tuple[int, ...]]:
+    """The split's task kind and example shape: from its manifest, or inferred from footers
+    and one row (labels unread)."""
     try:
         if (split_dir / MANIFEST).exists():
-            return read_manifest(split_dir)
-        return infer_manifest(split_dir, read_labels=False)[0]
+            task = read_manifest(split_dir).task
+            return task.kind, task.input_shape
+        return infer_task(split_dir)
     except ShardError as e:
         raise DataCheckError(f"data.path = {path!r}: {e}") from None
 
 
-def _check_model(task: TaskSpec, *, model_name: str, path: str) -> None:
-    kind = MODEL_KINDS.get(model_name)
-    if kind is None:
-        return  # not a built-in model: the registry decides
-    words = "text (task kind 'lm')" if task.kind == "lm" else "classification data"
-    data = f"the shards at data.path = {path!r} hold {words} (examples of shape {task.input_shape})"
-    if kind != task.kind:
-        fitting = ", ".join(repr(m) for m, k in MODEL_KINDS.items() if k == task.kind)
-        needs = "text (task kind 'lm')" if kind == "lm" else "classification data"
+def _kinds_words(kinds: list[str]) -> str:
+    """"classification data or regression data (task kind 'classification' or 'regression')"."""
+    return (" or ".join(_DATA_WORDS[k] for k in kinds)
+            + f" (task kind {' or '.join(repr(k) for k in kinds)})")
+
+
+def _check_model(kind: str, shape: tuple[int, ...], *, model_name: str, path: str) -> None:
+    kinds = MODEL_KINDS.get(model_name)
+    if kinds is None:
+        return  # a user's model (an import path): its factory decides
+    data = (f"the shards at data.path = {path!r} hold {_DATA_WORDS[kind]} (task kind "
+            f"{kind!r}, examples of shape {shape})")
+    if kind not in kinds:
+        fitting = ", ".join(repr(m) for m, ks in MODEL_KINDS.items() if kind in ks)
+        needs = _kinds_words([k for k in TASK_KINDS if k in kinds])
         raise DataCheckError(f"model.name = {model_name!r} needs {needs}, but {data}; models "
-                             f"for this data: {fitting}")
-    shape = task.input_shape
+                             f"for this data: {fitting or 'none built in'}")
     if model_name == "cnn" and (len(shape) != 3 or min(shape[1:]) < CNN_MIN_SIDE):
         raise DataCheckError(f"model.name = 'cnn' needs images (C, H, W) of at least "
                              f"{CNN_MIN_SIDE}x{CNN_MIN_SIDE}, but {data}; use model.name='mlp' "

@@ -8,12 +8,14 @@ defined here.
 
 Sources: a built-in name (`load_source`; both splits exactly as in memory) or a JSONL /
 CSV / Parquet file or directory of them, read and checked cell by cell by
-`data/file_source.py` (what makes a text or classification set is described there). A
-file holds one dataset, so the writer splits it: 1 row in 20 (5%, at least one) goes to
-`eval` and the rest to `train`, each in file order, by the fixed, seeded rule of
+`data/file_source.py` (what makes a text, classification or regression set is described
+there). A file holds one dataset, so the writer splits it: 1 row in 20 (5%, at least one)
+goes to `eval` and the rest to `train`, each in file order, by the fixed, seeded rule of
 `data/holdout.py` (seed `HOLDOUT_SEED` = 0; blocks of 20 rows, one hashed position each),
-so a file sorted by label still gets every class into both splits. A split that lacks a
-class the other has (a rare class, fewer than 20 rows of it) is reported in a warning.
+so a file sorted by label (or by target) still gets every class (every range of targets)
+into both splits. A split that lacks a class the other has (a rare class, fewer than 20
+rows of it) is reported in a warning. Regression targets are written as float32, the dtype
+the model's outputs and the loss use.
 
 Text is packed at shard time: the documents of a split (whole documents go to one split)
 as UTF-8 bytes joined by a blank line (b"\\n\\n"), cut into consecutive windows of
@@ -35,10 +37,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from scaletrain.data.file_source import LABEL, feature_columns, read_files
+from scaletrain.data.file_source import TASK_COLUMNS, feature_columns, read_files, task_kind
 from scaletrain.data.holdout import EVAL_EVERY, eval_mask, missing_classes
-from scaletrain.data.manifest import (MANIFEST, Manifest, image_shape, part_files,
-                                      write_manifest)
+from scaletrain.data.manifest import (MANIFEST, Manifest, describe_targets, example_shape,
+                                      part_files, write_manifest)
 from scaletrain.data.shards import list_rows
 from scaletrain.data.sources import SOURCE_NAMES, SPLITS, ArrayDataset, TaskSpec, load_source
 
@@ -60,6 +62,12 @@ def classification_table(inputs: np.ndarray, targets: np.ndarray) -> pa.Table:
     """(N, D) float32 examples and (N,) labels -> the classification shard schema."""
     return pa.table({"inputs": fixed_lists(inputs.astype(np.float32, copy=False)),
                      "targets": pa.array(targets.astype(np.int64, copy=False))})
+
+
+def regression_table(inputs: np.ndarray, targets: np.ndarray) -> pa.Table:
+    """(N, D) float32 examples and (N,) numeric targets -> the regression shard schema."""
+    return pa.table({"inputs": fixed_lists(inputs.astype(np.float32, copy=False)),
+                     "targets": pa.array(targets.astype(np.float32, copy=False))})
 
 
 def lm_table(windows: np.ndarray) -> pa.Table:
@@ -97,13 +105,14 @@ def pack_bytes(data: bytes, *, seq_len: int) -> np.ndarray:
 
 def file_tables(path: Path, *, seq_len: int) -> tuple[dict[str, tuple[pa.Table, TaskSpec]],
                                                   str | None, tuple[str, ...]]:
-    """A file source as ({split: (shard table, task)}, label column, feature columns).
+    """A file source as ({split: (shard table, task)}, label or target column, feature columns).
 
     The rules are in `data/file_source.py` (columns, checks) and `data/holdout.py` (split).
     """
     table, fmt = read_files(path)
     is_eval = eval_mask(table.num_rows)  # (N,) bool: 1 row in 20, at hashed positions
-    if "text" in table.schema.names:
+    kind = task_kind(table.schema.names, where=path)  # each file's was checked: the same
+    if kind == "lm":
         texts = np.array([t if t is not None else "" for t in table.column("text").to_pylist()],
                          dtype=object)
         spec = TaskSpec("lm", (seq_len,), 256)
@@ -111,18 +120,22 @@ def file_tables(path: Path, *, seq_len: int) -> tuple[dict[str, tuple[pa.Table, 
                                              seq_len=seq_len)), spec)
                  for split, part in (("train", texts[~is_eval]), ("eval", texts[is_eval]))},
                 None, ("text",))
-    targets = table.column(LABEL).to_numpy().astype(np.int64)  # checked: integers >= 0
     columns = feature_columns(table.schema.names, fmt)
     if columns == ["features"]:
         inputs = list_rows(table.column("features").combine_chunks(), what=f"{path}: features")
-        shape = image_shape(inputs.shape[1])
     else:
         inputs = np.column_stack([table.column(c).to_numpy().astype(np.float32) for c in columns])
-        shape = (len(columns),)
-    spec = TaskSpec("classification", shape, int(targets.max()) + 1)
-    return ({"train": (classification_table(inputs[~is_eval], targets[~is_eval]), spec),
-             "eval": (classification_table(inputs[is_eval], targets[is_eval]), spec)},
-            LABEL, tuple(columns))
+    shape = example_shape(inputs.shape[1], kind=kind, from_list=columns == ["features"])
+    column = TASK_COLUMNS[kind]
+    if kind == "classification":
+        targets = table.column(column).to_numpy().astype(np.int64)  # checked: integers >= 0
+        spec, make = TaskSpec(kind, shape, int(targets.max()) + 1), classification_table
+    else:  # checked: finite numbers; float32 for the model, one target per row
+        targets = table.column(column).to_numpy().astype(np.float32)  # (N,)
+        spec, make = TaskSpec(kind, shape, 1), regression_table
+    return ({"train": (make(inputs[~is_eval], targets[~is_eval]), spec),
+             "eval": (make(inputs[is_eval], targets[is_eval]), spec)},
+            column, tuple(columns))
 
 
 def warn_if_classes_missing(manifests: dict[str, Manifest], *, source: str) -> None:
@@ -151,7 +164,8 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
 
     Args:
         source: a built-in name (SOURCE_NAMES except the padded `wikitext-paragraphs`) or a
-            JSONL / CSV / Parquet file or directory (1 row in 20 -> eval, `data/holdout.py`).
+            JSONL / CSV / Parquet file or directory (1 row in 20 -> eval, `data/holdout.py`)
+            with a `text`, `label` or `target` column (`data/file_source.py`).
         out_dir: gets `train/` and `eval/`, each `part-NNNNN.parquet` + `manifest.json`.
         rows_per_shard: rows per file (the last file of a split may hold fewer).
         seq_len: tokens per example for text (rows hold seq_len + 1).
@@ -182,19 +196,23 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
         written = []  # hidden temp names until all are done: a crash leaves no part-*.parquet
         for k, start in enumerate(range(0, table.num_rows, rows_per_shard)):
             tmp = split_dir / f".part-{k:05d}.parquet.tmp"
-            # Dictionary encoding for labels only: MNIST pixels decoded ~1.8x slower with it.
+            # Dictionary encoding for class labels only: MNIST pixels decoded ~1.8x slower with
+            # it, and regression targets are mostly distinct values.
             pq.write_table(table.slice(start, rows_per_shard), tmp, row_group_size=row_group_rows,
-                           compression=compression, use_dictionary=["targets"])
+                           compression=compression,
+                           use_dictionary=["targets"] if task.kind == "classification" else False)
             written.append(tmp)
         for tmp in written:
             os.replace(tmp, split_dir / tmp.name[1:-4])
         counts = (tuple(np.bincount(table.column("targets").to_numpy(),
                                     minlength=task.num_classes).tolist())
                   if task.kind == "classification" else None)
+        stats = describe_targets([table.column("targets")]) if task.kind == "regression" else None
         manifests[split] = write_manifest(split_dir, task=task, split=split, source=name,
                                           writer=f"scaletrain {__version__} (pyarrow "
                                                  f"{pa.__version__})", label_column=label_column,
-                                          feature_columns=features, label_counts=counts)
+                                          feature_columns=features, label_counts=counts,
+                                          target_stats=stats)
     warn_if_classes_missing(manifests, source=name)
     return manifests["train"]
 

@@ -9,7 +9,8 @@ ShardError` keeps working.
 A global row id is the offset of its shard in manifest order plus its row in the shard; the
 sampler's `epoch_order` works on these ids from the row counts alone, so a rank knows which
 row groups it needs before reading any. Language-modelling rows hold seq_len + 1 tokens:
-inputs = the first seq_len, targets = the last seq_len.
+inputs = the first seq_len, targets = the last seq_len. Classification and regression rows
+hold an example and its target: an int64 class id, or one float32 value (regression).
 
 Reading (`ShardedDataset`) has the same interface as `ArrayDataset` (`spec`, `len`,
 `get(indices) -> Batch`). `get` decodes only the row groups holding the requested rows
@@ -49,7 +50,7 @@ from scaletrain.data.manifest import (MANIFEST, ShardError, find_split_dir, infe
 from scaletrain.data.manifest import (  # only re-exported, for `from ...shards import`
     FORMAT, Manifest, ShardInfo, describe_shard, image_shape, schema_pairs, sha256_file,
     write_manifest)
-from scaletrain.data.sources import IGNORE_INDEX, Batch, TaskSpec
+from scaletrain.data.sources import Batch, TaskSpec, target_count
 
 __all__ = ["FORMAT", "MANIFEST", "Manifest", "ReadStats", "ShardError", "ShardInfo",
            "ShardedDataset", "decode", "describe_shard", "image_shape", "infer_manifest",
@@ -216,11 +217,12 @@ class ShardedDataset:
                     out.index_copy_(0, pos, t.index_select(0, sel))
         if self.spec.kind == "lm":
             (tokens,) = rows  # (B, T + 1)
-            inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-            count = int((targets != IGNORE_INDEX).sum())
-            return Batch(inputs=inputs, targets=targets, count=count, tokens=inputs.numel())
-        inputs, targets = rows
-        return Batch(inputs=inputs, targets=targets, count=len(local), tokens=0)
+            inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T)
+        else:
+            inputs, targets = rows  # (B, *input_shape) float32; (B,) int64 or float32
+        # The loss normaliser, as `ArrayDataset` counts it: examples, target tokens or values.
+        return Batch(inputs=inputs, targets=targets, count=target_count(self.spec.kind, targets),
+                     tokens=inputs.numel() if self.spec.kind == "lm" else 0)
 
     def _warn_if_thrashing(self) -> None:
         """Say once when row groups are decoded for a small fraction of their rows each.
@@ -314,7 +316,8 @@ class ShardedDataset:
 
 def decode(table: pa.Table, columns: tuple[str, ...], spec: TaskSpec, *,
            where: str) -> tuple[torch.Tensor, ...]:
-    """A row group's columns -> (tokens (n, T + 1),) or (inputs (n, *shape), targets (n,))."""
+    """A row group's columns -> (tokens (n, T + 1),) or (inputs (n, *shape), targets (n,)):
+    int64 class ids in [0, num_classes), or finite float32 regression targets."""
     if spec.kind == "lm":
         width = spec.input_shape[0] + 1
         tokens = list_rows(table.column(columns[0]).combine_chunks(), what=where, width=width)
@@ -326,9 +329,16 @@ def decode(table: pa.Table, columns: tuple[str, ...], spec: TaskSpec, *,
     inputs = torch.from_numpy(np.array(values, dtype=np.float32))  # copy: owned, writable
     labels = table.column(columns[1])
     if labels.null_count:
-        raise ShardError(f"{where}: null labels")
-    targets = torch.from_numpy(labels.to_numpy().astype(np.int64))  # (n,)
-    _check_range(targets, spec.num_classes, what=f"{where}: label")
+        raise ShardError(f"{where}: null {'targets' if spec.kind == 'regression' else 'labels'}")
+    if spec.kind == "regression":
+        targets = torch.from_numpy(labels.to_numpy().astype(np.float32))  # (n,), a copy we own
+        if not torch.isfinite(targets).all():  # one NaN would make every later loss NaN
+            bad = int((~torch.isfinite(targets)).nonzero()[0, 0])
+            raise ShardError(f"{where}: target {float(targets[bad])} (row {bad} of the row "
+                             f"group) is not finite")
+    else:
+        targets = torch.from_numpy(labels.to_numpy().astype(np.int64))  # (n,)
+        _check_range(targets, spec.num_classes, what=f"{where}: label")
     return inputs.view(len(targets), *spec.input_shape), targets
 
 

@@ -42,7 +42,7 @@ import os
 import re
 import struct
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import Literal
 
@@ -71,14 +71,41 @@ WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz
 WIKI_MD5 = "55899abfb7caa0e50d2665787fa4afca"  # the file in gensim 4.4.0's test data
 
 
+TASK_KINDS = ("classification", "lm", "regression")
+
+
 @dataclass(frozen=True)
 class TaskSpec:
-    """What a dataset asks of a model."""
+    """What a dataset asks of a model.
 
-    kind: Literal["classification", "lm"]
+    classification: targets (B,) int64 class ids; the model outputs (B, num_classes) logits.
+    lm: targets (B, T) int64 next tokens, already shifted (-100 = no loss); the model
+        outputs (B, T, V >= num_classes) logits.
+    regression: targets (B,) or (B, num_classes) float; the model outputs one value per
+        target (num_classes = outputs per example).
+    """
+
+    kind: Literal["classification", "lm", "regression"]
     input_shape: tuple[int, ...]  # per example: (1, 28, 28) MNIST, (1, 8, 8) digits, (T,) text
-    num_classes: int  # classes, or vocabulary size (256 bytes) for "lm"
+    num_classes: int  # classes; vocabulary size (256 bytes) for "lm"; outputs for "regression"
     ragged: bool = False  # target counts differ between examples (padding): count per step
+
+    def __post_init__(self) -> None:
+        if self.kind not in TASK_KINDS:
+            raise ValueError(f"task kind {self.kind!r} is not one of {', '.join(TASK_KINDS)}")
+        if self.num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+        object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
+
+
+def target_count(kind: str, targets: torch.Tensor) -> int:
+    """The loss normaliser of a batch's targets: examples (classification), target tokens
+    that are not -100 (lm), or target values (regression: the MSE is over every value)."""
+    if kind == "lm":
+        return int((targets != IGNORE_INDEX).sum())
+    if kind == "regression":
+        return targets.numel()
+    return targets.shape[0]
 
 
 @dataclass
@@ -87,16 +114,20 @@ class Batch:
 
     inputs: torch.Tensor  # (B, *input_shape) float32 images; (B, T) int64 text
     targets: torch.Tensor  # (B,) int64 labels; (B, T) int64 next bytes, -100 = ignored
-    count: int  # examples (classification) or target tokens != -100 (lm): the loss normaliser
+    count: int  # the loss normaliser (`target_count`): examples, target tokens or values
     tokens: int  # input tokens processed (B*T for text, 0 for images), for throughput
+    # More model inputs from a user dataset's dict items (e.g. attention_mask), passed to the
+    # model's forward as keyword arguments.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
-        """Return the batch with both tensors on `device`; the counts are plain ints."""
+        """Return the batch with its tensors on `device`; the counts are plain ints."""
         return Batch(
             inputs=self.inputs.to(device, non_blocking=non_blocking),
             targets=self.targets.to(device, non_blocking=non_blocking),
             count=self.count,
             tokens=self.tokens,
+            extras={k: v.to(device, non_blocking=non_blocking) for k, v in self.extras.items()},
         )
 
 
@@ -139,10 +170,9 @@ class ArrayDataset:
         """
         inputs = self.inputs.index_select(0, indices)  # (B, *input_shape)
         targets = self.targets.index_select(0, indices)  # (B,) or (B, T)
-        if self.spec.kind == "lm":
-            count = int((targets != IGNORE_INDEX).sum())
-            return Batch(inputs=inputs, targets=targets, count=count, tokens=inputs.numel())
-        return Batch(inputs=inputs, targets=targets, count=len(indices), tokens=0)
+        tokens = inputs.numel() if self.spec.kind == "lm" else 0
+        return Batch(inputs=inputs, targets=targets, count=target_count(self.spec.kind, targets),
+                     tokens=tokens)
 
 
 def load_source(

@@ -1,11 +1,11 @@
 """Write shards with Apache Spark: the job of `shard_writer.write_shards` as a Spark program.
 
-Same sources, same checks (every cell of a file source, `data/file_source.py`, refused by
-file, row and column), same split rule (`data/holdout.py`: 1 row in 20 held out at hashed
-positions, the hash computed in Spark SQL from the same definition), same rows and the same
-`manifest.json` as the pyarrow writer, so `ShardedDataset` reads either; part files keep
-Spark's names (`part-00000-<uuid>-c000.snappy.parquet`) and Spark's schema
-(`list<element: float>`).
+Same sources, same checks (`data/file_source.py`: the column that names the task, `text`,
+`label` or `target`, and every cell of a file source, refused by file, row and column),
+same split rule (`data/holdout.py`: 1 row in 20 held out at hashed positions, the hash
+computed in Spark SQL from the same definition), same rows and the same `manifest.json` as
+the pyarrow writer, so `ShardedDataset` reads either; part files keep Spark's names
+(`part-00000-<uuid>-c000.snappy.parquet`) and Spark's schema (`list<element: float>`).
 Runs in local mode here (`spark_session`); the same code runs on a cluster session.
 
 How the job keeps the order. Rows are numbered in source order (files in name order, then
@@ -42,10 +42,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from scaletrain.data.file_source import (LABEL, SourceError, cell_error, feature_columns,
-                                         no_task_error, source_files)
+from scaletrain.data.file_source import (LABEL, TARGET, TASK_COLUMNS, SourceError, cell_error,
+                                         feature_columns, source_files, task_kind)
 from scaletrain.data.holdout import block_hash, block_size, eval_count
-from scaletrain.data.manifest import Manifest, image_shape, write_manifest
+from scaletrain.data.manifest import Manifest, example_shape, write_manifest
 from scaletrain.data.shard_writer import TEXT_SEPARATOR, builtin_table, warn_if_classes_missing
 from scaletrain.data.sources import SOURCE_NAMES, SPLITS, TaskSpec
 
@@ -153,28 +153,30 @@ def _builtin_frames(spark: SparkSession, name: str, tmp: Path, *, seq_len: int,
 
 def _file_frames(spark: SparkSession, path: Path, *,
                  seq_len: int) -> tuple[dict, tuple[str | None, tuple[str, ...]]]:
-    """({split: (DataFrame with row_id from 0, rows, task)}, (label column, feature columns))."""
+    """({split: (DataFrame with row_id from 0, rows, task)}, (label or target column, feature
+    columns))."""
     from pyspark.sql import functions as F
 
     files, fmt = source_files(path)
     reader = spark.read.format(_READERS[fmt])
     if fmt == "csv":
         reader = reader.option("header", True).option("inferSchema", True)
-    df = (reader.load([str(f) for f in files])
-          .withColumn("_file", F.input_file_name())  # file order first, then position in it
+    df = reader.load([str(f) for f in files])
+    kind = task_kind(df.columns, where=path)  # before any job runs on the rows
+    df = (df.withColumn("_file", F.input_file_name())  # file order first, then position in it
           .withColumn("_mono", F.monotonically_increasing_id()))
-    if "text" in df.columns:
+    if kind == "lm":
         return _text_frames(df, seq_len=seq_len), (None, ("text",))
     df, totals = _running_sum(df, ["_file", "_mono"], {"row_id": F.lit(1)})
     n = totals["row_id"]
-    task, inputs, features = _classification(df, fmt=fmt, where=path)
+    task, inputs, targets, features = _examples(df, kind=kind, fmt=fmt, where=path)
     is_eval, local = _holdout_columns(n)
     df = df.withColumn("_eval", is_eval).withColumn("row_id", local)
     frames = {split: (df.where(F.col("_eval") == (split == "eval"))
-                      .select("row_id", inputs.alias("inputs"),
-                              F.col(LABEL).cast("long").alias("targets")), rows, task)
+                      .select("row_id", inputs.alias("inputs"), targets.alias("targets")),
+                      rows, task)
               for split, rows in (("train", n - eval_count(n)), ("eval", eval_count(n)))}
-    return frames, (LABEL, features)
+    return frames, (TASK_COLUMNS[kind], features)
 
 
 def _holdout_columns(n: int) -> tuple[Column, Column]:
@@ -191,22 +193,16 @@ def _holdout_columns(n: int) -> tuple[Column, Column]:
     return is_eval, local
 
 
-def _classification(df: DataFrame, *, fmt: str,
-                    where: Path) -> tuple[TaskSpec, Column, tuple[str, ...]]:
-    """Check every cell in one Spark job; return the task, the inputs column, its sources."""
+def _examples(df: DataFrame, *, kind: str, fmt: str,
+              where: Path) -> tuple[TaskSpec, Column, Column, tuple[str, ...]]:
+    """Check every cell in one Spark job; return the task, the inputs and targets columns,
+    and the source columns of the inputs. `kind` is "classification" or "regression"."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
     fields = {f.name: f.dataType for f in df.schema.fields}
-    if LABEL not in fields:
-        raise no_task_error(where, list(fields))
-    label = fields[LABEL]
-    if isinstance(label, T.IntegralType):
-        bad = {LABEL: F.col(LABEL).isNull() | (F.col(LABEL) < 0)}
-    else:  # text (a CSV column with a bad cell) may still hold digits; decimals never pass
-        digits = F.col(LABEL).rlike(r"^\s*[0-9]+\s*$")
-        bad = {LABEL: F.lit(True) if not isinstance(label, T.StringType)
-               else F.col(LABEL).isNull() | ~digits}
+    column = TASK_COLUMNS[kind]
+    bad = {column: _bad_targets(kind, fields[column])}
     try:  # the pyarrow writer's rule, on the source's columns
         names = tuple(feature_columns([c for c in fields if c not in ("_file", "_mono", "row_id")],
                                       fmt))
@@ -226,20 +222,46 @@ def _classification(df: DataFrame, *, fmt: str,
         width_of = F.lit(len(names))
     # try_cast and the raw width: with ANSI SQL a cast of a bad cell would fail this job
     # before the bad cell could be named.
-    s = df.agg(F.expr(f"max(try_cast(`{LABEL}` as bigint))"), F.min(width_of), F.max(width_of),
+    high = F.expr(f"max(try_cast(`{LABEL}` as bigint))") if kind == "classification" else F.lit(0)
+    s = df.agg(high, F.min(width_of), F.max(width_of),
                *[F.count_if(cond) for cond in bad.values()]).first()
     high, width, widest, *bad_counts = s
-    for (column, cond), count in zip(bad.items(), bad_counts):
+    for (name, cond), count in zip(bad.items(), bad_counts):
         if count:
-            raise _first_bad_cell(df, cond, column=column, fmt=fmt)
+            raise _first_bad_cell(df, cond, column=name, fmt=fmt, task_column=column)
     if width != widest:
         raise SourceError(f"{where}: `features` rows must all hold the same number of values "
                           f"(widths {width}..{widest})")
-    shape = image_shape(width) if names == ("features",) else (width,)
-    return TaskSpec("classification", shape, int(high) + 1), inputs, names
+    shape = example_shape(width, kind=kind, from_list=names == ("features",))
+    if kind == "classification":
+        return TaskSpec(kind, shape, int(high) + 1), inputs, F.col(LABEL).cast("long"), names
+    return TaskSpec(kind, shape, 1), inputs, F.col(TARGET).cast("float"), names
 
 
-def _first_bad_cell(df: DataFrame, cond: Column, *, column: str, fmt: str) -> SourceError:
+def _bad_targets(kind: str, dtype: object) -> Column:
+    """The condition under which a row's `label` (an integer >= 0) or `target` (a finite
+    number) cell is bad, for the column's Spark type."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    if kind == "classification":
+        if isinstance(dtype, T.IntegralType):
+            return F.col(LABEL).isNull() | (F.col(LABEL) < 0)
+        if not isinstance(dtype, T.StringType):  # decimals never pass
+            return F.lit(True)
+        # text (a CSV column with a bad cell) may still hold digits
+        return F.col(LABEL).isNull() | ~F.col(LABEL).rlike(r"^\s*[0-9]+\s*$")
+    if isinstance(dtype, T.NumericType):
+        value = F.col(TARGET).cast("double")
+    elif isinstance(dtype, T.StringType):  # a CSV column with a bad cell: the others may parse
+        value = F.expr(f"try_cast(`{TARGET}` as double)")
+    else:  # booleans, arrays, ...
+        return F.lit(True)
+    return value.isNull() | F.isnan(value) | (F.abs(value) == F.lit(float("inf")))
+
+
+def _first_bad_cell(df: DataFrame, cond: Column, *, column: str, fmt: str,
+                    task_column: str) -> SourceError:
     """The error naming the first row (in source order) where `cond` holds: file, row, column."""
     from urllib.parse import unquote, urlparse
 
@@ -248,7 +270,8 @@ def _first_bad_cell(df: DataFrame, cond: Column, *, column: str, fmt: str) -> So
     row = (df.where(cond).orderBy("row_id")
            .select("_file", "row_id", F.col(f"`{column}`").cast("string")).first())
     start = df.where(F.col("_file") == row[0]).agg(F.min("row_id")).first()[0]
-    return cell_error(Path(unquote(urlparse(row[0]).path)), fmt, row[1] - start, column, row[2])
+    return cell_error(Path(unquote(urlparse(row[0]).path)), fmt, row[1] - start, column, row[2],
+                      task_column=task_column)
 
 
 def _running_sum(df: DataFrame, order: list[str],

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.protocol import ModelSpec, PipelineSplit
+
 
 @dataclass(frozen=True)
 class GPTShape:
@@ -106,6 +108,18 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """Decoder-only transformer from token ids (B, T) to next-token logits (B, T, V)."""
+
+    # What FSDP, tensor and pipeline parallelism need (models/protocol.py): the blocks, the
+    # Megatron split of each block (q, k, v and mlp.fc by columns, the two projections back
+    # into the residual stream by rows), and the ends a pipeline's first and last stage keep.
+    scaletrain_spec = ModelSpec(
+        blocks="blocks",
+        tp_plan={"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+                 "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
+                 "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"},
+        pipeline=PipelineSplit(first=("tok_emb", "pos_emb"), blocks="blocks",
+                               last=("ln_f", "lm_head")),
+    )
 
     def __init__(
         self, *, vocab_size: int, block_size: int, shape: GPTShape, dropout: float = 0.0

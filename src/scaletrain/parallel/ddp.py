@@ -3,7 +3,7 @@
 DDP broadcasts rank 0's parameters at wrap time, then overlaps the gradient all-reduce of
 each bucket with the rest of the backward pass. Gradients arrive averaged over ranks; the
 train step scales each rank's loss so that the average is the gradient of the global-batch
-mean (see train/step.py).
+mean (see training/step.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """One optimizer step, readable top to bottom.
 
-    count -> for each micro-batch: forward (precision context) -> scaled backward (sync only
-    on the last) -> unscale -> global-norm clip -> optimizer step (or skip) -> LR step -> zero grad
+    count -> for each micro-batch: forward (precision context) -> summed loss -> scaled
+    backward (sync only on the last) -> unscale -> global-norm clip -> optimizer step (or
+    skip) -> LR step -> zero grad
 
 Normalisation (the subtle part): the gradient must be that of the mean loss over the whole
 global batch, k micro-batches on each of n ranks, whatever k and n are. So every
-micro-batch's *summed* loss is divided by the global count of examples (or target tokens)
-in the step, known before the first forward; DDP then averages over the n ranks, which we
-undo by multiplying by n. With ragged counts (masked tokens differ between micro-batches
+micro-batch's *summed* loss (a loss returns (sum, count): training/loss.py) is divided by the
+global count of examples, target tokens or target values in the step, known from the data
+before the first forward; DDP then averages over the n ranks, which we undo by
+multiplying by n. With ragged counts (masked tokens differ between micro-batches
 and ranks) the global count is all-reduced once per step; with fixed counts it is just
 local count x n and no collective runs.
 """
@@ -16,28 +18,21 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from scaletrain.data.sources import Batch
 from scaletrain.parallel.compose import gradient_sync
 from scaletrain.precision import Precision
 from scaletrain.runtime import all_reduce_sum
+from scaletrain.training.loss import LossFn, cross_entropy
 
-IGNORE_INDEX = -100
 
-
-def summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed (not averaged) over examples or target tokens, in fp32 or wider.
-
-    logits (B, C) with targets (B,), or (B, T, V) with targets (B, T); -100 is ignored.
-    Half-precision logits are upcast to fp32; fp64 logits (precision fp64) stay fp64.
-    """
-    if logits.dtype != torch.float64:
-        logits = logits.float()
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+def forward(model: torch.nn.Module, batch: Batch, precision: Precision) -> Any:
+    """The model on one batch: inputs in the compute dtype, a user dataset's extra tensors
+    (e.g. attention_mask) as keyword arguments. Call it inside precision.forward_context()."""
+    return model(precision.convert_input(batch.inputs), **batch.extras)
 
 
 @dataclass
@@ -53,7 +48,7 @@ class StepResult:
 def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
                optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                precision: Precision, grad_clip: float, dp_size: int,
-               ragged_counts: bool) -> StepResult:
+               ragged_counts: bool, loss_fn: LossFn = cross_entropy) -> StepResult:
     """Run one optimizer step over this rank's micro-batches.
 
     Args:
@@ -65,6 +60,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
         grad_clip: max global gradient norm; 0 disables clipping.
         dp_size: data-parallel ranks whose gradients DDP averages.
         ragged_counts: counts may differ between ranks (masked tokens): all-reduce them.
+        loss_fn: (model output, batch) -> (summed loss, count); cross-entropy by default.
     """
     # The normaliser of the whole step, across micro-batches and ranks, before any forward.
     local_count = sum(mb.count for mb in micro_batches)
@@ -83,8 +79,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
         # All-reduce gradients only on the last micro-batch; earlier ones accumulate locally.
         with gradient_sync(model, enabled=is_last):
             with precision.forward_context():
-                logits = model(precision.convert_input(mb.inputs))
-                loss = summed_loss(logits, mb.targets)
+                loss, _ = loss_fn(forward(model, mb, precision), mb)  # a sum, not a mean
             precision.backward(loss * loss_weight)
         loss_sum += loss.detach().double()
 

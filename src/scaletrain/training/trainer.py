@@ -3,8 +3,9 @@
 This is the only place below the CLI that reads the config; every technique underneath
 receives explicit arguments. Flow per run:
 
-    resolve config -> threads, process group, seeds -> data (train/eval) -> model ->
-    precision cast -> parallelize (DDP) -> optimizer, schedule -> loop:
+    resolve config -> threads, process group, seeds -> data (train/eval), model, loss
+    (built-in or the user's: training/assemble.py) -> precision cast -> parallelize (DDP) ->
+    optimizer, schedule -> [a user loss: checked to return (sum, count)] -> loop:
         sampler gives this rank's micro-batches -> train_step -> bad-step check ->
         metrics every log.every (one all-reduce) -> eval every train.eval_every
     -> final eval -> model.safetensors, summary.json (rank 0)
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save_model
 
 from scaletrain.allocator import configure_allocator
 from scaletrain.launch import under_elastic_agent
@@ -29,11 +30,10 @@ from scaletrain.checkpoint_files import latest_valid
 from scaletrain.checkpoint import load as load_checkpoint
 from scaletrain.config import Config, Derived, config_to_toml, resolve
 from scaletrain.data.sampler import GlobalBatchSampler, eval_indices
-from scaletrain.data.loader import Dataset, load_dataset
+from scaletrain.data.loader import Dataset
 from scaletrain.data.sources import Batch
 from scaletrain.memory import WindowPeak, lifetime_peak_bytes
 from scaletrain.metrics import MetricsLogger
-from scaletrain.models import build_model
 from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
 from scaletrain.parallel.compose import parallelize, unwrap
 from scaletrain.precision import Precision, make_precision
@@ -41,9 +41,15 @@ from scaletrain.rundir import default_run_dir, write_config
 from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, collective_guard,
                                 honour_umask, init_distributed, read_env, seed_everything,
                                 set_threads)
-from scaletrain.train import signals
-from scaletrain.train.optim import build_optimizer, build_scheduler
-from scaletrain.train.step import StepResult, summed_loss, train_step
+from scaletrain.training import signals
+from scaletrain.training.optim import build_optimizer, build_scheduler
+from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, build_data,
+                                         build_loss, build_net, check_fit, check_loss,
+                                         is_user_loss)
+from scaletrain.training.loss import LossFn, mse
+from scaletrain.models.protocol import output_logits
+from scaletrain.training.step import StepResult, forward, train_step
+from scaletrain.user_code import UserCodeError
 
 
 class TrainingDiverged(RuntimeError):
@@ -71,9 +77,10 @@ class Parts:
     device: torch.device
     comm: "CommCounter"
     checkpointer: Checkpointer
+    loss_fn: LossFn  # (model output, batch) -> (summed loss, count)
 
 
-def train(config: Config, *, run_dir: Path | None) -> dict | None:
+def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> dict | None:
     """Train as this process's rank; return the summary on rank 0 (None elsewhere).
 
     Resumes from the newest valid checkpoint in RUN_DIR/checkpoints when there is one (an
@@ -82,6 +89,7 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
     Args:
         config: the validated config.
         run_dir: the run directory; None picks runs/<name>-<time> on rank 0 (plain torchrun).
+        code: the model factory, data function or loss given as callables (Python API).
     """
     penv = read_env()
     derived = resolve(config, world_size=penv.world_size, nproc_per_node=penv.local_world_size)
@@ -94,7 +102,9 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
     if penv.is_main and resume_from is None:
         write_config(run_dir, config)
     seed_everything(config.train.seed)
-    parts = build(config, derived, penv, device=device, run_dir=run_dir)
+    parts = build(config, derived, penv, device=device, run_dir=run_dir, code=code)
+    if brings_own_code(config, code):
+        _check_user_code(parts, config, code=code)
     if resume_from is not None:
         load_checkpoint(Path(resume_from), parts.state)
         if keyed_by_bucket(parts.comm.hook_state):
@@ -111,26 +121,23 @@ def train(config: Config, *, run_dir: Path | None) -> dict | None:
     if heap != "system":
         logger.message(f"scaletrain: CPU heap policy: {heap} (train.allocator)")
     try:
-        return _loop(config, derived, penv, parts, logger=logger, run_dir=run_dir)
+        summary = _loop(config, derived, penv, parts, logger=logger, run_dir=run_dir)
+        return None if summary is None else {**summary, "run_dir": str(run_dir)}
     finally:
         parts.checkpointer.close()
         logger.close()
 
 
 def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.device,
-          run_dir: Path) -> Parts:
-    """Data, model, precision, parallelism, optimizer, schedule, sampler: in that order."""
+          run_dir: Path, code: UserCode = NO_CODE) -> Parts:
+    """Data, model, loss, precision, parallelism, optimizer, schedule, sampler: in that order."""
     d = config.data
-    train_ds, eval_ds = (load_dataset(d.source, split=split, path=d.path, seq_len=d.seq_len,
-                                      synthetic_examples=d.synthetic_examples,
-                                      seed=config.train.seed,
-                                      shuffle_window=d.shuffle_window if split == "train" else None)
-                         for split in ("train", "eval"))
+    train_ds, eval_ds = (build_data(config, split=split, code=code) for split in ("train", "eval"))
     precision = make_precision(config.precision.mode, device_type=device.type,
                                init_scale=config.precision.init_scale,
                                growth_interval=config.precision.growth_interval)
-    model = build_model(config.model.name, size=config.model.size, task=train_ds.spec,
-                        dropout=config.model.dropout)
+    model = build_net(config, train_ds, code=code)
+    loss_fn = build_loss(config, train_ds, code=code)
     model = precision.convert_module(model)
     pc = config.parallel
     model, hook_state = parallelize(model, layout=derived.layout, device=device,
@@ -159,7 +166,32 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
                        tokens_per_example=train_ds.spec.input_shape[0]
                        if train_ds.spec.kind == "lm" else 0)
     return Parts(state=state, sampler=sampler, train_ds=train_ds, eval_ds=eval_ds,
-                 device=device, comm=comm, checkpointer=checkpointer)
+                 device=device, comm=comm, checkpointer=checkpointer, loss_fn=loss_fn)
+
+
+def _check_user_code(parts: Parts, config: Config, *, code: UserCode) -> None:
+    """Before the first step, every rank runs the user's model and loss on its first
+    micro-batch (`check_fit`), and checks a user's loss sums (training/loss.py,
+    `check_summed`): the launcher checked two examples, this checks what each rank will
+    train on, and in one process it is the only check. The ranks agree on the outcome, so
+    none is left waiting in a collective while another reports the mistake."""
+    state = parts.state
+    batch = parts.train_ds.get(parts.sampler.micro_batches(state.step)[0]).to(parts.device)
+    net, problem = unwrap(state.model), None
+    try:
+        check_fit(net, batch, loss_fn=parts.loss_fn, precision=state.precision, config=config)
+        if is_user_loss(config, code):
+            check_loss(parts.loss_fn, net, batch, config=config, precision=state.precision,
+                       task_kind=parts.train_ds.spec.kind)
+    except UserCodeError as e:
+        problem = e
+    refused = all_reduce_sum(torch.tensor([float(problem is not None)], dtype=torch.float64))
+    if problem is not None:
+        raise problem
+    if float(refused.item()) > 0:
+        raise UserCodeError(f"the model, data or loss was refused on another rank (its log "
+                            f"says why: model.name = {config.model.name!r}, data.source = "
+                            f"{config.data.source!r}, train.loss = {config.train.loss!r})")
 
 
 def _rebuild_buckets(parts: Parts) -> None:
@@ -171,8 +203,7 @@ def _rebuild_buckets(parts: Parts) -> None:
 
     def forward_backward() -> None:
         with state.precision.forward_context():
-            logits = state.model(state.precision.convert_input(batch.inputs))
-            loss = summed_loss(logits, batch.targets)
+            loss, _ = parts.loss_fn(forward(state.model, batch, state.precision), batch)
         loss.backward()
 
     rebuild_buckets(state.model, parts.comm.hook_state, forward_backward=forward_backward,
@@ -201,7 +232,7 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
             result = train_step(state.model, micro, optimizer=state.optimizer,
                                 scheduler=state.scheduler, precision=state.precision,
                                 grad_clip=config.optim.grad_clip, dp_size=derived.layout.dp,
-                                ragged_counts=parts.train_ds.spec.ragged)
+                                ragged_counts=parts.train_ds.spec.ragged, loss_fn=parts.loss_fn)
         state.step = step + 1
         _count_bad_steps(state, result, run, config=config)
         _log_window(state, result, micro, run, parts=parts, logger=logger, config=config,
@@ -213,7 +244,7 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
             with collective_guard("evaluation all-reduce", step=step):
                 record = {"step": state.step, **evaluate(
                     state.model, parts.eval_ds, config, penv, derived,
-                    precision=state.precision, device=parts.device)}
+                    precision=state.precision, device=parts.device, loss_fn=parts.loss_fn)}
             logger.log_eval(record)
             logger.message(f"scaletrain: eval at step {state.step}: " + ", ".join(
                 f"{k} {v:.4g}" for k, v in record.items() if k != "step"))
@@ -221,7 +252,8 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     wall = time.perf_counter() - run.started
     with collective_guard("evaluation all-reduce", step=t.steps):
         eval_record = evaluate(state.model, parts.eval_ds, config, penv, derived,
-                               precision=state.precision, device=parts.device)
+                               precision=state.precision, device=parts.device,
+                               loss_fn=parts.loss_fn)
     logger.log_eval({"step": t.steps, **eval_record})
     if not penv.is_main:
         return None
@@ -322,7 +354,7 @@ def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogge
     """Save on the checkpoint schedule; on a planned stop or a SIGTERM save, wait, return True.
 
     SIGTERM (a scheduler's preemption, forwarded by torchrun's agent) only sets a flag; the
-    ranks agree on it a step later (train/signals.py), so every rank saves the same step.
+    ranks agree on it a step later (training/signals.py), so every rank saves the same step.
     """
     planned = state.step == config.train.stop_after
     # stop_requested() runs on every step and rank: it is a collective (one step behind).
@@ -372,23 +404,33 @@ def _train_record(step: int, result: StepResult, window: Window, micro: list[Bat
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, eval_ds: Dataset, config: Config, penv: ProcessEnv,
-             derived: Derived, *, precision: Precision, device: torch.device) -> dict:
-    """Held-out loss (and accuracy, or perplexity for text), each rank a strided share."""
+             derived: Derived, *, precision: Precision, device: torch.device,
+             loss_fn: LossFn) -> dict:
+    """Held-out loss, and the task's metric (accuracy; mse for regression; perplexity for
+    text under cross-entropy), each rank a strided share."""
     net = unwrap(model)
     net.eval()
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    kind = eval_ds.spec.kind
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct (or squared error), count
     for idx in eval_indices(len(eval_ds), limit=config.train.eval_examples, dp_rank=penv.rank,
                             dp_size=derived.layout.dp, batch=config.train.micro_batch):
         batch = eval_ds.get(idx).to(device, non_blocking=True)
         with precision.forward_context():
-            logits = net(precision.convert_input(batch.inputs))
-        totals[0] += float(summed_loss(logits, batch.targets))
-        totals[1] += float((logits.argmax(-1) == batch.targets).sum())
+            output = forward(net, batch, precision)
+        totals[0] += float(loss_fn(output, batch)[0])
+        if kind == "regression":
+            totals[1] += float(mse(output, batch)[0])
+        else:
+            totals[1] += float((output_logits(output).argmax(-1) == batch.targets).sum())
         totals[2] += batch.count
     net.train()
     all_reduce_sum(totals)
     loss = float(totals[0] / totals[2])
-    if eval_ds.spec.kind == "lm":
+    if kind == "regression":
+        return {"loss": loss, "mse": float(totals[1] / totals[2])}
+    if kind == "lm":
+        if config.train.loss not in ("auto", "cross-entropy"):
+            return {"loss": loss}  # a perplexity of another loss would mean nothing
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
     return {"loss": loss, "accuracy": float(totals[1] / totals[2])}
 
@@ -431,10 +473,15 @@ def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: flo
             tokens_per_example: int, precision_mode: str) -> dict:
     """Rank 0 writes the final weights (plain names, no DDP prefix) and the summary."""
     # In the dtype that was trained (fp32 master weights; bf16 for bf16-true, fp64 for fp64).
-    state = {k: v.detach().to("cpu").contiguous() for k, v in unwrap(model).state_dict().items()}
-    save_file(state, str(run_dir / "model.safetensors"),
-              metadata={"model": config.model.name, "size": config.model.size})
+    # save_model keeps one name of weights tied to each other (safetensors refuses aliases).
+    net = unwrap(model)
+    save_model(net, str(run_dir / "model.safetensors"),
+               metadata={"model": config.model.name, "size": config.model.size})
     honour_umask(run_dir / "model.safetensors")  # safetensors writes 0600
+    if config.model.name == "hf":  # also as a model directory: model.path can fine-tune it
+        from scaletrain.models.hf import save_hf
+
+        save_hf(net, run_dir / "hf-model")
     examples = steps_run * config.train.global_batch  # this process's share of the run
     summary = {
         "final_loss": last_loss,  # mean training loss of the last log.every-step window

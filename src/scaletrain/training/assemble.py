@@ -1,0 +1,151 @@
+"""Data, model and loss from the config: the three things a user may bring.
+
+Each of `data.source`, `model.name` and `train.loss` is a built-in name or the user's own
+code, named by an import path in the config or, from the Python API, given as the
+callable itself (`UserCode`). The trainer builds them here on every rank; the launcher
+calls `check_user_code` before any worker starts, so that a factory that does not import,
+raises, returns something other than an nn.Module, a dataset whose items do not fit the
+model, or a loss that returns a mean is one message (exit status 2), not a failure on
+every rank a minute later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.data.loader import Dataset, load_dataset
+from scaletrain.data.sources import Batch
+from scaletrain.models import build_model
+from scaletrain.precision import Precision
+from scaletrain.training.loss import LossFn, builtin_loss, check_summed
+from scaletrain.user_code import UserCodeError, is_import_path, load_object
+
+
+@dataclass(frozen=True)
+class UserCode:
+    """Callables given to the Python API in place of the config's import paths."""
+
+    model: Callable[..., torch.nn.Module] | None = None  # factory(task, **model.kwargs)
+    data: Callable[..., Any] | None = None  # function(split, **data.kwargs) -> (dataset, task)
+    loss: Callable[..., Any] | None = None  # loss(output, batch) -> (summed loss, count)
+
+
+NO_CODE = UserCode()
+
+
+def brings_own_code(config: Config, code: UserCode = NO_CODE) -> bool:
+    """True when the model, data or loss is the user's (or a Hugging Face model)."""
+    return (code != NO_CODE or config.model.name == "hf" or is_import_path(config.model.name)
+            or is_import_path(config.data.source) or is_import_path(config.train.loss))
+
+
+def build_data(config: Config, *, split: str, code: UserCode = NO_CODE) -> Dataset:
+    """One split of the configured data source."""
+    d = config.data
+    return load_dataset(d.source, split=split, path=d.path, seq_len=d.seq_len,
+                        synthetic_examples=d.synthetic_examples, seed=config.train.seed,
+                        shuffle_window=d.shuffle_window if split == "train" else None,
+                        kwargs=d.kwargs, fn=code.data)
+
+
+def build_net(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) -> torch.nn.Module:
+    """The configured model, sized for the data's task (freshly initialised, global RNG)."""
+    m = config.model
+    dtype = torch.float64 if config.precision.mode == "fp64" else torch.float32
+    return build_model(m.name, size=m.size, task=dataset.spec, dropout=m.dropout,
+                       kwargs=m.kwargs, path=m.path, hf_config=m.hf_config, factory=code.model,
+                       param_dtype=dtype)
+
+
+def build_loss(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) -> LossFn:
+    """The configured loss: built-in for the task, or the user's."""
+    name = config.train.loss
+    if code.loss is not None:
+        return code.loss
+    if is_import_path(name):
+        return load_object(name, key="train.loss")
+    try:
+        return builtin_loss(name, task_kind=dataset.spec.kind)
+    except ValueError as e:
+        raise UserCodeError(str(e)) from None
+
+
+def is_user_loss(config: Config, code: UserCode = NO_CODE) -> bool:
+    return code.loss is not None or is_import_path(config.train.loss)
+
+
+def check_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, config: Config,
+               precision: Precision, task_kind: str) -> None:
+    """The user's loss returns (sum, count) on this batch: `train.loss.check_summed`."""
+    from scaletrain.training.step import forward
+
+    def run(net: torch.nn.Module, b: Batch) -> Any:
+        with precision.forward_context():
+            return forward(net, b, precision)
+
+    try:
+        check_summed(loss_fn, model, batch, task_kind=task_kind, forward=run,
+                     label=f"train.loss = {config.train.loss!r}")
+    except UserCodeError:
+        raise
+    except ValueError as e:
+        raise UserCodeError(str(e)) from None
+
+
+def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
+    """Build the data, the model and the loss once in this process and run the model and
+    the loss on two training examples: what a worker would do first, without a process group.
+
+    Raises:
+        UserCodeError: naming the config key, the path and what went wrong.
+    """
+    from scaletrain.models.protocol import model_spec
+    from scaletrain.precision import make_precision
+
+    torch.manual_seed(config.train.seed)
+    train_ds = build_data(config, split="train", code=code)
+    build_data(config, split="eval", code=code)  # the eval split must exist and check too
+    model = build_net(config, train_ds, code=code)
+    try:
+        model_spec(model)
+    except ValueError as e:
+        raise UserCodeError(f"model.name = {config.model.name!r}: {e}") from None
+    precision = make_precision(config.precision.mode, device_type="cpu",
+                               init_scale=config.precision.init_scale,
+                               growth_interval=config.precision.growth_interval)
+    model = precision.convert_module(model)
+    loss_fn = build_loss(config, train_ds, code=code)
+    batch = train_ds.get(torch.arange(min(2, len(train_ds))))
+    check_fit(model, batch, loss_fn=loss_fn, precision=precision, config=config)
+    if is_user_loss(config, code):
+        check_loss(loss_fn, model, batch, config=config, precision=precision,
+                   task_kind=train_ds.spec.kind)
+
+
+def check_fit(model: torch.nn.Module, batch: Batch, *, loss_fn: LossFn, precision: Precision,
+              config: Config) -> None:
+    """One forward and loss on `batch`: a dataset whose items do not fit the model fails here
+    with the model, the data and the shapes named, instead of inside a worker's step."""
+    from scaletrain.training.step import forward
+    from scaletrain.user_code import describe_error
+
+    with torch.no_grad(), precision.forward_context():
+        try:
+            output = forward(model, batch, precision)
+        except Exception as e:
+            raise UserCodeError(
+                f"model.name = {config.model.name!r} cannot run on data.source = "
+                f"{config.data.source!r}: a batch of inputs {tuple(batch.inputs.shape)} "
+                f"{batch.inputs.dtype} raised {describe_error(e)}") from e
+        try:
+            loss_fn(output, batch)
+        except Exception as e:
+            raise UserCodeError(
+                f"train.loss = {config.train.loss!r} cannot compare the output of model.name = "
+                f"{config.model.name!r} with the targets {tuple(batch.targets.shape)} "
+                f"{batch.targets.dtype} of data.source = {config.data.source!r}: "
+                f"{describe_error(e)}") from e
