@@ -191,37 +191,44 @@ def _label(fn: Callable) -> str:
     return f"{module}:{clean}"
 
 
+def _run_rank(config: Config, *, run_dir: Path | None, code) -> dict | None:
+    """The trainer as this process's rank, with SIGTERM handled as the CLI's workers do."""
+    from scaletrain.training import signals
+    from scaletrain.training.trainer import train as train_rank
+
+    with signals.installed(save_on_term=config.checkpoint.every > 0):
+        summary = train_rank(config, run_dir=run_dir, code=code)
+        signals.drain()
+    return summary
+
+
 def _train_as_rank(config: Config, *, run_dir: Path | None, code) -> dict:
     """Under torchrun: this process is one rank; every rank gets the summary."""
     import torch.distributed as dist
 
     from scaletrain.runtime import broadcast_object
-    from scaletrain.training import signals
-    from scaletrain.training.trainer import train as train_rank
 
     owned = not dist.is_initialized()  # a group the caller made is theirs to destroy
     try:
-        with signals.installed(save_on_term=config.checkpoint.every > 0):
-            summary = train_rank(config, run_dir=run_dir, code=code)
-            signals.drain()
-        summary = broadcast_object(summary)
+        summary = broadcast_object(_run_rank(config, run_dir=run_dir, code=code))
     finally:
         if owned and dist.is_initialized():
             dist.destroy_process_group()
+    if summary is None:  # a planned stop (train.stop_after): no summary yet
+        return {"stopped": True, "run_dir": str(run_dir or "")}
     return {**summary, "run_dir": summary.get("run_dir", str(run_dir or ""))}
 
 
 def _train_here(config: Config, run_dir: Path, *, code) -> dict:
+    import signal
+
     from scaletrain.launch import Interrupted
     from scaletrain.training import signals
-    from scaletrain.training.trainer import train as train_rank
 
-    with signals.installed(save_on_term=config.checkpoint.every > 0):
-        try:
-            summary = train_rank(config, run_dir=run_dir, code=code)
-            signals.drain()
-        except signals.Terminated:
-            raise Interrupted(15) from None
+    try:
+        summary = _run_rank(config, run_dir=run_dir, code=code)
+    except signals.Terminated:
+        raise Interrupted(signal.SIGTERM) from None
     if summary is None:  # a planned stop (train.stop_after): no summary yet
         return {"stopped": True}
     return summary
