@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/own_data.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/allocator.py
+	$(BIN)/python bench/layouts.py --bubble
 
 clean:
 	rm -rf $(VENV) runs

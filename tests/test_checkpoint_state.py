@@ -93,7 +93,7 @@ def _state(seed: int, hook: HookState) -> tuple[TrainState, CommCounter]:
     # A scale this large overflows fp16 gradients: the scaler halves it, steps are skipped.
     precision = make_precision("fp16-mixed", device_type="cpu", init_scale=2.0**40,
                                growth_interval=2)
-    comm = CommCounter(model, hook, dp=1)
+    comm = CommCounter(model, hook, ddp=False)
     state = TrainState(model, opt, sched, precision, hook=hook,
                        loop=RunProgress(first_step=0, comm=comm), tokens_per_example=0)
     return state, comm
@@ -196,7 +196,7 @@ def test_per_rank_pieces_start_fresh_on_another_world_size(tmp_path: Path,
 @pytest.mark.parametrize("hidden, optimizer, needle", [
     ((64, 64), "adamw", "this run needs model.net.7.bias"),  # a layer more
     ((32,), "adamw", "cannot be loaded into this run"),  # same names, other shapes
-    ((64,), "sgd", "optim.state"),  # AdamW moments in the checkpoint, SGD momentum here
+    ((64,), "sgd", "this run needs optim."),  # AdamW's entries saved, SGD's here
 ])
 def test_a_checkpoint_that_does_not_fit_is_refused_by_name(tmp_path: Path, hidden: tuple,
                                                            optimizer: str, needle: str) -> None:

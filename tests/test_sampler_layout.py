@@ -51,12 +51,13 @@ def test_eval_indices_partition_the_limit() -> None:
 
 
 def test_layout_infers_and_checks() -> None:
-    assert ParallelLayout(dp=-1).resolve(4).dp == 4
-    assert ParallelLayout(dp=2).resolve(2).world_size == 2
-    with pytest.raises(LayoutError, match="does not match the world size 4"):
-        ParallelLayout(dp=2).resolve(4)
+    assert ParallelLayout(dp_replicate=-1).resolve(4).dp == 4
+    assert ParallelLayout(dp_replicate=2).resolve(2).world_size == 2
+    assert ParallelLayout(dp_replicate=2, dp_shard=2).resolve(4).dp == 4  # dp = replicate x shard
+    with pytest.raises(LayoutError, match="do not match the world size 4"):
+        ParallelLayout(dp_replicate=2).resolve(4)
     with pytest.raises(LayoutError, match="invalid"):
-        ParallelLayout(dp=0).resolve(1)
+        ParallelLayout(dp_replicate=0).resolve(1)
 
 
 def test_lr_schedule_warmup_then_cosine_to_min() -> None:

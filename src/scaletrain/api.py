@@ -10,7 +10,7 @@ Three ways it runs:
   rank and trains in this process; callables need not be importable. Every rank gets the
   summary. The process group it created is destroyed before it returns.
 - Called plainly with one process: it trains right here.
-- Called plainly with more (`parallel.dp` > 1, or `nproc`): it launches the workers
+- Called plainly with more (the [parallel] degrees' product > 1, or `nproc`): it launches the workers
   through torchrun's elastic agent, as the CLI does. Each worker imports the model, data
   and loss by name, so a callable must be a module-level function of an importable module
   (not a lambda, a local function or something defined in `__main__`); it is refused
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import (Config, ConfigError, Derived, config_to_toml, load_config, resolve,
+from scaletrain.config import (Config, ConfigError, Derived, config_to_toml, given_world,
+                               load_config, resolve,
                                validate_config)
 from scaletrain.launch import LaunchSpec, under_elastic_agent, validate_spec
 
@@ -68,7 +69,8 @@ def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resum
         ConfigError, UserCodeError: a mistake, before anything starts.
     """
     from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir
-    from scaletrain.training.assemble import NO_CODE, brings_own_code, check_user_code
+    from scaletrain.training.assemble import (NO_CODE, brings_own_code, check_layout_fits,
+                                             check_user_code)
 
     if allow_config_change and not resume:
         raise ConfigError("--allow-config-change only applies with --resume (it lets a resumed "
@@ -79,6 +81,7 @@ def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resum
     if brings_own_code(config, code) and not spec.in_process:
         # Workers would each fail the same way: build it once here, before they start.
         check_user_code(config, code)
+    check_layout_fits(config, derived, code)  # tp, pp, activation checkpointing vs the model
     warnings: tuple[str, ...] = ()
     if resume:  # before any process starts, and before config.toml is rewritten
         warnings = tuple(check_resumable(run_dir, config, allow_config_change=allow_config_change))
@@ -116,7 +119,7 @@ def train(config: str | Path | dict | Config, *, model: Callable | str | None = 
         loss: a function `loss(output, batch) -> (summed loss, count)`, or an import path.
         overrides: `section.key=value` strings applied over the config.
         run_dir: the run directory (default runs/<name>-<time>).
-        nproc: processes on this machine (default parallel.dp, or 1).
+        nproc: processes on this machine (default: the product of the [parallel] degrees).
         resume: continue the run in run_dir from its newest valid checkpoint.
         debug: show every rank's output on the console (multi-process runs).
 
@@ -135,8 +138,7 @@ def train(config: str | Path | dict | Config, *, model: Callable | str | None = 
     parsed = _with_names(parsed, model=model, data=data, loss=loss)
     if under_elastic_agent():
         return _train_as_rank(parsed, run_dir=Path(run_dir) if run_dir else None, code=code)
-    dp = parsed.parallel.dp
-    spec = validate_spec(LaunchSpec(nproc=nproc or (dp if dp > 0 else 1)))
+    spec = validate_spec(LaunchSpec(nproc=nproc or given_world(parsed)))
     prepared = prepare_run(parsed, spec=spec, run_dir=Path(run_dir) if run_dir else None,
                            resume=resume, code=code)
     for warning in (*prepared.warnings,):

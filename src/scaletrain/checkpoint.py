@@ -91,28 +91,39 @@ class _Model:
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=True))
 
 
+# Flattened: every entry, moments and hyper-parameters alike, is keyed by parameter name
+# ("state.blocks.0.attn.q.weight.exp_avg", "param_groups.blocks.0.attn.q.weight.lr"), not
+# by group index, so a layout with another number of parameter groups (tensor parallelism
+# keeps DTensors apart: training/optim.py) or another share of the parameters (a pipeline
+# stage) reads exactly its own.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 @dataclass
 class _Optimizer:
-    """Optimizer state keyed by parameter name, so it loads into any world size."""
+    """Optimizer state keyed by parameter name, so it loads into any layout and world size."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
 
     def load_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=_FLAT)
 
 
 @dataclass
 class _Schedule:
-    """The schedule's position; its lambdas are functions, rebuilt from the config."""
+    """The schedule's position. Its lambdas and base LRs are rebuilt from the config: the
+    base LRs are one per parameter group, and the number of groups depends on the layout
+    (training/optim.py), so a checkpoint of one layout would set the wrong count in another."""
 
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
     def state_dict(self) -> dict:
-        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        return {k: v for k, v in self.scheduler.state_dict().items()
+                if k not in ("lr_lambdas", "base_lrs", "_last_lr")}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state})

@@ -109,15 +109,20 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
     def create_local_plan(self):
         saved = self.metadata.state_dict_metadata
         missing = sorted(k for k in self.state_dict if k.startswith(self.exact) and k not in saved)
-        unused = sorted(k for k in saved if k.startswith(self.exact) and k not in self.state_dict)
-        if missing or unused:
-            raise CheckpointError(
-                "the checkpoint does not fit this run's model and optimizer: "
-                + "; ".join(f"{what} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
-                            for what, keys in (("this run needs", missing),
-                                               ("the checkpoint has extra", unused)) if keys)
-                + " (was model.* or optim.name changed?)")
+        if missing:
+            raise CheckpointError(_does_not_fit("this run needs", missing))
         return super().create_local_plan()
+
+    def create_global_plan(self, global_plan):
+        # An entry no rank asks for is one the run would silently drop. Checked over every
+        # rank's plan together: a pipeline stage asks for its own blocks only, and the
+        # stages together must ask for them all.
+        requested = {item.dest_index.fqn for plan in global_plan for item in plan.items}
+        saved = self.metadata.state_dict_metadata
+        unused = sorted(k for k in saved if k.startswith(self.exact) and k not in requested)
+        if unused:
+            raise CheckpointError(_does_not_fit("the checkpoint has extra", unused))
+        return super().create_global_plan(global_plan)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
@@ -250,3 +255,9 @@ def export_weights(checkpoint: Path, out: Path) -> Path:
     save_file({k.removeprefix("model."): v.contiguous() for k, v in model.items()},
               str(out))
     return out
+
+
+def _does_not_fit(what: str, keys: list[str]) -> str:
+    return (f"the checkpoint does not fit this run's model and optimizer: {what} "
+            f"{', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} (was model.* or optim.name "
+            "changed?)")

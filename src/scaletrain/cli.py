@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from scaletrain.config import ConfigError, Config, describe_fields, load_config, resolve
+from scaletrain.config import (ConfigError, Config, describe_fields, given_world, load_config,
+                               resolve)
 from scaletrain.launch import (Interrupted, LaunchError, LaunchSpec, launch, slurm_defaults,
                                under_elastic_agent, validate_spec)
 from scaletrain.launch_output import describe_interrupt
@@ -96,10 +97,10 @@ def launch_spec(args: argparse.Namespace, config: Config) -> LaunchSpec:
                       "max_restarts") and v is not None}
     values = {**slurm_defaults(dict(os.environ)), **given}
     nnodes = str(values.get("nnodes", "1"))
-    if "nproc" not in values:  # infer from parallel.dp when it is given
+    if "nproc" not in values:  # infer from the [parallel] degrees when they are given
         max_nodes = int(nnodes.split(":")[-1]) if nnodes.replace(":", "").isdigit() else 1
-        dp = config.parallel.dp
-        values["nproc"] = dp // max_nodes if dp > 0 and max_nodes > 0 and dp % max_nodes == 0 else 1
+        world = given_world(config)
+        values["nproc"] = world // max_nodes if max_nodes > 0 and world % max_nodes == 0 else 1
     values["nnodes"] = nnodes
     return validate_spec(LaunchSpec(**values))
 
@@ -251,12 +252,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from scaletrain.api import preflight_data
     from rich.table import Table
 
+    from scaletrain.training.assemble import check_layout_fits
+
     from scaletrain.precision import choose_auto
 
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
     d = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
     preflight_data(config)
+    check_layout_fits(config, d)  # what train would refuse about the model and the layout
     _warn_if_empty(args.config, config)
     table = Table(title=f"config {args.config}", show_lines=False)
     for col in ("key", "value", "meaning"):
@@ -272,7 +276,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         precision = f"auto -> {chosen} ({why})"
     derived = {
         "world size": f"{d.world_size} ({spec.nproc} process(es) x {spec.nnodes} node(s))",
-        "data parallel (dp)": d.layout.dp,
+        "parallel layout (mesh)": d.layout.describe(),
+        "data parallel (dp)": (f"{d.layout.dp} = dp_replicate {d.layout.dp_replicate} x "
+                               f"dp_shard {d.layout.dp_shard}"),
+        **_pipeline_rows(config, d),
         "global batch": config.train.global_batch,
         "micro-batch": config.train.micro_batch,
         "accumulation steps": d.accumulation,
@@ -291,9 +298,56 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for k, v in derived.items():
         out.add_row(k, str(v))
     console.print(out)
+    if d.world_size > 1:
+        console.print(_placement_table(d))
     for warning in d.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _pipeline_rows(config: Config, d) -> dict[str, str]:
+    """The micro-batch arithmetic under pipeline parallelism, and its bubble in theory."""
+    pipe = d.pipeline
+    if pipe is None:
+        return {}
+    from scaletrain.parallel.pipeline import idle_fraction_theory
+
+    mb, m = config.train.micro_batch, pipe.microbatches
+    stages = d.layout.pp * pipe.stages_per_rank
+    bubble = idle_fraction_theory(pipe.schedule, pp=d.layout.pp, microbatches=m,
+                                  stages_per_rank=pipe.stages_per_rank)
+    return {"pipeline": f"{pipe.schedule}: {stages} stages, {pipe.stages_per_rank} per rank",
+            "pipeline chunks": f"each micro-batch of {mb} -> {m} chunks of {mb // m} "
+                               f"(x {d.accumulation} micro-batches per step)",
+            "pipeline bubble (theory)": f"{bubble:.1%} of each rank's step idle"}
+
+
+def _placement_table(d):
+    """Which ranks hold which pipeline stage, FSDP shard and tensor-parallel slice."""
+    from rich.table import Table
+
+    from scaletrain.parallel.pipeline import stage_ids
+
+    layout, pipe = d.layout, d.pipeline
+    table = Table(title=f"ranks ({layout.describe()})")
+    for col in ("rank", *layout.sizes, "batch share", "holds"):
+        table.add_column(col)
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        holds = []
+        if pipe is not None:
+            ids = stage_ids(pp_rank=c["pp"], pp=layout.pp, stages_per_rank=pipe.stages_per_rank,
+                            schedule=pipe.schedule)
+            holds.append("stage " + ", ".join(map(str, ids)))
+        if layout.dp_shard > 1:
+            holds.append(f"FSDP shard {c['dp_shard'] + 1}/{layout.dp_shard}")
+        if layout.tp > 1:
+            holds.append(f"TP slice {c['tp'] + 1}/{layout.tp}")
+        if not holds:
+            holds.append("a whole replica")
+        table.add_row(str(rank), *(str(c[k]) for k in layout.sizes),
+                      f"{layout.dp_rank(rank) + 1}/{layout.dp}", "; ".join(holds))
+    return table
 
 
 def _optimizer_kernels(impl: str, device: str) -> str:

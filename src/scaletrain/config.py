@@ -158,8 +158,30 @@ class TrainConfig(_Section):
 
 
 class ParallelConfig(_Section):
+    dp_replicate: int = Field(-1, ge=-1)
+    """Data-parallel replicas holding whole parameters (DDP; with dp_shard > 1 the replicate dimension of HSDP); -1 = what the other degrees leave over."""
     dp: int = Field(-1, ge=-1)
-    """Data-parallel (replicate) degree; -1 = every process of the world."""
+    """The older name of parallel.dp_replicate (give one of the two)."""
+    dp_shard: int = Field(1, ge=-1)
+    """Data-parallel ranks sharding parameters, gradients and optimizer state (FSDP2, ZeRO); -1 = what the other degrees leave over."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel degree: each block's matmuls split over this many ranks (must divide the heads)."""
+    sequence_parallel: bool = True
+    """tp > 1: also split the residual stream by positions between the matmuls (norms, dropout, residual adds on T/tp each), where the model declares how (the built-in GPT); false = plain Megatron TP."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel degree: the model's blocks split into this many stages (x pp_stages_per_rank)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zero-bubble (torch.distributed.pipelining)."""
+    pp_microbatches: int = Field(0, ge=0)
+    """Chunks each train.micro_batch is split into for the pipeline; 0 = pp x pp_stages_per_rank."""
+    pp_stages_per_rank: int = Field(0, ge=0)
+    """Pipeline stages on each rank: 1 for gpipe/1f1b, >= 2 for interleaved-1f1b, any for zero-bubble (1 = ZB-H1); 0 = 1 for gpipe/1f1b, else 2."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2, more memory, one all-gather fewer)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: full (every block), selective (every other block), none."""
+    fsdp_offload: bool = False
+    """FSDP: keep parameters and optimizer state in CPU memory between uses (for GPU runs)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend: auto picks nccl when CUDA is available, else gloo."""
     bucket_cap_mb: float = Field(25.0, gt=0.0, le=1024.0)
@@ -417,6 +439,99 @@ def _check_model_and_data(config: Config) -> None:
                           f"(data.source = 'package.module:function'), not by {d.source!r}")
 
 
+def given_world(config: Config) -> int:
+    """The product of the degrees the config gives (a -1 counts as 1: the smallest world)."""
+    pc = config.parallel
+    replicate = pc.dp_replicate if pc.dp_replicate != -1 else pc.dp
+    return pc.pp * pc.tp * max(replicate, 1) * max(pc.dp_shard, 1)
+
+
+def layout_of(pc: ParallelConfig, *, world_size: int) -> ParallelLayout:
+    """The [parallel] degrees, checked against the world size (parallel.dp is dp_replicate's
+    older name)."""
+    if pc.dp != -1 and pc.dp_replicate != -1 and pc.dp != pc.dp_replicate:
+        raise ConfigError(f"parallel.dp = {pc.dp} and parallel.dp_replicate = {pc.dp_replicate} "
+                          "disagree: parallel.dp is the older name of dp_replicate; give one")
+    replicate = pc.dp_replicate if pc.dp_replicate != -1 else pc.dp
+    try:
+        return ParallelLayout(dp_replicate=replicate, dp_shard=pc.dp_shard, tp=pc.tp,
+                              pp=pc.pp).resolve(world_size)
+    except LayoutError as e:
+        message = str(e)
+        if pc.dp != -1:  # name the key the user wrote
+            message = message.replace("parallel.dp_replicate", "parallel.dp")
+        raise ConfigError(message) from None
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """What pipeline parallelism does with each micro-batch."""
+
+    schedule: str
+    microbatches: int  # chunks of train.micro_batch in flight through the stages
+    stages_per_rank: int
+    n_blocks: int | None  # the built-in GPT's depth (None: known once the model is built)
+
+
+def _check_parallel(config: Config, layout: ParallelLayout) -> PipelineShape | None:
+    """Combinations of the [parallel] keys that cannot work, refused before launch."""
+    pc, t = config.parallel, config.train
+    if layout.dp_replicate > 1 and layout.dp_shard == 1 and (layout.tp > 1 or layout.pp > 1):
+        raise ConfigError(
+            f"parallel.dp_replicate = {layout.dp_replicate} with tp = {layout.tp} and pp = "
+            f"{layout.pp}: DDP replicates whole models and does not compose with tensor or "
+            "pipeline parallelism; shard instead (parallel.dp_shard=" + str(layout.dp_replicate)
+            + ", FSDP) or combine both as HSDP (dp_replicate x dp_shard)")
+    if layout.dp_shard > 1 and pc.comm_hook != "none":
+        raise ConfigError(f"parallel.comm_hook = {pc.comm_hook!r} compresses DDP's all-reduce, "
+                          f"but dp_shard = {layout.dp_shard} reduce-scatters with FSDP; use "
+                          "parallel.comm_hook='none' with sharding")
+    if (layout.tp > 1 or layout.pp > 1 or layout.dp_shard > 1) and t.compile:
+        raise ConfigError("train.compile = true is for the DDP path only here; with "
+                          f"{layout.describe()} set train.compile=false")
+    if (config.precision.mode == "fp16-mixed" and config.optim.impl == "fused"
+            and layout.splits_gradients):
+        raise ConfigError(f"optim.impl = 'fused' with precision.mode = 'fp16-mixed' under "
+                          f"{layout.describe()}: the fused kernels cannot take the loss "
+                          "scaler's overflow flag with sharded (DTensor) parameters; use "
+                          "optim.impl='foreach' or 'auto'")
+    if config.precision.mode == "fp16-mixed" and layout.tp > 1 and layout.dp_shard == 1:
+        raise ConfigError(f"precision.mode = 'fp16-mixed' with tp = {layout.tp} and no dp_shard: "
+                          "tensor parallelism leaves the norms and embeddings plain tensors "
+                          "beside its DTensors, and the loss scaler cannot unscale both in one "
+                          "call; add parallel.dp_shard (FSDP makes every parameter a DTensor) "
+                          "or use precision.mode='bf16-mixed' (no loss scaling)")
+    if (layout.tp > 1 and pc.sequence_parallel and config.model.name == "gpt"
+            and config.data.seq_len % layout.tp):
+        raise ConfigError(f"data.seq_len = {config.data.seq_len} is not divisible by parallel.tp "
+                          f"= {layout.tp}: sequence parallelism gives every tensor-parallel rank "
+                          "an equal share of the positions; use a seq_len that tp divides, or "
+                          "parallel.sequence_parallel=false")
+    if layout.pp == 1:
+        return None
+    from scaletrain.parallel.pipeline import PipelineConfigError, check_schedule
+
+    interleaved = pc.pp_schedule in ("interleaved-1f1b", "zero-bubble")
+    stages = pc.pp_stages_per_rank or (2 if interleaved else 1)
+    chunks = pc.pp_microbatches or layout.pp * stages
+    n_blocks = None
+    if config.model.name == "gpt":
+        from scaletrain.models.gpt import GPT_SHAPES
+
+        n_blocks = GPT_SHAPES[config.model.size].n_layer
+    try:
+        check_schedule(pc.pp_schedule, pp=layout.pp, microbatches=chunks,
+                       stages_per_rank=stages, n_blocks=n_blocks)
+    except PipelineConfigError as e:
+        raise ConfigError(str(e)) from None
+    if t.micro_batch % chunks:
+        raise ConfigError(f"train.micro_batch = {t.micro_batch} must be divisible by "
+                          f"parallel.pp_microbatches = {chunks} (each micro-batch is split into "
+                          f"that many equal chunks for the pipeline)")
+    return PipelineShape(schedule=pc.pp_schedule, microbatches=chunks, stages_per_rank=stages,
+                         n_blocks=n_blocks)
+
+
 @dataclass(frozen=True)
 class Derived:
     """Values that follow from the config and the world the launcher starts."""
@@ -427,6 +542,7 @@ class Derived:
     examples_per_rank: int  # per optimizer step
     threads: int  # torch threads per process
     backend: str  # gloo or nccl
+    pipeline: PipelineShape | None = None  # under pp > 1: schedule, chunks, stages per rank
     warnings: tuple[str, ...] = ()  # legal but probably unwanted choices, printed at start
 
 
@@ -442,18 +558,17 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
         ConfigError: inconsistent combination (e.g. global batch not divisible).
     """
     nproc_per_node = nproc_per_node or world_size
-    try:
-        layout = ParallelLayout(dp=config.parallel.dp).resolve(world_size)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
+    layout = layout_of(config.parallel, world_size=world_size)
     t = config.train
     per_step = t.micro_batch * layout.dp
     if t.global_batch % per_step != 0:
         raise ConfigError(
             f"train.global_batch = {t.global_batch} must be divisible by train.micro_batch x dp "
-            f"= {t.micro_batch} x {layout.dp} = {per_step} (so every rank runs whole micro-batches); "
+            f"= {t.micro_batch} x {layout.dp} = {per_step} (so every rank runs whole micro-batches; "
+            f"dp = dp_replicate x dp_shard = {layout.dp_replicate} x {layout.dp_shard}); "
             f"e.g. train.global_batch={max(per_step, t.global_batch // per_step * per_step)}"
         )
+    pipe = _check_parallel(config, layout)
     _check_model_and_data(config)
     shards = config.data.source == "shards"  # their task is known only when they are opened
     user_data = is_import_path(config.data.source)  # so is a user's dataset's
@@ -501,6 +616,7 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
     return Derived(
         world_size=world_size,
         layout=layout,
+        pipeline=pipe,
         accumulation=t.global_batch // per_step,
         examples_per_rank=t.global_batch // layout.dp,
         threads=threads,

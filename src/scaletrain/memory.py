@@ -86,3 +86,26 @@ class WindowPeak:
         self.reset()
         return {"window_peak_mem_bytes": peak,
                 "window_peak_above_baseline_bytes": max(0, peak - self.baseline)}
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of the tensors as this rank holds them: a DTensor counts its local shard only
+    (FSDP's 1/N of a parameter, TP's slice), not its global shape."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    with torch.no_grad():
+        for t in tensors:
+            if t is None:
+                continue
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            total += t.numel() * t.element_size()
+    return total
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's parameter and optimizer-state bytes, from the tensors it holds now."""
+    states = (v for state in optimizer.state.values() for v in state.values()
+              if isinstance(v, torch.Tensor))
+    return {"param_bytes": local_bytes(model.parameters()), "optim_state_bytes": local_bytes(states)}

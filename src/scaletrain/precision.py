@@ -99,11 +99,24 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to run backward from: scaled by the loss scale in fp16-mixed."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward through the (scaled, in fp16-mixed) loss."""
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward()
+        self.scale(loss).backward()
+
+    def fsdp_policy(self):
+        """FSDP2's MixedPrecisionPolicy for this mode: under bf16-mixed the all-gathered
+        parameters are bf16 (half the bytes; autocast would cast them for the matmuls anyway)
+        while gradients are reduced in fp32 into fp32 master shards. Other modes keep the
+        parameters' own dtype throughout."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.mode == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide gradients by the loss scale so clipping sees true values (fp16 only)."""
@@ -140,7 +153,7 @@ class Precision:
 
 
 def make_precision(mode: str, *, device_type: str, init_scale: float = 2.0**16,
-                   growth_interval: int = 2000) -> Precision:
+                   growth_interval: int = 2000, sharded: bool = False) -> Precision:
     """The one place a mode string becomes a Precision.
 
     Args:
@@ -148,6 +161,9 @@ def make_precision(mode: str, *, device_type: str, init_scale: float = 2.0**16,
         device_type: "cpu" or "cuda".
         init_scale: fp16-mixed initial loss scale.
         growth_interval: fp16-mixed clean steps before the scale doubles.
+        sharded: gradients are split over ranks (FSDP, TP, PP): fp16-mixed then uses
+            ShardedGradScaler, which agrees on an overflow across every rank, so no rank
+            steps while another skips.
     """
     if mode == "auto":
         mode, _ = choose_auto(device_type)
@@ -161,7 +177,13 @@ def make_precision(mode: str, *, device_type: str, init_scale: float = 2.0**16,
         case "fp64":
             return Precision(mode, device_type, param_dtype=torch.float64)
         case "fp16-mixed":
-            scaler = torch.amp.GradScaler(device_type, init_scale=init_scale,
-                                          growth_interval=growth_interval)
+            if sharded:
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                scaler = ShardedGradScaler(device_type, init_scale=init_scale,
+                                           growth_interval=growth_interval)
+            else:
+                scaler = torch.amp.GradScaler(device_type, init_scale=init_scale,
+                                              growth_interval=growth_interval)
             return Precision(mode, device_type, autocast_dtype=torch.float16, scaler=scaler)
     raise ValueError(f"precision mode {mode!r} is not one of {PRECISION_MODES}")

@@ -59,6 +59,11 @@ RESUME_SAFE_KEYS = frozenset({
     "train.max_bad_steps", "train.threads", "train.stop_after", "train.compile",
     "train.allocator", "parallel.dp", "parallel.backend", "parallel.bucket_cap_mb",
     "parallel.gradient_as_bucket_view", "parallel.timeout_s",
+    # The model-parallel layout: DCP reshards parameters and optimizer state by name.
+    "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp",
+    "parallel.pp_schedule", "parallel.pp_microbatches", "parallel.pp_stages_per_rank",
+    "parallel.reshard_after_forward", "parallel.activation_checkpointing",
+    "parallel.fsdp_offload", "parallel.sequence_parallel",
 })
 RESUME_SAFE_SECTIONS = ("checkpoint.", "log.")
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.protocol import ModelSpec, PipelineSplit
+from scaletrain.models.protocol import ModelSpec, PipelineSplit, SequenceSplit
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,11 @@ class GPT(nn.Module):
                  "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"},
         pipeline=PipelineSplit(first=("tok_emb", "pos_emb"), blocks="blocks",
                                last=("ln_f", "lm_head")),
+        # Sequence parallelism: the stream is split by positions after the embeddings'
+        # dropout, every norm runs on its share, attention and the MLP gather it back, and
+        # the head gathers the last norm's output (logits come out whole on every rank).
+        sequence=SequenceSplit(enter="drop", norms=("blocks.*.ln_1", "blocks.*.ln_2", "ln_f"),
+                               gather=("blocks.*.attn", "blocks.*.mlp"), head="lm_head"),
     )
 
     def __init__(

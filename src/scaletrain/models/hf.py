@@ -143,12 +143,12 @@ def hf_spec(model: nn.Module) -> ModelSpec:
     return spec
 
 
-def save_hf(model: nn.Module, out_dir: Path) -> Path:
+def save_hf(model: nn.Module, out_dir: Path, *, state_dict: dict | None = None) -> Path:
     """Write `model` as a Hugging Face directory (config.json + safetensors) and return it.
 
     `build_hf_model(path=out_dir, ...)` and `AutoModelForCausalLM.from_pretrained(out_dir)`
     read it back. Under torch.distributed only rank 0 writes (HF's own rule); pass the
-    bare, unsharded model.
+    bare, unsharded model, or with a sharded one its gathered full `state_dict`.
     """
     out_dir = Path(out_dir)
     if out_dir.is_file():  # save_pretrained only logs this and returns
@@ -161,7 +161,7 @@ def save_hf(model: nn.Module, out_dir: Path) -> Path:
     config = model.config
     use_cache, config.use_cache = config.use_cache, True
     try:
-        model.save_pretrained(out_dir)
+        model.save_pretrained(out_dir, state_dict=state_dict)
     finally:
         config.use_cache = use_cache
     pickles = sorted(p.name for p in out_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)

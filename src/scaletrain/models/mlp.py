@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from scaletrain.models.protocol import ModelSpec, PipelineSplit
+
 MLP_WIDTHS = {  # hidden widths by size
     "tiny": (64,),
     "small": (256, 256),
@@ -22,6 +24,11 @@ MLP_WIDTHS = {  # hidden widths by size
 
 class MLP(nn.Module):
     """Flatten -> [Linear -> ReLU -> Dropout] per hidden width -> Linear to logits."""
+
+    # A pipeline stage takes a contiguous run of `net`'s layers (balanced by parameters);
+    # nothing lives outside `net`, so there are no ends to keep. No repeated blocks and no
+    # TP plan: FSDP shards it as one unit, tensor parallelism is refused.
+    scaletrain_spec = ModelSpec(pipeline=PipelineSplit(first=(), blocks="net", last=()))
 
     def __init__(
         self,

@@ -64,12 +64,29 @@ class PipelineSplit:
 
 
 @dataclass(frozen=True)
+class SequenceSplit:
+    """Where sequence parallelism (Megatron-SP) splits the residual stream around a TP plan.
+
+    Between the tensor-parallel matmuls each TP rank keeps only T / tp positions of the
+    stream (dim 1): the norms, the residual adds and dropout run on that share, and the
+    row-wise projections reduce-scatter into it instead of all-reducing.
+    """
+
+    enter: str  # the module whose output is the stream entering the blocks: split there
+    norms: tuple[str, ...]  # patterns: norms that run on the sequence share
+    gather: tuple[str, ...]  # patterns: modules whose input share is all-gathered first
+    head: str | None = None  # the output Linear after the last norm: split by columns,
+    # its input gathered and its output gathered whole
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What a model declares; every field is a module path as `named_modules` spells it."""
 
     blocks: str | None = None  # container (ModuleList / ModuleDict / Sequential) of repeated blocks
     tp_plan: Mapping[str, str] | None = None  # module path pattern (fnmatch) -> TP_STYLES
     pipeline: PipelineSplit | None = None
+    sequence: SequenceSplit | None = None  # with tp_plan: sequence parallelism's split points
     source: str = field(default="declared", compare=False)  # declared, hugging-face, default
 
 
@@ -168,6 +185,12 @@ def check_spec(model: nn.Module, spec: ModelSpec) -> None:
             if path not in modules:
                 raise ModelSpecError(f"{where}: pipeline module {path!r} is not a module of "
                                      "the model")
+    if spec.sequence is not None:
+        seq = spec.sequence
+        for pattern in (seq.enter, *seq.norms, *seq.gather, *((seq.head,) if seq.head else ())):
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in modules if n):
+                raise ModelSpecError(f"{where}: sequence split pattern {pattern!r} matches no "
+                                     "module")
     for pattern, style in (spec.tp_plan or {}).items():
         if style not in TP_STYLES:
             raise ModelSpecError(f"{where}: tp_plan[{pattern!r}] = {style!r}; allowed styles: "
@@ -179,6 +202,18 @@ def check_spec(model: nn.Module, spec: ModelSpec) -> None:
             kinds = sorted({type(m).__name__ for m in matched})
             raise ModelSpecError(f"{where}: tp_plan pattern {pattern!r} matches {kinds}; "
                                  "only nn.Linear and nn.Embedding layers split")
+
+
+def sequence_targets(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
+    """The sequence split expanded to module paths: {"drop": "enter", "blocks.0.ln_1":
+    "norm", "blocks.0.attn": "gather", "lm_head": "head", ...} ({} without one)."""
+    seq = spec.sequence
+    if seq is None:
+        return {}
+    patterns = [(seq.enter, "enter"), *((p, "norm") for p in seq.norms),
+                *((p, "gather") for p in seq.gather)] + ([(seq.head, "head")] if seq.head else [])
+    return {name: role for name, _ in model.named_modules() for pattern, role in patterns
+            if name and fnmatch.fnmatchcase(name, pattern)}
 
 
 def tp_targets(model: nn.Module, spec: ModelSpec) -> dict[str, str]:

@@ -1,61 +1,247 @@
 """The one order in which parallel techniques are applied, and what the step needs of them.
 
-Order (written down once, here): precision cast -> (later: tensor parallel -> activation
-checkpointing -> FSDP) -> torch.compile -> DDP -> DDP comm hook. DDP goes last because it
-must see the final parameters; its comm hook (gradient compression) is registered on the
-wrapper. The module is compiled in place (`nn.Module.compile`) before DDP wraps it, so
-parameter names stay plain (no `_orig_mod.` prefix in checkpoints) and DDP's gradient hooks
-fire on the compiled graph's gradients as on eager ones.
+Order (written down once, here, in `parallelize`):
+
+    precision cast (done by the caller) -> pipeline split -> tensor parallel ->
+    activation checkpointing -> FSDP -> torch.compile -> DDP (only without sharding) ->
+    DDP comm hook -> pipeline schedule
+
+- The pipeline split comes first: every later technique applies to a stage, the part of
+  the model this rank holds, not to the whole model.
+- Tensor parallelism before FSDP: FSDP then shards the DTensors TP made along the data-
+  parallel dimension (a 2-D layout); the other way round FSDP's flat shards could not be
+  split by heads.
+- Activation checkpointing wraps whole blocks before FSDP makes each (wrapped) block a unit,
+  so the recomputation all-gathers the block's parameters like its forward did.
+- DDP goes last and only when nothing is sharded: it replicates whole parameters and
+  all-reduces gradients; its comm hook (gradient compression) is registered on the wrapper.
+  The module is compiled in place (`nn.Module.compile`) before DDP wraps it, so parameter
+  names stay plain (no `_orig_mod.` prefix in checkpoints).
+- The pipeline schedule is built from the finished stages (torch's PipelineStage must see
+  the FSDP-wrapped module to drive its unshard and gradient reduction).
+
+What comes back (`Parallelized`): `model`, the one module whose parameters this rank
+trains and checkpoints (the whole model, a DDP wrapper, or under pipeline parallelism this
+rank's share of the blocks, with the model's own parameter names), and the pipeline when
+there is one. With one process nothing is wrapped and nothing communicates.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from scaletrain.models.protocol import (ModelSpec, block_modules, require,
+                                        sequence_targets, tp_targets)
+from scaletrain.parallel.checkpointing import apply_activation_checkpointing
 from scaletrain.parallel.comm_hooks import HookState, register_comm_hook
 from scaletrain.parallel.ddp import apply_ddp
+from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.layout import ParallelLayout
+from scaletrain.parallel.tensor import apply_tp, check_tp_fit
 
 
-def parallelize(model: torch.nn.Module, *, layout: ParallelLayout, device: torch.device,
-                bucket_cap_mb: float, gradient_as_bucket_view: bool, comm_hook: str = "none",
-                powersgd_rank: int = 1, powersgd_start_iter: int = 10, compile: bool = False,
-                ) -> tuple[torch.nn.Module, HookState | None]:
+@dataclass(frozen=True)
+class ParallelOptions:
+    """The [parallel] choices beyond the degrees (the trainer fills it from the config)."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    comm_hook: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 10
+    reshard_after_forward: bool = True
+    activation_checkpointing: str = "none"
+    sequence_parallel: bool = True
+    fsdp_offload: bool = False
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 1
+    pp_stages_per_rank: int = 1
+
+
+@dataclass
+class Parallelized:
+    model: nn.Module  # what the optimizer and the checkpoints see (see the module docstring)
+    mesh: object | None  # the run's DeviceMesh (None in one process)
+    pipeline: object | None = None  # parallel.pipeline.Pipeline under pp > 1
+    hook_state: HookState | None = None  # the DDP comm hook's state (bytes sent, PowerSGD)
+
+
+def check_model_fits(model: nn.Module, spec: ModelSpec, *, layout: ParallelLayout,
+                     options: ParallelOptions, model_label: str) -> None:
+    """Refuse a layout this model cannot take (no TP plan, heads that do not split, fewer
+    blocks than stages), naming the model and the key. Runs on the bare model, before any
+    technique: in the launcher, and on every rank before `parallelize`."""
+    from scaletrain.parallel.pipeline import check_schedule
+
+    if layout.tp > 1:
+        require(spec, "tp", model_label=model_label)
+        heads = {p: "colwise" for p, role in sequence_targets(model, spec).items()
+                 if role == "head" and options.sequence_parallel}
+        check_tp_fit(model, {**tp_targets(model, spec), **heads}, tp=layout.tp,
+                     model_label=model_label)
+    if layout.pp > 1:
+        require(spec, "pp", model_label=model_label)
+        if spec.source == "hugging-face":
+            raise ValueError(f"parallel.pp = {layout.pp}: pipeline stages of a Hugging Face "
+                             f"model ({model_label}) are not supported yet (its base model "
+                             "computes the rotary embeddings once for every layer); use "
+                             "dp_shard and tp with it, or the built-in gpt for pp")
+        n_blocks = len(list(model.get_submodule(spec.pipeline.blocks).children()))
+        check_schedule(options.pp_schedule, pp=layout.pp, microbatches=options.pp_microbatches,
+                       stages_per_rank=options.pp_stages_per_rank, n_blocks=n_blocks)
+    if options.activation_checkpointing != "none":
+        require(spec, "activation-checkpointing", model_label=model_label)
+
+
+def parallelize(model: nn.Module, *, spec: ModelSpec, layout: ParallelLayout, rank: int,
+                device: torch.device, options: ParallelOptions, precision, loss_fn=None,
+                compile: bool = False) -> Parallelized:
     """Apply the layout's techniques to `model` in the documented order.
 
-    With dp == 1 nothing is wrapped: a single process trains the bare module.
-    Returns the model and the comm hook's state (bytes sent), None without a hook.
-
     Args:
-        compile: compile the module with torch.compile (inductor) before DDP wraps it.
+        model: the bare model, already in its master dtype, identical on every rank.
+        spec: its ModelSpec (blocks, TP plan, pipeline split).
+        layout: the resolved degrees; rank: this process's global rank.
+        device: this rank's device.
+        options: the [parallel] choices (ParallelOptions).
+        precision: the Precision object (FSDP's mixed-precision policy, fp16 loss scaling
+            inside the pipeline).
+        loss_fn: (output, batch) -> (sum, count); the pipeline's last stage computes it.
+        compile: torch.compile the module in place (DDP path only; refused with sharding).
     """
     model = model.to(device)
+    mesh = layout.build_mesh(device.type)
+    coords = layout.coords(rank)
+    parts, owner, stages = [model], model, None
+    if layout.pp > 1:  # 1. pipeline split: this rank's stages of the model
+        from scaletrain.parallel.pipeline import split_model, stage_ids
+
+        stages = stage_ids(pp_rank=coords["pp"], pp=layout.pp,
+                           stages_per_rank=options.pp_stages_per_rank,
+                           schedule=options.pp_schedule)
+        parts = split_model(model, spec, stage_ids=stages,
+                            num_stages=layout.pp * options.pp_stages_per_rank)
+        owner = parts[0] if len(parts) == 1 else _share_parts(model, spec, parts)
+    targets = tp_targets(model, spec) if layout.tp > 1 else {}
+    sequence = (sequence_targets(model, spec) if layout.tp > 1 and options.sequence_parallel
+                else {})
+    for part in parts:
+        if layout.tp > 1:  # 2. tensor parallel (and sequence parallel where declared)
+            apply_tp(part, mesh["tp"], targets=targets, sequence=sequence)
+        if options.activation_checkpointing != "none":  # 3. activation checkpointing
+            apply_activation_checkpointing(part, blocks_path=spec.blocks,
+                                           mode=options.activation_checkpointing)
+        if layout.dp_shard > 1:  # 4. FSDP, per stage
+            dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
+            apply_fsdp(part, mesh[dims], blocks=block_modules(part, spec) if spec.blocks else [],
+                       mp_policy=precision.fsdp_policy(),
+                       reshard_after_forward=options.reshard_after_forward,
+                       offload=options.fsdp_offload)
     if compile:
-        model.compile()  # in place: the same module and parameter names, a compiled forward
-    hook_state = None
-    if layout.dp > 1:
-        model = apply_ddp(model, device=device, bucket_cap_mb=bucket_cap_mb,
-                          gradient_as_bucket_view=gradient_as_bucket_view)
-        hook_state = register_comm_hook(model, name=comm_hook, powersgd_rank=powersgd_rank,
-                                        powersgd_start_iter=powersgd_start_iter)
-    return model, hook_state
+        owner.compile()  # in place: the same module and parameter names, a compiled forward
+    out = Parallelized(model=owner, mesh=mesh)
+    if layout.dp_replicate > 1 and layout.dp_shard == 1:  # 5. DDP (nothing else is on)
+        out.model = apply_ddp(owner, device=device, bucket_cap_mb=options.bucket_cap_mb,
+                              gradient_as_bucket_view=options.gradient_as_bucket_view)
+        out.hook_state = register_comm_hook(out.model, name=options.comm_hook,  # 6.
+                                            powersgd_rank=options.powersgd_rank,
+                                            powersgd_start_iter=options.powersgd_start_iter)
+    if layout.pp > 1:  # 7. the schedule over the finished stages
+        from scaletrain.parallel.pipeline import build_pipeline
+
+        out.pipeline = build_pipeline(parts, stage_ids=stages,
+                                      num_stages=layout.pp * options.pp_stages_per_rank,
+                                      group=_pipeline_group(mesh, layout), device=device,
+                                      schedule=options.pp_schedule,
+                                      microbatches=options.pp_microbatches, loss_fn=loss_fn)
+    return out
 
 
-def gradient_sync(model: torch.nn.Module, *, enabled: bool) -> ContextManager:
+def _pipeline_group(mesh, layout: ParallelLayout):
+    """The stages' process group. When the pipeline spans the whole world, the mesh's "pp"
+    group is the default group, which also carries the trainer's own collectives (the
+    SIGTERM flag's all-reduce is in flight during the next step): a group of their own
+    keeps the schedule's sends and receives apart from them."""
+    import torch.distributed as dist
+
+    if layout.pp == layout.world_size:
+        return dist.new_group(ranks=list(range(layout.world_size)))
+    return mesh["pp"].get_group()
+
+
+def _share_parts(model: nn.Module, spec: ModelSpec, parts: list[nn.Module]) -> nn.Module:
+    """One module holding every stage this rank runs (interleaved schedules run two or more):
+    the model's skeleton whose blocks and ends are the very modules of the stage parts. The
+    optimizer and the checkpoints see it, with the model's own parameter names; the
+    schedule runs the parts."""
+    import copy
+
+    pipe = spec.pipeline
+    blocks = model.get_submodule(pipe.blocks)
+    saved = dict(blocks.named_children())
+    for name in saved:  # copy the skeleton only, not every block's weights
+        delattr(blocks, name)
+    try:
+        owner = copy.deepcopy(model)
+    finally:
+        for name, block in saved.items():
+            blocks.register_module(name, block)
+    held = owner.get_submodule(pipe.blocks)
+    for part in parts:
+        for name, block in part.get_submodule(pipe.blocks).named_children():
+            held.register_module(name, block)
+    for path in (*pipe.first, *pipe.last):
+        parent, _, leaf = path.rpartition(".")
+        found = [getattr(p.get_submodule(parent), leaf) for p in parts]
+        setattr(owner.get_submodule(parent), leaf,
+                next((m for m in found if m is not None), None))
+    return owner
+
+
+def gradient_sync(model: nn.Module, *, enabled: bool) -> ContextManager:
     """Context for one micro-batch's backward: sync gradients across ranks or not.
 
-    Skipping the sync on all but the last micro-batch lets gradients accumulate locally and
-    be all-reduced once per optimizer step.
+    DDP: skipping the all-reduce on all but the last micro-batch lets gradients accumulate
+    locally and be all-reduced once per optimizer step, at no memory cost. FSDP is left to
+    reduce-scatter every micro-batch (as torchtitan does): skipping it would keep every
+    block's whole, unsharded gradient until the last micro-batch, the very memory sharding
+    saves; the accumulated shards sum to the same gradient.
     """
-    if not enabled and isinstance(model, DistributedDataParallel):
+    if isinstance(model, DistributedDataParallel) and not enabled:
         return model.no_sync()
     return contextlib.nullcontext()
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def full_state_dict(model: nn.Module, *, layout: ParallelLayout) -> dict | None:
+    """The whole model's weights, gathered on rank 0 (a collective: every rank calls it).
+
+    None where nothing is split (one process, DDP): rank 0's module is the whole model and
+    is saved as it is. Otherwise DTensor shards are gathered into full tensors
+    (torch.distributed.checkpoint's full state dict) and, under pipeline parallelism, each
+    stage's weights travel to rank 0; other ranks get an empty dict.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if layout.dp_shard == 1 and layout.tp == 1 and layout.pp == 1:
+        return None
+    state = get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True))
+    if layout.pp == 1:
+        return {k: v.detach().cpu() for k, v in state.items()} if dist.get_rank() == 0 else {}
+    c = layout.coords(dist.get_rank())
+    mine = ({k: v.detach().cpu() for k, v in state.items()}
+            if c["dp_replicate"] == c["dp_shard"] == c["tp"] == 0 else {})
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return {k: v for part in gathered for k, v in part.items()} if gathered else {}
+
+
+def unwrap(model: nn.Module) -> nn.Module:
     """The user's module, without the DDP wrapper (plain parameter names)."""
     return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,14 +1,29 @@
-"""The parallel layout: one validated value of parallel degrees.
+"""The parallel layout: one validated value of parallel degrees, and the DeviceMesh it names.
 
-Today it holds the data-parallel replicate degree; FSDP sharding, tensor and pipeline
-parallel degrees join it as fields with default 1, and `build_mesh` then names one
-DeviceMesh dimension per degree. It is a frozen dataclass that checks itself and can be
-tested without any process group.
+Four degrees multiply to the world size:
+
+    pp            pipeline stages (parallel/pipeline.py)
+    dp_replicate  data-parallel replicas that hold whole parameters (DDP), or the replicate
+                  dimension of HSDP (dp_replicate x dp_shard)
+    dp_shard      data-parallel ranks that shard parameters, gradients and optimizer state
+                  (FSDP2, parallel/fsdp.py)
+    tp            tensor-parallel ranks that split each block's matmuls (parallel/tensor.py)
+
+Ranks are laid out row-major over ("pp", "dp_replicate", "dp_shard", "tp"), as torchtitan
+does: tensor-parallel peers are neighbours (on a GPU node they share the fastest links), the
+pipeline dimension is outermost (it sends the least). `build_mesh` names one DeviceMesh
+dimension per degree above 1. The data-parallel rank of a process, which picks its share of
+every global batch, is its coordinate over (dp_replicate, dp_shard): tensor-parallel and
+pipeline peers read the same examples.
+
+A frozen dataclass that checks itself and is testable without any process group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 class LayoutError(ValueError):
@@ -17,36 +32,112 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    dp: int = -1  # data-parallel replicas; -1 = whatever the world size leaves over
+    dp_replicate: int = -1  # -1: whatever the world size leaves over
+    dp_shard: int = 1  # -1: whatever the world size leaves over
+    tp: int = 1
+    pp: int = 1
 
-    def resolve(self, world_size: int) -> "ParallelLayout":
-        """Infer -1 degrees from the world size and check the product equals it.
+    def resolve(self, world_size: int) -> ParallelLayout:
+        """Infer a -1 degree from the world size and check the product equals it.
 
-        Args:
-            world_size: total number of processes.
+        At most one of dp_replicate and dp_shard may be -1; when dp_shard is -1, an unset
+        (-1) dp_replicate counts as 1 (the world is sharded, not replicated). Next to tensor
+        or pipeline parallelism an unset dp_replicate also counts as 1 and the ranks left
+        over shard (dp_shard), as torchtitan's default does: DDP does not compose with them.
 
         Raises:
             LayoutError: a degree is invalid or the degrees do not multiply to world_size.
         """
         if world_size < 1:
             raise LayoutError(f"world size must be >= 1, got {world_size}")
-        if self.dp == 0 or self.dp < -1:
-            raise LayoutError(f"parallel.dp = {self.dp} is invalid: allowed are -1 (infer) or >= 1")
-        dp = world_size if self.dp == -1 else self.dp
-        if dp != world_size:
+        for key in MESH_DIMS:
+            value = getattr(self, key)
+            lowest = -1 if key.startswith("dp") else 1
+            if value == 0 or value < lowest:
+                allowed = "-1 (infer) or >= 1" if lowest == -1 else ">= 1"
+                raise LayoutError(f"parallel.{key} = {value} is invalid: allowed are {allowed}")
+        replicate, shard = self.dp_replicate, self.dp_shard
+        if replicate == -1 and shard == 1 and (self.tp > 1 or self.pp > 1):
+            shard = -1  # the data-parallel ranks next to TP or PP are FSDP's
+        if replicate == -1 and shard == -1:
+            replicate = 1
+        self = replace(self, dp_shard=shard)
+        fixed = self.tp * self.pp * max(replicate, 1) * max(self.dp_shard, 1)
+        if -1 in (replicate, self.dp_shard):
+            if world_size % fixed:
+                raise LayoutError(f"{self._product(replicate)} = {fixed} does not divide the "
+                                  f"world size {world_size}, so the -1 degree cannot be "
+                                  f"inferred; launch a multiple of {fixed} processes")
+            inferred = world_size // fixed
+            resolved = replace(self, dp_replicate=inferred if replicate == -1 else replicate,
+                               dp_shard=inferred if self.dp_shard == -1 else self.dp_shard)
+        else:
+            resolved = replace(self, dp_replicate=replicate)
+        if resolved.world_size != world_size:
             raise LayoutError(
-                f"parallel.dp = {self.dp} does not match the world size {world_size} "
-                f"(processes launched); use parallel.dp={world_size}, parallel.dp=-1, or launch "
-                f"{self.dp} processes (--nproc {self.dp})"
-            )
-        return replace(self, dp=dp)
+                f"the parallel degrees {resolved._product(resolved.dp_replicate)} = "
+                f"{resolved.world_size} do not match the world size {world_size} (processes "
+                f"launched); change the degrees, set parallel.dp_replicate=-1 or "
+                f"parallel.dp_shard=-1 to infer one, or launch {resolved.world_size} "
+                f"processes (--nproc {resolved.world_size})")
+        return resolved
+
+    def _product(self, replicate: int) -> str:
+        return (f"parallel.pp = {self.pp} x parallel.dp_replicate = {replicate} x "
+                f"parallel.dp_shard = {self.dp_shard} x parallel.tp = {self.tp}")
 
     @property
     def world_size(self) -> int:
-        return self.dp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: how many distinct shares each global batch is split into."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The mesh: each degree above 1 by name, outermost first."""
+        return {k: getattr(self, k) for k in MESH_DIMS if getattr(self, k) > 1}
+
+    @property
+    def splits_gradients(self) -> bool:
+        """Some rank holds only part of the gradient (FSDP, TP or PP): every layout but DDP
+        or one process. Their loss scaler must agree on an overflow across ranks."""
+        return self.world_size > self.dp_replicate
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate along every dimension (row-major over MESH_DIMS)."""
+        out = {}
+        for key in reversed(MESH_DIMS):
+            size = getattr(self, key)
+            out[key], rank = rank % size, rank // size
+        return {k: out[k] for k in MESH_DIMS}
+
+    def dp_rank(self, rank: int) -> int:
+        """Which share of the global batch `rank` reads (its place among the dp ranks)."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def reports_loss(self, rank: int) -> bool:
+        """One rank per data-parallel share counts its loss in the logged sums: tensor-
+        parallel peers compute the same loss, and only the last pipeline stage has one."""
+        c = self.coords(rank)
+        return c["tp"] == 0 and c["pp"] == self.pp - 1
 
     def build_mesh(self, device_type: str):
-        """A DeviceMesh with one named dimension per degree (today: ("dp",))."""
+        """The named DeviceMesh (None in a world of one process: nothing to communicate)."""
+        if self.world_size == 1:
+            return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp,), mesh_dim_names=("dp",))
+        sizes = self.sizes
+        return init_device_mesh(device_type, tuple(sizes.values()),
+                                mesh_dim_names=tuple(sizes))
+
+    def describe(self) -> str:
+        """e.g. 'pp=2 x dp_shard=2 (4 ranks)'; '1 process' when nothing is parallel."""
+        sizes = self.sizes
+        if not sizes:
+            return "1 process"
+        return " x ".join(f"{k}={v}" for k, v in sizes.items()) + f" ({self.world_size} ranks)"

@@ -50,12 +50,13 @@ def build_optimizer(model: torch.nn.Module, *, name: str, lr: float, weight_deca
     """
     params = [p for p in model.parameters() if p.requires_grad]
     kernels = {"fused": True} if resolve_impl(impl, params) == "fused" else {"foreach": True}
+    groups = _kernel_groups(params)
     match name:
         case "adamw":
-            return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
+            return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay,
                                      **kernels)
         case "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
+            return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
                                    **kernels)
     raise ValueError(f"optimizer {name!r} is not one of ('adamw', 'sgd')")
 
@@ -80,3 +81,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, tota
         lambda step: lr_multiplier(step, warmup_steps=warmup_steps, total_steps=total_steps,
                                    schedule=schedule, min_lr_ratio=min_lr_ratio),
     )
+
+
+def _kernel_groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    """One parameter group, or two under tensor parallelism without FSDP: a fused or foreach
+    kernel takes either plain tensors or DTensors, never both in one call, and TP leaves
+    the embeddings, norms and head plain. Both groups have the same hyper-parameters."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": g} for g in (plain, sharded) if g] or [{"params": params}]

@@ -12,6 +12,13 @@ before the first forward; DDP then averages over the n ranks, which we undo by
 multiplying by n. With ragged counts (masked tokens differ between micro-batches
 and ranks) the global count is all-reduced once per step; with fixed counts it is just
 local count x n and no collective runs.
+
+The same step runs every layout. n is the data-parallel degree (dp_replicate x dp_shard):
+FSDP averages like DDP, tensor-parallel and pipeline peers read the same examples and
+average nothing. Under pipeline parallelism one call of the schedule replaces a micro-
+batch's forward and backward (it splits the micro-batch into chunks and backpropagates
+each chunk's sum x the same weight), and the gradient norm is the whole model's, however it
+is split (training/grad_norm.py).
 """
 
 from __future__ import annotations
@@ -23,10 +30,14 @@ from typing import Any
 import torch
 
 from scaletrain.data.sources import Batch
+from scaletrain.memory import local_bytes
 from scaletrain.parallel.compose import gradient_sync
+from scaletrain.parallel.pipeline import Pipeline, run_pipeline
 from scaletrain.precision import Precision
 from scaletrain.runtime import all_reduce_sum
+from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
 from scaletrain.training.loss import LossFn, cross_entropy
+from scaletrain.user_code import UserCodeError
 
 
 def forward(model: torch.nn.Module, batch: Batch, precision: Precision) -> Any:
@@ -43,24 +54,31 @@ class StepResult:
     stepped: bool  # False when the step was skipped for a non-finite gradient
     first_nonfinite: str | None = None  # when skipped: the parameter nearest the output
     # whose gradient is inf/NaN, i.e. the first to overflow in backward order
+    grad_bytes: int = 0  # bytes of the gradients this rank held (its local shards)
 
 
 def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
                optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                precision: Precision, grad_clip: float, dp_size: int,
-               ragged_counts: bool, loss_fn: LossFn = cross_entropy) -> StepResult:
+               ragged_counts: bool, loss_fn: LossFn = cross_entropy,
+               pipeline: Pipeline | None = None, pp_group=None) -> StepResult:
     """Run one optimizer step over this rank's micro-batches.
 
     Args:
-        model: the (possibly DDP-wrapped) model.
+        model: the (possibly DDP- or FSDP-wrapped, TP-split) model, or under pipeline
+            parallelism this rank's share of it (what the optimizer holds).
         micro_batches: this rank's micro-batches for the step.
         optimizer: the optimizer over the model's parameters.
         scheduler: LR schedule, advanced once per step.
         precision: forward context, (scaled) backward, unscale, optimizer step.
         grad_clip: max global gradient norm; 0 disables clipping.
-        dp_size: data-parallel ranks whose gradients DDP averages.
+        dp_size: data-parallel ranks (dp_replicate x dp_shard) whose gradients DDP or FSDP
+            average.
         ragged_counts: counts may differ between ranks (masked tokens): all-reduce them.
         loss_fn: (model output, batch) -> (summed loss, count); cross-entropy by default.
+        pipeline: under pp > 1, the schedule that runs forward and backward of each
+            micro-batch through the stages (parallel/pipeline.py).
+        pp_group: under pp > 1, the pipeline's process group (the stages' grad norms add).
     """
     # The normaliser of the whole step, across micro-batches and ranks, before any forward.
     local_count = sum(mb.count for mb in micro_batches)
@@ -68,8 +86,9 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
         global_count = int(all_reduce_sum(torch.tensor([local_count], dtype=torch.float64)).item())
     else:
         global_count = local_count * dp_size
-    # DDP divides the summed gradient by dp_size; multiply it back so the result is the
-    # gradient of (sum of all losses) / global_count.
+    # DDP and FSDP divide the summed gradient by dp_size; multiply it back so the result is
+    # the gradient of (sum of all losses) / global_count. Tensor-parallel and pipeline peers
+    # see the same examples and average nothing, so they need no correction.
     loss_weight = dp_size / max(global_count, 1)
 
     # float64 so that neither fp32 rounding nor the number of micro-batches changes the sum.
@@ -78,32 +97,55 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
         is_last = i == len(micro_batches) - 1
         # All-reduce gradients only on the last micro-batch; earlier ones accumulate locally.
         with gradient_sync(model, enabled=is_last):
-            with precision.forward_context():
-                loss, _ = loss_fn(forward(model, mb, precision), mb)  # a sum, not a mean
-            precision.backward(loss * loss_weight)
-        loss_sum += loss.detach().double()
+            if pipeline is None:
+                with precision.forward_context():
+                    loss, _ = loss_fn(forward(model, mb, precision), mb)  # a sum, not a mean
+                precision.backward(loss * loss_weight)
+                loss = loss.detach().double()
+            else:
+                if mb.extras:
+                    raise UserCodeError(
+                        f"the dataset's items carry {sorted(mb.extras)} for the model's forward, "
+                        "which a pipeline's stages do not pass along; parallel.pp > 1 takes "
+                        "(inputs, targets) items only")
+                # fp16: the loss is scaled on the last stage only, yet every stage unscales
+                # its gradients by the same scale: create the scaler's scale on every rank.
+                precision.scale(loss_sum)
+                # The schedule splits the micro-batch into pp_microbatches chunks, runs their
+                # forwards and backwards through the stages in its order, and backpropagates
+                # each chunk's summed loss x loss_weight: the same normaliser as above.
+                with precision.forward_context():
+                    loss = run_pipeline(pipeline, precision.convert_input(mb.inputs),
+                                        mb.targets, loss_weight=loss_weight,
+                                        scale=precision.scale)
+        loss_sum += loss  # on a pipeline's other stages: 0 (the loss is on the last)
 
     params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     precision.unscale_(optimizer)  # fp16: clip and check the true gradient, not the scaled one
-    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    # After DDP's all-reduce every rank holds the same gradients, so every rank takes the same
-    # decision here: a NaN on one rank's loss reaches all ranks through the all-reduce.
+    # The norm of the whole gradient, the same on every rank: DTensor shards and pipeline
+    # stages summed (training/grad_norm.py).
+    grad_norm = global_grad_norm(grads, pp_group=pp_group)
+    # After DDP's all-reduce every rank holds the same gradients, and the sharded layouts
+    # reduce the norm over every rank, so every rank takes the same decision here: a NaN on
+    # one rank's loss reaches all ranks.
     grads_finite = bool(torch.isfinite(grad_norm))
     if grad_clip > 0 and grads_finite:
-        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm, foreach=True)
+        clip_grads_(grads, max_norm=grad_clip, total_norm=grad_norm)
     first_nonfinite = None if grads_finite else _first_nonfinite(model)
     stepped = precision.optimizer_step(optimizer, grads_finite=grads_finite)
     with warnings.catch_warnings():  # a skipped first step makes LambdaLR warn about the order
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
         scheduler.step()  # the schedule follows the step counter, skipped steps included
+    grad_bytes = local_bytes(grads)  # what this rank held, before the gradients are freed
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum=loss_sum, count=global_count, grad_norm=float(grad_norm),
-                      stepped=stepped, first_nonfinite=first_nonfinite)
+                      stepped=stepped, first_nonfinite=first_nonfinite, grad_bytes=grad_bytes)
 
 
 def _first_nonfinite(model: torch.nn.Module) -> str | None:
     """Backward runs from the output to the input, so scan parameters in reverse order."""
     for name, p in reversed(list(model.named_parameters())):
         if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            return name.removeprefix("module.")
+            return name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
     return None

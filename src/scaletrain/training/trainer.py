@@ -3,9 +3,11 @@
 This is the only place below the CLI that reads the config; every technique underneath
 receives explicit arguments. Flow per run:
 
-    resolve config -> threads, process group, seeds -> data (train/eval), model, loss
-    (built-in or the user's: training/assemble.py) -> precision cast -> parallelize (DDP) ->
-    optimizer, schedule -> [a user loss: checked to return (sum, count)] -> loop:
+    resolve config -> threads, process group, seeds -> data (train/eval), sampler (by the
+    data-parallel rank), model, loss (built-in or the user's: training/assemble.py) ->
+    precision cast -> [user code: checked on the bare model] -> the layout checked against
+    the model -> parallelize (pipeline split, TP, activation checkpointing, FSDP or DDP:
+    parallel/compose.py) -> optimizer, schedule -> loop:
         sampler gives this rank's micro-batches -> train_step -> bad-step check ->
         metrics every log.every (one all-reduce) -> eval every train.eval_every
     -> final eval -> model.safetensors, summary.json (rank 0)
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file, save_model
+from torch.nn.parallel import DistributedDataParallel
 
 from scaletrain.allocator import configure_allocator
 from scaletrain.launch import under_elastic_agent
@@ -32,10 +35,13 @@ from scaletrain.config import Config, Derived, config_to_toml, resolve
 from scaletrain.data.sampler import GlobalBatchSampler, eval_indices
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sources import Batch
-from scaletrain.memory import WindowPeak, lifetime_peak_bytes
+from scaletrain.memory import WindowPeak, held_bytes, lifetime_peak_bytes
+from scaletrain.models.protocol import model_spec
 from scaletrain.metrics import MetricsLogger
 from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
-from scaletrain.parallel.compose import parallelize, unwrap
+from scaletrain.parallel.compose import check_model_fits, full_state_dict, parallelize, unwrap
+from scaletrain.parallel.layout import ParallelLayout
+from scaletrain.parallel.pipeline import Pipeline, eval_pipeline
 from scaletrain.precision import Precision, make_precision
 from scaletrain.rundir import default_run_dir, write_config
 from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, collective_guard,
@@ -44,6 +50,7 @@ from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, co
 from scaletrain.training import signals
 from scaletrain.training.optim import build_optimizer, build_scheduler
 from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, build_data,
+                                         parallel_options,
                                          build_loss, build_net, check_fit, check_loss,
                                          is_user_loss)
 from scaletrain.training.loss import LossFn, mse
@@ -78,6 +85,15 @@ class Parts:
     comm: "CommCounter"
     checkpointer: Checkpointer
     loss_fn: LossFn  # (model output, batch) -> (summed loss, count)
+    layout: ParallelLayout
+    rank: int
+    pipeline: Pipeline | None = None  # under pp > 1: the schedule over this rank's stages
+    pp_group: object | None = None  # under pp > 1: the pipeline's process group
+
+    @property
+    def reports_loss(self) -> bool:
+        """This rank's summed loss counts in the logged loss (one per data-parallel share)."""
+        return self.layout.reports_loss(self.rank)
 
 
 def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> dict | None:
@@ -103,8 +119,6 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
         write_config(run_dir, config)
     seed_everything(config.train.seed)
     parts = build(config, derived, penv, device=device, run_dir=run_dir, code=code)
-    if brings_own_code(config, code):
-        _check_user_code(parts, config, code=code)
     if resume_from is not None:
         load_checkpoint(Path(resume_from), parts.state)
         if keyed_by_bucket(parts.comm.hook_state):
@@ -131,58 +145,75 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
 def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.device,
           run_dir: Path, code: UserCode = NO_CODE) -> Parts:
     """Data, model, loss, precision, parallelism, optimizer, schedule, sampler: in that order."""
-    d = config.data
+    d, layout = config.data, derived.layout
     train_ds, eval_ds = (build_data(config, split=split, code=code) for split in ("train", "eval"))
+    # Tensor-parallel and pipeline peers read the same examples: the sampler takes the
+    # data-parallel rank, not the global one.
+    sampler = GlobalBatchSampler(len(train_ds), global_batch=config.train.global_batch,
+                                 micro_batch=config.train.micro_batch,
+                                 dp_rank=layout.dp_rank(penv.rank), dp_size=layout.dp,
+                                 seed=config.train.seed, shard_rows=train_ds.shard_rows,
+                                 shuffle_window=d.shuffle_window)
     precision = make_precision(config.precision.mode, device_type=device.type,
                                init_scale=config.precision.init_scale,
-                               growth_interval=config.precision.growth_interval)
+                               growth_interval=config.precision.growth_interval,
+                               sharded=layout.splits_gradients)
     model = build_net(config, train_ds, code=code)
     loss_fn = build_loss(config, train_ds, code=code)
     model = precision.convert_module(model)
-    pc = config.parallel
-    model, hook_state = parallelize(model, layout=derived.layout, device=device,
-                                    compile=config.train.compile,
-                                    bucket_cap_mb=pc.bucket_cap_mb,
-                                    gradient_as_bucket_view=pc.gradient_as_bucket_view,
-                                    comm_hook=pc.comm_hook, powersgd_rank=pc.powersgd_rank,
-                                    powersgd_start_iter=pc.powersgd_start_iter)
+    if brings_own_code(config, code):  # on the bare model, before any technique splits it
+        _check_user_code(model, train_ds, config, code=code, precision=precision,
+                         loss_fn=loss_fn, first=sampler.micro_batches(0)[0], device=device)
+    spec, options = model_spec(model), parallel_options(config, derived)
+    try:
+        check_model_fits(model, spec, layout=layout, options=options,
+                         model_label=f"model.name = {config.model.name!r}")
+    except ValueError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
+        raise UserCodeError(str(e)) from None
+    par = parallelize(model, spec=spec, layout=layout, rank=penv.rank, device=device,
+                      options=options, precision=precision, loss_fn=loss_fn,
+                      compile=config.train.compile)
+    model, hook_state = par.model, par.hook_state
     o = config.optim
+    # A fused kernel takes the fp16 scaler's found-inf flag as a plain tensor, which it
+    # cannot mix with DTensor parameters: sharded fp16 runs the foreach kernels.
+    impl = "foreach" if precision.scaler is not None and layout.splits_gradients else o.impl
     optimizer = build_optimizer(model, name=o.name, lr=o.lr, weight_decay=o.weight_decay,
-                                betas=o.betas, momentum=o.momentum, impl=o.impl)
+                                betas=o.betas, momentum=o.momentum, impl=impl)
     scheduler = build_scheduler(optimizer, warmup_steps=o.warmup_steps,
                                 total_steps=config.train.steps, schedule=o.schedule,
                                 min_lr_ratio=o.min_lr_ratio)
-    sampler = GlobalBatchSampler(len(train_ds), global_batch=config.train.global_batch,
-                                 micro_batch=config.train.micro_batch, dp_rank=penv.rank,
-                                 dp_size=derived.layout.dp, seed=config.train.seed,
-                                 shard_rows=train_ds.shard_rows, shuffle_window=d.shuffle_window)
     c = config.checkpoint
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.keep, async_save=c.async_save,
                                 config_toml=config_to_toml(config))
-    comm = CommCounter(model, hook_state, dp=derived.layout.dp)
+    comm = CommCounter(model, hook_state, ddp=isinstance(model, DistributedDataParallel))
     # The loop's streak and window: a checkpoint loads into this RunProgress, the loop runs on it.
     state = TrainState(model, optimizer, scheduler, precision, hook=hook_state,
                        loop=RunProgress(first_step=0, comm=comm),
                        tokens_per_example=train_ds.spec.input_shape[0]
                        if train_ds.spec.kind == "lm" else 0)
     return Parts(state=state, sampler=sampler, train_ds=train_ds, eval_ds=eval_ds,
-                 device=device, comm=comm, checkpointer=checkpointer, loss_fn=loss_fn)
+                 device=device, comm=comm, checkpointer=checkpointer, loss_fn=loss_fn,
+                 layout=layout, rank=penv.rank, pipeline=par.pipeline,
+                 pp_group=par.pipeline.stages[0].group if par.pipeline else None)
 
 
-def _check_user_code(parts: Parts, config: Config, *, code: UserCode) -> None:
+def _check_user_code(net: torch.nn.Module, train_ds: Dataset, config: Config, *,
+                     code: UserCode, precision: Precision, loss_fn: LossFn,
+                     first: torch.Tensor, device: torch.device) -> None:
     """Before the first step, every rank runs the user's model and loss on its first
     micro-batch (`check_fit`), and checks a user's loss sums (training/loss.py,
     `check_summed`): the launcher checked two examples, this checks what each rank will
-    train on, and in one process it is the only check. The ranks agree on the outcome, so
-    none is left waiting in a collective while another reports the mistake."""
-    state = parts.state
-    batch = parts.train_ds.get(parts.sampler.micro_batches(state.step)[0]).to(parts.device)
-    net, problem = unwrap(state.model), None
+    train on, and in one process it is the only check. It runs on the bare model, before
+    any technique splits it. The ranks agree on the outcome, so none is left waiting in a
+    collective while another reports the mistake."""
+    batch = train_ds.get(first).to(device)
+    net, problem = net.to(device), None
     try:
-        check_fit(net, batch, loss_fn=parts.loss_fn, precision=state.precision, config=config)
+        check_fit(net, batch, loss_fn=loss_fn, precision=precision, config=config)
         if is_user_loss(config, code):
-            check_loss(parts.loss_fn, net, batch, config=config, precision=state.precision,
-                       task_kind=parts.train_ds.spec.kind)
+            check_loss(loss_fn, net, batch, config=config, precision=precision,
+                       task_kind=train_ds.spec.kind)
     except UserCodeError as e:
         problem = e
     refused = all_reduce_sum(torch.tensor([float(problem is not None)], dtype=torch.float64))
@@ -232,7 +263,8 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
             result = train_step(state.model, micro, optimizer=state.optimizer,
                                 scheduler=state.scheduler, precision=state.precision,
                                 grad_clip=config.optim.grad_clip, dp_size=derived.layout.dp,
-                                ragged_counts=parts.train_ds.spec.ragged, loss_fn=parts.loss_fn)
+                                ragged_counts=parts.train_ds.spec.ragged, loss_fn=parts.loss_fn,
+                                pipeline=parts.pipeline, pp_group=parts.pp_group)
         state.step = step + 1
         _count_bad_steps(state, result, run, config=config)
         _log_window(state, result, micro, run, parts=parts, logger=logger, config=config,
@@ -244,7 +276,8 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
             with collective_guard("evaluation all-reduce", step=step):
                 record = {"step": state.step, **evaluate(
                     state.model, parts.eval_ds, config, penv, derived,
-                    precision=state.precision, device=parts.device, loss_fn=parts.loss_fn)}
+                    precision=state.precision, device=parts.device, loss_fn=parts.loss_fn,
+                    pipeline=parts.pipeline)}
             logger.log_eval(record)
             logger.message(f"scaletrain: eval at step {state.step}: " + ", ".join(
                 f"{k} {v:.4g}" for k, v in record.items() if k != "step"))
@@ -253,11 +286,12 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     with collective_guard("evaluation all-reduce", step=t.steps):
         eval_record = evaluate(state.model, parts.eval_ds, config, penv, derived,
                                precision=state.precision, device=parts.device,
-                               loss_fn=parts.loss_fn)
+                               loss_fn=parts.loss_fn, pipeline=parts.pipeline)
+    weights = full_state_dict(state.model, layout=parts.layout)  # every rank takes part
     logger.log_eval({"step": t.steps, **eval_record})
     if not penv.is_main:
         return None
-    return _finish(run_dir, model=state.model, config=config, derived=derived, wall=wall,
+    return _finish(run_dir, model=state.model, weights=weights, config=config, derived=derived, wall=wall,
                    last_loss=run.last_loss, eval_record=eval_record, skipped=state.skipped_steps,
                    steps_run=t.steps - run.first_step, precision_mode=state.precision.mode,
                    tokens_per_example=state.tokens_per_example)
@@ -328,7 +362,9 @@ def _log_window(state: TrainState, result: StepResult, micro: list[Batch], run: 
                 parts: Parts, logger: MetricsLogger, config: Config, dp: int) -> None:
     """Add the step to the window; every log.every steps write one record and start a new one."""
     window = run.window
-    window.loss_sum += float(result.loss_sum)
+    # Tensor-parallel peers hold the same loss and a pipeline's other stages none: one rank
+    # per data-parallel share adds it, so the all-reduced sum counts every example once.
+    window.loss_sum += float(result.loss_sum) if parts.reports_loss else 0.0
     window.count += result.count
     window.steps += 1
     if state.step % config.log.every and state.step != config.train.steps:
@@ -340,6 +376,8 @@ def _log_window(state: TrainState, result: StepResult, micro: list[Batch], run: 
     record["comm_bytes_per_step"] = parts.comm.per_step(window.steps)
     record["examples_seen"], record["tokens_seen"] = state.examples_seen, state.tokens_seen
     record.update(run.memory.record() if run.memory else {})
+    # What this rank holds, from its local tensors (a shard's bytes, not the global shape).
+    record.update(held_bytes(state.model, state.optimizer), grad_bytes=result.grad_bytes)
     if config.train.compile:  # proof that dynamo captured graphs (0: the model ran eager)
         from torch._dynamo.utils import counters
 
@@ -405,18 +443,29 @@ def _train_record(step: int, result: StepResult, window: Window, micro: list[Bat
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, eval_ds: Dataset, config: Config, penv: ProcessEnv,
              derived: Derived, *, precision: Precision, device: torch.device,
-             loss_fn: LossFn) -> dict:
+             loss_fn: LossFn, pipeline: Pipeline | None = None) -> dict:
     """Held-out loss, and the task's metric (accuracy; mse for regression; perplexity for
-    text under cross-entropy), each rank a strided share."""
+    text under cross-entropy), each data-parallel share a strided part. Tensor-parallel
+    peers evaluate the same examples (their forward is collective) and count them once;
+    under pipeline parallelism the last stage has the output."""
+    layout = derived.layout
+    counts = layout.reports_loss(penv.rank)
     net = unwrap(model)
     net.eval()
     kind = eval_ds.spec.kind
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct (or squared error), count
-    for idx in eval_indices(len(eval_ds), limit=config.train.eval_examples, dp_rank=penv.rank,
-                            dp_size=derived.layout.dp, batch=config.train.micro_batch):
+    for idx in eval_indices(len(eval_ds), limit=config.train.eval_examples,
+                            dp_rank=layout.dp_rank(penv.rank), dp_size=layout.dp,
+                            batch=config.train.micro_batch):
         batch = eval_ds.get(idx).to(device, non_blocking=True)
         with precision.forward_context():
-            output = forward(net, batch, precision)
+            if pipeline is None:
+                output = forward(net, batch, precision)
+            else:
+                output = eval_pipeline(pipeline, precision.convert_input(batch.inputs),
+                                       batch.targets)
+        if not counts:
+            continue
         totals[0] += float(loss_fn(output, batch)[0])
         if kind == "regression":
             totals[1] += float(mse(output, batch)[0])
@@ -449,15 +498,17 @@ def _diverged_message(step: int, bad: int, last_loss: float, config: Config,
 
 
 class CommCounter:
-    """Bytes each rank hands to the gradient all-reduce per step.
+    """Bytes each rank hands to DDP's gradient all-reduce per step.
 
     With a comm hook, the hook counts the tensors it sends; without one, DDP all-reduces
-    every gradient once per step in its own dtype, which is the parameters' size.
+    every gradient once per step in its own dtype, which is the parameters' size. Other
+    layouts (FSDP's gathers and reduce-scatters, TP's all-reduces, PP's sends) are not
+    counted here: 0.
     """
 
-    def __init__(self, model: torch.nn.Module, hook_state, *, dp: int) -> None:
+    def __init__(self, model: torch.nn.Module, hook_state, *, ddp: bool) -> None:
         self.hook_state = hook_state
-        self.plain = 0 if dp == 1 else sum(p.numel() * p.element_size()
+        self.plain = 0 if not ddp else sum(p.numel() * p.element_size()
                                            for p in model.parameters() if p.requires_grad)
         self.seen = 0
 
@@ -468,20 +519,26 @@ class CommCounter:
         return sent / max(steps, 1)
 
 
-def _finish(run_dir: Path, *, model, config: Config, derived: Derived, wall: float,
+def _finish(run_dir: Path, *, model, weights: dict[str, torch.Tensor] | None, config: Config,
+            derived: Derived, wall: float,
             last_loss: float, eval_record: dict, skipped: int, steps_run: int,
             tokens_per_example: int, precision_mode: str) -> dict:
     """Rank 0 writes the final weights (plain names, no DDP prefix) and the summary."""
     # In the dtype that was trained (fp32 master weights; bf16 for bf16-true, fp64 for fp64).
     # save_model keeps one name of weights tied to each other (safetensors refuses aliases).
+    # Under sharding or pipeline stages, `weights` were gathered from every rank (plain
+    # names, full shapes); otherwise this rank's module is the whole model.
     net = unwrap(model)
-    save_model(net, str(run_dir / "model.safetensors"),
-               metadata={"model": config.model.name, "size": config.model.size})
+    meta = {"model": config.model.name, "size": config.model.size}
+    if weights is None:
+        save_model(net, str(run_dir / "model.safetensors"), metadata=meta)
+    else:
+        save_file(weights, str(run_dir / "model.safetensors"), metadata=meta)
     honour_umask(run_dir / "model.safetensors")  # safetensors writes 0600
     if config.model.name == "hf":  # also as a model directory: model.path can fine-tune it
         from scaletrain.models.hf import save_hf
 
-        save_hf(net, run_dir / "hf-model")
+        save_hf(net, run_dir / "hf-model", state_dict=weights)
     examples = steps_run * config.train.global_batch  # this process's share of the run
     summary = {
         "final_loss": last_loss,  # mean training loss of the last log.every-step window

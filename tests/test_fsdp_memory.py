@@ -1,0 +1,246 @@
+"""FSDP2 holds what it promises: each rank's share of parameters, gradients and optimizer
+state, and whole parameters between forward and backward only under ZeRO-2.
+
+1. From the runs' metrics (param_bytes, grad_bytes, optim_state_bytes: rank 0's local
+   tensor bytes): under dp_shard=2 every tensor is half the one-process one (ZeRO-3 and
+   ZeRO-2 alike: between steps ZeRO-2 has resharded too); under tp=2 only the planned
+   Linear layers are split (and the head, by vocabulary, with sequence parallelism), the
+   embeddings and norms stay whole; under dp_shard=2 x tp=2 every parameter is halved over
+   dp_shard and the tensor-parallel ones halved again over tp. The expected bytes are
+   computed from the GPT's parameter shapes, its TP plan and its sequence split, not
+   guessed: for the "small" GPT the 2-D layout holds 26% of the model per rank, not 25%.
+2. Directly, in two gloo processes: after one forward, a (non-last) block's registered
+   parameters are whole plain tensors under reshard_after_forward=False (ZeRO-2) and 1/2
+   DTensor shards again under True (ZeRO-3); after backward both hold shards.
+
+Run as a script (`python test_fsdp_memory.py RESHARD`, with torchrun's environment), this
+file is the worker of test 2 and prints its observations as one JSON line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import cli_env, free_port, records, run_workers
+
+TIMEOUT = 240.0  # per run: the machine is shared with other multi-process tests
+F64 = 8  # bytes per element: the runs are fp64
+
+CONFIG = """
+[model]
+name = "gpt"
+size = "small"        # 4 blocks, 4 heads, n_embd 128
+[data]
+source = "wikitext"
+seq_len = 32
+[optim]
+lr = 3e-3
+warmup_steps = 2
+[train]
+steps = 1
+seed = 7
+global_batch = 16
+micro_batch = 4
+eval_examples = 16
+[log]
+every = 1
+quiet = true
+[precision]
+mode = "fp64"
+"""
+
+# name -> (world size, dp_shard, tp, sequence parallel, overrides)
+LAYOUTS = {
+    "dp_shard2": (2, 2, 1, False, ["parallel.dp_shard=2"]),
+    "dp_shard2-zero2": (2, 2, 1, False, ["parallel.dp_shard=2",
+                                         "parallel.reshard_after_forward=false"]),
+    # Plain Megatron TP: the head stays whole on every tensor-parallel rank.
+    "tp2-no_sp": (2, 1, 2, False, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+    # With sequence parallelism the head is split by columns (vocabulary) too.
+    "dp_shard2xtp2-sp": (4, 2, 2, True, ["parallel.dp_shard=2", "parallel.tp=2",
+                                         "parallel.sequence_parallel=true"]),
+}
+
+
+def _gpt(device: str | torch.device = "cpu"):
+    from scaletrain.models.gpt import GPT, GPT_SHAPES
+
+    with torch.device(device):
+        return GPT(vocab_size=256, block_size=32, shape=GPT_SHAPES["small"])
+
+
+def _chunk(n: int, parts: int) -> int:
+    """Rank 0's length of a dim of n split in `parts` (torch.chunk: ceil(n / parts))."""
+    return -(-n // parts)
+
+
+def expected_local_numel(*, dp_shard: int, tp: int, sequence_parallel: bool = False) -> int:
+    """Rank 0's parameter elements, from the GPT's shapes and its TP plan: a colwise Linear
+    splits weight and bias by output features (dim 0), a rowwise one its weight by input
+    features (dim 1) and keeps its bias whole; sequence parallelism adds the head, split by
+    columns; FSDP then splits every tensor on dim 0."""
+    from scaletrain.models.gpt import GPT
+
+    model = _gpt("meta")
+    spec = GPT.scaletrain_spec
+    plan = dict(spec.tp_plan)
+    if sequence_parallel and spec.sequence is not None and spec.sequence.head:
+        plan[spec.sequence.head] = "colwise"
+    total = 0
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        module, _, kind = name.rpartition(".")
+        style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(module, pat)), None)
+        if tp > 1 and style == "colwise":
+            shape[0] = _chunk(shape[0], tp)
+        elif tp > 1 and style == "rowwise" and kind == "weight":
+            shape[1] = _chunk(shape[1], tp)
+        shape[0] = _chunk(shape[0], dp_shard)
+        total += int(torch.Size(shape).numel())
+    return total
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The first (only) train record of one process and of each layout."""
+    root = tmp_path_factory.mktemp("fsdp-memory")
+    config = root / "cfg.toml"
+    config.write_text(CONFIG)
+    out = {}
+    for name, (world_size, *_, overrides) in {"one-process": (1, []),
+                                               **LAYOUTS}.items():
+        run_workers(config, overrides, world_size=world_size, run_dir=root / name,
+                    timeout=TIMEOUT)
+        (out[name],) = records(root / name)
+    return out
+
+
+def _held(record: dict) -> int:
+    return record["param_bytes"] + record["grad_bytes"] + record["optim_state_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(6 * TIMEOUT)  # the fixture's five runs, each bounded by TIMEOUT
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_rank_holds_its_share(runs: dict[str, dict], name: str) -> None:
+    _, dp_shard, tp, sequence_parallel, _ = LAYOUTS[name]
+    ref, got = runs["one-process"], runs[name]
+    full = expected_local_numel(dp_shard=1, tp=1) * F64
+    assert ref["param_bytes"] == ref["grad_bytes"] == full
+    # AdamW: exp_avg and exp_avg_sq like each parameter, plus one scalar `step` per
+    # parameter tensor, which no layout shards (it is a plain tensor on every rank).
+    steps = ref["optim_state_bytes"] - 2 * full
+    assert 0 < steps <= 8 * len(list(_gpt("meta").parameters())), steps
+
+    local = expected_local_numel(dp_shard=dp_shard, tp=tp,
+                                 sequence_parallel=sequence_parallel) * F64
+    print(f"{name}: rank 0 holds {_held(got)} of {_held(ref)} bytes "
+          f"({_held(got) / _held(ref):.4f}; params {got['param_bytes'] / full:.4f})")
+    assert got["param_bytes"] == local, (got["param_bytes"], local)
+    assert got["grad_bytes"] == local, (got["grad_bytes"], local)
+    assert got["optim_state_bytes"] == 2 * local + steps, (got["optim_state_bytes"], local)
+    if tp == 1:  # pure ZeRO: 1/dp_shard of everything (the `step` scalars are 0.002%)
+        assert _held(got) == pytest.approx(_held(ref) / dp_shard, rel=0.05)
+
+
+# ---------------------------------------------------------------- ZeRO-2 versus ZeRO-3
+
+
+def _probe(reshard_after_forward: bool) -> dict:
+    """One rank of the direct test: shard the GPT, run forward and backward, and note what
+    each block's registered parameters are at each point."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from scaletrain.memory import local_bytes
+    from scaletrain.parallel.fsdp import apply_fsdp
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)  # the same model on both ranks
+    model = _gpt()
+    blocks = list(model.blocks.values())
+    full_bytes = local_bytes(blocks[0].parameters())  # every block has the same shapes
+    full_q = list(blocks[0].attn.q.weight.shape)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    apply_fsdp(model, mesh, blocks=blocks, mp_policy=MixedPrecisionPolicy(),
+               reshard_after_forward=reshard_after_forward, offload=False)
+
+    def look() -> list[dict]:
+        return [{"q_type": type(b.attn.q.weight).__name__,
+                 "q_shape": list(b.attn.q.weight.shape),  # global shape for a DTensor
+                 "q_local_shape": list(b.attn.q.weight.to_local().shape
+                                       if isinstance(b.attn.q.weight, DTensor)
+                                       else b.attn.q.weight.shape),
+                 "any_dtensor": any(isinstance(p, DTensor) for p in b.parameters()),
+                 "all_dtensor": all(isinstance(p, DTensor) for p in b.parameters()),
+                 "local_bytes": local_bytes(b.parameters())} for b in blocks]
+
+    seen = {"full_bytes": full_bytes, "full_q": full_q, "init": look()}
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    logits = model(x)  # (B, T, V)
+    seen["after_forward"] = look()
+    logits.float().pow(2).mean().backward()
+    seen["after_backward"] = look()
+    dist.destroy_process_group()
+    return seen
+
+
+def _run_probe(reshard_after_forward: bool) -> list[dict]:
+    """Both ranks of the probe, as subprocesses with torchrun's environment and a timeout."""
+    port, world_size = str(free_port()), 2
+    procs = [subprocess.Popen(
+        [sys.executable, str(Path(__file__)), str(int(reshard_after_forward))],
+        env=cli_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(world_size)]
+    outs = []
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=TIMEOUT)
+            assert p.returncode == 0, f"rank {rank} failed ({p.returncode}):\n{err[-3000:]}"
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the FSDP probe did not finish within {TIMEOUT} s") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3], ids=["zero2", "zero3"])
+def test_reshard_after_forward(zero: int) -> None:
+    for rank, seen in enumerate(_run_probe(reshard_after_forward=zero == 3)):
+        full, full_q = seen["full_bytes"], seen["full_q"]
+        half_q = [full_q[0] // 2, *full_q[1:]]
+        print(f"ZeRO-{zero} rank {rank}: block bytes after forward "
+              f"{[b['local_bytes'] for b in seen['after_forward']]} of {full} each")
+        for when in ("init", "after_backward"):  # between uses: 1/2 shards either way
+            for i, b in enumerate(seen[when]):
+                assert b["all_dtensor"] and b["q_local_shape"] == half_q, (when, i, b)
+                assert b["local_bytes"] * 2 == full, (when, i, b)
+        *middle, last = seen["after_forward"]
+        for i, b in enumerate(middle):  # blocks 0..2: the ones reshard_after_forward governs
+            if zero == 2:  # kept gathered for backward: whole plain tensors
+                assert b["q_type"] != "DTensor" and not b["any_dtensor"], (i, b)
+                assert b["q_shape"] == full_q and b["local_bytes"] == full, (i, b)
+            else:  # freed after forward: back to this rank's half
+                assert b["all_dtensor"] and b["q_local_shape"] == half_q, (i, b)
+                assert b["local_bytes"] * 2 == full, (i, b)
+        # apply_fsdp keeps the last block gathered under ZeRO-3 too: its backward is next.
+        assert not last["any_dtensor"] and last["local_bytes"] == full, last
+
+
+if __name__ == "__main__":
+    print(json.dumps(_probe(reshard_after_forward=bool(int(sys.argv[1])))))
