@@ -182,6 +182,11 @@ class ParallelConfig(_Section):
     """Recompute activations in backward: full (every block), selective (every other block), none."""
     fsdp_offload: bool = False
     """FSDP: keep parameters and optimizer state in CPU memory between uses (for GPU runs)."""
+
+    @property
+    def replicate(self) -> int:
+        """dp_replicate, or its older name dp when only that is given (-1: unset)."""
+        return self.dp_replicate if self.dp_replicate != -1 else self.dp
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend: auto picks nccl when CUDA is available, else gloo."""
     bucket_cap_mb: float = Field(25.0, gt=0.0, le=1024.0)
@@ -442,8 +447,7 @@ def _check_model_and_data(config: Config) -> None:
 def given_world(config: Config) -> int:
     """The product of the degrees the config gives (a -1 counts as 1: the smallest world)."""
     pc = config.parallel
-    replicate = pc.dp_replicate if pc.dp_replicate != -1 else pc.dp
-    return pc.pp * pc.tp * max(replicate, 1) * max(pc.dp_shard, 1)
+    return pc.pp * pc.tp * max(pc.replicate, 1) * max(pc.dp_shard, 1)
 
 
 def layout_of(pc: ParallelConfig, *, world_size: int) -> ParallelLayout:
@@ -452,9 +456,8 @@ def layout_of(pc: ParallelConfig, *, world_size: int) -> ParallelLayout:
     if pc.dp != -1 and pc.dp_replicate != -1 and pc.dp != pc.dp_replicate:
         raise ConfigError(f"parallel.dp = {pc.dp} and parallel.dp_replicate = {pc.dp_replicate} "
                           "disagree: parallel.dp is the older name of dp_replicate; give one")
-    replicate = pc.dp_replicate if pc.dp_replicate != -1 else pc.dp
     try:
-        return ParallelLayout(dp_replicate=replicate, dp_shard=pc.dp_shard, tp=pc.tp,
+        return ParallelLayout(dp_replicate=pc.replicate, dp_shard=pc.dp_shard, tp=pc.tp,
                               pp=pc.pp).resolve(world_size)
     except LayoutError as e:
         message = str(e)

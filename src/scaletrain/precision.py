@@ -103,6 +103,13 @@ class Precision:
         """The loss to run backward from: scaled by the loss scale in fp16-mixed."""
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
+    def init_scale_on(self, device: torch.device) -> None:
+        """fp16: create the loss scale on this rank now. GradScaler makes it on the first
+        `scale`, but a pipeline's earlier stages never scale a loss (the last stage does)
+        and still unscale gradients that carry that same scale."""
+        if self.scaler is not None:
+            self.scaler.scale(torch.zeros((), device=device))
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward through the (scaled, in fp16-mixed) loss."""
         self.scale(loss).backward()

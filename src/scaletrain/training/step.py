@@ -108,9 +108,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
                         f"the dataset's items carry {sorted(mb.extras)} for the model's forward, "
                         "which a pipeline's stages do not pass along; parallel.pp > 1 takes "
                         "(inputs, targets) items only")
-                # fp16: the loss is scaled on the last stage only, yet every stage unscales
-                # its gradients by the same scale: create the scaler's scale on every rank.
-                precision.scale(loss_sum)
+                precision.init_scale_on(loss_sum.device)  # fp16: every stage unscales
                 # The schedule splits the micro-batch into pp_microbatches chunks, runs their
                 # forwards and backwards through the stages in its order, and backpropagates
                 # each chunk's summed loss x loss_weight: the same normaliser as above.
