@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/allocator.py
 	$(BIN)/python bench/layouts.py --bubble
+	$(BIN)/python bench/ps.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -76,6 +76,14 @@ def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resum
         raise ConfigError("--allow-config-change only applies with --resume (it lets a resumed "
                           "run continue with a changed config); add --resume or drop it")
     derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
+    if derived.ps is not None:
+        from scaletrain.ps.run import interface_address
+
+        interface_address(config.ps.interface)  # refused here if this machine lacks it
+    if derived.ps is not None and spec.max_nodes > 1 and config.ps.interface == "lo":
+        raise ConfigError(f"ps.interface = 'lo' (loopback) cannot reach servers on other "
+                          f"machines (--nnodes {spec.nnodes}): set ps.interface to the network "
+                          "interface the nodes reach each other on (e.g. ps.interface=eth0)")
     preflight_data(config)
     code = code or NO_CODE
     if brings_own_code(config, code) and not spec.in_process:
@@ -137,6 +145,10 @@ def train(config: str | Path | dict | Config, *, model: Callable | str | None = 
                        if callable(v)})
     parsed = _with_names(parsed, model=model, data=data, loss=loss)
     if under_elastic_agent():
+        if parsed.parallel.strategy == "ps":  # its ranks are supervised role processes
+            raise ConfigError("parallel.strategy = 'ps' from inside torchrun is not supported by "
+                              "the Python API: call scaletrain.train() plainly (it launches the "
+                              "servers and workers) or run `torchrun -m scaletrain train ...`")
         return _train_as_rank(parsed, run_dir=Path(run_dir) if run_dir else None, code=code)
     spec = validate_spec(LaunchSpec(nproc=nproc or given_world(parsed)))
     prepared = prepare_run(parsed, spec=spec, run_dir=Path(run_dir) if run_dir else None,

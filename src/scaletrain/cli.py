@@ -112,7 +112,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from scaletrain.runtime import prepare_worker_process
 
         prepare_worker_process()  # first: die with the launcher, write into the rank's log
-        return _run_worker(load_config(args.config, args.overrides), args.run_dir)
+        config = load_config(args.config, args.overrides)
+        if config.parallel.strategy == "ps":  # a supervisor, or the role it runs (ps/run.py)
+            return _run_ps_rank(config, args.run_dir, argv=sys.argv[1:])
+        return _run_worker(config, args.run_dir)
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
     # The checks the Python API runs too: config against the world, data, user code, run dir.
@@ -189,6 +192,19 @@ def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = Tr
     return code
 
 
+def _run_ps_rank(config: Config, run_dir: Path | None, *, argv: list[str]) -> int:
+    """Under parallel.strategy = 'ps': this rank's supervisor, or (in its child) the role."""
+    import os
+
+    from scaletrain.ps.run import run_role
+    from scaletrain.ps.supervisor import CHILD_ENV, supervise
+    from scaletrain.runtime import exit_worker
+
+    if os.environ.get(CHILD_ENV) != "1":
+        exit_worker(supervise(config, run_dir, argv))
+    exit_worker(run_role(config, Path(run_dir)))
+
+
 def _print_outcome(run_dir: Path) -> None:
     from scaletrain.report import write_report
 
@@ -248,6 +264,7 @@ def _train_rows(config: Config) -> int | None:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from scaletrain.api import preflight_data
     from rich.table import Table
@@ -265,8 +282,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     table = Table(title=f"config {args.config}", show_lines=False)
     for col in ("key", "value", "meaning"):
         table.add_column(col)
-    for key, value, doc in describe_fields(config):
-        table.add_row(key, repr(value), doc)
+    for key, value, doc in describe_fields(config):  # as written: "[ps]" is not markup
+        table.add_row(escape(key), escape(repr(value)), escape(doc))
     console = Console()
     console.print(table)
     device = "cuda" if d.backend == "nccl" else "cpu"
@@ -276,10 +293,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         precision = f"auto -> {chosen} ({why})"
     derived = {
         "world size": f"{d.world_size} ({spec.nproc} process(es) x {spec.nnodes} node(s))",
-        "parallel layout (mesh)": d.layout.describe(),
+        "parallel layout (mesh)": (d.layout.describe() if d.ps is None else
+                                   "none: workers and servers talk over torch.distributed.rpc"),
         "data parallel (dp)": (f"{d.layout.dp} = dp_replicate {d.layout.dp_replicate} x "
-                               f"dp_shard {d.layout.dp_shard}"),
+                               f"dp_shard {d.layout.dp_shard}" if d.ps is None else
+                               f"{d.layout.dp} workers, each its share of every step"),
         **_pipeline_rows(config, d),
+        **_ps_rows(config, d),
         "global batch": config.train.global_batch,
         "micro-batch": config.train.micro_batch,
         "accumulation steps": d.accumulation,
@@ -298,11 +318,32 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for k, v in derived.items():
         out.add_row(k, str(v))
     console.print(out)
-    if d.world_size > 1:
+    if d.world_size > 1 and d.ps is None:
         console.print(_placement_table(d))
     for warning in d.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _ps_rows(config: Config, d) -> dict[str, str]:
+    """Who serves and who works under parallel.strategy = 'ps', and what a step means."""
+    if d.ps is None:
+        return {}
+    ps, shape = config.ps, d.ps
+    rule = {"async": "each gradient applied as it arrives",
+            "ssp": f"a worker waits while more than {ps.staleness} step(s) ahead of the slowest",
+            "sync": "one update per step: the mean of every live worker's gradient"}[ps.mode]
+    per_step = 1 if ps.mode == "sync" else shape.workers
+    return {
+        "strategy": f"parameter servers ({ps.mode}: {rule})",
+        "servers": f"{shape.servers} (ranks 0..{shape.servers - 1}; parameters split by bytes)",
+        "workers": f"{shape.workers} (ranks {shape.servers}..{d.world_size - 1})",
+        "server updates per step": f"{per_step} of {config.train.global_batch // shape.workers} "
+                                   "examples each" if per_step > 1 else "1 (the workers' mean)",
+        "worker lease": f"{ps.worker_timeout_s:g} s (heartbeats every "
+                        f"{ps.worker_timeout_s / 4:g} s)",
+        "listens on": f"interface {ps.interface!r} only",
+    }
 
 
 def _pipeline_rows(config: Config, d) -> dict[str, str]:

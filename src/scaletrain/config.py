@@ -158,6 +158,8 @@ class TrainConfig(_Section):
 
 
 class ParallelConfig(_Section):
+    strategy: Literal["collective", "ps"] = "collective"
+    """collective: every rank steps together (DDP, FSDP, TP, PP over torch.distributed); ps: asynchronous parameter servers (the [ps] section; ranks 0..ps.servers-1 serve, the rest are workers)."""
     dp_replicate: int = Field(-1, ge=-1)
     """Data-parallel replicas holding whole parameters (DDP; with dp_shard > 1 the replicate dimension of HSDP); -1 = what the other degrees leave over."""
     dp: int = Field(-1, ge=-1)
@@ -203,6 +205,25 @@ class ParallelConfig(_Section):
     """PowerSGD: plain all-reduce for this many steps first (warm-up), then compress."""
 
 
+class PSConfig(_Section):
+    servers: int = Field(1, ge=1)
+    """parallel.strategy = 'ps': server ranks (0 .. servers-1); the parameters are split across them, balanced by bytes."""
+    mode: Literal["async", "ssp", "sync"] = "async"
+    """async: apply each gradient as it arrives (Downpour); ssp: also hold a worker while it is more than ps.staleness steps ahead of the slowest live worker; sync: apply once every live worker's gradient for the step is in (their mean)."""
+    staleness: int = Field(2, ge=0)
+    """ps.mode = 'ssp': how many steps a worker may run ahead of the slowest live worker (0 = bulk-synchronous)."""
+    staleness_lr: Literal["none", "inverse"] = "none"
+    """inverse: scale each update's learning rate by 1 / (1 + its delay, the server updates applied since the worker read its parameters); none: the schedule's rate."""
+    worker_timeout_s: float = Field(10.0, gt=0.0)
+    """A worker not heard from (gradients or heartbeats) for this long is declared dead; the run goes on without it and refuses its late messages."""
+    interface: str = "lo"
+    """Network interface that servers and workers listen on (TensorPipe's TP_SOCKET_IFNAME): lo = loopback, one machine; on several machines the one their hosts reach each other on (e.g. eth0)."""
+    slow_worker: int = Field(-1, ge=-1)
+    """Benchmark knob: slow this worker (under parallel.strategy = 'collective': this data-parallel rank) by sleeping (ps.slow_factor - 1) x its compute time per step; -1 = none."""
+    slow_factor: float = Field(1.0, ge=1.0, le=100.0)
+    """How many times slower ps.slow_worker runs (1 = not slowed)."""
+
+
 class PrecisionConfig(_Section):
     mode: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto"] = "fp32"
     """fp32, bf16-mixed, fp16-mixed (loss scaling), bf16-true, fp64 (for verifying numerics, slow), or auto (bf16-mixed on fast-bf16 hardware)."""
@@ -238,6 +259,7 @@ class Config(_Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
+    ps: PSConfig = PSConfig()
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
@@ -445,9 +467,77 @@ def _check_model_and_data(config: Config) -> None:
 
 
 def given_world(config: Config) -> int:
-    """The product of the degrees the config gives (a -1 counts as 1: the smallest world)."""
+    """The product of the degrees the config gives (a -1 counts as 1: the smallest world);
+    under parallel.strategy = 'ps', the servers plus the workers (parallel.dp)."""
     pc = config.parallel
+    if pc.strategy == "ps":
+        return config.ps.servers + max(pc.replicate, 1)
     return pc.pp * pc.tp * max(pc.replicate, 1) * max(pc.dp_shard, 1)
+
+
+@dataclass(frozen=True)
+class PSShape:
+    """Who does what under parallel.strategy = 'ps'."""
+
+    servers: int  # ranks 0 .. servers-1
+    workers: int  # ranks servers .. world-1
+
+    def role(self, rank: int) -> tuple[str, int]:
+        """("server", k) or ("worker", w) for a global rank."""
+        return ("server", rank) if rank < self.servers else ("worker", rank - self.servers)
+
+
+def _ps_layout(config: Config, *, world_size: int) -> tuple[ParallelLayout, PSShape]:
+    """The parameter-server roles, checked against the world: the workers are the
+    data-parallel replicas (the sampler's dp), the servers hold the parameters."""
+    pc, ps = config.parallel, config.ps
+    workers = world_size - ps.servers
+    if workers < 1:
+        raise ConfigError(f"parallel.strategy = 'ps' with ps.servers = {ps.servers} needs at "
+                          f"least {ps.servers + 1} processes (servers + one worker), but the "
+                          f"world has {world_size}; use --nproc {ps.servers + 1} or more, or set "
+                          "parallel.dp to the number of workers")
+    if pc.replicate not in (-1, workers):
+        key = "parallel.dp" if pc.dp != -1 else "parallel.dp_replicate"
+        raise ConfigError(f"{key} = {pc.replicate} under parallel.strategy = 'ps' is the number "
+                          f"of workers, but {world_size} processes - ps.servers = {ps.servers} "
+                          f"leaves {workers}; use --nproc {ps.servers + pc.replicate} or "
+                          f"{key}={workers}")
+    for key, value in (("dp_shard", pc.dp_shard), ("tp", pc.tp), ("pp", pc.pp)):
+        if value not in (1, -1) or (key == "dp_shard" and value == -1):
+            raise ConfigError(f"parallel.{key} = {value} does not compose with parallel.strategy "
+                              "= 'ps': each worker holds the whole model and the servers hold "
+                              f"its parameters; use parallel.{key}=1, or the collective strategy")
+    if pc.comm_hook != "none":
+        raise ConfigError(f"parallel.comm_hook = {pc.comm_hook!r} compresses DDP's all-reduce, "
+                          "which parallel.strategy = 'ps' does not run; use comm_hook='none'")
+    if config.train.compile:
+        raise ConfigError("train.compile = true is for the collective strategy only here; set "
+                          "train.compile=false with parallel.strategy = 'ps'")
+    if config.precision.mode == "fp16-mixed":
+        raise ConfigError("precision.mode = 'fp16-mixed' is not supported with parallel.strategy "
+                          "= 'ps' (a worker's loss scaler would have to skip pushes the servers "
+                          "wait for); use 'bf16-mixed', 'fp32' or 'fp64'")
+    if ps.slow_worker >= workers:
+        raise ConfigError(f"ps.slow_worker = {ps.slow_worker} is not a worker: the workers are "
+                          f"0 .. {workers - 1} (ranks {ps.servers} .. {world_size - 1})")
+    return (ParallelLayout(dp_replicate=workers).resolve(workers),
+            PSShape(servers=ps.servers, workers=workers))
+
+
+def _check_ps_keys_unused(config: Config, layout: ParallelLayout) -> None:
+    """[ps] is read only by the parameter-server strategy (but for the straggler knob)."""
+    # Compared with the defaults, not "given": a stored config.toml writes every key.
+    default = PSConfig()
+    changed = sorted(k for k in PSConfig.model_fields if k not in ("slow_worker", "slow_factor")
+                     and getattr(config.ps, k) != getattr(default, k))
+    if changed:
+        raise ConfigError(f"ps.{changed[0]} is only read with parallel.strategy = 'ps' "
+                          f"(parallel.strategy is 'collective'); set parallel.strategy='ps' or "
+                          f"remove the [ps] keys")
+    if config.ps.slow_worker >= layout.dp:
+        raise ConfigError(f"ps.slow_worker = {config.ps.slow_worker} is not a data-parallel rank: "
+                          f"allowed -1 .. {layout.dp - 1}")
 
 
 def layout_of(pc: ParallelConfig, *, world_size: int) -> ParallelLayout:
@@ -546,6 +636,7 @@ class Derived:
     threads: int  # torch threads per process
     backend: str  # gloo or nccl
     pipeline: PipelineShape | None = None  # under pp > 1: schedule, chunks, stages per rank
+    ps: PSShape | None = None  # parallel.strategy = 'ps': servers and workers
     warnings: tuple[str, ...] = ()  # legal but probably unwanted choices, printed at start
 
 
@@ -561,7 +652,12 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
         ConfigError: inconsistent combination (e.g. global batch not divisible).
     """
     nproc_per_node = nproc_per_node or world_size
-    layout = layout_of(config.parallel, world_size=world_size)
+    ps = None
+    if config.parallel.strategy == "ps":
+        layout, ps = _ps_layout(config, world_size=world_size)
+    else:
+        layout = layout_of(config.parallel, world_size=world_size)
+        _check_ps_keys_unused(config, layout)
     t = config.train
     per_step = t.micro_batch * layout.dp
     if t.global_batch % per_step != 0:
@@ -571,7 +667,7 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
             f"dp = dp_replicate x dp_shard = {layout.dp_replicate} x {layout.dp_shard}); "
             f"e.g. train.global_batch={max(per_step, t.global_batch // per_step * per_step)}"
         )
-    pipe = _check_parallel(config, layout)
+    pipe = _check_parallel(config, layout) if ps is None else None
     _check_model_and_data(config)
     shards = config.data.source == "shards"  # their task is known only when they are opened
     user_data = is_import_path(config.data.source)  # so is a user's dataset's
@@ -620,6 +716,7 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
         world_size=world_size,
         layout=layout,
         pipeline=pipe,
+        ps=ps,
         accumulation=t.global_batch // per_step,
         examples_per_rank=t.global_batch // layout.dp,
         threads=threads,

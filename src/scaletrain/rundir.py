@@ -64,6 +64,9 @@ RESUME_SAFE_KEYS = frozenset({
     "parallel.pp_schedule", "parallel.pp_microbatches", "parallel.pp_stages_per_rank",
     "parallel.reshard_after_forward", "parallel.activation_checkpointing",
     "parallel.fsdp_offload", "parallel.sequence_parallel",
+    # Parameter servers: the shards are saved by parameter name, so the server count may
+    # change; the rest are how the run behaves from here on.
+    "ps.servers", "ps.worker_timeout_s", "ps.interface", "ps.slow_worker", "ps.slow_factor",
 })
 RESUME_SAFE_SECTIONS = ("checkpoint.", "log.")
 

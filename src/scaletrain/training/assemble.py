@@ -179,13 +179,21 @@ def check_layout_fits(config: Config, derived: Derived, code: UserCode = NO_CODE
     from scaletrain.parallel.compose import check_model_fits
 
     layout = derived.layout
-    if (layout.tp == 1 and layout.pp == 1
+    if (layout.tp == 1 and layout.pp == 1 and derived.ps is None
             and config.parallel.activation_checkpointing == "none"):
         return
     torch.manual_seed(config.train.seed)
     train_ds = build_data(config, split="train", code=code)
     with torch.device("meta"):  # the shapes are enough: no memory, no init time
         model = build_net(config, train_ds, code=code)
+    if derived.ps is not None:  # every server must hold at least one parameter tensor
+        from scaletrain.ps.partition import PartitionError, model_partition
+
+        try:
+            model_partition(model, servers=derived.ps.servers)
+        except PartitionError as e:
+            raise ConfigError(f"model.name = {config.model.name!r}: {e}") from None
+        return
     try:
         check_model_fits(model, model_spec(model), layout=layout,
                          options=parallel_options(config, derived),

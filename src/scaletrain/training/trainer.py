@@ -32,7 +32,7 @@ from scaletrain.checkpoint import Checkpointer, TrainState
 from scaletrain.checkpoint_files import latest_valid
 from scaletrain.checkpoint import load as load_checkpoint
 from scaletrain.config import Config, Derived, config_to_toml, resolve
-from scaletrain.data.sampler import GlobalBatchSampler, eval_indices
+from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sources import Batch
 from scaletrain.memory import WindowPeak, held_bytes, lifetime_peak_bytes
@@ -41,7 +41,7 @@ from scaletrain.metrics import MetricsLogger
 from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
 from scaletrain.parallel.compose import check_model_fits, full_state_dict, parallelize, unwrap
 from scaletrain.parallel.layout import ParallelLayout
-from scaletrain.parallel.pipeline import Pipeline, eval_pipeline
+from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.precision import Precision, make_precision
 from scaletrain.rundir import default_run_dir, write_config
 from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, collective_guard,
@@ -53,8 +53,8 @@ from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, bu
                                          parallel_options,
                                          build_loss, build_net, check_fit, check_loss,
                                          is_user_loss)
-from scaletrain.training.loss import LossFn, mse
-from scaletrain.models.protocol import output_logits
+from scaletrain.training.loss import LossFn
+from scaletrain.training.evaluate import evaluate
 from scaletrain.training.step import StepResult, forward, train_step
 from scaletrain.user_code import UserCodeError
 
@@ -257,14 +257,19 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     if not run.window.steps:  # no window restored: start its clock now, not at build time
         run.window = Window()
     indices = parts.sampler.micro_batches(state.step)
+    straggler = (config.ps.slow_worker == parts.layout.dp_rank(parts.rank)
+                 and config.ps.slow_factor > 1)
     for step in range(state.step, t.steps):
         micro, indices = _fetch(parts, indices, step=step, total_steps=t.steps)
+        step_started = time.perf_counter()
         with collective_guard("gradient all-reduce (DDP backward)", step=step):
             result = train_step(state.model, micro, optimizer=state.optimizer,
                                 scheduler=state.scheduler, precision=state.precision,
                                 grad_clip=config.optim.grad_clip, dp_size=derived.layout.dp,
                                 ragged_counts=parts.train_ds.spec.ragged, loss_fn=parts.loss_fn,
                                 pipeline=parts.pipeline, pp_group=parts.pp_group)
+        if straggler:  # the benchmark's slowed rank (ps.slow_worker): the others wait for it
+            time.sleep((config.ps.slow_factor - 1) * (time.perf_counter() - step_started))
         state.step = step + 1
         _count_bad_steps(state, result, run, config=config)
         _log_window(state, result, micro, run, parts=parts, logger=logger, config=config,
@@ -438,50 +443,6 @@ def _train_record(step: int, result: StepResult, window: Window, micro: list[Bat
     if precision.loss_scale is not None:
         record["loss_scale"] = precision.loss_scale
     return record
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, eval_ds: Dataset, config: Config, penv: ProcessEnv,
-             derived: Derived, *, precision: Precision, device: torch.device,
-             loss_fn: LossFn, pipeline: Pipeline | None = None) -> dict:
-    """Held-out loss, and the task's metric (accuracy; mse for regression; perplexity for
-    text under cross-entropy), each data-parallel share a strided part. Tensor-parallel
-    peers evaluate the same examples (their forward is collective) and count them once;
-    under pipeline parallelism the last stage has the output."""
-    layout = derived.layout
-    counts = layout.reports_loss(penv.rank)
-    net = unwrap(model)
-    net.eval()
-    kind = eval_ds.spec.kind
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct (or squared error), count
-    for idx in eval_indices(len(eval_ds), limit=config.train.eval_examples,
-                            dp_rank=layout.dp_rank(penv.rank), dp_size=layout.dp,
-                            batch=config.train.micro_batch):
-        batch = eval_ds.get(idx).to(device, non_blocking=True)
-        with precision.forward_context():
-            if pipeline is None:
-                output = forward(net, batch, precision)
-            else:
-                output = eval_pipeline(pipeline, precision.convert_input(batch.inputs),
-                                       batch.targets)
-        if not counts:
-            continue
-        totals[0] += float(loss_fn(output, batch)[0])
-        if kind == "regression":
-            totals[1] += float(mse(output, batch)[0])
-        else:
-            totals[1] += float((output_logits(output).argmax(-1) == batch.targets).sum())
-        totals[2] += batch.count
-    net.train()
-    all_reduce_sum(totals)
-    loss = float(totals[0] / totals[2])
-    if kind == "regression":
-        return {"loss": loss, "mse": float(totals[1] / totals[2])}
-    if kind == "lm":
-        if config.train.loss not in ("auto", "cross-entropy"):
-            return {"loss": loss}  # a perplexity of another loss would mean nothing
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
-    return {"loss": loss, "accuracy": float(totals[1] / totals[2])}
 
 
 def _diverged_message(step: int, bad: int, last_loss: float, config: Config,

@@ -1,0 +1,1 @@
+"""Asynchronous training with parameter servers (parallel.strategy = "ps"): see run.py."""

@@ -1,0 +1,422 @@
+"""The parameter-server strategy (parallel.strategy = "ps"): roles, RPC, supervisor, outputs.
+
+The same launcher starts the same ranks as for the collective strategy; each rank's role is
+its number: ranks 0 .. ps.servers-1 are servers, the rest are workers (config.PSShape).
+
+    torchrun agent -> rank r: supervisor (ps/supervisor.py, `supervise`)
+                         -> child: python -m scaletrain train ... (`run_role`)
+                              init_rpc (TensorPipe, listening on ps.interface only)
+                              server k: its shard, optimizer, checkpoints (server.py)
+                              worker w: pull, gradient, push (worker.py)
+
+Why a supervisor (ps/supervisor.py): torchrun's agent tears the whole group down when any
+rank exits non-zero, so a worker killed by the OOM killer would end the run.
+
+Server 0 also keeps the run directory: config.toml, metrics.jsonl (ps/metrics.py: a record
+every log.every global steps, with the staleness and delay of every update in it),
+evaluations every train.eval_every global steps on a background thread, and at the end the
+final evaluation, model.safetensors (every server's shard) and summary.json (with the
+staleness histogram).
+A global step is train.global_batch examples applied, so that train.steps, log.every,
+eval_every and checkpoint.every mean the same numbers of examples as under DDP: under async
+and ssp one step is `workers` updates of global_batch / workers examples each.
+
+Servers save checkpoints in the collective strategy's format (checkpoint.py: model.* and
+optim.* keyed by parameter name, so a checkpoint loads into another number of servers)
+over a gloo group of the servers alone; the workers hold no state (their data position is
+their step, their RNG is reseeded per step).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from scaletrain.allocator import configure_allocator
+from scaletrain.config import Config, ConfigError, Derived, config_to_toml, resolve
+from scaletrain.ps import server as ps_server
+from scaletrain.ps.partition import model_partition
+from scaletrain.ps.metrics import ServerMetrics, ServerProgress
+from scaletrain.ps.server import ParameterServer, Update
+from scaletrain.ps.supervisor import EXIT_REFUSED, EXIT_SERVER_LOST, FINISHED_MARKER
+from scaletrain.ps.worker import ServerLost, run_worker, server_name, worker_name
+
+class AllWorkersDead(RuntimeError):
+    """The servers outlived every worker: the run has no result to speak of."""
+
+
+# ---------------------------------------------------------------------- the role
+
+
+def run_role(config: Config, run_dir: Path) -> int:
+    """This rank's server or worker, from RPC up to RPC down; the exit status."""
+    from scaletrain.checkpoint_files import CheckpointError
+    from scaletrain.runtime import read_env, set_threads
+    from scaletrain.user_code import UserCodeError
+
+    penv = read_env()
+    derived = resolve(config, world_size=penv.world_size, nproc_per_node=penv.local_world_size)
+    role, index = derived.ps.role(penv.rank)
+    set_threads(derived.threads)
+    configure_allocator(config.train.allocator, device_type="cpu")
+    print(f"# scaletrain ps {role} {index}: rank {penv.rank}, pid {os.getpid()}", file=sys.stderr,
+          flush=True)  # tests and operators find the process to signal here
+    code = 0
+    store = _init_rpc(config, penv.rank, penv.world_size, role=role, index=index)
+    try:
+        if role == "server":
+            _init_server_group(config, store, index, servers=derived.ps.servers)
+            _serve(config, derived, index=index, run_dir=run_dir)
+        else:
+            code = _work(config, derived, index=index)
+    except (ConfigError, UserCodeError) as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except ServerLost as e:
+        print(f"scaletrain: worker {index}: {e}; leaving", file=sys.stderr, flush=True)
+        code = EXIT_SERVER_LOST
+    except (CheckpointError, AllWorkersDead) as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        # graceful=True waits for every peer, and hangs on a dead one (shared/PLATFORM-NOTES.md).
+        rpc.shutdown(graceful=False)
+    return code
+
+
+def _init_rpc(config: Config, rank: int, world: int, *, role: str, index: int):
+    """RPC up on a rendezvous store that listens on ps.interface only; returns the store
+    (the servers' checkpoint group uses it too)."""
+    # TensorPipe listens on the interface TP_SOCKET_IFNAME names, and only there.
+    os.environ["TP_SOCKET_IFNAME"] = config.ps.interface
+    store = _store(config, rank, world)
+    # init_rpc meets on a store it makes from a URL: hand it ours through a scheme of our own.
+    dist.register_rendezvous_handler("scaletrain-ps",
+                                     lambda url, **kw: iter([(store, rank, world)]))
+    # The uv (TCP) transport and basic channel only: TensorPipe's shared-memory transport
+    # busy-polls, about a quarter of a core per process measured here, which on a CPU host
+    # is taken from the workers' compute.
+    options = rpc.TensorPipeRpcBackendOptions(init_method="scaletrain-ps://",
+                                              rpc_timeout=config.parallel.timeout_s,
+                                              num_worker_threads=16, _transports=["uv"],
+                                              _channels=["basic"])
+    name = server_name(index) if role == "server" else worker_name(index)
+    with warnings.catch_warnings():  # init_rpc's unrelated deprecation notice (pytorch#149393)
+        warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+        rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
+    return store
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of a network interface ("lo" -> 127.0.0.1)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # SIOCGIFADDR
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError as e:
+            raise ConfigError(f"ps.interface = {name!r} has no IPv4 address on this machine "
+                              f"({e.strerror}); use an interface `ip -brief addr` lists") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _store(config: Config, rank: int, world: int) -> dist.TCPStore:
+    """The TCP store at MASTER_ADDR:MASTER_PORT that RPC and the servers' group meet on.
+
+    c10d's own env:// rendezvous binds its store to every interface; rank 0 here binds the
+    listening socket itself, to ps.interface's address only, and hands it to the store.
+    """
+    import socket
+
+    port, timeout = int(os.environ["MASTER_PORT"]), timedelta(seconds=config.parallel.timeout_s)
+    address = interface_address(config.ps.interface)
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(128)
+        # detach(): the store listens on the fd; the Python socket must not close it.
+        return dist.TCPStore(address, port, world, True, timeout, wait_for_workers=False,
+                             master_listen_fd=sock.detach())
+    host = address if config.ps.interface == "lo" else os.environ["MASTER_ADDR"]
+    return dist.TCPStore(host, port, world, False, timeout)
+
+
+def _init_server_group(config: Config, store, index: int, *, servers: int) -> None:
+    """A gloo group of the servers alone, for their checkpoints (DCP), on the rendezvous
+    store (a PrefixStore keeps its keys apart from RPC's)."""
+    if servers == 1:
+        return
+    dist.init_process_group("gloo", store=dist.PrefixStore("ps-servers", store), rank=index,
+                            world_size=servers, timeout=timedelta(seconds=config.parallel.timeout_s))
+
+
+def _build_model(config: Config, derived: Derived):
+    """Model, precision, train set: identical on every rank (same seed)."""
+    from scaletrain.precision import make_precision
+    from scaletrain.runtime import seed_everything
+    from scaletrain.training.assemble import build_data, build_loss, build_net
+
+    seed_everything(config.train.seed)
+    train_ds = build_data(config, split="train")
+    precision = make_precision(config.precision.mode, device_type="cpu")
+    model = precision.convert_module(build_net(config, train_ds))
+    return model, precision, train_ds, build_loss(config, train_ds)
+
+
+# ---------------------------------------------------------------------- worker
+
+
+def _work(config: Config, derived: Derived, *, index: int) -> int:
+    from scaletrain.data.sampler import GlobalBatchSampler
+
+    model, precision, train_ds, loss_fn = _build_model(config, derived)
+    t, ps = config.train, config.ps
+    sampler = GlobalBatchSampler(len(train_ds), global_batch=t.global_batch,
+                                 micro_batch=t.micro_batch, dp_rank=index,
+                                 dp_size=derived.ps.workers, seed=t.seed,
+                                 shard_rows=train_ds.shard_rows,
+                                 shuffle_window=config.data.shuffle_window)
+    outcome = run_worker(model, worker=index,
+                         partition=model_partition(model, servers=derived.ps.servers),
+                         sampler=sampler, train_ds=train_ds, loss_fn=loss_fn,
+                         precision=precision, grad_clip=config.optim.grad_clip,
+                         device=torch.device("cpu"), timeout_s=config.parallel.timeout_s,
+                         lease_s=ps.worker_timeout_s, seed=t.seed,
+                         slow_factor=ps.slow_factor if ps.slow_worker == index else 1.0)
+    print(f"scaletrain: worker {index}: {outcome.status} after {outcome.steps_done} steps "
+          f"(last loss {outcome.last_loss:.4g})", file=sys.stderr, flush=True)
+    if outcome.status == "refused":
+        print(f"scaletrain: worker {index} was declared dead by the servers (silent for more "
+              f"than ps.worker_timeout_s = {ps.worker_timeout_s:g} s); its late gradients were "
+              "refused; leaving", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    return 0
+
+
+# ---------------------------------------------------------------------- server
+
+
+def shard_module(params: dict[str, torch.nn.Parameter]) -> torch.nn.Module:
+    """A module holding exactly these parameters under their dotted names (nested plain
+    modules), so that the checkpoint code keys them as the whole model does."""
+    root = torch.nn.Module()
+    for name, p in params.items():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, torch.nn.Module())
+            node = getattr(node, part)
+        node.register_parameter(leaf, p)
+    return root
+
+
+def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> None:
+    from scaletrain.checkpoint import Checkpointer, TrainState
+    from scaletrain.checkpoint import load as load_checkpoint
+    from scaletrain.metrics import MetricsLogger
+    from scaletrain.rundir import write_config
+    from scaletrain.runtime import barrier, broadcast_object
+    from scaletrain.training.optim import build_optimizer, build_scheduler
+
+    t, o, ps, shape = config.train, config.optim, config.ps, derived.ps
+    model, precision, train_ds, loss_fn = _build_model(config, derived)
+    full = dict(model.named_parameters())
+    names = model_partition(model, servers=shape.servers)[index]
+    shard = shard_module({n: full[n] for n in names})
+    per_step = 1 if ps.mode == "sync" else shape.workers  # gradients per global step
+    optimizer = build_optimizer(shard, name=o.name, lr=o.lr, weight_decay=o.weight_decay,
+                                betas=o.betas, momentum=o.momentum, impl=o.impl)
+    scheduler = build_scheduler(optimizer, warmup_steps=o.warmup_steps * per_step,
+                                total_steps=t.steps * per_step, schedule=o.schedule,
+                                min_lr_ratio=o.min_lr_ratio)
+    progress = ServerProgress()
+    state = TrainState(shard, optimizer, scheduler, precision, loop=progress)
+    main = index == 0
+    resume_from = broadcast_object(_latest_checkpoint(run_dir) if main else None)
+    if resume_from is not None:
+        load_checkpoint(Path(resume_from), state)
+    elif main:
+        write_config(run_dir, config)
+    c = config.checkpoint
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.keep, async_save=c.async_save,
+                                config_toml=config_to_toml(config))
+    logger = MetricsLogger(run_dir, total_steps=t.steps, enabled=main, quiet=config.log.quiet,
+                           tensorboard=config.log.tensorboard, start_step=state.step)
+    if resume_from is not None:
+        logger.message(f"scaletrain: resumed from {resume_from} at step {state.step}")
+    for warning in derived.warnings:
+        logger.message(f"scaletrain: warning: {warning}")
+    eval_model = copy.deepcopy(model) if main else None
+    metrics = None
+    if main:
+        eval_ds = _eval_data(config)
+        metrics = ServerMetrics(
+            config, derived, logger=logger, start_step=state.step,
+            evaluate=lambda: _evaluate(eval_model, config, shape.servers, eval_ds=eval_ds,
+                                       precision=precision, loss_fn=loss_fn),
+            versions=lambda own: _versions(own, shape.servers))
+        progress.metrics = metrics
+
+    def save(step: int) -> None:
+        state.step = step
+        state.examples_seen = server.examples
+        checkpointer.save(state)
+        checkpointer.wait()
+
+    def on_update(u: Update) -> None:
+        if metrics is not None:
+            metrics.update(u, alive=len(server.clocks.live),
+                           lr=optimizer.param_groups[0]["lr"], version=server.version)
+
+    server = ParameterServer(
+        index=index, params={n: full[n] for n in names}, optimizer=optimizer,
+        scheduler=scheduler, workers=shape.workers, mode=ps.mode, staleness=ps.staleness,
+        inverse_lr=ps.staleness_lr == "inverse", lease_s=ps.worker_timeout_s,
+        join_s=config.parallel.timeout_s, steps=t.steps, global_batch=t.global_batch,
+        start_step=state.step,
+        checkpoint_every=c.every, stop_after=t.stop_after, save=save, on_update=on_update,
+        report=lambda m: print(m, file=sys.stderr, flush=True))
+    progress.server = server
+    if progress.loaded:
+        server.load_state_dict({k.removeprefix("server."): v for k, v in progress.loaded.items()
+                                if k.startswith("server.")})
+        if metrics is not None:
+            metrics.load_state_dict({k.removeprefix("metrics."): v
+                                     for k, v in progress.loaded.items()
+                                     if k.startswith("metrics.")})
+    if metrics is not None:  # the run's position in examples, as the server counts it
+        metrics.examples = metrics.start_examples = server.examples
+    started = time.perf_counter()
+    ps_server.serve(server)
+    try:
+        server.wait_until_done()
+        wall = time.perf_counter() - started
+        if metrics is not None:
+            metrics.close()
+        if main and not server.stopping:
+            _finish(run_dir, config, derived, model=eval_model, server=server, metrics=metrics,
+                    wall=wall, precision=precision, loss_fn=loss_fn, eval_ds=eval_ds)
+        elif main:
+            logger.message(f"scaletrain: stopped after step {t.stop_after} (train.stop_after); "
+                           f"continue with: scaletrain train ... --run-dir {run_dir} --resume")
+    finally:
+        checkpointer.close()
+        logger.close()
+    barrier()  # the other servers serve server 0's final gather until here
+    if main:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs" / FINISHED_MARKER).write_text(json.dumps(
+            {"dead_workers": {str(w): why for w, why in server.clocks.dead.items()}}) + "\n")
+
+
+def _latest_checkpoint(run_dir: Path) -> str | None:
+    from scaletrain.checkpoint_files import latest_valid
+
+    found = latest_valid(run_dir / "checkpoints", report=lambda m: print(m, file=sys.stderr),
+                         quarantine=True)
+    return str(found) if found else None
+
+
+def _eval_data(config: Config):
+    from scaletrain.training.assemble import build_data
+
+    return build_data(config, split="eval")
+
+
+def _versions(own: int, servers: int) -> dict[int, int]:
+    """Every server's update count (server 0's given), for updates/s."""
+    out = {0: own}
+    for k in range(1, servers):
+        try:
+            out[k] = rpc.rpc_sync(server_name(k), ps_server.rpc_version, timeout=10)
+        except RuntimeError:
+            pass
+    return out
+
+
+def _gather(model: torch.nn.Module, servers: int) -> dict[str, torch.Tensor]:
+    """Every server's current parameters, loaded into `model`; returned by name."""
+    weights: dict[str, torch.Tensor] = {}
+    for k in range(servers):
+        weights.update(rpc.rpc_sync(server_name(k), ps_server.rpc_snapshot, timeout=60))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in weights:
+                p.copy_(weights[n])
+    return weights
+
+
+def _evaluate(model: torch.nn.Module, config: Config, servers: int, *, eval_ds, precision,
+              loss_fn) -> dict:
+    from scaletrain.training.evaluate import eval_record, eval_totals
+
+    _gather(model, servers)
+    totals = eval_totals(model, eval_ds, limit=config.train.eval_examples,
+                         batch=config.train.micro_batch, dp_rank=0, dp_size=1, counts=True,
+                         precision=precision, device=torch.device("cpu"), loss_fn=loss_fn)
+    return eval_record(totals, kind=eval_ds.spec.kind, loss_name=config.train.loss)
+
+
+def _finish(run_dir: Path, config: Config, derived: Derived, *, model: torch.nn.Module,
+            server: ParameterServer, metrics: ServerMetrics, wall: float, precision, loss_fn,
+            eval_ds) -> None:
+    """Server 0: the final evaluation, model.safetensors and summary.json."""
+    from safetensors.torch import save_file
+
+    from scaletrain.runtime import honour_umask
+
+    record = _evaluate(model, config, derived.ps.servers, eval_ds=eval_ds, precision=precision,
+                       loss_fn=loss_fn)
+    weights = {n: p.detach().contiguous() for n, p in model.named_parameters()}
+    meta = {"model": config.model.name, "size": config.model.size}
+    save_file(weights, str(run_dir / "model.safetensors"), metadata=meta)
+    honour_umask(run_dir / "model.safetensors")
+    if config.model.name == "hf":
+        from scaletrain.models.hf import save_hf
+
+        save_hf(model, run_dir / "hf-model", state_dict=weights)
+    metrics.logger.log_eval({"step": config.train.steps, **record})
+    dead = {str(w): why for w, why in sorted(server.clocks.dead.items())}
+    examples = metrics.examples - metrics.start_examples  # applied by this run
+    summary = {
+        "final_loss": metrics.last_loss,
+        "eval": record,
+        "wall_time_s": wall,
+        "steps": config.train.steps,
+        "skipped_steps": metrics.skipped,
+        "world_size": derived.world_size,
+        "examples_per_s": examples / max(wall, 1e-9),
+        "tokens_per_s": 0.0,
+        "precision": precision.mode,
+        "ps": {
+            "mode": config.ps.mode, "servers": derived.ps.servers,
+            "workers": derived.ps.workers, "workers_alive": derived.ps.workers - len(dead),
+            "dead_workers": dead, "updates": server.version,
+            "staleness_histogram": {str(k): n for k, n in sorted(metrics.staleness_hist.items())},
+            "delay_histogram": {str(k): n for k, n in sorted(metrics.delay_hist.items())},
+            "staleness_bound": config.ps.staleness if config.ps.mode == "ssp" else None,
+        },
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    metrics.logger.message(
+        f"scaletrain: parameter servers done: {server.version} updates on server 0, "
+        f"{summary['ps']['workers_alive']} of {derived.ps.workers} workers alive"
+        + (f" (dead: {', '.join(f'worker {w}: {why}' for w, why in dead.items())})"
+           if dead else ""))
+    if len(dead) == derived.ps.workers:
+        raise AllWorkersDead(f"every worker died (the summary is written); their logs are in "
+                             f"{run_dir / 'logs'}")

@@ -1,0 +1,401 @@
+"""One parameter server: a shard of the parameters, its optimizer, the workers' clocks.
+
+Workers call it over torch.distributed.rpc, through the module-level `rpc_*` functions at
+the bottom, which route to this process's server. One call per step and server:
+`rpc_push` applies (under sync: collects) a worker's gradient and answers with the
+parameters for its next step once the mode's rule lets it go on (clock.py). An answer that
+must wait is parked as a torch Future (`rpc.functions.async_execution`): no RPC thread is
+held while a worker waits, so a small thread pool cannot deadlock.
+
+Liveness: every push and heartbeat renews the worker's lease; a watcher thread declares a
+worker dead when its lease is older than `lease_s`, releases whoever waited for it, and from
+then on refuses its messages (a SIGSTOPped worker that wakes up is told so and leaves).
+
+Threads: the RPC agent's pool runs the handlers; one Condition guards the state.
+Heartbeats only write a timestamp (atomic under the GIL) and take no lock, so a checkpoint
+written under the lock does not make the workers waiting for it look dead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed.rpc as rpc
+
+from scaletrain.ps.clock import Clocks, may_start, staleness_of
+
+
+@dataclass(frozen=True)
+class Read:
+    """Which parameters a gradient was computed on: the server's version when they were
+    read, and the slowest live worker's clock then."""
+
+    version: int
+    slowest: int
+
+
+@dataclass
+class Reply:
+    """A server's answer to a worker.
+
+    status: "go" (tensors: the parameters for `step`), "done" (all steps applied), "stop"
+    (a planned stop after a checkpoint), "refused" (declared dead: leave).
+    """
+
+    status: str
+    step: int
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    read: Read = Read(0, 0)
+
+
+@dataclass(frozen=True)
+class Push:
+    """One worker's gradient for one step, and what it says about itself."""
+
+    worker: int
+    step: int
+    grads: list[torch.Tensor] | None  # in the server's names' order; None: non-finite
+    read: Read
+    loss_sum: float  # summed loss over the worker's examples in the step
+    count: int  # the loss's normaliser (examples or target tokens)
+    examples: int
+    examples_per_s: float  # the worker's own rate over its last step (compute + waits)
+
+
+@dataclass(frozen=True)
+class Update:
+    """What applying (or collecting) one gradient did, for the metrics."""
+
+    push: Push
+    staleness: int  # clock.py's staleness_of
+    delay: int  # server updates applied between the read and this one
+    version: int  # the server's version after it
+    applied: bool  # False: a non-finite gradient, skipped
+
+
+class ParameterServer:
+    """The state and rules of one server; rpc_* below call its methods.
+
+    Args:
+        index: this server's number (its rank).
+        params: the parameters it holds, by name (the order the workers send gradients in).
+        optimizer, scheduler: over exactly those parameters ([optim]).
+        workers: how many workers there are (0 .. workers-1).
+        mode: "async", "ssp" or "sync".
+        staleness: ssp's bound in steps.
+        inverse_lr: scale each update's learning rate by 1 / (1 + its delay).
+        lease_s: a worker not heard from for this long is declared dead.
+        join_s: how long a worker may take to first call in.
+        steps: the run's length in global steps (train.steps): it is done once steps x
+            global_batch examples are applied, however many steps each worker took.
+        global_batch: examples per global step (train.global_batch).
+        start_step: the global step the run starts at (a resumed checkpoint's).
+        start_clocks: each worker's clock at the start (a checkpoint's; default start_step).
+        start_examples: examples applied before the start (default start_step x global_batch).
+        checkpoint_every: save at every multiple of this global step (0: never).
+        stop_after: save and tell the workers to stop at this global step (0: never).
+        save: writes a checkpoint of global step N; called under the lock at a consistent
+            cut (every live worker waiting here, so every server holds the same gradients).
+        on_update: told of every gradient applied or skipped, under the lock.
+        report: where one-line messages go (a worker declared dead).
+    """
+
+    def __init__(self, *, index: int, params: dict[str, torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, workers: int, mode: str,
+                 staleness: int, inverse_lr: bool, lease_s: float, join_s: float, steps: int,
+                 global_batch: int, start_step: int, checkpoint_every: int, stop_after: int,
+                 start_clocks: list[int] | None = None, start_examples: int | None = None,
+                 save: Callable[[int], None], on_update: Callable[[Update], None],
+                 report: Callable[[str], None] = print) -> None:
+        self.index, self.names, self.params = index, list(params), list(params.values())
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.mode, self.staleness, self.inverse_lr = mode, staleness, inverse_lr
+        self.lease_s, self.steps, self.global_batch = lease_s, steps, global_batch
+        self.checkpoint_every, self.stop_after = checkpoint_every, stop_after
+        self.save, self.on_update, self.report = save, on_update, report
+        self.cond = threading.Condition()
+        self.clocks = Clocks(clock={w: start_step if start_clocks is None else start_clocks[w]
+                                    for w in range(workers)})
+        # Examples whose gradients this server applied: the run's progress in global steps.
+        self.examples = start_step * global_batch if start_examples is None else start_examples
+        first_contact = time.monotonic() + join_s  # a worker's first lease runs from here
+        self.last_seen = {w: first_contact for w in range(workers)}
+        self.version = 0  # updates applied by this server over the whole run
+        self.saved = start_step  # the newest step a checkpoint holds (or the start)
+        self.stopping = False  # a planned stop's checkpoint is written
+        self.parked: list[tuple[int, torch.futures.Future]] = []
+        self.pending: dict[int, Push] = {}  # sync: this step's gradients so far
+        self.left: set[int] = set()  # workers that said goodbye
+        self.failure: BaseException | None = None  # a save that failed ends the server
+        self._watcher = threading.Thread(target=self._watch_leases, daemon=True,
+                                         name=f"ps-server-{index}-leases")
+        self._watcher.start()
+
+    # ------------------------------------------------------------------ worker calls
+
+    def join(self, worker: int) -> Reply:
+        """A worker starting (or resuming): its step and the current parameters."""
+        with self.cond:
+            if worker in self.clocks.dead:
+                return Reply("refused", self.clocks.clock[worker])
+            self.last_seen[worker] = time.monotonic()
+            return self._go(worker)
+
+    def push(self, push: Push) -> torch.futures.Future:
+        """Apply (or collect) a gradient; the Future resolves with the worker's next Reply."""
+        reply: torch.futures.Future = torch.futures.Future()
+        with self.cond:
+            w = push.worker
+            if w in self.clocks.dead or push.step != self.clocks.clock[w]:
+                # Dead, or a message from before a restart: never applied.
+                reply.set_result(Reply("refused", self.clocks.clock[w]))
+                return reply
+            self.last_seen[w] = time.monotonic()
+            if self._finished():  # the run's examples are in (another worker's came first)
+                reply.set_result(Reply("done", self.clocks.clock[w]))
+                return reply
+            if self.mode == "sync":
+                self.pending[w] = push
+                self._apply_sync_if_complete()
+            else:
+                self._apply_one(push)
+            self.parked.append((w, reply))
+            self._release()
+        return reply
+
+    def heartbeat(self, worker: int) -> bool:
+        """Renew the worker's lease; False once it has been declared dead."""
+        if worker in self.clocks.dead:
+            return False
+        self.last_seen[worker] = time.monotonic()  # no lock: a plain store (see the docstring)
+        return True
+
+    def leave(self, worker: int) -> None:
+        """A worker is done (finished, stopped or refused) and exits."""
+        with self.cond:
+            self.left.add(worker)
+            self.cond.notify_all()
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of this server's parameters, by name (for evaluation and the final save)."""
+        with self.cond:
+            return {n: p.detach().clone() for n, p in zip(self.names, self.params)}
+
+    # ------------------------------------------------------------------ the server's own
+
+    def wait_until_done(self) -> None:
+        """Block until every worker has left or died; raise a failed save's error."""
+        with self.cond:
+            while not self._done():
+                self.cond.wait(timeout=0.5)
+            if self.failure is not None:
+                raise self.failure
+
+    def _done(self) -> bool:
+        return self.failure is not None or all(
+            w in self.left or w in self.clocks.dead for w in self.clocks.clock)
+
+    def declare_dead(self, worker: int, why: str) -> None:
+        with self.cond:
+            if worker not in self.clocks.dead:
+                self.clocks.dead[worker] = why
+                self.report(f"scaletrain: parameter server {self.index}: worker {worker} declared "
+                            f"dead ({why}); going on with {len(self.clocks.live)} worker(s), "
+                            "its later messages refused")
+                if self.mode == "sync":  # the step may be complete without it now
+                    self._apply_sync_if_complete()
+                self._release()
+
+    def _watch_leases(self) -> None:
+        tick = min(self.lease_s / 4, 0.5)
+        while True:
+            time.sleep(tick)
+            now = time.monotonic()
+            for w, seen in list(self.last_seen.items()):
+                if (w not in self.clocks.dead and w not in self.left
+                        and now - seen > self.lease_s):
+                    self.declare_dead(w, f"not heard from for {now - seen:.1f} s "
+                                         f"(ps.worker_timeout_s = {self.lease_s:g})")
+
+    # ------------------------------------------------------------------ under the lock
+
+    def _go(self, worker: int) -> Reply:
+        """The parameters as they are now, for the worker's next step."""
+        read = Read(version=self.version, slowest=self.clocks.slowest() or 0)
+        # Copies: the RPC agent serializes after this returns, and the next update would
+        # change a tensor it still reads.
+        return Reply("go", self.clocks.clock[worker], [p.detach().clone() for p in self.params],
+                     read)
+
+    def _apply_one(self, push: Push) -> None:
+        """async / ssp: this gradient alone is the update."""
+        delay = self.version - push.read.version
+        applied = push.grads is not None
+        if applied:
+            self._step(push.grads, lr_scale=1.0 / (1 + delay) if self.inverse_lr else 1.0)
+        self.clocks.clock[push.worker] += 1
+        self.examples += push.examples
+        self.on_update(Update(push, staleness_of(push.step, slowest_at_read=push.read.slowest),
+                              delay, self.version, applied))
+
+    def _apply_sync_if_complete(self) -> None:
+        """sync: once every live worker's gradient for the step is in, apply their mean,
+        weighted by the loss's counts (so it is the gradient of the mean loss over every
+        example of the step, as DDP's all-reduce makes it)."""
+        live = self.clocks.live
+        if not self.pending or any(w not in self.pending for w in live):
+            return
+        pushes = [self.pending[w] for w in sorted(self.pending)]  # a fixed order: reproducible
+        self.pending = {}
+        finite = [p for p in pushes if p.grads is not None]
+        total, before = sum(p.count for p in finite), self.version
+        if finite and total > 0:
+            mean = [sum(p.grads[i] * (p.count / total) for p in finite)
+                    for i in range(len(self.params))]
+            self._step(mean, lr_scale=1.0)
+        for p in pushes:
+            self.clocks.clock[p.worker] += 1
+            self.examples += p.examples
+            self.on_update(Update(p, staleness_of(p.step, slowest_at_read=p.read.slowest),
+                                  before - p.read.version, self.version,
+                                  p.grads is not None))
+
+    def _step(self, grads: list[torch.Tensor], *, lr_scale: float) -> None:
+        for p, g in zip(self.params, grads):
+            p.grad = g.to(p.dtype)
+        groups = self.optimizer.param_groups
+        base = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] *= lr_scale
+        self.optimizer.step()
+        for g, lr in zip(groups, base):
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # LambdaLR's order check knows nothing of servers
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+            self.scheduler.step()
+        self.version += 1
+
+    def global_step(self) -> int:
+        return self.examples // self.global_batch
+
+    def _finished(self) -> bool:
+        return self.global_step() >= self.steps
+
+    def _due_cut(self) -> int | None:
+        """The checkpoint (or planned stop) the run has reached and not yet written."""
+        every, done = self.checkpoint_every, self.global_step()
+        marks = [self.stop_after] if self.stop_after else []
+        if every:
+            marks.append((self.saved // every + 1) * every)
+        due = [m for m in marks if self.saved < m <= done and m < self.steps]
+        return min(due) if due else None
+
+    def _release(self) -> None:
+        """Answer every parked worker that may go on now; write a checkpoint at a cut.
+
+        A cut: once the run has reached a checkpoint's global step, no worker gets an answer
+        until every live worker is parked here. A worker pushes its step to every server and
+        waits for all of them before its next, so when every live worker is parked on this
+        server, every server has applied exactly the same gradients (up to each worker's
+        clock): the servers' shards and clocks in the checkpoint are of one instant.
+        """
+        cut = self._due_cut()
+        parked = {w for w, _ in self.parked}
+        if (cut is not None and self.failure is None and not self.pending
+                and all(w in parked for w in self.clocks.live)):
+            try:
+                self.save(cut)  # every live worker waits for an answer: nothing moves
+                self.saved = cut
+                self.stopping = cut == self.stop_after
+                cut = None
+            except BaseException as e:  # noqa: BLE001  ended by wait_until_done
+                self.failure = e
+        still = []
+        for w, reply in self.parked:
+            s = self.clocks.clock[w]
+            if w in self.clocks.dead:
+                reply.set_result(Reply("refused", s))
+            elif self.failure is not None:
+                reply.set_exception(RuntimeError(f"parameter server {self.index} failed: "
+                                                 f"{self.failure}"))
+            elif w in self.pending or cut is not None:  # sync: not applied yet; a cut: hold
+                still.append((w, reply))
+            elif self.stopping:
+                reply.set_result(Reply("stop", s))
+            elif self._finished():
+                reply.set_result(Reply("done", s))
+            elif may_start(self.clocks, w, mode=self.mode, staleness=self.staleness):
+                reply.set_result(self._go(w))
+            else:
+                still.append((w, reply))
+        self.parked = still
+        self.cond.notify_all()
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        """The counters a checkpoint keeps: every worker's clock, examples applied, version."""
+        return {"version": self.version, "examples": self.examples,
+                "clocks": ",".join(str(self.clocks.clock[w]) for w in sorted(self.clocks.clock)),
+                "dead": ",".join(map(str, sorted(self.clocks.dead)))}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the counters; a worker dead at the checkpoint is alive again (a restart
+        starts every worker)."""
+        self.version, self.examples = int(state["version"]), int(state["examples"])
+        clocks = [int(c) for c in state["clocks"].split(",")]
+        if len(clocks) == len(self.clocks.clock):  # else the start_step every worker got
+            self.clocks.clock = dict(enumerate(clocks))
+
+
+# ---------------------------------------------------------------------- RPC entry points
+# TensorPipe pickles a function by its qualified name; these run in the server's process.
+
+_SERVER: ParameterServer | None = None
+_READY = threading.Event()
+_READY_TIMEOUT_S = 600.0
+
+
+def serve(server: ParameterServer) -> None:
+    """Make `server` the one this process's rpc_* functions route to."""
+    global _SERVER
+    _SERVER = server
+    _READY.set()
+
+
+def _server() -> ParameterServer:
+    if not _READY.wait(_READY_TIMEOUT_S):  # a worker that calls in before the server is built
+        raise RuntimeError("the parameter server did not start in time")
+    return _SERVER
+
+
+def rpc_join(worker: int) -> Reply:
+    return _server().join(worker)
+
+
+@rpc.functions.async_execution
+def rpc_push(push: Push) -> torch.futures.Future:
+    return _server().push(push)
+
+
+def rpc_heartbeat(worker: int) -> bool:
+    return _server().heartbeat(worker)
+
+
+def rpc_leave(worker: int) -> None:
+    _server().leave(worker)
+
+
+def rpc_snapshot() -> dict[str, torch.Tensor]:
+    return _server().snapshot()
+
+
+def rpc_version() -> int:
+    return _server().version

@@ -1,0 +1,93 @@
+"""Held-out evaluation: the loss and the task's metric, each data-parallel share a part.
+
+`eval_totals` sums one share's loss, hits (or squared error) and count with no collective,
+`eval_record` turns totals into the record; `evaluate` is the two with one all-reduce in
+between, as every collective layout runs it. The parameter-server strategy evaluates on one
+server with no collective (ps/run.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from scaletrain.config import Config, Derived
+from scaletrain.data.loader import Dataset
+from scaletrain.data.sampler import eval_indices
+from scaletrain.models.protocol import output_logits
+from scaletrain.parallel.compose import unwrap
+from scaletrain.parallel.pipeline import Pipeline, eval_pipeline
+from scaletrain.precision import Precision
+from scaletrain.runtime import ProcessEnv, all_reduce_sum
+from scaletrain.training.loss import LossFn, mse
+from scaletrain.training.step import forward
+
+
+@torch.no_grad()
+def eval_totals(net: torch.nn.Module, eval_ds: Dataset, *, limit: int, batch: int,
+                dp_rank: int, dp_size: int, counts: bool, precision: Precision,
+                device: torch.device, loss_fn: LossFn,
+                pipeline: Pipeline | None = None) -> torch.Tensor:
+    """(loss sum, correct or squared error, count) over this share, in float64.
+
+    Args:
+        net: the bare model (no DDP wrapper), or under pp > 1 this rank's stages.
+        eval_ds: the held-out split.
+        limit: at most this many held-out examples in all (train.eval_examples).
+        batch: examples per forward.
+        dp_rank, dp_size: this share of the examples (strided).
+        counts: this rank's numbers count (one rank per data-parallel share); else zeros.
+        precision, device, loss_fn: as in training.
+        pipeline: under pp > 1, the schedule whose last stage has the output.
+    """
+    net.eval()
+    kind = eval_ds.spec.kind
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct (or squared error), count
+    for idx in eval_indices(len(eval_ds), limit=limit, dp_rank=dp_rank, dp_size=dp_size,
+                            batch=batch):
+        b = eval_ds.get(idx).to(device, non_blocking=True)
+        with precision.forward_context():
+            if pipeline is None:
+                output = forward(net, b, precision)
+            else:
+                output = eval_pipeline(pipeline, precision.convert_input(b.inputs), b.targets)
+        if not counts:
+            continue
+        totals[0] += float(loss_fn(output, b)[0])
+        if kind == "regression":
+            totals[1] += float(mse(output, b)[0])
+        else:
+            totals[1] += float((output_logits(output).argmax(-1) == b.targets).sum())
+        totals[2] += b.count
+    net.train()
+    return totals
+
+
+def eval_record(totals: torch.Tensor, *, kind: str, loss_name: str) -> dict:
+    """The evaluation's record from summed totals: loss and accuracy, mse or perplexity."""
+    loss = float(totals[0] / totals[2])
+    if kind == "regression":
+        return {"loss": loss, "mse": float(totals[1] / totals[2])}
+    if kind == "lm":
+        if loss_name not in ("auto", "cross-entropy"):
+            return {"loss": loss}  # a perplexity of another loss would mean nothing
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    return {"loss": loss, "accuracy": float(totals[1] / totals[2])}
+
+
+def evaluate(model: torch.nn.Module, eval_ds: Dataset, config: Config, penv: ProcessEnv,
+             derived: Derived, *, precision: Precision, device: torch.device,
+             loss_fn: LossFn, pipeline: Pipeline | None = None) -> dict:
+    """Held-out loss, and the task's metric (accuracy; mse for regression; perplexity for
+    text under cross-entropy), each data-parallel share a strided part. Tensor-parallel
+    peers evaluate the same examples (their forward is collective) and count them once;
+    under pipeline parallelism the last stage has the output."""
+    layout = derived.layout
+    totals = eval_totals(unwrap(model), eval_ds, limit=config.train.eval_examples,
+                         batch=config.train.micro_batch, dp_rank=layout.dp_rank(penv.rank),
+                         dp_size=layout.dp, counts=layout.reports_loss(penv.rank),
+                         precision=precision, device=device, loss_fn=loss_fn,
+                         pipeline=pipeline)
+    all_reduce_sum(totals)
+    return eval_record(totals, kind=eval_ds.spec.kind, loss_name=config.train.loss)

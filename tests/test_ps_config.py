@@ -1,0 +1,372 @@
+"""parallel.strategy = "ps" from the command line: every mistake is refused before anything
+starts, `explain` describes the roles, and a running job listens on loopback only.
+
+The refusals follow tests/test_cli_errors.py's contract: `scaletrain train ...` exits 2 with
+one `scaletrain: error: ...` line on stderr naming the key, no traceback, and writes nothing.
+The table runs `scaletrain.cli.main` in-process with the launcher and the worker replaced
+by functions that fail the test; a few rows run again as a real `scaletrain` process
+(harness.run_cli) to show that the launcher's own process refuses them too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import scaletrain.cli
+import scaletrain.launch
+from harness import cli_env, records, run_cli
+
+# 1 server + 2 workers, 4 steps: a valid job (and the digits MLP has 4 parameter tensors).
+PS_TOML = """\
+name = "ps-config-test"
+
+[model]
+name = "mlp"
+size = "tiny"
+
+[data]
+source = "digits"
+
+[train]
+steps = 4
+global_batch = 64
+micro_batch = 16
+
+[parallel]
+strategy = "ps"
+dp = 2
+
+[ps]
+mode = "async"
+"""
+
+# The same job under the collective strategy: no [ps] section.
+COLLECTIVE_TOML = PS_TOML.split("[parallel]")[0] + "[parallel]\ndp = 2\n"
+
+
+def case(id: str, argv: str, *expect: str, toml: str = PS_TOML):
+    """One refusal: `argv` ({cfg} is the written config), the substrings its message holds."""
+    return pytest.param(argv, expect, toml, id=id)
+
+
+CASES = [
+    # [ps] keys are read only under parallel.strategy = "ps" (but for the straggler knob)
+    case("ps-key-override-with-collective", "train {cfg} ps.mode=sync",
+         "ps.mode", "parallel.strategy = 'ps'", "'collective'", toml=COLLECTIVE_TOML),
+    case("ps-section-in-toml-with-collective", "train {cfg}", "ps.servers", "'collective'",
+         toml=COLLECTIVE_TOML + "\n[ps]\nservers = 2\n"),
+    case("ps-staleness-with-collective", "train {cfg} ps.staleness=0", "ps.staleness",
+         toml=COLLECTIVE_TOML),
+    case("slow-worker-not-a-ddp-rank", "train {cfg} ps.slow_worker=2", "ps.slow_worker = 2",
+         "data-parallel rank", "-1 .. 1", toml=COLLECTIVE_TOML),
+    # the world against the servers
+    case("world-not-above-servers", "train {cfg} --nproc 1", "ps.servers = 1",
+         "at least 2 processes", "world has 1"),
+    case("servers-fill-the-world", "train {cfg} ps.servers=2 --nproc 2", "ps.servers = 2",
+         "at least 3 processes", "world has 2"),
+    case("dp-not-world-minus-servers", "train {cfg} --nproc 2", "parallel.dp = 2",
+         "number of workers", "leaves 1", "--nproc 3"),
+    case("dp-replicate-not-world-minus-servers",
+         "train {cfg} parallel.dp=-1 parallel.dp_replicate=3 --nproc 3",
+         "parallel.dp_replicate = 3", "leaves 2"),
+    # degrees and features of the collective strategy
+    case("dp-shard", "train {cfg} parallel.dp_shard=2", "parallel.dp_shard = 2",
+         "does not compose", "parallel.strategy"),
+    case("dp-shard-inferred", "train {cfg} parallel.dp_shard=-1", "parallel.dp_shard = -1",
+         "does not compose"),
+    case("tp", "train {cfg} parallel.tp=2", "parallel.tp = 2", "does not compose"),
+    case("pp", "train {cfg} parallel.pp=2", "parallel.pp = 2", "does not compose"),
+    case("comm-hook", "train {cfg} parallel.comm_hook=powersgd",
+         "parallel.comm_hook = 'powersgd'", "comm_hook='none'"),
+    case("compile", "train {cfg} train.compile=true", "train.compile", "parallel.strategy"),
+    case("fp16-mixed", "train {cfg} precision.mode=fp16-mixed",
+         "precision.mode = 'fp16-mixed'", "parallel.strategy", "'bf16-mixed'"),
+    # roles
+    case("slow-worker-not-a-worker", "train {cfg} ps.slow_worker=2", "ps.slow_worker = 2",
+         "not a worker", "0 .. 1", "ranks 1 .. 2"),
+    case("more-servers-than-tensors", "train {cfg} ps.servers=5 parallel.dp=1",
+         "ps.servers = 5", "only 4 parameter tensors", "ps.servers <= 4", "model.name = 'mlp'"),
+    case("loopback-across-nodes",
+         "train {cfg} parallel.dp=-1 --nproc 1 --nnodes 2 --rdzv-endpoint node1:29500",
+         "ps.interface = 'lo'", "--nnodes 2", "ps.interface=eth0"),
+    # the [ps] values themselves
+    case("mode-unknown", "train {cfg} ps.mode=hogwild", "ps.mode = 'hogwild'", "'async'",
+         "'ssp'", "'sync'"),
+    case("staleness-negative", "train {cfg} ps.staleness=-1", "ps.staleness = -1"),
+    case("staleness-lr-unknown", "train {cfg} ps.staleness_lr=sqrt",
+         "ps.staleness_lr = 'sqrt'", "'inverse'"),
+    case("servers-zero", "train {cfg} ps.servers=0", "ps.servers = 0"),
+    case("worker-timeout-zero", "train {cfg} ps.worker_timeout_s=0", "ps.worker_timeout_s = 0"),
+    case("slow-factor-below-one", "train {cfg} ps.slow_factor=0.5", "ps.slow_factor = 0.5"),
+    case("strategy-unknown", "train {cfg} parallel.strategy=gossip",
+         "parallel.strategy = 'gossip'", "'collective'", "'ps'"),
+]
+
+
+def _refuse(*args, **kwargs):
+    pytest.fail("a worker or the launcher was started for a command that should be refused")
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No launcher, no worker, no torchrun or SLURM environment; cwd is the test's directory."""
+    monkeypatch.setattr(scaletrain.launch, "launch", _refuse)
+    monkeypatch.setattr(scaletrain.cli, "launch", _refuse)
+    monkeypatch.setattr(scaletrain.cli, "_run_worker", _refuse)
+    monkeypatch.setattr(scaletrain.cli, "_run_ps_rank", _refuse)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)  # so a stray default run directory would land here, and be seen
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        return scaletrain.cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    message = [line for line in err.splitlines() if line.startswith("scaletrain: error: ")]
+    assert len(message) == 1, f"want one 'scaletrain: error:' line, stderr:\n{err}"
+    return message[0]
+
+
+@pytest.mark.usefixtures("nothing_starts")
+@pytest.mark.parametrize("argv, expect, toml", CASES)
+def test_ps_mistake_is_refused_before_anything_starts(
+        argv: str, expect: tuple[str, ...], toml: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(toml)
+    before = _tree(tmp_path)
+    args = [a.replace("{cfg}", str(cfg)) for a in shlex.split(argv)]
+    args += ["--run-dir", str(tmp_path / "run")]
+
+    code = _main(args)
+
+    err = capsys.readouterr().err
+    assert code == 2, f"exit status {code}, stderr:\n{err}"
+    message = _one_error_line(err)
+    for want in expect:
+        assert want in message, f"{want!r} not in: {message}"
+    assert _tree(tmp_path) == before, "a refused command wrote or changed files"
+
+
+def test_table_ids_are_unique() -> None:
+    assert len({p.id for p in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("argv", [
+    # the good ps config, its roles inferred: 1 server + parallel.dp = 2 workers
+    "train {cfg}",
+    "train {cfg} ps.mode=ssp ps.staleness=0 ps.staleness_lr=inverse --nproc 3",
+    "train {cfg} ps.servers=2 parallel.dp=-1 --nproc 4",
+    "train {cfg} ps.servers=4 parallel.dp=1",  # as many servers as parameter tensors
+    "train {cfg} ps.interface=eth0 parallel.dp=-1 --nproc 1 --nnodes 2 --rdzv-endpoint n1:29500",
+    "train {cfg} ps.slow_worker=1 ps.slow_factor=3",
+])
+def test_good_ps_configs_reach_the_launcher(argv: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The table cannot pass by refusing everything: these get as far as launching."""
+    launched = []
+    monkeypatch.setattr(scaletrain.cli, "launch",
+                        lambda spec, args, **kw: launched.append(spec) or 0)
+    monkeypatch.setattr(scaletrain.cli, "_run_worker", _refuse)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(PS_TOML)
+    args = [a.replace("{cfg}", str(cfg)) for a in shlex.split(argv)]
+
+    code = _main([*args, "--run-dir", str(tmp_path / "run")])
+
+    err = capsys.readouterr().err
+    assert code == 0 and "scaletrain: error" not in err, err
+    assert len(launched) == 1
+    if argv == "train {cfg}":
+        assert launched[0].nproc == 3  # servers + parallel.dp
+
+
+@pytest.mark.usefixtures("nothing_starts")
+def test_slow_worker_knobs_are_allowed_under_collective(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(COLLECTIVE_TOML + "\n[ps]\nslow_worker = 1\nslow_factor = 2.0\n")
+    code = _main(["explain", str(cfg)])
+    err = capsys.readouterr().err
+    assert code == 0 and "scaletrain: error" not in err, err
+
+
+@pytest.mark.usefixtures("nothing_starts")
+def test_explain_describes_a_ps_config(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(PS_TOML)
+    before = _tree(tmp_path)
+
+    code = _main(["explain", str(cfg)])
+
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "scaletrain: error" not in err
+    assert "3 (3 process(es) x 1 node(s))" in out  # 1 server + 2 workers, inferred
+    assert re.search(r"servers\s+│\s+1 \(ranks 0\.\.0", out), out
+    assert re.search(r"workers\s+│\s+2 \(ranks 1\.\.2\)", out), out
+    assert "parameter servers (async" in out
+    assert "interface 'lo' only" in out
+    assert "[ps]" in out  # parallel.strategy's meaning, not eaten as rich markup
+    assert _tree(tmp_path) == before
+
+    code = _main(["explain", str(cfg), "ps.servers=2", "ps.mode=sync", "parallel.dp=-1",
+                  "--nproc", "6"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "6 (6 process(es) x 1 node(s))" in out
+    assert re.search(r"servers\s+│\s+2 \(ranks 0\.\.1", out), out
+    assert re.search(r"workers\s+│\s+4 \(ranks 2\.\.5\)", out), out
+    assert "parameter servers (sync" in out
+
+
+@pytest.mark.parametrize("argv, want", [
+    ("train {cfg} ps.servers=5 parallel.dp=1", "ps.servers = 5"),
+    ("train {coll} ps.mode=sync", "ps.mode"),
+    ("train {cfg} parallel.dp=-1 --nproc 1 --nnodes 2 --rdzv-endpoint node1:29500",
+     "ps.interface = 'lo'"),
+])
+def test_refusal_as_a_real_process(argv: str, want: str, tmp_path: Path) -> None:
+    """The same refusals from `python -m scaletrain` itself: status 2, one line, no run."""
+    (tmp_path / "ps.toml").write_text(PS_TOML)
+    (tmp_path / "coll.toml").write_text(COLLECTIVE_TOML)
+    files = {"{cfg}": str(tmp_path / "ps.toml"), "{coll}": str(tmp_path / "coll.toml")}
+    args = [files.get(a, a) for a in shlex.split(argv)]
+    before = _tree(tmp_path)
+
+    r = run_cli([*args, "--run-dir", str(tmp_path / "run")], timeout=120, cwd=tmp_path)
+
+    assert r.returncode == 2, r.stderr
+    assert want in _one_error_line(r.stderr)
+    assert r.stdout == ""
+    assert _tree(tmp_path) == before, "a refused command wrote files (a run directory?)"
+
+
+# ---------------------------------------------------------------------- loopback only
+
+
+def _decode(hex_addr: str) -> str:
+    """/proc/net/tcp{,6}'s local address (host byte order, hex) as text."""
+    if len(hex_addr) == 8:
+        return ".".join(str(int(hex_addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+    words = [hex_addr[i:i + 8] for i in range(0, 32, 8)]
+    raw = b"".join(bytes.fromhex(w)[::-1] for w in words)
+    if raw[:12] == b"\0" * 10 + b"\xff\xff":  # IPv4-mapped
+        return ".".join(map(str, raw[12:]))
+    import ipaddress
+
+    return str(ipaddress.IPv6Address(raw))
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` LISTENs on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        m = re.fullmatch(r"socket:\[(\d+)\]", target)
+        if m:
+            inodes.add(m[1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: TCP_LISTEN
+                addr, port = cols[1].split(":")
+                found.append((_decode(addr), int(port, 16)))
+    return found
+
+
+def test_decode_proc_net_addresses() -> None:
+    assert _decode("0100007F") == "127.0.0.1"
+    assert _decode("00000000") == "0.0.0.0"
+    assert _decode("00000000000000000000000000000000") == "::"
+    assert _decode("0000000000000000FFFF00000100007F") == "127.0.0.1"
+    assert _decode("00000000000000000000000001000000") == "::1"
+
+
+ROLE_LINE = re.compile(r"^# scaletrain ps (server|worker) (\d+): rank (\d+), pid (\d+)$", re.M)
+
+
+@pytest.mark.slow
+def test_ps_processes_listen_on_loopback_only(tmp_path: Path) -> None:
+    """With ps.interface = "lo" (the default) no server or worker process accepts a
+    connection from outside the machine: every socket they LISTEN on is 127.0.0.1's."""
+    cfg = tmp_path / "ps.toml"
+    cfg.write_text(PS_TOML)
+    run_dir = tmp_path / "run"
+    # 2 servers (their gloo group too) + 2 workers; long enough to be looked at, then stopped.
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "train", str(cfg), "ps.servers=2",
+         "train.steps=100000", "log.every=1", "log.quiet=true", "--nproc", "4",
+         "--run-dir", str(run_dir)],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path)
+    try:
+        roles: dict[int, tuple[str, int]] = {}  # pid -> (role, index)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and launcher.poll() is None:
+            for log in sorted((run_dir / "logs").glob("rank-*.log")):
+                for m in ROLE_LINE.finditer(log.read_text()):
+                    roles[int(m[4])] = (m[1], int(m[2]))
+            if len(roles) == 4 and (run_dir / "metrics.jsonl").exists() and records(run_dir):
+                break  # every role is up and the servers have applied gradients
+            time.sleep(0.5)
+        assert launcher.poll() is None, f"the run ended early:\n{launcher.stderr.read()[-3000:]}"
+        assert sorted(roles.values()) == [("server", 0), ("server", 1), ("worker", 0),
+                                          ("worker", 1)], roles
+        seen: dict[int, set[tuple[str, int]]] = {pid: set() for pid in roles}
+        for _ in range(3):  # a few looks, in case a listener comes late
+            for pid in roles:
+                seen[pid].update(listening(pid))
+            time.sleep(0.5)
+        for pid, (role, index) in sorted(roles.items(), key=lambda kv: kv[1]):
+            assert seen[pid], f"{role} {index} (pid {pid}) listens on nothing: wrong pid?"
+            outside = sorted(s for s in seen[pid] if s[0] != "127.0.0.1")
+            assert not outside, (f"{role} {index} (pid {pid}) listens beyond loopback: "
+                                 f"{outside} (MASTER_PORT="
+                                 f"{_env_of(pid).get('MASTER_PORT')})")
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            launcher.kill()  # its workers die with it (PR_SET_PDEATHSIG)
+            launcher.communicate(timeout=30)
+
+
+def _env_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)

@@ -1,0 +1,152 @@
+"""Parameter servers in sync mode reproduce data-parallel training: W workers and S servers
+end train.steps steps with the same parameters and the same logged losses as DDP on W ranks.
+
+Both sides run the real CLI path on gloo (tests/harness.run_workers: S + W ranks for the
+servers, each a supervisor running its role in a child process, against W collective
+ranks), in float64 with a tolerance of 1e-9 (test_dp_parity.py says why fp64). Gradient
+clipping is off: a worker clips its own gradient, DDP the averaged one. The DDP config has
+no [ps] section at all; the parameter-server keys come as overrides of the same file.
+
+The check can fail: async with two workers applies each worker's half-batch gradient on its
+own, which is a different algorithm, and lands far from DDP (the last test).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import load_weights, losses, max_abs_diff, run_workers
+
+TOL = 1e-9
+STEPS = 6
+
+CONFIG = """\
+name = "ps-parity"
+[model]
+name = "mlp"
+size = "tiny"
+[data]
+source = "digits"
+[optim]
+grad_clip = 0.0
+[train]
+steps = 6
+global_batch = 64
+seed = 3
+eval_examples = 64
+[precision]
+mode = "fp64"
+[log]
+every = 1
+quiet = true
+"""
+
+SGD = ["optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.05"]
+ADAMW = ["optim.name=adamw", "optim.lr=3e-3", "optim.warmup_steps=2"]
+CASES = {  # name -> (servers, workers, micro_batch, optimizer overrides)
+    "sgd-momentum-1-server": (1, 2, 32, SGD),
+    "adamw-2-servers": (2, 2, 32, ADAMW),
+    "accumulation-4-micro-batches": (1, 2, 8, SGD),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory):
+    """run(overrides, world_size) -> run dir; each distinct run happens once per module."""
+    root = tmp_path_factory.mktemp("ps-parity")
+    config = root / "cfg.toml"
+    config.write_text(CONFIG)
+    done: dict[tuple, Path] = {}
+
+    def run(overrides: list[str], *, world_size: int) -> Path:
+        key = (tuple(overrides), world_size)
+        if key not in done:
+            run_dir = root / f"run-{len(done)}"
+            results = run_workers(config, overrides, world_size=world_size, run_dir=run_dir,
+                                  timeout=180)
+            done[key] = run_dir
+            (run_dir / "stderr.txt").write_text("\n".join(r.stderr for r in results))
+        return done[key]
+
+    return run
+
+
+def _ddp(runs, *, workers: int, micro: int, extra: list[str], precision: str = "fp64") -> Path:
+    run_dir = runs([f"parallel.dp={workers}", f"train.micro_batch={micro}",
+                    f"precision.mode={precision}", *extra], world_size=workers)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "ps" not in summary and summary["world_size"] == workers  # really the collective path
+    return run_dir
+
+
+def _ps(runs, *, mode: str, servers: int, workers: int, micro: int, extra: list[str],
+        precision: str = "fp64") -> Path:
+    run_dir = runs(["parallel.strategy=ps", f"ps.mode={mode}", f"ps.servers={servers}",
+                    f"parallel.dp={workers}", f"train.micro_batch={micro}",
+                    f"precision.mode={precision}", *extra], world_size=servers + workers)
+    summary = json.loads((run_dir / "summary.json").read_text())["ps"]
+    assert (summary["mode"], summary["servers"], summary["workers"]) == (mode, servers, workers)
+    assert summary["workers_alive"] == workers and summary["dead_workers"] == {}
+    stderr = (run_dir / "stderr.txt").read_text()
+    for k in range(servers):
+        assert f"# scaletrain ps server {k}: rank {k}," in stderr
+    for w in range(workers):
+        assert f"# scaletrain ps worker {w}: rank {servers + w}," in stderr
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ps_sync_matches_ddp(runs, case: str) -> None:
+    servers, workers, micro, extra = CASES[case]
+    reference = _ddp(runs, workers=workers, micro=micro, extra=extra)
+    got = _ps(runs, mode="sync", servers=servers, workers=workers, micro=micro, extra=extra)
+
+    ref_weights, weights = load_weights(reference), load_weights(got)
+    assert all(w.dtype == torch.float64 for w in weights.values())
+    diff = max_abs_diff(weights, ref_weights)
+    print(f"{case}: max |ps sync - ddp| = {diff:.3g}")
+    assert diff < TOL, f"{case}: parameters differ from DDP by {diff:.3g}"
+    ref_losses = losses(reference)
+    assert len(ref_losses) == STEPS
+    assert losses(got) == pytest.approx(ref_losses, abs=TOL, rel=TOL)
+    summary = json.loads((got / "summary.json").read_text())["ps"]
+    assert summary["updates"] == STEPS  # sync: one update per step on server 0
+    assert summary["staleness_histogram"] == {"0": STEPS * workers}
+
+
+@pytest.mark.slow
+def test_ps_sync_fp32_is_close_to_ddp(runs) -> None:
+    reference = _ddp(runs, workers=2, micro=32, extra=SGD, precision="fp32")
+    got = _ps(runs, mode="sync", servers=1, workers=2, micro=32, extra=SGD, precision="fp32")
+    weights = load_weights(got)
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    diff = max_abs_diff(weights, load_weights(reference))
+    print(f"fp32: max |ps sync - ddp| = {diff:.3g}")
+    assert diff < 1e-5
+    assert losses(got) == pytest.approx(losses(reference), abs=1e-5, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_async_with_one_worker_is_ddp_with_one_process(runs) -> None:
+    """One worker: async, ssp and sync are all plain SGD on the whole batch."""
+    reference = _ddp(runs, workers=1, micro=32, extra=SGD)
+    got = _ps(runs, mode="async", servers=1, workers=1, micro=32, extra=SGD)
+    diff = max_abs_diff(load_weights(got), load_weights(reference))
+    assert diff < TOL, f"async, 1 worker: parameters differ from 1 process by {diff:.3g}"
+    assert losses(got) == pytest.approx(losses(reference), abs=TOL, rel=TOL)
+
+
+@pytest.mark.slow
+def test_async_with_two_workers_is_not_ddp(runs) -> None:
+    """The parity checks above can fail: a different update rule lands far outside 1e-9."""
+    reference = _ddp(runs, workers=2, micro=32, extra=SGD)
+    got = _ps(runs, mode="async", servers=1, workers=2, micro=32, extra=SGD)
+    diff = max_abs_diff(load_weights(got), load_weights(reference))
+    print(f"async, 2 workers: max |ps - ddp| = {diff:.3g}")
+    assert diff > 1e6 * TOL
+    assert json.loads((got / "summary.json").read_text())["ps"]["updates"] == 2 * STEPS
