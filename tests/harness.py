@@ -114,3 +114,43 @@ def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def refuse_start(*args, **kwargs):
+    import pytest
+
+    pytest.fail("a worker or the launcher was started for a command that should be refused")
+
+
+def forbid_starting(monkeypatch, tmp_path: Path) -> None:
+    """For in-process refusal tests: no launcher, no worker (collective or ps), no torchrun
+    or SLURM environment; cwd is the test's directory, so a stray default run directory
+    would land there and be seen."""
+    import scaletrain.cli
+    import scaletrain.launch
+
+    monkeypatch.setattr(scaletrain.launch, "launch", refuse_start)
+    monkeypatch.setattr(scaletrain.cli, "launch", refuse_start)
+    monkeypatch.setattr(scaletrain.cli, "_run_worker", refuse_start)
+    monkeypatch.setattr(scaletrain.cli, "_run_ps_rank", refuse_start)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+
+
+def cli_main(argv: list[str]) -> int:
+    """cli.main's status, in this process; argparse's own errors leave through SystemExit."""
+    import scaletrain.cli
+
+    try:
+        return scaletrain.cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def file_tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under root with its bytes (None for a directory): to see nothing changed."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}

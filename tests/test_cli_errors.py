@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import scaletrain.cli
-import scaletrain.launch
+from harness import cli_main, file_tree, forbid_starting
 
 # A valid, tiny job: one process, 2 micro-batches of 4 per step.
 GOOD_TOML = """\
@@ -221,34 +220,9 @@ CASES = [
 ]
 
 
-def _refuse(*args, **kwargs):
-    pytest.fail("a worker or the launcher was started for a command that should be refused")
-
-
 @pytest.fixture(autouse=True)
 def nothing_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No launcher, no worker, no torchrun or SLURM environment; cwd is the test's directory."""
-    monkeypatch.setattr(scaletrain.launch, "launch", _refuse)
-    monkeypatch.setattr(scaletrain.cli, "launch", _refuse)
-    monkeypatch.setattr(scaletrain.cli, "_run_worker", _refuse)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    for name in list(os.environ):
-        if name.startswith("SLURM_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)  # so a stray default run directory would land here, and be seen
-
-
-def _main(argv: list[str]) -> int:
-    """cli.main's status; argparse's own errors leave through SystemExit."""
-    try:
-        return scaletrain.cli.main(argv)
-    except SystemExit as e:
-        return e.code
-
-
-def _tree(root: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
-            for p in sorted(root.rglob("*"))}
+    forbid_starting(monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("argv, expect, toml, files, absent", CASES)
@@ -260,10 +234,10 @@ def test_mistake_is_refused_before_anything_starts(
     for rel, body in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(body)
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     args = [a.replace("{cfg}", str(cfg)).replace("{tmp}", str(tmp_path)) for a in shlex.split(argv)]
 
-    code = _main(args)
+    code = cli_main(args)
 
     err = capsys.readouterr().err
     assert code == 2, f"exit status {code}, stderr:\n{err}"
@@ -275,7 +249,7 @@ def test_mistake_is_refused_before_anything_starts(
         assert any(o in message[0] for o in options), f"{want!r} not in: {message[0]}"
     for unwanted in absent:
         assert unwanted not in message[0], f"{unwanted!r} in: {message[0]}"
-    assert _tree(tmp_path) == before, "a refused command wrote or changed files"
+    assert file_tree(tmp_path) == before, "a refused command wrote or changed files"
 
 
 def test_table_is_large_enough() -> None:
@@ -288,7 +262,7 @@ def test_good_config_passes_validation(tmp_path: Path, capsys: pytest.CaptureFix
     cfg = tmp_path / "config.toml"
     cfg.write_text(GOOD_TOML)
 
-    code = _main(["explain", str(cfg), "optim.betas=[0.9,0.95]", "--nproc", "2"])
+    code = cli_main(["explain", str(cfg), "optim.betas=[0.9,0.95]", "--nproc", "2"])
 
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -311,9 +285,9 @@ def test_model_that_does_not_fit_the_shards_is_refused_before_launch(
                  seq_len=16, synthetic_examples=64)
     cfg = tmp_path / "config.toml"
     cfg.write_text(GOOD_TOML)
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
 
-    code = _main(["train", str(cfg), "data.source=shards", f"data.path={shards}",
+    code = cli_main(["train", str(cfg), "data.source=shards", f"data.path={shards}",
                   f"model.name={model}", "data.seq_len=16"])
 
     err = capsys.readouterr().err
@@ -321,7 +295,7 @@ def test_model_that_does_not_fit_the_shards_is_refused_before_launch(
     message = [line for line in err.splitlines() if line.startswith("scaletrain: error: ")]
     assert len(message) == 1 and "Traceback" not in err, err
     assert f"model.name = {model!r} needs" in message[0] and str(shards) in message[0]
-    assert _tree(tmp_path) == before
+    assert file_tree(tmp_path) == before
 
 
 def test_explain_warns_about_oversubscribed_cores(tmp_path: Path,
@@ -330,7 +304,7 @@ def test_explain_warns_about_oversubscribed_cores(tmp_path: Path,
     cfg.write_text(GOOD_TOML.replace("global_batch = 8", "global_batch = 256"))
     cores = len(os.sched_getaffinity(0))
 
-    code = _main(["explain", str(cfg), "--nproc", str(4 * cores)])
+    code = cli_main(["explain", str(cfg), "--nproc", str(4 * cores)])
 
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -339,7 +313,7 @@ def test_explain_warns_about_oversubscribed_cores(tmp_path: Path,
     assert f"{4 * cores} process(es) x 1 thread(s)" in warning[0]
     assert f"on {cores} core(s)" in warning[0] and f"--nproc <= {cores}" in warning[0]
 
-    code = _main(["explain", str(cfg), "--nproc", "1"])
+    code = cli_main(["explain", str(cfg), "--nproc", "1"])
     assert code == 0 and "oversubscribed" not in capsys.readouterr().err
 
 
@@ -347,11 +321,11 @@ def test_empty_config_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture
     cfg = tmp_path / "empty.toml"
     cfg.write_text("# nothing here yet\n")
 
-    code = _main(["explain", str(cfg), "train.steps=5"])
+    code = cli_main(["explain", str(cfg), "train.steps=5"])
 
     err = capsys.readouterr().err
     assert code == 0, err
     assert f"scaletrain: warning: config file {str(cfg)!r} sets nothing" in err
     assert "model.name = 'cnn'" in err and "train.steps = 5" in err
     cfg.write_text(GOOD_TOML)
-    assert _main(["explain", str(cfg)]) == 0 and "sets nothing" not in capsys.readouterr().err
+    assert cli_main(["explain", str(cfg)]) == 0 and "sets nothing" not in capsys.readouterr().err

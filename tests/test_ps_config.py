@@ -23,7 +23,8 @@ import pytest
 
 import scaletrain.cli
 import scaletrain.launch
-from harness import cli_env, records, run_cli
+from harness import (cli_env, cli_main, file_tree, forbid_starting, records, refuse_start,
+                     run_cli)
 
 # 1 server + 2 workers, 4 steps: a valid job (and the digits MLP has 4 parameter tensors).
 PS_TOML = """\
@@ -112,34 +113,9 @@ CASES = [
 ]
 
 
-def _refuse(*args, **kwargs):
-    pytest.fail("a worker or the launcher was started for a command that should be refused")
-
-
 @pytest.fixture
 def nothing_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No launcher, no worker, no torchrun or SLURM environment; cwd is the test's directory."""
-    monkeypatch.setattr(scaletrain.launch, "launch", _refuse)
-    monkeypatch.setattr(scaletrain.cli, "launch", _refuse)
-    monkeypatch.setattr(scaletrain.cli, "_run_worker", _refuse)
-    monkeypatch.setattr(scaletrain.cli, "_run_ps_rank", _refuse)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    for name in list(os.environ):
-        if name.startswith("SLURM_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)  # so a stray default run directory would land here, and be seen
-
-
-def _main(argv: list[str]) -> int:
-    try:
-        return scaletrain.cli.main(argv)
-    except SystemExit as e:
-        return e.code
-
-
-def _tree(root: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
-            for p in sorted(root.rglob("*"))}
+    forbid_starting(monkeypatch, tmp_path)
 
 
 def _one_error_line(err: str) -> str:
@@ -156,18 +132,18 @@ def test_ps_mistake_is_refused_before_anything_starts(
         capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text(toml)
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     args = [a.replace("{cfg}", str(cfg)) for a in shlex.split(argv)]
     args += ["--run-dir", str(tmp_path / "run")]
 
-    code = _main(args)
+    code = cli_main(args)
 
     err = capsys.readouterr().err
     assert code == 2, f"exit status {code}, stderr:\n{err}"
     message = _one_error_line(err)
     for want in expect:
         assert want in message, f"{want!r} not in: {message}"
-    assert _tree(tmp_path) == before, "a refused command wrote or changed files"
+    assert file_tree(tmp_path) == before, "a refused command wrote or changed files"
 
 
 def test_table_ids_are_unique() -> None:
@@ -190,14 +166,14 @@ def test_good_ps_configs_reach_the_launcher(argv: str, tmp_path: Path,
     launched = []
     monkeypatch.setattr(scaletrain.cli, "launch",
                         lambda spec, args, **kw: launched.append(spec) or 0)
-    monkeypatch.setattr(scaletrain.cli, "_run_worker", _refuse)
+    monkeypatch.setattr(scaletrain.cli, "_run_worker", refuse_start)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "config.toml"
     cfg.write_text(PS_TOML)
     args = [a.replace("{cfg}", str(cfg)) for a in shlex.split(argv)]
 
-    code = _main([*args, "--run-dir", str(tmp_path / "run")])
+    code = cli_main([*args, "--run-dir", str(tmp_path / "run")])
 
     err = capsys.readouterr().err
     assert code == 0 and "scaletrain: error" not in err, err
@@ -211,7 +187,7 @@ def test_slow_worker_knobs_are_allowed_under_collective(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text(COLLECTIVE_TOML + "\n[ps]\nslow_worker = 1\nslow_factor = 2.0\n")
-    code = _main(["explain", str(cfg)])
+    code = cli_main(["explain", str(cfg)])
     err = capsys.readouterr().err
     assert code == 0 and "scaletrain: error" not in err, err
 
@@ -221,9 +197,9 @@ def test_explain_describes_a_ps_config(tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text(PS_TOML)
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
 
-    code = _main(["explain", str(cfg)])
+    code = cli_main(["explain", str(cfg)])
 
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -234,9 +210,9 @@ def test_explain_describes_a_ps_config(tmp_path: Path,
     assert "parameter servers (async" in out
     assert "interface 'lo' only" in out
     assert "[ps]" in out  # parallel.strategy's meaning, not eaten as rich markup
-    assert _tree(tmp_path) == before
+    assert file_tree(tmp_path) == before
 
-    code = _main(["explain", str(cfg), "ps.servers=2", "ps.mode=sync", "parallel.dp=-1",
+    code = cli_main(["explain", str(cfg), "ps.servers=2", "ps.mode=sync", "parallel.dp=-1",
                   "--nproc", "6"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -258,14 +234,14 @@ def test_refusal_as_a_real_process(argv: str, want: str, tmp_path: Path) -> None
     (tmp_path / "coll.toml").write_text(COLLECTIVE_TOML)
     files = {"{cfg}": str(tmp_path / "ps.toml"), "{coll}": str(tmp_path / "coll.toml")}
     args = [files.get(a, a) for a in shlex.split(argv)]
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
 
     r = run_cli([*args, "--run-dir", str(tmp_path / "run")], timeout=120, cwd=tmp_path)
 
     assert r.returncode == 2, r.stderr
     assert want in _one_error_line(r.stderr)
     assert r.stdout == ""
-    assert _tree(tmp_path) == before, "a refused command wrote files (a run directory?)"
+    assert file_tree(tmp_path) == before, "a refused command wrote files (a run directory?)"
 
 
 # ---------------------------------------------------------------------- loopback only
