@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/allocator.py
 	$(BIN)/python bench/layouts.py --bubble
 	$(BIN)/python bench/ps.py
+	$(BIN)/python bench/distill.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -143,7 +143,8 @@ def single_process_quiet():
 # --------------------------------------------------------------------------- directories
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -163,7 +164,7 @@ def _move_aside(path: Path, why: str) -> Path:
 
 def finalize(tmp: Path, final: Path, *, keep: int, report: Callable[[str], None]) -> None:
     """Rank 0, after every rank has written: manifest, atomic rename, prune old ones."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
     if final.exists():  # rename cannot replace a non-empty directory; keep the old one
@@ -207,7 +208,7 @@ def verify(checkpoint: Path, *, hashes: bool = True) -> None:
         if path.stat().st_size != want["bytes"]:
             raise CheckpointError(f"{path}: {path.stat().st_size} bytes, manifest says "
                                   f"{want['bytes']} (truncated?)")
-        if hashes and _sha256(path) != want["sha256"]:
+        if hashes and file_sha256(path) != want["sha256"]:
             raise CheckpointError(f"{path}: sha256 mismatch (corrupted)")
 
 
@@ -252,8 +253,12 @@ def export_weights(checkpoint: Path, out: Path) -> Path:
     with single_process_quiet():
         dcp.load(model, storage_reader=SafeFileSystemReader(checkpoint),
                  planner=SafeLoadPlanner(exact=()), no_dist=True)
-    save_file({k.removeprefix("model."): v.contiguous() for k, v in model.items()},
-              str(out))
+    from scaletrain.distill.student import strip_wrapper
+
+    # A distilled run trains the student with its projections: export the student alone,
+    # under its own names, as the run's model.safetensors has it.
+    weights = strip_wrapper({k.removeprefix("model."): v.contiguous() for k, v in model.items()})
+    save_file(weights, str(out))
     return out
 
 

@@ -1,4 +1,4 @@
-"""The command line: `scaletrain train | explain | report | shard | export`.
+"""The command line: `scaletrain train | explain | report | shard | export | distill-cache | eval`.
 
 Every user mistake (config, overrides, launcher flags, paths) is caught before any worker
 starts and printed as one line, `scaletrain: error: ...`, with exit status 2. A failed run
@@ -16,6 +16,9 @@ from scaletrain.config import (ConfigError, Config, describe_fields, given_world
                                resolve)
 from scaletrain.launch import (Interrupted, LaunchError, LaunchSpec, launch, slurm_defaults,
                                under_elastic_agent, validate_spec)
+from scaletrain.distill.commands import add_parsers as add_distill_parsers
+from scaletrain.distill.commands import cmd_distill_cache, cmd_eval
+from scaletrain.distill.commands import explain_rows as distill_explain_rows
 from scaletrain.launch_output import describe_interrupt
 from scaletrain.user_code import UserCodeError
 
@@ -67,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="draw loss and throughput curves of runs to a PNG")
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     report.add_argument("--out", type=Path, help="PNG path (default RUN_DIR/report.png)")
+    add_distill_parsers(sub)  # distill-cache, eval (distill/commands.py)
     return parser
 
 
@@ -300,6 +304,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                                f"{d.layout.dp} workers, each its share of every step"),
         **_pipeline_rows(config, d),
         **_ps_rows(config, d),
+        **distill_explain_rows(config),
         "global batch": config.train.global_batch,
         "micro-batch": config.train.micro_batch,
         "accumulation steps": d.accumulation,
@@ -499,7 +504,8 @@ def _final_weights_hint(final: Path) -> str:
 
 
 COMMANDS = {"train": cmd_train, "explain": cmd_explain, "report": cmd_report,
-            "shard": cmd_shard, "export": cmd_export}
+            "shard": cmd_shard, "export": cmd_export, "distill-cache": cmd_distill_cache,
+            "eval": cmd_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

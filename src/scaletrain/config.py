@@ -41,7 +41,7 @@ TEXT_SOURCES = ("wikitext", "wikitext-paragraphs", "synthetic-text")
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
 MODEL_NAMES = (*BUILTIN_MODELS, "hf")
 DATA_SOURCES = ("digits", "mnist", "wikitext", "wikitext-paragraphs", "synthetic-images",
-                "synthetic-text", "shards")
+                "synthetic-text", "sentences", "shards")
 LOSSES = ("auto", "cross-entropy", "mse")
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 def _name_or_import_path(value: str, allowed: tuple[str, ...]) -> str:
@@ -83,10 +83,11 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     source: str = "mnist"
     """Built-in dataset: images (digits, mnist, synthetic-images) or text (packed wikitext,
-    padded wikitext-paragraphs, synthetic-text); "shards": Parquet shards at data.path; or
+    padded wikitext-paragraphs, synthetic-text), "sentences" (tokenized sentences for an
+    encoder, data.kwargs: tokenizer, corpora, words); "shards": Parquet shards at data.path; or
     'package.module:function', yours, called as function(split, **data.kwargs)."""
     kwargs: dict[str, Any] = {}
-    """Keyword arguments for your data function (data.source = 'package.module:function')."""
+    """Keyword arguments for your data function (data.source = 'package.module:function') or for "sentences"."""
     path: str = ""
     """For data.source = "shards": the directory `scaletrain shard` (or Spark) wrote."""
     shuffle_window: int = Field(0, ge=0)
@@ -224,6 +225,35 @@ class PSConfig(_Section):
     """How many times slower ps.slow_worker runs (1 = not slowed)."""
 
 
+class DistillConfig(_Section):
+    teacher: str = ""
+    """Knowledge distillation's frozen teacher ("" = no distillation): a scaletrain run directory, a local Hugging Face / sentence-transformers directory, or 'all-MiniLM-L6-v2' (the packaged one)."""
+    teacher_sha256: str = ""
+    """The SHA-256 the teacher's safetensors weights must have ("" = only the packaged teacher's own is checked)."""
+    teacher_precision: Literal["same", "fp32", "bf16", "fp64"] = "same"
+    """The teacher's inference dtype (weights and compute); same = the student's compute dtype."""
+    temperature: float = Field(2.0, gt=0.0, le=100.0)
+    """Softmax temperature T of the soft targets (the KL is scaled by T^2)."""
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """Weight of the soft-target KL; 1 - alpha weighs the hard-label loss (train.loss). Logit tasks only."""
+    hidden_weight: float = Field(0.0, ge=0.0)
+    """Weight of the hidden-state MSE through learned projections (FitNets / TinyBERT); Hugging Face models."""
+    attention_weight: float = Field(0.0, ge=0.0)
+    """Weight of the attention-map MSE (TinyBERT); Hugging Face models with as many heads as the teacher."""
+    cosine_weight: float = Field(0.0, ge=0.0)
+    """Weight of the cosine loss 1 - cos(student, teacher) on pooled embeddings or logits (DistilBERT)."""
+    cosine_on: Literal["pooled", "logits"] = "pooled"
+    """What the cosine loss compares: mean-pooled last hidden states (encoders) or the logits."""
+    layer_map: list[int] = []
+    """Teacher layer each student hidden state learns (0 = embeddings), one per student state; [] = uniform (TinyBERT)."""
+    init_layers: list[int] = []
+    """Teacher blocks (0-based) copied into the student's blocks, plus the other same-shaped weights; [] = the student's own init."""
+    cache: str = ""
+    """A teacher-output cache written by `scaletrain distill-cache`; the run then loads no teacher."""
+    top_k: int = Field(0, ge=0)
+    """distill-cache: teacher logits kept per example or token (0 = all)."""
+
+
 class PrecisionConfig(_Section):
     mode: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto"] = "fp32"
     """fp32, bf16-mixed, fp16-mixed (loss scaling), bf16-true, fp64 (for verifying numerics, slow), or auto (bf16-mixed on fast-bf16 hardware)."""
@@ -260,6 +290,7 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
     ps: PSConfig = PSConfig()
+    distill: DistillConfig = DistillConfig()
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
@@ -461,7 +492,7 @@ def _check_model_and_data(config: Config) -> None:
     if m.name == "hf" and m.path and m.kwargs:
         raise ConfigError(f"model.kwargs = {m.kwargs!r} is only read with model.hf_config; a "
                           "model directory (model.path) brings its own config.json")
-    if d.kwargs and not is_import_path(d.source):
+    if d.kwargs and not is_import_path(d.source) and d.source != "sentences":
         raise ConfigError(f"data.kwargs = {d.kwargs!r} is only read by a data function "
                           f"(data.source = 'package.module:function'), not by {d.source!r}")
 
@@ -669,6 +700,9 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
         )
     pipe = _check_parallel(config, layout) if ps is None else None
     _check_model_and_data(config)
+    from scaletrain.distill.checks import check_distill_config
+
+    check_distill_config(config, layout)
     shards = config.data.source == "shards"  # their task is known only when they are opened
     user_data = is_import_path(config.data.source)  # so is a user's dataset's
     if config.model.name == "gpt" and config.data.source not in TEXT_SOURCES and not (

@@ -55,6 +55,10 @@ def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
         from scaletrain.data.user_source import load_user_dataset
 
         return load_user_dataset(source, split=split, kwargs=kwargs or {}, fn=fn)
+    if source == "sentences":
+        from scaletrain.data.sentences import load_sentences
+
+        return load_sentences(split=split, seq_len=seq_len, kwargs=kwargs or {})
     if source == "shards":
         from scaletrain.data.shards import load_dataset as load_shards
 

@@ -71,7 +71,7 @@ WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz
 WIKI_MD5 = "55899abfb7caa0e50d2665787fa4afca"  # the file in gensim 4.4.0's test data
 
 
-TASK_KINDS = ("classification", "lm", "regression")
+TASK_KINDS = ("classification", "lm", "regression", "encode")
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,12 @@ class TaskSpec:
         outputs (B, T, V >= num_classes) logits.
     regression: targets (B,) or (B, num_classes) float; the model outputs one value per
         target (num_classes = outputs per example).
+    encode: inputs (B, T) token ids with an attention mask, no labels (targets zeros); the
+        model is an encoder whose loss comes from a teacher (distillation); num_classes is
+        the vocabulary size.
     """
 
-    kind: Literal["classification", "lm", "regression"]
+    kind: Literal["classification", "lm", "regression", "encode"]
     input_shape: tuple[int, ...]  # per example: (1, 28, 28) MNIST, (1, 8, 8) digits, (T,) text
     num_classes: int  # classes; vocabulary size (256 bytes) for "lm"; outputs for "regression"
     ragged: bool = False  # target counts differ between examples (padding): count per step
@@ -119,6 +122,9 @@ class Batch:
     # More model inputs from a user dataset's dict items (e.g. attention_mask), passed to the
     # model's forward as keyword arguments.
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Cached teacher outputs for these rows (distill/cache.py): read by the distillation
+    # loss, never passed to the model.
+    teacher: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
         """Return the batch with its tensors on `device`; the counts are plain ints."""
@@ -128,6 +134,7 @@ class Batch:
             count=self.count,
             tokens=self.tokens,
             extras={k: v.to(device, non_blocking=non_blocking) for k, v in self.extras.items()},
+            teacher={k: v.to(device, non_blocking=non_blocking) for k, v in self.teacher.items()},
         )
 
 

@@ -90,7 +90,7 @@ def build_hf_model(*, path: str, hf_config: str, kwargs: dict[str, Any],
     if path and kwargs:
         raise HFModelError(f"model.kwargs = {kwargs!r} is only read with model.hf_config; a "
                            "model directory (model.path) brings its own config.json")
-    if task.kind != "lm":
+    if task.kind not in ("lm", "encode"):
         raise HFModelError(
             "model.name = 'hf' trains causal language models on text (data kind 'lm'); the "
             f"data are {task.kind!r} (input shape {task.input_shape}). Choose a text source "
@@ -105,9 +105,12 @@ def build_hf_model(*, path: str, hf_config: str, kwargs: dict[str, Any],
         config = _config_from(hf_config, kwargs, transformers)
         origin = _Origin(f"model.hf_config = {hf_config!r}", kwargs, pretrained=False)
     # Refuse before any weight is allocated or read: a mismatch should cost no time.
-    _check_causal_lm(config, origin)
+    if task.kind == "lm":
+        _check_causal_lm(config, origin)
     _check_fits_task(config, task, origin)
-    auto = transformers.AutoModelForCausalLM
+    # Sentences for an encoder (data kind "encode", a distillation student): the base model,
+    # whose output is the hidden states (no head).
+    auto = transformers.AutoModelForCausalLM if task.kind == "lm" else transformers.AutoModel
     # dtype explicitly (float32, or float64 for precision fp64, so that float64 weights load
     # unrounded): in 5.x from_pretrained defaults to the checkpoint's dtype ("auto") and
     # from_config honours config.dtype, often bfloat16 in a real config.json; scaletrain
@@ -183,6 +186,9 @@ def _import_transformers():
     except ImportError as e:
         raise HFModelError("model.name = 'hf' needs the transformers package: "
                            f"pip install scaletrain[hf] ({e})") from e
+    # 5.x draws a "Loading weights" bar on stderr for every from_pretrained: noise in every
+    # rank's log, and it would break the launcher's one-line refusals.
+    transformers.utils.logging.disable_progress_bar()
     return transformers
 
 

@@ -39,8 +39,10 @@ NO_CODE = UserCode()
 
 
 def brings_own_code(config: Config, code: UserCode = NO_CODE) -> bool:
-    """True when the model, data or loss is the user's (or a Hugging Face model)."""
+    """True when the model, data or loss is the user's (or a Hugging Face model), or a teacher
+    is distilled from: all are built and run once in the launcher first."""
     return (code != NO_CODE or config.model.name == "hf" or is_import_path(config.model.name)
+            or bool(config.distill.teacher or config.distill.cache)
             or is_import_path(config.data.source) or is_import_path(config.train.loss))
 
 
@@ -73,6 +75,30 @@ def build_loss(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) ->
         return builtin_loss(name, task_kind=dataset.spec.kind)
     except ValueError as e:
         raise UserCodeError(str(e)) from None
+
+
+def build_objective(config: Config, net: torch.nn.Module, dataset: Dataset, *,
+                    precision: Precision, code: UserCode = NO_CODE):
+    """The model the trainer trains and its loss: (net, configured loss, None), or under
+    [distill] the student wrapped with its projections, the distillation loss and the
+    `Distillation` (distill/build.py)."""
+    from scaletrain.distill.build import build_distillation, distilling
+
+    hard = None if dataset.spec.kind == "encode" else build_loss(config, dataset, code=code)
+    if not distilling(config):
+        if hard is None:
+            raise UserCodeError(f"data.source = {config.data.source!r} gives sentences without "
+                                "labels (kind 'encode'): they train a student from a teacher, "
+                                "so set distill.teacher (README, 'Knowledge distillation')")
+        return net, hard, None
+    cache_info = None
+    if config.distill.cache:
+        from scaletrain.distill.cache import read_info
+
+        cache_info = read_info(config.distill.cache)
+    kd = build_distillation(config, net, task=dataset.spec, hard=hard, precision=precision,
+                            cache_info=cache_info)
+    return kd.model, kd.loss_fn, kd
 
 
 def is_user_loss(config: Config, code: UserCode = NO_CODE) -> bool:
@@ -109,7 +135,7 @@ def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
 
     torch.manual_seed(config.train.seed)
     train_ds = build_data(config, split="train", code=code)
-    build_data(config, split="eval", code=code)  # the eval split must exist and check too
+    eval_ds = build_data(config, split="eval", code=code)  # the eval split must exist and check too
     model = build_net(config, train_ds, code=code)
     try:
         model_spec(model)
@@ -118,8 +144,13 @@ def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
     precision = make_precision(config.precision.mode, device_type="cpu",
                                init_scale=config.precision.init_scale,
                                growth_interval=config.precision.growth_interval)
+    model, loss_fn, kd = build_objective(config, model, train_ds, precision=precision, code=code)
+    if config.distill.cache:  # checked against the data and teacher before any worker starts
+        from scaletrain.distill.build import cached_splits
+
+        train_ds = cached_splits(config, kd, precision=precision,
+                                 splits={"train": train_ds, "eval": eval_ds})["train"]
     model = precision.convert_module(model)
-    loss_fn = build_loss(config, train_ds, code=code)
     batch = train_ds.get(torch.arange(min(2, len(train_ds))))
     check_fit(model, batch, loss_fn=loss_fn, precision=precision, config=config)
     if is_user_loss(config, code):

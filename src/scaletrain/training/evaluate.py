@@ -57,7 +57,7 @@ def eval_totals(net: torch.nn.Module, eval_ds: Dataset, *, limit: int, batch: in
         totals[0] += float(loss_fn(output, b)[0])
         if kind == "regression":
             totals[1] += float(mse(output, b)[0])
-        else:
+        elif kind != "encode":  # sentences for an encoder have no labels: the loss alone
             totals[1] += float((output_logits(output).argmax(-1) == b.targets).sum())
         totals[2] += b.count
     net.train()
@@ -69,6 +69,8 @@ def eval_record(totals: torch.Tensor, *, kind: str, loss_name: str) -> dict:
     loss = float(totals[0] / totals[2])
     if kind == "regression":
         return {"loss": loss, "mse": float(totals[1] / totals[2])}
+    if kind == "encode":
+        return {"loss": loss}
     if kind == "lm":
         if loss_name not in ("auto", "cross-entropy"):
             return {"loss": loss}  # a perplexity of another loss would mean nothing

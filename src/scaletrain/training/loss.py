@@ -149,4 +149,4 @@ def _slice(batch: Batch, rows: slice, kind: str) -> Batch:
 
 
 COUNTS = {"classification": "examples", "lm": "target tokens that are not -100",
-          "regression": "target values"}
+          "regression": "target values", "encode": "examples"}

@@ -49,9 +49,12 @@ from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, co
                                 set_threads)
 from scaletrain.training import signals
 from scaletrain.training.optim import build_optimizer, build_scheduler
+from scaletrain.distill.build import cached_splits
+from scaletrain.distill.student import student_weights
+from scaletrain.distill.teacher import describe_teacher, place_teacher
 from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, build_data,
-                                         parallel_options,
-                                         build_loss, build_net, check_fit, check_loss,
+                                         build_objective, parallel_options,
+                                         build_net, check_fit, check_loss,
                                          is_user_loss)
 from scaletrain.training.loss import LossFn
 from scaletrain.training.evaluate import evaluate
@@ -89,6 +92,7 @@ class Parts:
     rank: int
     pipeline: Pipeline | None = None  # under pp > 1: the schedule over this rank's stages
     pp_group: object | None = None  # under pp > 1: the pipeline's process group
+    teacher: object | None = None  # under [distill] with an online teacher: distill.teacher.Teacher
 
     @property
     def reports_loss(self) -> bool:
@@ -132,6 +136,8 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
         logger.message(f"scaletrain: resumed from {resume_from} at step {parts.state.step}")
     for warning in derived.warnings:
         logger.message(f"scaletrain: warning: {warning}")
+    if parts.teacher is not None:
+        logger.message(f"scaletrain: {describe_teacher(parts.teacher)}")
     if heap != "system":
         logger.message(f"scaletrain: CPU heap policy: {heap} (train.allocator)")
     try:
@@ -159,7 +165,13 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
                                growth_interval=config.precision.growth_interval,
                                sharded=layout.splits_gradients)
     model = build_net(config, train_ds, code=code)
-    loss_fn = build_loss(config, train_ds, code=code)
+    # The loss, or under [distill] the student wrapped with its projections and the
+    # distillation loss (the teacher lives in the loss; a cache rides with the batches).
+    model, loss_fn, kd = build_objective(config, model, train_ds, precision=precision, code=code)
+    if config.distill.cache:
+        cached = cached_splits(config, kd, precision=precision,
+                               splits={"train": train_ds, "eval": eval_ds})
+        train_ds, eval_ds = cached["train"], cached["eval"]
     model = precision.convert_module(model)
     if brings_own_code(config, code):  # on the bare model, before any technique splits it
         _check_user_code(model, train_ds, config, code=code, precision=precision,
@@ -174,10 +186,15 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
                       options=options, precision=precision, loss_fn=loss_fn,
                       compile=config.train.compile)
     model, hook_state = par.model, par.hook_state
+    if kd is not None and kd.teacher is not None:  # replicated, or sharded like the student
+        place_teacher(kd.teacher, device=device,
+                      mesh=par.mesh["dp_shard"] if layout.dp_shard > 1 else None)
     o = config.optim
     # A fused kernel takes the fp16 scaler's found-inf flag as a plain tensor, which it
-    # cannot mix with DTensor parameters: sharded fp16 runs the foreach kernels.
-    impl = "foreach" if precision.scaler is not None and layout.splits_gradients else o.impl
+    # cannot mix with DTensor parameters, and fused SGD has no DTensor sharding rule at all
+    # (torch 2.13): sharded fp16, and sharded SGD, run the foreach kernels.
+    sharded_unfusable = precision.scaler is not None or o.name == "sgd"
+    impl = "foreach" if sharded_unfusable and layout.splits_gradients else o.impl
     optimizer = build_optimizer(model, name=o.name, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=o.betas, momentum=o.momentum, impl=impl)
     scheduler = build_scheduler(optimizer, warmup_steps=o.warmup_steps,
@@ -195,7 +212,8 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
     return Parts(state=state, sampler=sampler, train_ds=train_ds, eval_ds=eval_ds,
                  device=device, comm=comm, checkpointer=checkpointer, loss_fn=loss_fn,
                  layout=layout, rank=penv.rank, pipeline=par.pipeline,
-                 pp_group=par.pipeline.stages[0].group if par.pipeline else None)
+                 pp_group=par.pipeline.stages[0].group if par.pipeline else None,
+                 teacher=kd.teacher if kd is not None else None)
 
 
 def _check_user_code(net: torch.nn.Module, train_ds: Dataset, config: Config, *,
@@ -489,7 +507,7 @@ def _finish(run_dir: Path, *, model, weights: dict[str, torch.Tensor] | None, co
     # save_model keeps one name of weights tied to each other (safetensors refuses aliases).
     # Under sharding or pipeline stages, `weights` were gathered from every rank (plain
     # names, full shapes); otherwise this rank's module is the whole model.
-    net = unwrap(model)
+    net, weights = student_weights(unwrap(model), weights)  # under [distill]: the student alone
     meta = {"model": config.model.name, "size": config.model.size}
     if weights is None:
         save_model(net, str(run_dir / "model.safetensors"), metadata=meta)

