@@ -12,7 +12,7 @@ same way, and every difference between them named.
    embeddings: the weights that cost compute per token (the token embedding is a lookup).
    BERT's pooler is dropped from both (mean pooling never reads it; a trained student has
    none): 0.15M of the teacher's published 22.71M. Speed: sentences/s of
-   `evaluate.hf_encoder` + `encode_speed` (best of 3 calls; the median over --reps
+   `evaluate.hf_encoder` + `encode_speed` (best of 3 calls; the median over --encoder-reps
    interleaved reps) on `held_out_sentences()` (300 news sentences), the same batch size,
    max_len and tokenizer for both, one thread per core, in fp32 and under bf16 autocast;
    tokenization is inside the timing for both. Quality: `encoder_report`'s ratios (student
@@ -40,7 +40,7 @@ Every heavy step holds /tmp/st-heavy.lock (flock) so other experiments on the ma
 not overlap the timings; one lock per section, not per run, so a section is not split by
 someone else's long job.
 
-    .venv/bin/python bench/distill.py                     # ~8 min on 2 cores
+    .venv/bin/python bench/distill.py                     # ~8 min on 2 cores (+ lock waits)
     .venv/bin/python bench/distill.py --student RUN_DIR   # + the trained student's scores
     .venv/bin/python bench/distill.py --quick             # smoke version, < 2 min
 """
@@ -114,6 +114,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="hf_encoder batch size")
     p.add_argument("--max-len", type=int, default=128, help="hf_encoder max_len")
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions of each run")
+    p.add_argument("--encoder-reps", type=int, default=5,
+                   help="interleaved repetitions of each encoder timing (each ~1 s)")
     p.add_argument("--retries", type=int, default=1,
                    help="re-runs of a run disturbed by other processes")
     p.add_argument("--sections", default="encoder,mnist,minilm")
@@ -121,8 +123,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--keep", type=Path, help="keep the run directories and caches here")
     a = p.parse_args()
     if a.quick:
-        a.mnist_teacher_steps, a.mnist_steps, a.minilm_steps = 100, 100, 4
-        a.minilm_words, a.sentences, a.reps, a.retries = 300, 100, 1, 0
+        a.mnist_teacher_steps, a.mnist_steps, a.minilm_steps = 50, 100, 4
+        a.minilm_words, a.sentences, a.reps, a.encoder_reps, a.retries = 300, 100, 1, 1, 0
     return a
 
 
@@ -205,7 +207,7 @@ def encoder_section(a: argparse.Namespace) -> None:
                                          bf16_autocast(enc[name]), texts)
             for precision in ("fp32", "bf16") for name in ("teacher", "student")}
     with heavy_lock("encoder speed"):
-        runs = interleave(jobs, reps=a.reps, retries=a.retries,
+        runs = interleave(jobs, reps=a.encoder_reps, retries=a.retries,
                           line=lambda rep, job, r: f"{job[0]} {job[1]}: "
                                                    f"{r['sentences_per_s']:.0f} sentences/s")
         report = encoder_report(enc["student"], teacher=enc["teacher"]) if a.student else None
@@ -220,7 +222,7 @@ def print_encoder_table(a, teacher, student, what: str, speed: dict, *, cores: i
     s_all, s_core = param_counts(student)
     print(f"\n1. encoder: {a.sentences} held-out news sentences (lee_background.cor), hf_encoder "
           f"batch {a.batch_size}, max_len {a.max_len}, mean pooling, sorted by length, "
-          f"{cores} threads, median over {a.reps} interleaved reps of the best of 3 calls, "
+          f"{cores} threads, median over {a.encoder_reps} interleaved reps of the best of 3 calls, "
           "tokenization included; pooler dropped from both (mean pooling never reads it)")
     print(f"{'':<54} {'params':>8} {'w/o token emb':>18} {'sent/s fp32':>12} "
           f"{'sent/s bf16 autocast':>20}")
@@ -349,12 +351,12 @@ def print_cache_table(name: str, results: dict, *, cache_info: dict, write: dict
               f"{median(runs, 'command_s'):>9.1f} {runs[0]['final_loss']:>11.7f}"
               + ("" if len(losses) == 1 else "*"))
     saved = train_rows / on - train_rows / off
-    amortise = f"{write['write_s'] / saved:.1f} epochs" if saved > 0 else "never (not faster)"
+    amortise = f"after {write['write_s'] / saved:.1f} epochs" if saved > 0 else "never (not faster)"
     print(f"   {'':<{len(name) + 1}} cached / online: {off / on:.2f}x examples/s; epoch "
           f"({train_rows} rows) {train_rows / on:.2f} s -> {train_rows / off:.2f} s")
     print(f"   {'':<{len(name) + 1}} cache write: {write['write_s']:.1f} s for {write['rows']} "
           f"rows (train + eval; command {write['command_s']:.1f} s), "
-          f"{write['bytes'] / 2**20:.0f} MiB; amortised after {amortise}")
+          f"{write['bytes'] / 2**20:.0f} MiB; amortised {amortise}")
     print(f"   {'':<{len(name) + 1}} cache holds {', '.join(cache_info['outputs'])} in "
           f"{cache_info['teacher_dtype']}; ~ : noisy run, * : final loss differed between reps")
     diffs = config_differences({m: {"run_dir": rs[0]["run_dir"]} for m, rs in results.items()})
