@@ -213,11 +213,16 @@ def encoder_section(a: argparse.Namespace) -> None:
         report = encoder_report(enc["student"], teacher=enc["teacher"]) if a.student else None
     speed = {job: (median(rs, "sentences_per_s"), any(r["noisy"] for r in rs))
              for job, rs in runs.items()}
-    print_encoder_table(a, teacher, student, what, speed, cores=cores)
+    spread = ", ".join(f"{name} {prec} {min(r['sentences_per_s'] for r in rs):.0f}-"
+                       f"{max(r['sentences_per_s'] for r in rs):.0f}"
+                       for (name, prec), rs in runs.items())
+    print_encoder_table(a, teacher, student, what, speed, cores=cores, spread=spread)
     print_quality(report, max_len=a.max_len)
 
 
-def print_encoder_table(a, teacher, student, what: str, speed: dict, *, cores: int) -> None:
+def print_encoder_table(a: argparse.Namespace, teacher, student, what: str, speed: dict, *,
+                        cores: int, spread: str) -> None:
+    """Parameters and speeds of both, their ratios, and the published ratios beside them."""
     t_all, t_core = param_counts(teacher)
     s_all, s_core = param_counts(student)
     print(f"\n1. encoder: {a.sentences} held-out news sentences (lee_background.cor), hf_encoder "
@@ -241,6 +246,7 @@ def print_encoder_table(a, teacher, student, what: str, speed: dict, *, cores: i
           f"{speed['teacher', 'bf16'][0] / speed['teacher', 'fp32'][0]:.2f}x, student "
           f"{speed['student', 'bf16'][0] / speed['student', 'fp32'][0]:.2f}x;  "
           f"~ : a rep kept > {NOISY_CORES} cores of foreign load")
+    print(f"  spread over the reps (min-max sentences/s): {spread}")
     print("\n   published, beside ours (student / teacher):")
     print(f"   {'':<31} {'params':>7} {'speed':>6}  {'quality':<32} setting")
     for name, params, fast, quality, setting in PUBLISHED:
