@@ -39,7 +39,7 @@ def check_distill_config(config, layout) -> None:
     if d.init_layers and not d.teacher:
         raise ConfigError(f"distill.init_layers = {d.init_layers} copies the teacher's layers: "
                           "it needs distill.teacher (a cache holds outputs, not weights)")
-    from scaletrain.distill.teacher import TeacherError, teacher_kind
+    from scaletrain.distill.teacher import teacher_kind
 
     try:
         if d.teacher:
@@ -48,9 +48,7 @@ def check_distill_config(config, layout) -> None:
             from scaletrain.distill.cache import read_info
 
             read_info(d.cache)
-    except TeacherError as e:  # also CacheError: both are one-line user mistakes
-        raise ConfigError(str(e)) from None
-    except ValueError as e:
+    except ValueError as e:  # TeacherError, CacheError: one-line user mistakes
         raise ConfigError(str(e)) from None
     if d.cosine_weight and d.cosine_on == "pooled" and config.model.name in ("mlp", "cnn", "gpt"):
         raise ConfigError(f"distill.cosine_on = 'pooled' compares an encoder's mean-pooled hidden "
