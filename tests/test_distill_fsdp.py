@@ -12,22 +12,18 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness import load_weights, losses, max_abs_diff, run_workers
-from test_distill_parity import BERT_STUDENT, BERT_WIDTHS, TOL
+from test_distill_parity import BERT_STUDENT, TOL, save_bert_teacher
 
 pytestmark = pytest.mark.slow
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 TEACHER_LINE = re.compile(r"distillation teacher .*?([\d.]+) MiB on this rank \((\w+)")
 
 
 def test_fsdp_shards_the_teacher_and_matches_one_process(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    teacher = tmp_path / "bert-teacher"
-    transformers.BertModel(transformers.BertConfig(num_hidden_layers=4, **BERT_WIDTHS)
-                           ).save_pretrained(teacher)
+    teacher = save_bert_teacher(tmp_path / "bert-teacher")
     config = tmp_path / "bert.toml"
     config.write_text(BERT_STUDENT)
     common = [f"distill.teacher={teacher}", "train.global_batch=16", "train.micro_batch=4",
