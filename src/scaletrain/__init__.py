@@ -10,7 +10,7 @@ The Python API (imported on first use, so `import scaletrain` stays cheap for th
 types a user's factory, data function and loss meet.
 """
 
-__version__ = "0.1.0"
+from scaletrain.version import __version__ as __version__  # re-exported
 
 _LAZY = {
     "train": ("scaletrain.api", "train"),
@@ -20,7 +20,7 @@ _LAZY = {
     "ModelSpec": ("scaletrain.models.protocol", "ModelSpec"),
     "PipelineSplit": ("scaletrain.models.protocol", "PipelineSplit"),
     "Config": ("scaletrain.config", "Config"),
-    "ConfigError": ("scaletrain.config", "ConfigError"),
+    "ConfigError": ("scaletrain.errors", "ConfigError"),
     "UserCodeError": ("scaletrain.user_code", "UserCodeError"),
 }
 __all__ = sorted(_LAZY)

@@ -41,9 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.launch_output import ConsoleEcho, agent_log, describe_child_failure, run_dir_logs
+from scaletrain.runtime import LAUNCHER_PID_ENV, MERGE_STREAMS_ENV
 
-LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # a worker dies when this process does
-MERGE_STREAMS_ENV = "SCALETRAIN_MERGE_STREAMS"  # "1": a worker points stdout at its stderr log
 SUBPROCESS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", MERGE_STREAMS_ENV: "1"}
 GRACE_ENV, DEFAULT_GRACE_S = "SCALETRAIN_SIGTERM_GRACE_S", 30
 

@@ -32,6 +32,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+# Set by the launcher (launch.py) for its workers, read by them in prepare_worker_process.
+LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # a worker dies when this process does
+MERGE_STREAMS_ENV = "SCALETRAIN_MERGE_STREAMS"  # "1": a worker points stdout at its stderr log
+
 
 @dataclass(frozen=True)
 class ProcessEnv:
@@ -93,8 +97,6 @@ def prepare_worker_process() -> None:
       --redirects); stdout is pointed at the same file, so the log holds the rank's whole
       output in the order it was written, and starts with one line saying who wrote it.
     """
-    from scaletrain.launch import LAUNCHER_PID_ENV, MERGE_STREAMS_ENV
-
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if launcher and sys.platform.startswith("linux"):
         import ctypes

@@ -188,7 +188,7 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
         label_column, features = None, ()
     else:
         tables, label_column, features = file_tables(Path(source), seq_len=seq_len)
-    from scaletrain import __version__
+    from scaletrain.version import __version__
 
     manifests = {}
     for split, (table, task) in tables.items():

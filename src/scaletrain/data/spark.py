@@ -110,7 +110,7 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
     own = spark is None
     spark = spark_session() if own else spark
     name = str(source)
-    from scaletrain import __version__
+    from scaletrain.version import __version__
 
     writer = f"scaletrain {__version__} (pyspark {spark.version})"
     manifests = {}
