@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,11 @@ setup: $(STAMP)
 # Each run gets its own runs/<name>-<time>/ (report.png included); the paths are printed.
 demo: $(STAMP)
 	$(BIN)/scaletrain train configs/default.toml
+
+# ruff's rules and format are configured in pyproject.toml ([tool.ruff]).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
