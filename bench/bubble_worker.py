@@ -17,7 +17,7 @@ from scaletrain.models.gpt import GPT, GPTShape
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.pipeline import (build_pipeline, idle_fraction_theory, measure_idle,
                                           split_model, stage_ids)
-from scaletrain.training.loss import cross_entropy
+from scaletrain.loss import cross_entropy
 
 SEQ, ROWS_PER_CHUNK = 64, 4
 

@@ -29,7 +29,7 @@ from scaletrain.distill.objective import Needs, Weights, distillation_loss  # no
 from scaletrain.distill.student import (Distilled, StudentOutput,  # noqa: E402
                                         init_from_teacher, resolve_layer_map, student_weights)
 from scaletrain.distill.teacher import TeacherError, load_teacher, weights_sha256  # noqa: E402
-from scaletrain.training.loss import cross_entropy  # noqa: E402
+from scaletrain.loss import cross_entropy  # noqa: E402
 from scaletrain.user_code import UserCodeError  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from scaletrain.data.sources import IGNORE_INDEX, Batch, TaskSpec, target_count  # noqa: E402
 from scaletrain.models.hf import HFModelError, build_hf_model, hf_spec, save_hf  # noqa: E402
 from scaletrain.models.protocol import check_spec, model_spec, tp_targets  # noqa: E402
-from scaletrain.training.loss import cross_entropy  # noqa: E402
+from scaletrain.loss import cross_entropy  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

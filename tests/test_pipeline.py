@@ -30,7 +30,7 @@ from scaletrain.models.protocol import ModelSpec, PipelineSplit, model_spec
 from scaletrain.parallel.pipeline import (PipelineConfigError, check_schedule,
                                           idle_fraction_theory, split_blocks, split_model,
                                           stage_ids)
-from scaletrain.training.loss import cross_entropy
+from scaletrain.loss import cross_entropy
 
 TOL = 1e-9
 WORLD = 2

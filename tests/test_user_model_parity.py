@@ -154,7 +154,7 @@ def test_user_loss_gives_the_builtin_gradients(user_dir: Path) -> None:
 
         from scaletrain.data.user_source import MapSource
         from scaletrain.precision import make_precision
-        from scaletrain.training.loss import cross_entropy
+        from scaletrain.loss import cross_entropy
         from scaletrain.training.optim import build_scheduler
         from scaletrain.training.step import train_step
 

@@ -237,11 +237,20 @@ def latest_valid(directory: Path, *, report: Callable[[str], None] = print,
     return None
 
 
-def export_weights(checkpoint: Path, out: Path) -> Path:
+def export_weights(checkpoint: Path, out: Path, *,
+                   rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+                   | None = None) -> Path:
     """Consolidated model weights of a checkpoint as safetensors, no process group.
 
     Each tensor keeps the dtype it was trained and saved in (float64 under
     precision.mode="fp64"), as the trainer's model.safetensors does.
+
+    Args:
+        checkpoint: a checkpoint directory (verified against its manifest first).
+        out: the safetensors file to write.
+        rename: maps the weights (under the model's own names) to those exported; the
+            caller above hands it down: a distilled run's `distill.student.strip_wrapper`
+            exports the student alone, as the run's model.safetensors has it.
     """
     from safetensors.torch import save_file
 
@@ -253,11 +262,9 @@ def export_weights(checkpoint: Path, out: Path) -> Path:
     with single_process_quiet():
         dcp.load(model, storage_reader=SafeFileSystemReader(checkpoint),
                  planner=SafeLoadPlanner(exact=()), no_dist=True)
-    from scaletrain.distill.student import strip_wrapper
-
-    # A distilled run trains the student with its projections: export the student alone,
-    # under its own names, as the run's model.safetensors has it.
-    weights = strip_wrapper({k.removeprefix("model."): v.contiguous() for k, v in model.items()})
+    weights = {k.removeprefix("model."): v.contiguous() for k, v in model.items()}
+    if rename is not None:
+        weights = rename(weights)
     save_file(weights, str(out))
     return out
 

@@ -24,7 +24,7 @@ from scaletrain.distill.student import (Distilled, init_from_teacher, n_blocks,
 from scaletrain.distill.teacher import (Teacher, load_teacher, set_precision, teacher_dtype,
                                         teacher_kind, weights_sha256)
 from scaletrain.precision import Precision
-from scaletrain.training.loss import LossFn
+from scaletrain.loss import LossFn
 from scaletrain.user_code import UserCodeError
 
 

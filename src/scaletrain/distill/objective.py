@@ -28,7 +28,7 @@ from scaletrain.distill.losses import (attention_mse, cosine_loss, hidden_mse, m
                                        soft_target_kl)
 from scaletrain.distill.student import StudentOutput
 from scaletrain.distill.teacher import Teacher, run_teacher
-from scaletrain.training.loss import LossFn
+from scaletrain.loss import LossFn
 
 LOGIT_KINDS = ("classification", "lm")
 

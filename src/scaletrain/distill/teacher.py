@@ -125,8 +125,9 @@ def _load(source: str, *, task: TaskSpec, expected_sha256: str, load_dtype: torc
     with tempfile.TemporaryDirectory() as tmp:
         if kind == "checkpoint":
             from scaletrain.checkpoint_files import export_weights
+            from scaletrain.distill.student import strip_wrapper
 
-            files = [export_weights(d, Path(tmp) / "model.safetensors")]
+            files = [export_weights(d, Path(tmp) / "model.safetensors", rename=strip_wrapper)]
         sha = weights_sha256(files)
         if expected and sha != expected.lower():
             raise TeacherError(f"distill.teacher = {source!r}: its weights have SHA-256 "

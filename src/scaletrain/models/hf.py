@@ -21,7 +21,7 @@ checkpoints) are HF's own, and `save_hf` writes a directory `from_pretrained` re
 The label shift happens once, in the data. scaletrain calls the model positionally,
 `model(input_ids)` with input_ids (B, T) int64, and never passes `labels=`, so HF's internal
 shift (logits[:, :-1] against labels[:, 1:]) is never applied. The loss
-(`training.loss.cross_entropy`, through `protocol.output_logits`) reads `.logits` (B, T, V) and
+(`loss.cross_entropy`, through `protocol.output_logits`) reads `.logits` (B, T, V) and
 compares logits[:, t] with targets[:, t], which the text sources have ALREADY shifted
 (targets[:, t] is the token after inputs[:, t]; -100 = no loss). On a window w of T + 1
 tokens this is exactly HF's `model(w, labels=w).loss` times the target count, because
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from scaletrain.data.sources import TaskSpec
-from scaletrain.models.protocol import TP_STYLES, ModelSpec, PipelineSplit, check_spec
+from scaletrain.models.spec import TP_STYLES, ModelSpec, PipelineSplit, check_spec
 from scaletrain.user_code import UserCodeError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

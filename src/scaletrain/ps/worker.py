@@ -36,7 +36,7 @@ from scaletrain.precision import Precision
 from scaletrain.ps import server as ps_server
 from scaletrain.ps.server import Push, Read, Reply
 from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
-from scaletrain.training.loss import LossFn
+from scaletrain.loss import LossFn
 from scaletrain.training.step import forward
 
 

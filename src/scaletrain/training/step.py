@@ -6,7 +6,7 @@
 
 Normalisation (the subtle part): the gradient must be that of the mean loss over the whole
 global batch, k micro-batches on each of n ranks, whatever k and n are. So every
-micro-batch's *summed* loss (a loss returns (sum, count): training/loss.py) is divided by the
+micro-batch's *summed* loss (a loss returns (sum, count): loss.py) is divided by the
 global count of examples, target tokens or target values in the step, known from the data
 before the first forward; DDP then averages over the n ranks, which we undo by
 multiplying by n. With ragged counts (masked tokens differ between micro-batches
@@ -36,7 +36,7 @@ from scaletrain.parallel.pipeline import Pipeline, run_pipeline
 from scaletrain.precision import Precision
 from scaletrain.runtime import all_reduce_sum
 from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
-from scaletrain.training.loss import LossFn, cross_entropy
+from scaletrain.loss import LossFn, cross_entropy
 from scaletrain.user_code import UserCodeError
 
 

@@ -20,7 +20,8 @@ bf16 rounding. Built-in losses are written to the contract and skip it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
