@@ -30,7 +30,8 @@ from common import (WallClock, all_reduce_mean, build_job, docs_adamw, job_loss,
 def scaletrain_parts(a, *, rank: int, world: int):
     """(data, DDP model, optimizer, sampler, heap policy) as scaletrain's trainer builds them."""
     from scaletrain.allocator import configure_allocator
-    from scaletrain.config import load_config, resolve
+    from scaletrain.config import load_config
+    from scaletrain.plan import resolve
     from scaletrain.runtime import read_env, seed_everything
     from scaletrain.training import trainer
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 import scaletrain.cli
-from harness import run_cli
 from scaletrain.checkpoint import Checkpointer, TrainState
 from scaletrain.checkpoint_files import list_checkpoints
 from scaletrain.config import ConfigError, config_to_toml, load_config
@@ -23,6 +22,8 @@ from scaletrain.models import build_model
 from scaletrain.precision import make_precision
 from scaletrain.rundir import check_resumable
 from scaletrain.training.optim import build_optimizer, build_scheduler
+
+from harness import run_cli
 
 TOML = """\
 [model]

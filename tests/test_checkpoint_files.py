@@ -91,3 +91,27 @@ def test_a_checkpoint_that_cannot_be_pruned_is_reported(tmp_path: Path,
     assert "could not remove old checkpoint" in messages[0]
     assert str(tmp_path / "step-00000001") in messages[0] and "Permission denied" in messages[0]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001", "step-00000002"]
+
+
+def test_export_writes_the_model_under_its_own_names_or_a_rename_from_above(
+        tmp_path: Path) -> None:
+    """export_weights knows no distillation: a distilled run's caller hands it the student's
+    `strip_wrapper` (cli export, distill/teacher.py), a plain export keeps every name."""
+    from safetensors.torch import load_file
+
+    from scaletrain.distill.student import strip_wrapper
+
+    state = _state()
+    saver = Checkpointer(tmp_path / "ckpt", keep=1, async_save=False, config_toml="",
+                         report=print)
+    _save(saver, state, 1)
+    step = tmp_path / "ckpt" / "step-00000001"
+    plain = load_file(checkpoint_files.export_weights(step, tmp_path / "plain.safetensors"))
+    expected = state.model.state_dict()
+    assert plain.keys() == expected.keys()
+    assert all(torch.equal(plain[k], expected[k]) for k in expected)
+    renamed = load_file(checkpoint_files.export_weights(
+        step, tmp_path / "renamed.safetensors",
+        rename=lambda w: {f"student.{k}": v for k, v in w.items()}))
+    assert renamed.keys() == {f"student.{k}" for k in expected}
+    assert strip_wrapper(renamed).keys() == expected.keys()  # what a distilled run exports

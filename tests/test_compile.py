@@ -50,7 +50,8 @@ def test_compile_mistakes_are_refused_before_launch(monkeypatch: pytest.MonkeyPa
     assertion) and no C++ compiler for inductor."""
     import shutil
 
-    from scaletrain.config import ConfigError, resolve, validate_config
+    from scaletrain.config import ConfigError, validate_config
+    from scaletrain.plan import resolve
 
     config = validate_config({"model": {"name": "mlp"}, "data": {"source": "digits"},
                               "train": {"compile": True, "global_batch": 32,

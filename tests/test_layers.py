@@ -15,8 +15,11 @@ choosing what it may depend on. docs/ARCHITECTURE.md ("Layers") shows the same o
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "scaletrain"
@@ -38,15 +41,19 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(rooms)) 
     ("training", {"training"}),  # builds from the config and runs the loop
     ("ps", {"ps"}),  # the parameter-server strategy reuses training's pieces
     ("pre-launch", {"prelaunch"}),  # checks that build the model before any worker starts
-    ("api", {"api"}),
-    ("cli", {"cli", "cli_distill"}),
+    ("commands", {"api", "cli_distill"}),  # the Python API; the distillation subcommands
+    ("cli", {"cli"}),
     ("entry", {"__main__", PACKAGE}),  # `python -m scaletrain`; the package's lazy exports
 ))
 FLOOR = {room: i for i, (_, rooms) in enumerate(LAYERS) for room in rooms}
 
-# Edges other branches remove while this one is in flight (the coordinator empties this
-# after merging; the test then holds them like any other).
-PENDING: dict[tuple[str, str], str] = {}
+# Edges another branch removes while this one is in flight: data/sentences.py is taking its
+# tokenizer directory as a plain value from above (wip-distill). After the merge this dict
+# is emptied and the test holds those edges like any other.
+PENDING: dict[tuple[str, str], str] = {
+    ("scaletrain.data.sentences", "scaletrain.distill.teacher"): "wip-distill",
+    ("scaletrain.data.sentences", "scaletrain.models.hf"): "wip-distill",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -91,7 +98,9 @@ def room_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else PACKAGE
 
 
+@functools.cache
 def edges() -> dict[str, set[str]]:
+    """Module -> the scaletrain modules it imports (read once per session)."""
     return {m: imports_of(m, p.read_text(), is_package=p.name == "__init__.py")
             for m, p in MODULES.items()}
 
@@ -174,7 +183,8 @@ def test_techniques_import_nothing_from_above():
     above = {"config", "training", "distill", "ps", "cli", "api", "plan", "prelaunch"}
     graph = edges()
     bad = [f"{a} -> {b}" for a, targets in graph.items() for b in targets
-           if room_of(a) in {"models", "data", "parallel", "precision"} and room_of(b) in above]
+           if room_of(a) in {"models", "data", "parallel", "precision"} and room_of(b) in above
+           and (a, b) not in PENDING]
     assert not bad, "\n".join(sorted(bad))
 
 
@@ -200,6 +210,33 @@ def test_every_floor_names_real_rooms():
     """A room in the table that no module has is a stale line."""
     stale = sorted(set(FLOOR) - {room_of(m) for m in MODULES})
     assert not stale, f"rooms in LAYERS that no module has: {stale}"
+
+
+def test_a_room_checks_plain_values_without_the_config():
+    """The parallel room's checks take the values plan.resolve hands down, not a Config:
+    callable (and refusing, naming the key) with no schema in sight."""
+    from scaletrain.errors import ConfigError
+    from scaletrain.parallel.checks import check_collective, pipeline_shape, ps_layout
+    from scaletrain.parallel.layout import LayoutError, ParallelLayout, layout_of
+
+    with pytest.raises(LayoutError, match=r"parallel\.dp ="):  # the key the user wrote
+        layout_of(dp=3, dp_replicate=-1, dp_shard=1, tp=1, pp=1, world_size=2)
+    assert layout_of(dp=-1, dp_replicate=-1, dp_shard=1, tp=2, pp=1, world_size=4).dp_shard == 2
+    layout = ParallelLayout(pp=2).resolve(2)
+    shape = pipeline_shape(layout, schedule="interleaved-1f1b", microbatches=0,
+                           stages_per_rank=0, micro_batch=8, n_blocks=4)
+    assert (shape.microbatches, shape.stages_per_rank) == (4, 2)  # the defaults filled in
+    with pytest.raises(ConfigError, match="train.micro_batch = 6"):
+        pipeline_shape(layout, schedule="1f1b", microbatches=4, stages_per_rank=1,
+                       micro_batch=6, n_blocks=None)
+    with pytest.raises(ConfigError, match="comm_hook"):
+        check_collective(ParallelLayout(dp_shard=2).resolve(2), comm_hook="fp16", compile=False,
+                         precision="fp32", optim_impl="auto", sequence_parallel=True,
+                         seq_len=None)
+    _, roles = ps_layout(servers=1, world_size=3, dp=-1, dp_replicate=-1,
+                         degrees={"dp_shard": 1, "tp": 1, "pp": 1}, comm_hook="none",
+                         compile=False, precision="fp32", slow_worker=-1)
+    assert (roles.workers, roles.role(0), roles.role(2)) == (2, ("server", 0), ("worker", 1))
 
 
 def _print_graph() -> None:  # pragma: no cover - a reader's aid: python tests/test_layers.py

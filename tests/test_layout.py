@@ -23,8 +23,9 @@ import pytest
 import scaletrain.cli
 import scaletrain.launch
 from harness import run_cli
-from scaletrain.config import ConfigError, load_config, resolve
+from scaletrain.config import ConfigError, load_config
 from scaletrain.parallel.layout import MESH_DIMS, LayoutError, ParallelLayout
+from scaletrain.plan import resolve
 
 # GPT tiny: 2 blocks, 2 heads of 32. micro_batch 4 splits into 1, 2 or 4 pipeline chunks.
 GPT_TOML = """\

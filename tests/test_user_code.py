@@ -527,7 +527,7 @@ def test_import_path_of_refuses_a_shadowed_name(imported: Path) -> None:
 
 def _check(loss_fn, *, dtype=torch.float64, n: int = 6) -> None:
     from scaletrain.data.sources import Batch
-    from scaletrain.training.loss import check_summed
+    from scaletrain.loss import check_summed
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3).to(dtype)
@@ -568,7 +568,7 @@ def test_check_summed_refuses_a_wrong_count_and_a_non_scalar() -> None:
 
 def test_check_summed_restores_the_training_mode() -> None:
     from scaletrain.data.sources import Batch
-    from scaletrain.training.loss import check_summed
+    from scaletrain.loss import check_summed
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.5)).double()
     model.train()
@@ -595,7 +595,8 @@ def test_misspelt_model_name_gets_a_did_you_mean() -> None:
 
 
 def test_model_kwargs_with_a_builtin_model_is_refused() -> None:
-    from scaletrain.config import ConfigError, load_config, resolve
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.plan import resolve
 
     config = load_config(None, ["model.name=mlp", "data.source=digits", "model.kwargs={width=3}"])
     with pytest.raises(ConfigError, match=r"model.kwargs = \{'width': 3\} is only read by "
@@ -604,7 +605,8 @@ def test_model_kwargs_with_a_builtin_model_is_refused() -> None:
 
 
 def test_data_kwargs_with_a_builtin_source_is_refused() -> None:
-    from scaletrain.config import ConfigError, load_config, resolve
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.plan import resolve
 
     config = load_config(None, ["model.name=mlp", "data.source=digits", "data.kwargs={n=3}"])
     with pytest.raises(ConfigError, match="data.kwargs = .* is only read by a data function"):
@@ -612,7 +614,8 @@ def test_data_kwargs_with_a_builtin_source_is_refused() -> None:
 
 
 def test_hf_model_needs_a_path_or_a_config() -> None:
-    from scaletrain.config import ConfigError, load_config, resolve
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.plan import resolve
 
     config = load_config(None, ["model.name=hf", "data.source=synthetic-text"])
     with pytest.raises(ConfigError) as e:

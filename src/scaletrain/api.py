@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import (Config, ConfigError, Derived, config_to_toml, given_world,
-                               load_config, resolve,
+from scaletrain.config import (Config, ConfigError, config_to_toml, given_world, load_config,
                                validate_config)
 from scaletrain.launch import LaunchSpec, under_elastic_agent, validate_spec
+from scaletrain.plan import Derived, resolve
 
 
 class TrainingFailed(RuntimeError):
@@ -69,8 +69,8 @@ def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resum
         ConfigError, UserCodeError: a mistake, before anything starts.
     """
     from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir
-    from scaletrain.training.assemble import (NO_CODE, brings_own_code, check_layout_fits,
-                                             check_user_code)
+    from scaletrain.prelaunch import check_layout_fits
+    from scaletrain.training.assemble import NO_CODE, brings_own_code, check_user_code
 
     if allow_config_change and not resume:
         raise ConfigError("--allow-config-change only applies with --resume (it lets a resumed "

@@ -52,14 +52,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from scaletrain.checkpoint_files import (CheckpointError, SafeFileSystemReader,
-                                         SafeLoadPlanner, finalize, single_process_quiet)
+from scaletrain.checkpoint_files import (
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    finalize,
+    single_process_quiet,
+)
 from scaletrain.runtime import barrier
 
 

@@ -12,13 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-from scaletrain.config import (ConfigError, Config, describe_fields, given_world, load_config,
-                               resolve)
+from scaletrain.config import ConfigError, Config, describe_fields, given_world, load_config
+from scaletrain.plan import resolve
 from scaletrain.launch import (Interrupted, LaunchError, LaunchSpec, launch, slurm_defaults,
                                under_elastic_agent, validate_spec)
-from scaletrain.distill.commands import add_parsers as add_distill_parsers
-from scaletrain.distill.commands import cmd_distill_cache, cmd_eval
-from scaletrain.distill.commands import explain_rows as distill_explain_rows
+from scaletrain.cli_distill import add_parsers as add_distill_parsers
+from scaletrain.cli_distill import cmd_distill_cache, cmd_eval
+from scaletrain.cli_distill import explain_rows as distill_explain_rows
 from scaletrain.launch_output import describe_interrupt
 from scaletrain.user_code import UserCodeError
 
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="draw loss and throughput curves of runs to a PNG")
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     report.add_argument("--out", type=Path, help="PNG path (default RUN_DIR/report.png)")
-    add_distill_parsers(sub)  # distill-cache, eval (distill/commands.py)
+    add_distill_parsers(sub)  # distill-cache, eval (cli_distill.py)
     return parser
 
 
@@ -273,7 +273,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from scaletrain.api import preflight_data
     from rich.table import Table
 
-    from scaletrain.training.assemble import check_layout_fits
+    from scaletrain.prelaunch import check_layout_fits
 
     from scaletrain.precision import choose_auto
 
@@ -467,6 +467,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint_files import MANIFEST, CheckpointError, export_weights, latest_valid
+    from scaletrain.distill.student import strip_wrapper
     from scaletrain.runtime import honour_umask
 
     checkpoint = args.checkpoint
@@ -488,7 +489,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"CHECKPOINT {str(checkpoint)!r} is neither a checkpoint (no "
                           f"{MANIFEST}) nor a run directory (no checkpoints/)")
     try:
-        out = export_weights(checkpoint, args.out)  # verifies the manifest first
+        # verifies the manifest first; a distilled run exports its student alone
+        out = export_weights(checkpoint, args.out, rename=strip_wrapper)
     except CheckpointError as e:  # a damaged or incomplete checkpoint: the user's input
         raise ConfigError(str(e)) from e
     honour_umask(out)  # safetensors writes 0600

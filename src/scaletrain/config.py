@@ -1,18 +1,18 @@
 """The typed run configuration: defaults < TOML file < `section.key=value` overrides.
 
-One pydantic schema, one section per concern (model, data, optim, train, parallel,
-precision, checkpoint, log). Every field carries a one-line description, which `scaletrain
-explain` prints. Validation happens here, before any worker process starts: an unknown key
-(with a did-you-mean), a wrong type, a value out of range or an inconsistent combination
-becomes one `ConfigError` whose message names the key, the value given and what is
-allowed. The CLI prints it and exits with status 2; no traceback.
+The schema and nothing else: one pydantic section per concern (model, data, optim, train,
+parallel, ps, distill, precision, checkpoint, log), loading, overrides and the field
+descriptions `scaletrain explain` prints. Validation here is per field: an unknown key (with
+a did-you-mean), a wrong type or a value out of range becomes one `ConfigError` whose message
+names the key, the value given and what is allowed. The CLI prints it and exits with status
+2; no traceback.
 
 Design notes:
 - Sections are frozen pydantic models with `extra="forbid"`, so a typo is an error.
-- Checks that need the world size (how many processes the launcher starts) live in
-  `resolve()`, which turns a `Config` plus a world size into `Derived` values: the
-  parallel layout, micro-batches per step, examples per rank, threads per process. The
-  launcher calls it before spawning; every worker calls it again with the real world.
+- Checks between fields, and those that need the world size, sit beside what they protect
+  (parallel/layout.py, parallel/checks.py, distill/checks.py), called once by
+  `plan.resolve`, which turns a `Config` plus a world size into `Derived` values. This
+  module imports none of them: every room may read the schema, the schema reads no room.
 - Overrides are parsed as TOML values (`train.steps=200`, `optim.betas=[0.9,0.95]`,
   `model.name=gpt`); anything that is not a TOML literal is taken as a string.
 """
@@ -20,22 +20,15 @@ Design notes:
 from __future__ import annotations
 
 import difflib
-import os
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from scaletrain.parallel.layout import LayoutError, ParallelLayout
+from scaletrain.errors import ConfigError  # defined in a leaf; scaletrain.config.ConfigError too
 from scaletrain.user_code import is_import_path
-
-
-class ConfigError(ValueError):
-    """A user mistake in the config or command line; its message is shown as is."""
-
 
 TEXT_SOURCES = ("wikitext", "wikitext-paragraphs", "synthetic-text")
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
@@ -44,6 +37,8 @@ DATA_SOURCES = ("digits", "mnist", "wikitext", "wikitext-paragraphs", "synthetic
                 "synthetic-text", "sentences", "shards")
 LOSSES = ("auto", "cross-entropy", "mse")
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
 def _name_or_import_path(value: str, allowed: tuple[str, ...]) -> str:
     """A field that takes a built-in name or the user's own `package.module:function`."""
     if value in allowed or is_import_path(value):
@@ -452,51 +447,6 @@ def describe_fields(config: Config) -> list[tuple[str, Any, str]]:
     return rows
 
 
-# --------------------------------------------------------------------------- derived values
-
-
-def _check_compile(*, bucket_cap_mb: float, dp: int) -> None:
-    """train.compile needs a C++ compiler (inductor builds its kernels with one), and under
-    DDP dynamo splits the graph at bucket boundaries with a first bucket of 1 MiB, which it
-    asserts is no larger than the others."""
-    import shutil
-
-    compilers = ("g++", "c++", "clang++")
-    if not any(shutil.which(c) for c in compilers):
-        raise ConfigError(f"train.compile = true needs a C++ compiler for inductor's kernels, "
-                          f"but none of {', '.join(compilers)} is on PATH: install one (e.g. "
-                          "g++) or set train.compile=false")
-    if dp > 1 and bucket_cap_mb < 1.0:
-        raise ConfigError(f"parallel.bucket_cap_mb = {bucket_cap_mb} is invalid with "
-                          f"train.compile = true and dp = {dp}: compiled DDP needs buckets of "
-                          "at least 1 MiB (its first bucket's size); use "
-                          "parallel.bucket_cap_mb >= 1 or train.compile=false")
-
-
-
-def _check_model_and_data(config: Config) -> None:
-    """The keys that only some model names and data sources read are given only with them."""
-    m, d = config.model, config.data
-    if m.name in BUILTIN_MODELS and m.kwargs:
-        raise ConfigError(f"model.kwargs = {m.kwargs!r} is only read by model.name = 'hf' or an "
-                          f"import path; the built-in {m.name!r} is sized by model.size")
-    if m.name == "hf" and bool(m.path) == bool(m.hf_config):
-        raise ConfigError("model.name = 'hf' needs exactly one of model.path (a local model "
-                          "directory to fine-tune) and model.hf_config (a config.json or a "
-                          "transformers config class such as 'LlamaConfig', to train from "
-                          f"scratch); got path = {m.path!r}, hf_config = {m.hf_config!r}")
-    for key in ("path", "hf_config"):
-        if getattr(m, key) and m.name != "hf":
-            raise ConfigError(f"model.{key} = {getattr(m, key)!r} is only read with model.name "
-                              f"= 'hf' (model.name is {m.name!r})")
-    if m.name == "hf" and m.path and m.kwargs:
-        raise ConfigError(f"model.kwargs = {m.kwargs!r} is only read with model.hf_config; a "
-                          "model directory (model.path) brings its own config.json")
-    if d.kwargs and not is_import_path(d.source) and d.source != "sentences":
-        raise ConfigError(f"data.kwargs = {d.kwargs!r} is only read by a data function "
-                          f"(data.source = 'package.module:function'), not by {d.source!r}")
-
-
 def given_world(config: Config) -> int:
     """The product of the degrees the config gives (a -1 counts as 1: the smallest world);
     under parallel.strategy = 'ps', the servers plus the workers (parallel.dp)."""
@@ -505,255 +455,3 @@ def given_world(config: Config) -> int:
         return config.ps.servers + max(pc.replicate, 1)
     return pc.pp * pc.tp * max(pc.replicate, 1) * max(pc.dp_shard, 1)
 
-
-@dataclass(frozen=True)
-class PSShape:
-    """Who does what under parallel.strategy = 'ps'."""
-
-    servers: int  # ranks 0 .. servers-1
-    workers: int  # ranks servers .. world-1
-
-    def role(self, rank: int) -> tuple[str, int]:
-        """("server", k) or ("worker", w) for a global rank."""
-        return ("server", rank) if rank < self.servers else ("worker", rank - self.servers)
-
-
-def _ps_layout(config: Config, *, world_size: int) -> tuple[ParallelLayout, PSShape]:
-    """The parameter-server roles, checked against the world: the workers are the
-    data-parallel replicas (the sampler's dp), the servers hold the parameters."""
-    pc, ps = config.parallel, config.ps
-    workers = world_size - ps.servers
-    if workers < 1:
-        raise ConfigError(f"parallel.strategy = 'ps' with ps.servers = {ps.servers} needs at "
-                          f"least {ps.servers + 1} processes (servers + one worker), but the "
-                          f"world has {world_size}; use --nproc {ps.servers + 1} or more, or set "
-                          "parallel.dp to the number of workers")
-    if pc.replicate not in (-1, workers):
-        key = "parallel.dp" if pc.dp != -1 else "parallel.dp_replicate"
-        raise ConfigError(f"{key} = {pc.replicate} under parallel.strategy = 'ps' is the number "
-                          f"of workers, but {world_size} processes - ps.servers = {ps.servers} "
-                          f"leaves {workers}; use --nproc {ps.servers + pc.replicate} or "
-                          f"{key}={workers}")
-    for key, value in (("dp_shard", pc.dp_shard), ("tp", pc.tp), ("pp", pc.pp)):
-        if value not in (1, -1) or (key == "dp_shard" and value == -1):
-            raise ConfigError(f"parallel.{key} = {value} does not compose with parallel.strategy "
-                              "= 'ps': each worker holds the whole model and the servers hold "
-                              f"its parameters; use parallel.{key}=1, or the collective strategy")
-    if pc.comm_hook != "none":
-        raise ConfigError(f"parallel.comm_hook = {pc.comm_hook!r} compresses DDP's all-reduce, "
-                          "which parallel.strategy = 'ps' does not run; use comm_hook='none'")
-    if config.train.compile:
-        raise ConfigError("train.compile = true is for the collective strategy only here; set "
-                          "train.compile=false with parallel.strategy = 'ps'")
-    if config.precision.mode == "fp16-mixed":
-        raise ConfigError("precision.mode = 'fp16-mixed' is not supported with parallel.strategy "
-                          "= 'ps' (a worker's loss scaler would have to skip pushes the servers "
-                          "wait for); use 'bf16-mixed', 'fp32' or 'fp64'")
-    if ps.slow_worker >= workers:
-        raise ConfigError(f"ps.slow_worker = {ps.slow_worker} is not a worker: the workers are "
-                          f"0 .. {workers - 1} (ranks {ps.servers} .. {world_size - 1})")
-    return (ParallelLayout(dp_replicate=workers).resolve(workers),
-            PSShape(servers=ps.servers, workers=workers))
-
-
-def _check_ps_keys_unused(config: Config, layout: ParallelLayout) -> None:
-    """[ps] is read only by the parameter-server strategy (but for the straggler knob)."""
-    # Compared with the defaults, not "given": a stored config.toml writes every key.
-    default = PSConfig()
-    changed = sorted(k for k in PSConfig.model_fields if k not in ("slow_worker", "slow_factor")
-                     and getattr(config.ps, k) != getattr(default, k))
-    if changed:
-        raise ConfigError(f"ps.{changed[0]} is only read with parallel.strategy = 'ps' "
-                          f"(parallel.strategy is 'collective'); set parallel.strategy='ps' or "
-                          f"remove the [ps] keys")
-    if config.ps.slow_worker >= layout.dp:
-        raise ConfigError(f"ps.slow_worker = {config.ps.slow_worker} is not a data-parallel rank: "
-                          f"allowed -1 .. {layout.dp - 1}")
-
-
-def layout_of(pc: ParallelConfig, *, world_size: int) -> ParallelLayout:
-    """The [parallel] degrees, checked against the world size (parallel.dp is dp_replicate's
-    older name)."""
-    if pc.dp != -1 and pc.dp_replicate != -1 and pc.dp != pc.dp_replicate:
-        raise ConfigError(f"parallel.dp = {pc.dp} and parallel.dp_replicate = {pc.dp_replicate} "
-                          "disagree: parallel.dp is the older name of dp_replicate; give one")
-    try:
-        return ParallelLayout(dp_replicate=pc.replicate, dp_shard=pc.dp_shard, tp=pc.tp,
-                              pp=pc.pp).resolve(world_size)
-    except LayoutError as e:
-        message = str(e)
-        if pc.dp != -1:  # name the key the user wrote
-            message = message.replace("parallel.dp_replicate", "parallel.dp")
-        raise ConfigError(message) from None
-
-
-@dataclass(frozen=True)
-class PipelineShape:
-    """What pipeline parallelism does with each micro-batch."""
-
-    schedule: str
-    microbatches: int  # chunks of train.micro_batch in flight through the stages
-    stages_per_rank: int
-    n_blocks: int | None  # the built-in GPT's depth (None: known once the model is built)
-
-
-def _check_parallel(config: Config, layout: ParallelLayout) -> PipelineShape | None:
-    """Combinations of the [parallel] keys that cannot work, refused before launch."""
-    pc, t = config.parallel, config.train
-    if layout.dp_replicate > 1 and layout.dp_shard == 1 and (layout.tp > 1 or layout.pp > 1):
-        raise ConfigError(
-            f"parallel.dp_replicate = {layout.dp_replicate} with tp = {layout.tp} and pp = "
-            f"{layout.pp}: DDP replicates whole models and does not compose with tensor or "
-            "pipeline parallelism; shard instead (parallel.dp_shard=" + str(layout.dp_replicate)
-            + ", FSDP) or combine both as HSDP (dp_replicate x dp_shard)")
-    if layout.dp_shard > 1 and pc.comm_hook != "none":
-        raise ConfigError(f"parallel.comm_hook = {pc.comm_hook!r} compresses DDP's all-reduce, "
-                          f"but dp_shard = {layout.dp_shard} reduce-scatters with FSDP; use "
-                          "parallel.comm_hook='none' with sharding")
-    if (layout.tp > 1 or layout.pp > 1 or layout.dp_shard > 1) and t.compile:
-        raise ConfigError("train.compile = true is for the DDP path only here; with "
-                          f"{layout.describe()} set train.compile=false")
-    if (config.precision.mode == "fp16-mixed" and config.optim.impl == "fused"
-            and layout.splits_gradients):
-        raise ConfigError(f"optim.impl = 'fused' with precision.mode = 'fp16-mixed' under "
-                          f"{layout.describe()}: the fused kernels cannot take the loss "
-                          "scaler's overflow flag with sharded (DTensor) parameters; use "
-                          "optim.impl='foreach' or 'auto'")
-    if config.precision.mode == "fp16-mixed" and layout.tp > 1 and layout.dp_shard == 1:
-        raise ConfigError(f"precision.mode = 'fp16-mixed' with tp = {layout.tp} and no dp_shard: "
-                          "tensor parallelism leaves the norms and embeddings plain tensors "
-                          "beside its DTensors, and the loss scaler cannot unscale both in one "
-                          "call; add parallel.dp_shard (FSDP makes every parameter a DTensor) "
-                          "or use precision.mode='bf16-mixed' (no loss scaling)")
-    if (layout.tp > 1 and pc.sequence_parallel and config.model.name == "gpt"
-            and config.data.seq_len % layout.tp):
-        raise ConfigError(f"data.seq_len = {config.data.seq_len} is not divisible by parallel.tp "
-                          f"= {layout.tp}: sequence parallelism gives every tensor-parallel rank "
-                          "an equal share of the positions; use a seq_len that tp divides, or "
-                          "parallel.sequence_parallel=false")
-    if layout.pp == 1:
-        return None
-    from scaletrain.parallel.pipeline import PipelineConfigError, check_schedule
-
-    interleaved = pc.pp_schedule in ("interleaved-1f1b", "zero-bubble")
-    stages = pc.pp_stages_per_rank or (2 if interleaved else 1)
-    chunks = pc.pp_microbatches or layout.pp * stages
-    n_blocks = None
-    if config.model.name == "gpt":
-        from scaletrain.models.gpt import GPT_SHAPES
-
-        n_blocks = GPT_SHAPES[config.model.size].n_layer
-    try:
-        check_schedule(pc.pp_schedule, pp=layout.pp, microbatches=chunks,
-                       stages_per_rank=stages, n_blocks=n_blocks)
-    except PipelineConfigError as e:
-        raise ConfigError(str(e)) from None
-    if t.micro_batch % chunks:
-        raise ConfigError(f"train.micro_batch = {t.micro_batch} must be divisible by "
-                          f"parallel.pp_microbatches = {chunks} (each micro-batch is split into "
-                          f"that many equal chunks for the pipeline)")
-    return PipelineShape(schedule=pc.pp_schedule, microbatches=chunks, stages_per_rank=stages,
-                         n_blocks=n_blocks)
-
-
-@dataclass(frozen=True)
-class Derived:
-    """Values that follow from the config and the world the launcher starts."""
-
-    world_size: int
-    layout: ParallelLayout
-    accumulation: int  # micro-batches per optimizer step on each rank
-    examples_per_rank: int  # per optimizer step
-    threads: int  # torch threads per process
-    backend: str  # gloo or nccl
-    pipeline: PipelineShape | None = None  # under pp > 1: schedule, chunks, stages per rank
-    ps: PSShape | None = None  # parallel.strategy = 'ps': servers and workers
-    warnings: tuple[str, ...] = ()  # legal but probably unwanted choices, printed at start
-
-
-def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = None) -> Derived:
-    """Check the config against a world size and derive the step's shape.
-
-    Args:
-        config: a validated Config.
-        world_size: total processes over all nodes.
-        nproc_per_node: processes on this node (for threads); defaults to world_size.
-
-    Raises:
-        ConfigError: inconsistent combination (e.g. global batch not divisible).
-    """
-    nproc_per_node = nproc_per_node or world_size
-    ps = None
-    if config.parallel.strategy == "ps":
-        layout, ps = _ps_layout(config, world_size=world_size)
-    else:
-        layout = layout_of(config.parallel, world_size=world_size)
-        _check_ps_keys_unused(config, layout)
-    t = config.train
-    per_step = t.micro_batch * layout.dp
-    if t.global_batch % per_step != 0:
-        raise ConfigError(
-            f"train.global_batch = {t.global_batch} must be divisible by train.micro_batch x dp "
-            f"= {t.micro_batch} x {layout.dp} = {per_step} (so every rank runs whole micro-batches; "
-            f"dp = dp_replicate x dp_shard = {layout.dp_replicate} x {layout.dp_shard}); "
-            f"e.g. train.global_batch={max(per_step, t.global_batch // per_step * per_step)}"
-        )
-    pipe = _check_parallel(config, layout) if ps is None else None
-    _check_model_and_data(config)
-    from scaletrain.distill.checks import check_distill_config
-
-    check_distill_config(config, layout)
-    shards = config.data.source == "shards"  # their task is known only when they are opened
-    user_data = is_import_path(config.data.source)  # so is a user's dataset's
-    if config.model.name == "gpt" and config.data.source not in TEXT_SOURCES and not (
-            shards or user_data):
-        raise ConfigError(
-            f"model.name = 'gpt' needs a text source, but data.source = {config.data.source!r} "
-            f"(allowed with gpt: {', '.join(map(repr, TEXT_SOURCES))})"
-        )
-    if config.model.name in ("mlp", "cnn") and config.data.source in TEXT_SOURCES:
-        raise ConfigError(
-            f"model.name = {config.model.name!r} needs an image source, but data.source = "
-            f"{config.data.source!r} (use model.name='gpt' for text)"
-        )
-    if config.data.source == "shards" and not config.data.path:
-        raise ConfigError("data.source = 'shards' needs data.path, the directory the shards are "
-                          "in (written by `scaletrain shard SOURCE OUT_DIR` or by Spark)")
-    if config.data.source != "shards" and config.data.path:
-        raise ConfigError(f"data.path = {config.data.path!r} is only used with data.source = "
-                          f"'shards' (data.source is {config.data.source!r})")
-    if t.stop_after >= t.steps:
-        raise ConfigError(f"train.stop_after = {t.stop_after} must be below train.steps = "
-                          f"{t.steps} (0 disables the planned stop)")
-    if t.compile:
-        _check_compile(bucket_cap_mb=config.parallel.bucket_cap_mb, dp=layout.dp)
-    backend = config.parallel.backend
-    if backend == "auto":
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    cores = len(os.sched_getaffinity(0))
-    threads = t.threads or max(1, cores // nproc_per_node)
-    warnings = []
-    if config.precision.mode == "fp16-mixed" and backend != "nccl":
-        warnings.append("precision.mode = 'fp16-mixed' on a CPU is very slow (fp16 matmuls run "
-                        "~200x slower than fp32 here); use 'bf16-mixed' or 'auto' on CPU")
-    if config.parallel.comm_hook != "none" and layout.dp == 1:
-        warnings.append(f"parallel.comm_hook = {config.parallel.comm_hook!r} has no effect with dp = 1")
-    if nproc_per_node * threads > cores:
-        warnings.append(
-            f"{nproc_per_node} process(es) x {threads} thread(s) = {nproc_per_node * threads} "
-            f"threads on {cores} core(s): the node is oversubscribed and every step waits for "
-            f"the slowest; use --nproc <= {cores}, or train.threads so that processes x "
-            f"threads <= {cores}")
-    return Derived(
-        world_size=world_size,
-        layout=layout,
-        pipeline=pipe,
-        ps=ps,
-        accumulation=t.global_batch // per_step,
-        examples_per_rank=t.global_batch // layout.dp,
-        threads=threads,
-        backend=backend,
-        warnings=tuple(warnings),
-    )

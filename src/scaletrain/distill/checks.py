@@ -1,18 +1,20 @@
-"""[distill] refusals the launcher makes before any worker starts (config.resolve calls them)."""
+"""[distill] refusals the launcher makes before any worker starts (plan.resolve calls them)."""
 
 from __future__ import annotations
 
 import re
 
+from scaletrain.config import Config, DistillConfig
+from scaletrain.errors import ConfigError
+from scaletrain.parallel.layout import ParallelLayout
 
-def check_distill_config(config, layout) -> None:
+
+def check_distill_config(config: Config, layout: ParallelLayout) -> None:
     """Refuse [distill] keys without a teacher or cache, and layouts distillation lacks.
 
     Raises:
         ConfigError: naming the key, its value and what is allowed.
     """
-    from scaletrain.config import ConfigError, DistillConfig
-
     d = config.distill
     on = bool(d.teacher or d.cache)
     if not on:

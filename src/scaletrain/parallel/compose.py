@@ -29,8 +29,9 @@ there is one. With one process nothing is wrapped and nothing communicates.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -42,26 +43,40 @@ from scaletrain.parallel.checkpointing import apply_activation_checkpointing
 from scaletrain.parallel.comm_hooks import HookState, register_comm_hook
 from scaletrain.parallel.ddp import apply_ddp
 from scaletrain.parallel.fsdp import apply_fsdp
+from scaletrain.parallel.checks import PipelineShape
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.tensor import apply_tp, check_tp_fit
 
 
-@dataclass(frozen=True)
-class ParallelOptions:
-    """The [parallel] choices beyond the degrees (the trainer fills it from the config)."""
+class ParallelKeys(Protocol):
+    """The [parallel] keys the techniques read. The caller passes the frozen section itself
+    (config.ParallelConfig, which this room does not import); nothing copies it field by
+    field. The pipeline's keys come resolved, with their defaults, as a `PipelineShape`."""
 
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = True
-    comm_hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 10
-    reshard_after_forward: bool = True
-    activation_checkpointing: str = "none"
-    sequence_parallel: bool = True
-    fsdp_offload: bool = False
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int = 1
-    pp_stages_per_rank: int = 1
+    bucket_cap_mb: float
+    gradient_as_bucket_view: bool
+    comm_hook: str
+    powersgd_rank: int
+    powersgd_start_iter: int
+    reshard_after_forward: bool
+    activation_checkpointing: str
+    sequence_parallel: bool
+    fsdp_offload: bool
+
+
+# What the model must declare (models/protocol.require) for each technique, and when the
+# layout and keys turn that technique on: the one table check_model_fits and the launcher's
+# check (prelaunch.check_layout_fits) read.
+NEEDS_DECLARATION: dict[str, Callable[[ParallelLayout, ParallelKeys], bool]] = {
+    "tp": lambda layout, parallel: layout.tp > 1,
+    "pp": lambda layout, parallel: layout.pp > 1,
+    "activation-checkpointing": lambda layout, parallel: parallel.activation_checkpointing != "none",
+}
+
+
+def techniques_needing_the_model(layout: ParallelLayout, parallel: ParallelKeys) -> list[str]:
+    """The techniques on in this run that need something declared by the model."""
+    return [name for name, on in NEEDS_DECLARATION.items() if on(layout, parallel)]
 
 
 @dataclass
@@ -73,35 +88,34 @@ class Parallelized:
 
 
 def check_model_fits(model: nn.Module, spec: ModelSpec, *, layout: ParallelLayout,
-                     options: ParallelOptions, model_label: str) -> None:
+                     parallel: ParallelKeys, pipeline: PipelineShape | None,
+                     model_label: str) -> None:
     """Refuse a layout this model cannot take (no TP plan, heads that do not split, fewer
     blocks than stages), naming the model and the key. Runs on the bare model, before any
     technique: in the launcher, and on every rank before `parallelize`."""
     from scaletrain.parallel.pipeline import check_schedule
 
+    for technique in techniques_needing_the_model(layout, parallel):
+        require(spec, technique, model_label=model_label)
     if layout.tp > 1:
-        require(spec, "tp", model_label=model_label)
         heads = {p: "colwise" for p, role in sequence_targets(model, spec).items()
-                 if role == "head" and options.sequence_parallel}
+                 if role == "head" and parallel.sequence_parallel}
         check_tp_fit(model, {**tp_targets(model, spec), **heads}, tp=layout.tp,
                      model_label=model_label)
     if layout.pp > 1:
-        require(spec, "pp", model_label=model_label)
         if spec.source == "hugging-face":
             raise ValueError(f"parallel.pp = {layout.pp}: pipeline stages of a Hugging Face "
                              f"model ({model_label}) are not supported yet (its base model "
                              "computes the rotary embeddings once for every layer); use "
                              "dp_shard and tp with it, or the built-in gpt for pp")
         n_blocks = len(list(model.get_submodule(spec.pipeline.blocks).children()))
-        check_schedule(options.pp_schedule, pp=layout.pp, microbatches=options.pp_microbatches,
-                       stages_per_rank=options.pp_stages_per_rank, n_blocks=n_blocks)
-    if options.activation_checkpointing != "none":
-        require(spec, "activation-checkpointing", model_label=model_label)
+        check_schedule(pipeline.schedule, pp=layout.pp, microbatches=pipeline.microbatches,
+                       stages_per_rank=pipeline.stages_per_rank, n_blocks=n_blocks)
 
 
 def parallelize(model: nn.Module, *, spec: ModelSpec, layout: ParallelLayout, rank: int,
-                device: torch.device, options: ParallelOptions, precision, loss_fn=None,
-                compile: bool = False) -> Parallelized:
+                device: torch.device, parallel: ParallelKeys, pipeline: PipelineShape | None,
+                precision, loss_fn=None, compile: bool = False) -> Parallelized:
     """Apply the layout's techniques to `model` in the documented order.
 
     Args:
@@ -109,7 +123,8 @@ def parallelize(model: nn.Module, *, spec: ModelSpec, layout: ParallelLayout, ra
         spec: its ModelSpec (blocks, TP plan, pipeline split).
         layout: the resolved degrees; rank: this process's global rank.
         device: this rank's device.
-        options: the [parallel] choices (ParallelOptions).
+        parallel: the frozen [parallel] section (`ParallelKeys` are what is read).
+        pipeline: under pp > 1 the resolved schedule, chunks and stages per rank.
         precision: the Precision object (FSDP's mixed-precision policy, fp16 loss scaling
             inside the pipeline).
         loss_fn: (output, batch) -> (sum, count); the pipeline's last stage computes it.
@@ -123,43 +138,42 @@ def parallelize(model: nn.Module, *, spec: ModelSpec, layout: ParallelLayout, ra
         from scaletrain.parallel.pipeline import split_model, stage_ids
 
         stages = stage_ids(pp_rank=coords["pp"], pp=layout.pp,
-                           stages_per_rank=options.pp_stages_per_rank,
-                           schedule=options.pp_schedule)
+                           stages_per_rank=pipeline.stages_per_rank, schedule=pipeline.schedule)
         parts = split_model(model, spec, stage_ids=stages,
-                            num_stages=layout.pp * options.pp_stages_per_rank)
+                            num_stages=layout.pp * pipeline.stages_per_rank)
         owner = parts[0] if len(parts) == 1 else _share_parts(model, spec, parts)
     targets = tp_targets(model, spec) if layout.tp > 1 else {}
-    sequence = (sequence_targets(model, spec) if layout.tp > 1 and options.sequence_parallel
+    sequence = (sequence_targets(model, spec) if layout.tp > 1 and parallel.sequence_parallel
                 else {})
     for part in parts:
         if layout.tp > 1:  # 2. tensor parallel (and sequence parallel where declared)
             apply_tp(part, mesh["tp"], targets=targets, sequence=sequence)
-        if options.activation_checkpointing != "none":  # 3. activation checkpointing
+        if parallel.activation_checkpointing != "none":  # 3. activation checkpointing
             apply_activation_checkpointing(part, blocks_path=spec.blocks,
-                                           mode=options.activation_checkpointing)
+                                           mode=parallel.activation_checkpointing)
         if layout.dp_shard > 1:  # 4. FSDP, per stage
             dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
             apply_fsdp(part, mesh[dims], blocks=block_modules(part, spec) if spec.blocks else [],
                        mp_policy=precision.fsdp_policy(),
-                       reshard_after_forward=options.reshard_after_forward,
-                       offload=options.fsdp_offload)
+                       reshard_after_forward=parallel.reshard_after_forward,
+                       offload=parallel.fsdp_offload)
     if compile:
         owner.compile()  # in place: the same module and parameter names, a compiled forward
     out = Parallelized(model=owner, mesh=mesh)
     if layout.dp_replicate > 1 and layout.dp_shard == 1:  # 5. DDP (nothing else is on)
-        out.model = apply_ddp(owner, device=device, bucket_cap_mb=options.bucket_cap_mb,
-                              gradient_as_bucket_view=options.gradient_as_bucket_view)
-        out.hook_state = register_comm_hook(out.model, name=options.comm_hook,  # 6.
-                                            powersgd_rank=options.powersgd_rank,
-                                            powersgd_start_iter=options.powersgd_start_iter)
+        out.model = apply_ddp(owner, device=device, bucket_cap_mb=parallel.bucket_cap_mb,
+                              gradient_as_bucket_view=parallel.gradient_as_bucket_view)
+        out.hook_state = register_comm_hook(out.model, name=parallel.comm_hook,  # 6.
+                                            powersgd_rank=parallel.powersgd_rank,
+                                            powersgd_start_iter=parallel.powersgd_start_iter)
     if layout.pp > 1:  # 7. the schedule over the finished stages
         from scaletrain.parallel.pipeline import build_pipeline
 
         out.pipeline = build_pipeline(parts, stage_ids=stages,
-                                      num_stages=layout.pp * options.pp_stages_per_rank,
+                                      num_stages=layout.pp * pipeline.stages_per_rank,
                                       group=_pipeline_group(mesh, layout), device=device,
-                                      schedule=options.pp_schedule,
-                                      microbatches=options.pp_microbatches, loss_fn=loss_fn)
+                                      schedule=pipeline.schedule,
+                                      microbatches=pipeline.microbatches, loss_fn=loss_fn)
     return out
 
 

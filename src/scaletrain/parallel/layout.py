@@ -17,17 +17,22 @@ every global batch, is its coordinate over (dp_replicate, dp_shard): tensor-para
 pipeline peers read the same examples.
 
 A frozen dataclass that checks itself and is testable without any process group.
+`layout_of` reads the [parallel] degrees as plain numbers (the config's section is handed
+down by plan.resolve, this room imports nothing above it) and raises `LayoutError`, a
+`ConfigError` naming the key the user wrote.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from scaletrain.errors import ConfigError
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-class LayoutError(ValueError):
-    """Degrees that do not fit the world size."""
+class LayoutError(ConfigError):
+    """Degrees that do not fit the world size (a user mistake: shown as one paragraph)."""
 
 
 @dataclass(frozen=True)
@@ -141,3 +146,26 @@ class ParallelLayout:
         if not sizes:
             return "1 process"
         return " x ".join(f"{k}={v}" for k, v in sizes.items()) + f" ({self.world_size} ranks)"
+
+
+def layout_of(*, dp: int, dp_replicate: int, dp_shard: int, tp: int, pp: int,
+              world_size: int) -> ParallelLayout:
+    """The [parallel] degrees, checked against the world size.
+
+    `dp` is the older name of `dp_replicate` (-1 = not given); a message names the one the
+    user wrote.
+
+    Raises:
+        LayoutError: the two names disagree, or the degrees do not fit `world_size`.
+    """
+    if dp != -1 and dp_replicate != -1 and dp != dp_replicate:
+        raise LayoutError(f"parallel.dp = {dp} and parallel.dp_replicate = {dp_replicate} "
+                          "disagree: parallel.dp is the older name of dp_replicate; give one")
+    replicate = dp_replicate if dp_replicate != -1 else dp
+    try:
+        return ParallelLayout(dp_replicate=replicate, dp_shard=dp_shard, tp=tp,
+                              pp=pp).resolve(world_size)
+    except LayoutError as e:
+        if dp == -1:
+            raise
+        raise LayoutError(str(e).replace("parallel.dp_replicate", "parallel.dp")) from None

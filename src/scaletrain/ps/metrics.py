@@ -16,7 +16,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from scaletrain.config import Config, Derived
+from scaletrain.config import Config
+from scaletrain.plan import Derived
 from scaletrain.ps.server import ParameterServer, Update
 
 

@@ -1,7 +1,7 @@
 """The parameter-server strategy (parallel.strategy = "ps"): roles, RPC, supervisor, outputs.
 
 The same launcher starts the same ranks as for the collective strategy; each rank's role is
-its number: ranks 0 .. ps.servers-1 are servers, the rest are workers (config.PSShape).
+its number: ranks 0 .. ps.servers-1 are servers, the rest are workers (parallel/checks.py PSShape).
 
     torchrun agent -> rank r: supervisor (ps/supervisor.py, `supervise`)
                          -> child: python -m scaletrain train ... (`run_role`)
@@ -43,7 +43,8 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from scaletrain.allocator import configure_allocator
-from scaletrain.config import Config, ConfigError, Derived, config_to_toml, resolve
+from scaletrain.config import Config, ConfigError, config_to_toml
+from scaletrain.plan import Derived, resolve
 from scaletrain.ps import server as ps_server
 from scaletrain.ps.partition import model_partition
 from scaletrain.ps.metrics import ServerMetrics, ServerProgress

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from scaletrain.config import Config, resolve
+from scaletrain.config import Config
+from scaletrain.plan import resolve
 
 CHILD_ENV = "SCALETRAIN_PS_CHILD"  # set in the supervisor's child: run the role
 FINISHED_MARKER = "ps-finished"  # RUN_DIR/logs/ps-finished: the servers are done
@@ -30,8 +31,7 @@ _KILL_GRACE_S = 5.0  # after the run ends, a child still running this long is ki
 
 def supervise(config: Config, run_dir: Path | None, argv: list[str]) -> int:
     """Run this rank's role in a child process; decide what its end means for torchrun."""
-    from scaletrain.launch import LAUNCHER_PID_ENV
-    from scaletrain.runtime import read_env
+    from scaletrain.runtime import LAUNCHER_PID_ENV, read_env
 
     penv = read_env()
     derived = resolve(config, world_size=penv.world_size, nproc_per_node=penv.local_world_size)

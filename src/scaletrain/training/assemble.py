@@ -16,13 +16,12 @@ from typing import Any, Callable
 
 import torch
 
-from scaletrain.config import Config, Derived
+from scaletrain.config import Config
 from scaletrain.data.loader import Dataset, load_dataset
 from scaletrain.data.sources import Batch
 from scaletrain.models import build_model
-from scaletrain.parallel.compose import ParallelOptions
 from scaletrain.precision import Precision
-from scaletrain.training.loss import LossFn, builtin_loss, check_summed
+from scaletrain.loss import LossFn, builtin_loss, check_summed
 from scaletrain.user_code import UserCodeError, is_import_path, load_object
 
 
@@ -181,53 +180,3 @@ def check_fit(model: torch.nn.Module, batch: Batch, *, loss_fn: LossFn, precisio
                 f"{config.model.name!r} with the targets {tuple(batch.targets.shape)} "
                 f"{batch.targets.dtype} of data.source = {config.data.source!r}: "
                 f"{describe_error(e)}") from e
-
-
-def parallel_options(config: Config, derived: Derived) -> ParallelOptions:
-    """The [parallel] choices the techniques take, with the pipeline's defaults resolved."""
-    pc, pipe = config.parallel, derived.pipeline
-    return ParallelOptions(
-        bucket_cap_mb=pc.bucket_cap_mb, gradient_as_bucket_view=pc.gradient_as_bucket_view,
-        comm_hook=pc.comm_hook, powersgd_rank=pc.powersgd_rank,
-        powersgd_start_iter=pc.powersgd_start_iter,
-        reshard_after_forward=pc.reshard_after_forward,
-        activation_checkpointing=pc.activation_checkpointing, fsdp_offload=pc.fsdp_offload,
-        sequence_parallel=pc.sequence_parallel,
-        pp_schedule=pc.pp_schedule, pp_microbatches=pipe.microbatches if pipe else 1,
-        pp_stages_per_rank=pipe.stages_per_rank if pipe else 1)
-
-
-def check_layout_fits(config: Config, derived: Derived, code: UserCode = NO_CODE) -> None:
-    """The launcher's check that the model can take the layout (a TP plan whose heads and
-    features divide by tp, enough blocks for the pipeline's stages, blocks to checkpoint),
-    on a model built in this process: refused before any worker starts.
-
-    Raises:
-        ConfigError: naming the model, the key and what is allowed.
-    """
-    from scaletrain.config import ConfigError
-    from scaletrain.models.protocol import model_spec
-    from scaletrain.parallel.compose import check_model_fits
-
-    layout = derived.layout
-    if (layout.tp == 1 and layout.pp == 1 and derived.ps is None
-            and config.parallel.activation_checkpointing == "none"):
-        return
-    torch.manual_seed(config.train.seed)
-    train_ds = build_data(config, split="train", code=code)
-    with torch.device("meta"):  # the shapes are enough: no memory, no init time
-        model = build_net(config, train_ds, code=code)
-    if derived.ps is not None:  # every server must hold at least one parameter tensor
-        from scaletrain.ps.partition import PartitionError, model_partition
-
-        try:
-            model_partition(model, servers=derived.ps.servers)
-        except PartitionError as e:
-            raise ConfigError(f"model.name = {config.model.name!r}: {e}") from None
-        return
-    try:
-        check_model_fits(model, model_spec(model), layout=layout,
-                         options=parallel_options(config, derived),
-                         model_label=f"model.name = {config.model.name!r}")
-    except ValueError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
-        raise ConfigError(str(e)) from None

@@ -31,7 +31,7 @@ from scaletrain.launch import under_elastic_agent
 from scaletrain.checkpoint import Checkpointer, TrainState
 from scaletrain.checkpoint_files import latest_valid
 from scaletrain.checkpoint import load as load_checkpoint
-from scaletrain.config import Config, Derived, config_to_toml, resolve
+from scaletrain.config import Config, config_to_toml
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sources import Batch
@@ -42,6 +42,7 @@ from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
 from scaletrain.parallel.compose import check_model_fits, full_state_dict, parallelize, unwrap
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import Pipeline
+from scaletrain.plan import Derived, resolve
 from scaletrain.precision import Precision, make_precision
 from scaletrain.rundir import default_run_dir, write_config
 from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, collective_guard,
@@ -53,10 +54,9 @@ from scaletrain.distill.build import cached_splits
 from scaletrain.distill.student import student_weights
 from scaletrain.distill.teacher import describe_teacher, place_teacher
 from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, build_data,
-                                         build_objective, parallel_options,
-                                         build_net, check_fit, check_loss,
+                                         build_objective, build_net, check_fit, check_loss,
                                          is_user_loss)
-from scaletrain.training.loss import LossFn
+from scaletrain.loss import LossFn
 from scaletrain.training.evaluate import evaluate
 from scaletrain.training.step import StepResult, forward, train_step
 from scaletrain.user_code import UserCodeError
@@ -176,14 +176,16 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
     if brings_own_code(config, code):  # on the bare model, before any technique splits it
         _check_user_code(model, train_ds, config, code=code, precision=precision,
                          loss_fn=loss_fn, first=sampler.micro_batches(0)[0], device=device)
-    spec, options = model_spec(model), parallel_options(config, derived)
+    spec = model_spec(model)
     try:
-        check_model_fits(model, spec, layout=layout, options=options,
+        check_model_fits(model, spec, layout=layout, parallel=config.parallel,
+                         pipeline=derived.pipeline,
                          model_label=f"model.name = {config.model.name!r}")
     except ValueError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
         raise UserCodeError(str(e)) from None
     par = parallelize(model, spec=spec, layout=layout, rank=penv.rank, device=device,
-                      options=options, precision=precision, loss_fn=loss_fn,
+                      parallel=config.parallel, pipeline=derived.pipeline,
+                      precision=precision, loss_fn=loss_fn,
                       compile=config.train.compile)
     model, hook_state = par.model, par.hook_state
     if kd is not None and kd.teacher is not None:  # replicated, or sharded like the student
@@ -220,7 +222,7 @@ def _check_user_code(net: torch.nn.Module, train_ds: Dataset, config: Config, *,
                      code: UserCode, precision: Precision, loss_fn: LossFn,
                      first: torch.Tensor, device: torch.device) -> None:
     """Before the first step, every rank runs the user's model and loss on its first
-    micro-batch (`check_fit`), and checks a user's loss sums (training/loss.py,
+    micro-batch (`check_fit`), and checks a user's loss sums (loss.py,
     `check_summed`): the launcher checked two examples, this checks what each rank will
     train on, and in one process it is the only check. It runs on the bare model, before
     any technique splits it. The ranks agree on the outcome, so none is left waiting in a

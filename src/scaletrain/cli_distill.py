@@ -8,6 +8,9 @@ eval MODEL [--teacher T]: a sentence encoder (a scaletrain run directory of a "s
 student, a Hugging Face directory, or 'all-MiniLM-L6-v2') scored on Lee (Pearson),
 WordSim353, SimLex-999, the sentiment probe and, with a teacher, each score's ratio to the
 teacher's and the student-teacher cosine on held-out news sentences (distill/evaluate.py).
+
+A CLI-level module (beside cli.py, which registers its parsers): it builds data, model and
+loss with training/assemble.py, which sits above distill/, so it cannot live in distill/.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import ConfigError, given_world, load_config, resolve
+from scaletrain.config import ConfigError, given_world, load_config
+from scaletrain.plan import resolve
 
 
 def add_parsers(sub) -> None:
