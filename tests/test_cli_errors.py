@@ -329,3 +329,46 @@ def test_empty_config_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "model.name = 'cnn'" in err and "train.steps = 5" in err
     cfg.write_text(GOOD_TOML)
     assert cli_main(["explain", str(cfg)]) == 0 and "sets nothing" not in capsys.readouterr().err
+
+
+def _our_bug(*args, **kwargs):
+    raise ValueError("an internal bug of scaletrain's, not the user's mistake")
+
+
+@pytest.mark.parametrize("command", ["explain", "train"])
+def test_a_value_error_of_ours_shows_a_traceback(
+        command: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A ValueError raised inside scaletrain's own pre-launch checks is a bug: it leaves
+    `main` as itself (`python -m scaletrain` then prints its traceback, exit status 1), it
+    is not turned into a user's one-line mistake with status 2."""
+    import scaletrain.parallel.compose
+
+    monkeypatch.setattr(scaletrain.parallel.compose, "check_model_fits", _our_bug)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(GOOD_TOML)
+
+    with pytest.raises(ValueError, match="internal bug"):
+        cli_main([command, str(cfg), "parallel.tp=2", "--nproc", "2"])
+    assert "scaletrain: error" not in capsys.readouterr().err
+
+
+def test_a_user_mistake_from_the_same_check_is_still_one_paragraph(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from scaletrain.parallel.tensor import TensorParallelError
+
+    def refuse(*args, **kwargs):
+        raise TensorParallelError("parallel.tp = 2: 'fc1' has 7 features, not divisible by 2")
+
+    import scaletrain.parallel.compose
+
+    monkeypatch.setattr(scaletrain.parallel.compose, "check_model_fits", refuse)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(GOOD_TOML)
+
+    code = cli_main(["train", str(cfg), "parallel.tp=2", "--nproc", "2"])
+
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err.count("scaletrain: error: parallel.tp = 2: 'fc1' has 7 features") == 1, err

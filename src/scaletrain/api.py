@@ -180,7 +180,7 @@ def _to_config(config: str | Path | dict | Config, overrides: Sequence[str]) -> 
 def _with_names(config: Config, **given: Callable | str | None) -> Config:
     """Record each callable in the config by its import path (what config.toml stores and the
     workers import), and each string as the key's value."""
-    from scaletrain.user_code import import_path_of
+    from scaletrain.user_code import UserCodeError, import_path_of
 
     keys = {"model": ("model", "name"), "data": ("data", "source"), "loss": ("train", "loss")}
     data = config.model_dump(mode="json")
@@ -191,7 +191,7 @@ def _with_names(config: Config, **given: Callable | str | None) -> Config:
         if callable(value):
             try:
                 value = import_path_of(value, key=f"{section}.{key}")
-            except ValueError:  # not importable: fine in this process, refused for workers
+            except UserCodeError:  # not importable: fine in this process, refused for workers
                 value = _label(value)
         data[section][key] = value
     return validate_config(data)

@@ -1,8 +1,11 @@
 """The command line: `scaletrain train | explain | report | shard | export | distill-cache | eval`.
 
-Every user mistake (config, overrides, launcher flags, paths) is caught before any worker
-starts and printed as one line, `scaletrain: error: ...`, with exit status 2. A failed run
-exits with status 1 and says why (which rank, which collective, which step).
+Every user mistake (config, overrides, launcher flags, paths, the user's own code) is a
+`UserError` (errors.py), caught before any worker starts where it can be and printed as one
+paragraph, `scaletrain: error: ...`, with exit status 2. Only `UserError` is caught so: any
+other exception, a ValueError from scaletrain's own code included, is our bug and shows its
+traceback (exit status 1). A failed run exits with status 1 and says why (which rank, which
+collective, which step).
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from pathlib import Path
 
 from scaletrain.config import (ConfigError, Config, describe_fields, given_world, load_config,
                                resolve)
-from scaletrain.launch import (Interrupted, LaunchError, LaunchSpec, launch, slurm_defaults,
+from scaletrain.launch import (Interrupted, LaunchSpec, launch, slurm_defaults,
                                under_elastic_agent, validate_spec)
 from scaletrain.distill.commands import add_parsers as add_distill_parsers
 from scaletrain.distill.commands import cmd_distill_cache, cmd_eval
 from scaletrain.distill.commands import explain_rows as distill_explain_rows
+from scaletrain.errors import UserError
 from scaletrain.launch_output import describe_interrupt
-from scaletrain.user_code import UserCodeError
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -170,14 +173,15 @@ def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = Tr
             signals.drain()
             if signals.stopped_by_sigterm():  # saved a checkpoint and stopped early
                 interrupted = signal.SIGTERM
-        except (ConfigError, UserCodeError) as e:  # a mistake only a built model or data shows
+        except (CollectiveFailure, TrainingDiverged, CheckpointError, ShardError) as e:
+            # A failure mid-run (ShardError too: a shard damaged since the launcher read it).
+            print(f"scaletrain: error: {e}", file=sys.stderr)
+            code = EXIT_FAILED
+        except UserError as e:  # a mistake only a built model or data shows; not our bugs
             if debug:
                 traceback.print_exc()
             print(f"scaletrain: error: {e}", file=sys.stderr)
             code = EXIT_USAGE
-        except (CollectiveFailure, TrainingDiverged, CheckpointError, ShardError) as e:
-            print(f"scaletrain: error: {e}", file=sys.stderr)
-            code = EXIT_FAILED
         except (KeyboardInterrupt, signals.Terminated) as e:
             if debug:
                 traceback.print_exc()
@@ -262,7 +266,7 @@ def _train_rows(config: Config) -> int | None:
 
         return len(load_dataset(d.source, split="train", path=d.path, seq_len=d.seq_len,
                                 synthetic_examples=d.synthetic_examples, seed=config.train.seed))
-    except (OSError, ValueError):  # ShardError is a ValueError; preflight names the problem
+    except (OSError, UserError):  # ShardError, SourceError: preflight names the problem
         return None
 
 
@@ -520,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)  # help, or an error naming the allowed subcommands
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, LaunchError, UserCodeError) as e:
+    except UserError as e:  # ConfigError, LaunchError, UserCodeError, ...: not our bugs
         if getattr(args, "debug", False):  # the user's own code's traceback, on request
             import traceback
 

@@ -29,11 +29,12 @@ from typing import Annotated, Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from scaletrain.errors import UserError
 from scaletrain.parallel.layout import LayoutError, ParallelLayout
 from scaletrain.user_code import is_import_path
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A user mistake in the config or command line; its message is shown as is."""
 
 

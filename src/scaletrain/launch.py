@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from scaletrain.errors import UserError
 from scaletrain.launch_output import ConsoleEcho, agent_log, describe_child_failure, run_dir_logs
 
 LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # a worker dies when this process does
@@ -58,7 +59,7 @@ def grace_s() -> int:
     return int(raw)
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """A bad launcher flag; its message is shown as is."""
 
 

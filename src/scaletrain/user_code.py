@@ -31,11 +31,13 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from scaletrain.errors import UserError
+
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _LIBRARIES = ("torch", "transformers", "importlib")  # frames of theirs are not the user's
 
 
-class UserCodeError(ValueError):
+class UserCodeError(UserError):
     """The user's code named in the config could not be imported, or raised, or returned
     the wrong thing; shown as one line like any config mistake (exit status 2)."""
 

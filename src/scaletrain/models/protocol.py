@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.errors import UserError
+
 SPEC_ATTR = "scaletrain_spec"
 # Tensor-parallel styles, as torch.distributed.tensor.parallel names its layer plans:
 # ColwiseParallel (the Linear's output features are split), RowwiseParallel (its input
@@ -45,7 +47,7 @@ TP_STYLES = ("colwise", "rowwise")
 TECHNIQUES = ("fsdp", "activation-checkpointing", "tp", "pp")
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(UserError):
     """A model's declaration is inconsistent with its modules, or lacks what a technique needs."""
 
 

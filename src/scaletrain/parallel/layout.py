@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from scaletrain.errors import UserError
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError):
     """Degrees that do not fit the world size."""
 
 

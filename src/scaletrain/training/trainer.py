@@ -59,6 +59,7 @@ from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, bu
 from scaletrain.training.loss import LossFn
 from scaletrain.training.evaluate import evaluate
 from scaletrain.training.step import StepResult, forward, train_step
+from scaletrain.errors import UserError
 from scaletrain.user_code import UserCodeError
 
 
@@ -180,7 +181,7 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
     try:
         check_model_fits(model, spec, layout=layout, options=options,
                          model_label=f"model.name = {config.model.name!r}")
-    except ValueError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
+    except UserError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
         raise UserCodeError(str(e)) from None
     par = parallelize(model, spec=spec, layout=layout, rank=penv.rank, device=device,
                       options=options, precision=precision, loss_fn=loss_fn,
