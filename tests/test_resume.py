@@ -227,3 +227,50 @@ def test_export_writes_the_checkpoint_weights(tmp_path: Path) -> None:
     exported, final = load_file(str(out)), load_weights(run_dir)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)
+
+
+def _file_tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+def test_resume_of_a_finished_run_says_so_and_touches_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--resume` of a run that has finished (summary.json, and train.steps already done)
+    says the run is complete and exits 0 without starting anything: summary.json, the
+    metrics, the weights and config.toml stay byte for byte (it used to rewrite summary.json
+    with NaN, world size 1 and 0 examples/s). One process, in this process."""
+    from harness import cli_main
+
+    import scaletrain.report
+
+    monkeypatch.chdir(tmp_path)
+    # The PNG is not the point here (matplotlib costs seconds): the first run writes a stub.
+    monkeypatch.setattr(scaletrain.report, "write_report",
+                        lambda runs, out: Path(out).write_bytes(b"png") and out)
+    cfg, run_dir = tmp_path / "config.toml", tmp_path / "run"
+    cfg.write_text(CONFIG.replace("steps = 10", "steps = 2"))
+    assert cli_main(["train", str(cfg), "checkpoint.every=2", "--run-dir", str(run_dir)]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["final_loss"] > 0
+    before = _file_tree(run_dir)
+    capsys.readouterr()
+
+    code = cli_main(["train", str(cfg), "checkpoint.every=2", "--run-dir", str(run_dir),
+                     "--resume"])
+
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"run {run_dir} is complete" in out + err and "step 2 of 2" in out + err, out + err
+    assert "final loss nan" not in out + err
+    assert _file_tree(run_dir) == before, "a resume of a finished run changed its files"
+
+
+def test_summary_is_valid_json_when_the_loss_is_not_finite(tmp_path: Path) -> None:
+    """A NaN (or infinite) value is written as null: summary.json stays valid JSON."""
+    from scaletrain.rundir import json_safe
+
+    text = json.dumps(json_safe({"final_loss": float("nan"), "eval": {"loss": float("inf"),
+                                 "accuracy": 0.5}, "steps": 3}), allow_nan=False)
+    assert json.loads(text) == {"final_loss": None, "eval": {"loss": None, "accuracy": 0.5},
+                                "steps": 3}

@@ -51,6 +51,7 @@ class Prepared:
     derived: Derived
     run_dir: Path
     warnings: tuple[str, ...]  # resume warnings (keys changed under --allow-config-change)
+    complete: dict | None = None  # --resume of a run that has finished: its summary
 
 
 def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resume: bool,
@@ -68,7 +69,7 @@ def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resum
     Raises:
         ConfigError, UserCodeError: a mistake, before anything starts.
     """
-    from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir
+    from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir, finished_run
     from scaletrain.training.assemble import (NO_CODE, brings_own_code, check_layout_fits,
                                              check_user_code)
 
@@ -76,6 +77,8 @@ def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resum
         raise ConfigError("--allow-config-change only applies with --resume (it lets a resumed "
                           "run continue with a changed config); add --resume or drop it")
     derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
+    if resume and (done := finished_run(run_dir, config)) is not None:
+        return Prepared(derived=derived, run_dir=Path(run_dir), warnings=(), complete=done)
     if derived.ps is not None:
         from scaletrain.ps.run import interface_address
 
@@ -155,6 +158,11 @@ def train(config: str | Path | dict | Config, *, model: Callable | str | None = 
                            resume=resume, code=code)
     for warning in (*prepared.warnings,):
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
+    if prepared.complete is not None:  # --resume of a finished run: say so, touch nothing
+        from scaletrain.rundir import describe_finished
+
+        print(describe_finished(prepared.run_dir, prepared.complete), file=sys.stderr)
+        return {**prepared.complete, "run_dir": str(prepared.run_dir), "complete": True}
     if spec.in_process:
         summary = _train_here(parsed, prepared.run_dir, code=code)
     else:

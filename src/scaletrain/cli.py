@@ -132,6 +132,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     for warning in prepared.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     run_dir = prepared.run_dir
+    if prepared.complete is not None:  # --resume of a finished run: say so, touch nothing
+        from scaletrain.rundir import describe_finished
+
+        print(describe_finished(run_dir, prepared.complete))
+        return 0
     try:
         if spec.in_process:
             code = _run_worker(config, run_dir, exit_process=False, debug=args.debug)
@@ -218,14 +223,19 @@ def _print_outcome(run_dir: Path) -> None:
 
     summary = json.loads((run_dir / "summary.json").read_text())
     report = write_report([run_dir], out=run_dir / "report.png")
-    metric = ", ".join(f"{k} {v:.4g}" for k, v in summary["eval"].items())
+    metric = ", ".join(f"{k} {_number(v)}" for k, v in summary["eval"].items())
     training = _training_rate(run_dir)
     rate = f"{training:.0f} examples/s in training steps (as the bar), " if training else ""
     print(f"scaletrain: done in {summary['wall_time_s']:.1f} s, final loss "
-          f"{summary['final_loss']:.4g}, eval {metric}; {rate}"
+          f"{_number(summary['final_loss'])}, eval {metric}; {rate}"
           f"{summary['examples_per_s']:.0f} examples/s over the wall time (evals included)")
     print(f"scaletrain: run directory {run_dir}")
     print(f"scaletrain: report {report}")
+
+
+def _number(value: float | None) -> str:
+    """A summary value: None is what a non-finite one is written as (summary.json is JSON)."""
+    return "not finite" if value is None else f"{value:.4g}"
 
 
 def _training_rate(run_dir: Path) -> float | None:

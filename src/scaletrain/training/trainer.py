@@ -43,7 +43,8 @@ from scaletrain.parallel.compose import check_model_fits, full_state_dict, paral
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.precision import Precision, make_precision
-from scaletrain.rundir import default_run_dir, write_config
+from scaletrain.rundir import (default_run_dir, describe_finished, finished_run, json_safe,
+                               write_config)
 from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, collective_guard,
                                 honour_umask, init_distributed, read_env, seed_everything,
                                 set_threads)
@@ -119,6 +120,12 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
                                device_type="cuda" if derived.backend == "nccl" else "cpu")
     device = init_distributed(penv, backend=derived.backend, timeout_s=config.parallel.timeout_s)
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(config.name))))
+    # A finished run (plain torchrun pointed at its directory again): say so, touch nothing.
+    done = broadcast_object(finished_run(run_dir, config) if penv.is_main else None)
+    if done is not None:
+        if penv.is_main:
+            print(describe_finished(run_dir, done), file=sys.stderr)
+        return {**done, "run_dir": str(run_dir)} if penv.is_main else None
     resume_from = broadcast_object(_latest_checkpoint(run_dir, penv) if penv.is_main else None)
     if penv.is_main and resume_from is None:
         write_config(run_dir, config)
@@ -315,8 +322,10 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     logger.log_eval({"step": t.steps, **eval_record})
     if not penv.is_main:
         return None
+    # summary.json is JSON: a non-finite loss or metric is written as null, not NaN.
     return _finish(run_dir, model=state.model, weights=weights, config=config, derived=derived, wall=wall,
-                   last_loss=run.last_loss, eval_record=eval_record, skipped=state.skipped_steps,
+                   last_loss=json_safe(run.last_loss), eval_record=json_safe(eval_record),
+                   skipped=state.skipped_steps,
                    steps_run=t.steps - run.first_step, precision_mode=state.precision.mode,
                    tokens_per_example=state.tokens_per_example)
 
