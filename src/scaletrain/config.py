@@ -736,9 +736,11 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
     cores = len(os.sched_getaffinity(0))
     threads = t.threads or max(1, cores // nproc_per_node)
     warnings = []
-    if config.precision.mode == "fp16-mixed" and backend != "nccl":
-        warnings.append("precision.mode = 'fp16-mixed' on a CPU is very slow (fp16 matmuls run "
-                        "~200x slower than fp32 here); use 'bf16-mixed' or 'auto' on CPU")
+    from scaletrain.precision import detect_hardware, slow_precision_warning
+
+    if backend != "nccl" and (slow := slow_precision_warning(
+            config.precision.mode, detect_hardware("cpu"))):  # bf16 without avx512_bf16/AMX
+        warnings.append(slow)
     if config.parallel.comm_hook != "none" and layout.dp == 1:
         warnings.append(f"parallel.comm_hook = {config.parallel.comm_hook!r} has no effect with dp = 1")
     if nproc_per_node * threads > cores:
