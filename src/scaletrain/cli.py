@@ -51,9 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show every rank's full output (C++ frames, tracebacks, torch's "
                             "logs) on the console, unfiltered; else it is in RUN_DIR/logs")
 
-    explain = sub.add_parser("explain", help="print the resolved config and derived values")
+    explain = sub.add_parser("explain", help="check a config as train would, print what it "
+                                             "derives (world, layout, batch, precision, ...)")
     _add_config_args(explain)
     _add_launch_args(explain)
+    explain.add_argument("--all", action="store_true", dest="all_fields",
+                         help="also list every config key with its value and meaning")
 
     shard = sub.add_parser("shard", help="write a dataset as Parquet shards with a manifest")
     shard.add_argument("source", help="a built-in source (mnist, digits, wikitext, ...) or a "
@@ -86,7 +89,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launcher (torchrun's flags)")
     g.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int,
-                   help="worker processes on this node (default: parallel.dp / nodes, else 1)")
+                   help="worker processes on this node (default: the product of the "
+                        "[parallel] degrees (dp_replicate or dp, dp_shard, tp, pp; under ps: "
+                        "ps.servers + dp) divided by the nodes, else 1)")
     g.add_argument("--nnodes", type=str, help="nodes, N or MIN:MAX (default 1)")
     g.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous)")
     g.add_argument("--rdzv-endpoint", type=str, help="HOST:PORT of the rendezvous")
@@ -287,7 +292,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from scaletrain.api import preflight_data
     from rich.table import Table
 
-    from scaletrain.training.assemble import check_layout_fits
+    from scaletrain.training.assemble import brings_own_code, check_layout_fits, check_user_code
 
     from scaletrain.precision import choose_auto
 
@@ -295,15 +300,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     spec = launch_spec(args, config)
     d = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
     preflight_data(config)
+    if brings_own_code(config):  # the user's model, data or loss: built and run as train does
+        check_user_code(config)
     check_layout_fits(config, d)  # what train would refuse about the model and the layout
     _warn_if_empty(args.config, config)
-    table = Table(title=f"config {args.config}", show_lines=False)
-    for col in ("key", "value", "meaning"):
-        table.add_column(col)
-    for key, value, doc in describe_fields(config):  # as written: "[ps]" is not markup
-        table.add_row(escape(key), escape(repr(value)), escape(doc))
     console = Console()
-    console.print(table)
     device = "cuda" if d.backend == "nccl" else "cpu"
     precision = config.precision.mode
     if precision == "auto":
@@ -331,14 +332,26 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "torch.compile": "on (inductor, before DDP)" if config.train.compile else "off",
         "epochs": _epochs(config),
     }
+    # What the config comes to first (a screen), then the placement; the key-by-key listing
+    # (hundreds of lines) only with --all.
     out = Table(title="derived")
     out.add_column("quantity")
     out.add_column("value")
     for k, v in derived.items():
-        out.add_row(k, str(v))
+        out.add_row(k, escape(str(v)))
     console.print(out)
     if d.world_size > 1 and d.ps is None:
         console.print(_placement_table(d))
+    if args.all_fields:
+        table = Table(title=f"config {args.config}", show_lines=False)
+        for col in ("key", "value", "meaning"):
+            table.add_column(col)
+        for key, value, doc in describe_fields(config):  # as written: "[ps]" is not markup
+            table.add_row(escape(key), escape(repr(value)), escape(doc))
+        console.print(table)
+    else:
+        console.print(f"every config key, its value and meaning: scaletrain explain "
+                      f"{escape(str(args.config))} ... --all")
     for warning in d.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     return 0
