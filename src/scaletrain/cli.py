@@ -142,6 +142,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(describe_finished(run_dir, prepared.complete))
         return 0
+    if not spec.in_process and not config.log.quiet:  # the workers take a while to speak
+        print(f"scaletrain: config, data and code checked ({_waited():.1f} s); starting "
+              f"{spec.nproc} worker(s) on this node (their logs: {run_dir / 'logs'})",
+              file=sys.stderr, flush=True)
     try:
         if spec.in_process:
             code = _run_worker(config, run_dir, exit_process=False, debug=args.debug)
@@ -231,11 +235,21 @@ def _print_outcome(run_dir: Path) -> None:
     metric = ", ".join(f"{k} {_number(v)}" for k, v in summary["eval"].items())
     training = _training_rate(run_dir)
     rate = f"{training:.0f} examples/s in training steps (as the bar), " if training else ""
-    print(f"scaletrain: done in {summary['wall_time_s']:.1f} s, final loss "
+    # The wall time the user waited (this process's, imports and start-up included), then
+    # what of it the steps and evaluations took (summary.json's wall_time_s).
+    print(f"scaletrain: done in {_waited():.1f} s ({summary['wall_time_s']:.1f} s of it "
+          f"training and evaluating), final loss "
           f"{_number(summary['final_loss'])}, eval {metric}; {rate}"
           f"{summary['examples_per_s']:.0f} examples/s over the wall time (evals included)")
     print(f"scaletrain: run directory {run_dir}")
     print(f"scaletrain: report {report}")
+
+
+def _waited() -> float:
+    """Seconds since this process started: what the user has waited so far."""
+    from scaletrain.training.progress import process_age_s
+
+    return process_age_s() or 0.0
 
 
 def _number(value: float | None) -> str:
