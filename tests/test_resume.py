@@ -317,3 +317,11 @@ def test_summary_is_valid_json_when_the_loss_is_not_finite(tmp_path: Path) -> No
     assert json.loads(path.read_text(), parse_constant=pytest.fail) == {
         "final_loss": None, "eval": {"loss": None, "accuracy": 0.5}, "steps": 3}
     assert json_safe([1.0, float("-inf")]) == [1.0, None]
+
+
+def test_the_checkpointer_owns_its_schedule(tmp_path: Path) -> None:
+    saver = Checkpointer(tmp_path, keep=2, async_save=False, config_toml="", every=3)
+    assert [s for s in range(1, 10) if saver.due(s)] == [3, 6, 9]
+    assert saver.due(4, stop=True)  # a planned stop or a SIGTERM saves whatever the step
+    never = Checkpointer(tmp_path, keep=2, async_save=False, config_toml="")
+    assert not any(never.due(s) for s in range(1, 10)) and never.due(7, stop=True)
