@@ -329,3 +329,97 @@ def test_empty_config_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "model.name = 'cnn'" in err and "train.steps = 5" in err
     cfg.write_text(GOOD_TOML)
     assert cli_main(["explain", str(cfg)]) == 0 and "sets nothing" not in capsys.readouterr().err
+
+
+def _our_bug(*args, **kwargs):
+    raise ValueError("an internal bug of scaletrain's, not the user's mistake")
+
+
+@pytest.mark.parametrize("command", ["explain", "train"])
+def test_a_value_error_of_ours_shows_a_traceback(
+        command: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A ValueError raised inside scaletrain's own pre-launch checks is a bug: it leaves
+    `main` as itself (`python -m scaletrain` then prints its traceback, exit status 1), it
+    is not turned into a user's one-line mistake with status 2."""
+    import scaletrain.parallel.compose
+
+    monkeypatch.setattr(scaletrain.parallel.compose, "check_model_fits", _our_bug)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(GOOD_TOML)
+
+    with pytest.raises(ValueError, match="internal bug"):
+        cli_main([command, str(cfg), "parallel.tp=2", "--nproc", "2"])
+    assert "scaletrain: error" not in capsys.readouterr().err
+
+
+def test_a_user_mistake_from_the_same_check_is_still_one_paragraph(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from scaletrain.parallel.tensor import TensorParallelError
+
+    def refuse(*args, **kwargs):
+        raise TensorParallelError("parallel.tp = 2: 'fc1' has 7 features, not divisible by 2")
+
+    import scaletrain.parallel.compose
+
+    monkeypatch.setattr(scaletrain.parallel.compose, "check_model_fits", refuse)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(GOOD_TOML)
+
+    code = cli_main(["train", str(cfg), "parallel.tp=2", "--nproc", "2"])
+
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err.count("scaletrain: error: parallel.tp = 2: 'fc1' has 7 features") == 1, err
+
+
+def test_explain_runs_the_user_code_checks_train_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A factory typo used to pass `explain` and fail `train`: explain builds the user's
+    code as train does, so it refuses it the same way (one paragraph, status 2)."""
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n\ndef build(task, **kwargs):\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(task.num_classes))\n")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(GOOD_TOML.replace('name = "mlp"', 'name = "mymodels:biuld"'))
+
+    code = cli_main(["explain", str(cfg)])
+
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    message = [line for line in err.splitlines() if line.startswith("scaletrain: error: ")]
+    assert len(message) == 1 and "'mymodels:biuld'" in message[0], err
+    assert "has no attribute 'biuld'" in message[0] and "build" in message[0], err
+    cfg.write_text(GOOD_TOML.replace('name = "mlp"', 'name = "mymodels:build"'))
+    assert cli_main(["explain", str(cfg)]) == 0, capsys.readouterr().err
+
+
+def test_explain_shows_what_the_config_derives_first(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The derived values come first, in a screen; the key-by-key listing (hundreds of
+    lines) only with --all, after them."""
+    monkeypatch.setenv("COLUMNS", "200")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(GOOD_TOML)
+
+    assert cli_main(["explain", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "accumulation steps" in out and "optim.lr" not in out, out
+    assert "--all" in out
+    assert len(out.splitlines()) < 60, len(out.splitlines())
+
+    assert cli_main(["explain", str(cfg), "--all"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("accumulation steps") < out.index("optim.lr"), out
+
+
+def test_nproc_help_names_the_default_it_uses() -> None:
+    from scaletrain.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    nproc = next(a for a in sub.choices["train"]._actions if a.dest == "nproc")
+    assert "parallel.dp / nodes" not in nproc.help
+    assert "product of the [parallel] degrees" in nproc.help, nproc.help

@@ -93,3 +93,43 @@ def test_exit_worker_says_when_destroy_fails_after_a_clean_run(
     assert left.value.code == code
     err = capsys.readouterr().err
     assert ("destroy_process_group failed after a clean run: Connection closed by peer" in err) == said
+
+
+@pytest.mark.parametrize("mistake", [False, True], ids=["our-bug", "user-mistake"])
+def test_worker_tells_our_bugs_from_user_mistakes(
+        mistake: bool, monkeypatch: pytest.MonkeyPatch, tmp_path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """One rank's real error path (cli._run_worker over trainer.train, world size 1): a
+    ValueError from our code inside the build is a traceback and status 1; a user mistake
+    raised at the same place is one `scaletrain: error:` paragraph and status 2."""
+    import scaletrain.cli as cli
+    import scaletrain.training.trainer as trainer
+    from scaletrain.config import validate_config
+    from scaletrain.parallel.tensor import TensorParallelError
+
+    def check(*args, **kwargs):
+        if mistake:
+            raise TensorParallelError("parallel.tp = 2: 'fc1' has 7 features")
+        raise ValueError("an internal bug of scaletrain's")
+
+    def leave(status: int) -> None:
+        raise SystemExit(status)
+
+    monkeypatch.setattr(trainer, "check_model_fits", check)
+    monkeypatch.setattr(runtime, "exit_worker", leave)
+    for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config = validate_config({"model": {"name": "mlp"}, "data": {"source": "digits"},
+                              "train": {"steps": 1, "global_batch": 4, "micro_batch": 4}})
+
+    with pytest.raises(SystemExit) as left:
+        cli._run_worker(config, tmp_path / "run", exit_process=True)
+
+    err = capsys.readouterr().err
+    if mistake:
+        assert left.value.code == 2 and "Traceback" not in err, err
+        assert "scaletrain: error: parallel.tp = 2: 'fc1' has 7 features" in err
+    else:
+        assert left.value.code == 1, err
+        assert "Traceback" in err and "ValueError: an internal bug" in err, err
+        assert "scaletrain: error" not in err

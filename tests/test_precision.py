@@ -158,3 +158,55 @@ def test_every_mode_builds_and_bad_mode_is_refused() -> None:
         make_precision(mode, device_type="cpu")
     with pytest.raises(ValueError, match="fp8"):
         make_precision("fp8", device_type="cpu")
+
+
+@pytest.mark.parametrize("capability, avx512_bf16, amx, slow", [
+    ("AVX2", False, False, True),  # this kind of machine: bf16 emulated, ~100x slower
+    ("AVX512", False, False, True),
+    ("AVX512", True, False, False),
+    ("AVX512", False, True, False),
+])
+def test_a_precision_slower_than_fp32_on_this_cpu_is_warned(
+        capability: str, avx512_bf16: bool, amx: bool, slow: bool,
+        monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`explain` (and `train`: the trainer logs resolve's warnings on rank 0) says when the
+    precision asked for runs slower than fp32 on this CPU, naming its capability and the
+    missing instruction sets; `auto` never warns, it picks fp32 there."""
+    from harness import cli_main, forbid_starting
+    from scaletrain.config import resolve, validate_config
+
+    forbid_starting(monkeypatch, tmp_path)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[model]\nname = "mlp"\n[data]\nsource = "digits"\n'
+                   '[train]\nsteps = 2\nglobal_batch = 8\nmicro_batch = 8\n')
+
+    for mode in ("bf16-mixed", "bf16-true", "auto"):
+        assert cli_main(["explain", str(cfg), f"precision.mode={mode}"]) == 0
+        out, err = capsys.readouterr()
+        warned = [line for line in err.splitlines() if "slower than fp32" in line]
+        if slow and mode != "auto":
+            assert len(warned) == 1 and warned[0].startswith("scaletrain: warning: "), err
+            assert f"precision.mode = {mode!r}" in warned[0]
+            assert f"capability {capability}" in warned[0]
+            assert "avx512_bf16" in warned[0] and "AMX" in warned[0] and "'auto'" in warned[0]
+        else:
+            assert not warned, err
+        if mode == "auto":
+            assert ("auto -> fp32" if slow else "auto -> bf16-mixed") in out, out
+    config = validate_config({"precision": {"mode": "bf16-mixed"}})
+    warnings = resolve(config, world_size=1, nproc_per_node=1).warnings  # the trainer's
+    assert any("slower than fp32" in w for w in warnings) == slow
+
+
+def test_fp16_warning_no_longer_recommends_bf16_blindly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scaletrain.config import resolve, validate_config
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    warnings = resolve(validate_config({"precision": {"mode": "fp16-mixed"}}), world_size=1,
+                       nproc_per_node=1).warnings
+    fp16 = [w for w in warnings if "fp16-mixed" in w]
+    assert len(fp16) == 1 and "capability AVX2" in fp16[0] and "'auto'" in fp16[0], warnings
+    assert "use 'bf16-mixed'" not in fp16[0]

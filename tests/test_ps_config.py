@@ -199,7 +199,7 @@ def test_explain_describes_a_ps_config(tmp_path: Path,
     cfg.write_text(PS_TOML)
     before = file_tree(tmp_path)
 
-    code = cli_main(["explain", str(cfg)])
+    code = cli_main(["explain", str(cfg), "--all"])  # the key listing holds "[ps]"
 
     out, err = capsys.readouterr()
     assert code == 0, err

@@ -227,3 +227,101 @@ def test_export_writes_the_checkpoint_weights(tmp_path: Path) -> None:
     exported, final = load_file(str(out)), load_weights(run_dir)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)
+
+
+def _file_tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One finished 2-step run through `scaletrain train` in this process (one rank), with
+    what it printed and how long the call took; shared by the tests below."""
+    import contextlib
+    import io
+
+    import scaletrain.report
+    from harness import cli_main
+
+    tmp = tmp_path_factory.mktemp("finished")
+    cfg, run_dir = tmp / "config.toml", tmp / "run"
+    cfg.write_text(CONFIG.replace("steps = 10", "steps = 2").replace("quiet = true",
+                                                                     "quiet = false"))
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp)
+        # The PNG is not the point here (matplotlib costs seconds): a stub file stands in.
+        mp.setattr(scaletrain.report, "write_report",
+                   lambda runs, out: Path(out).write_bytes(b"png") and out)
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli_main(["train", str(cfg), "checkpoint.every=2", "--run-dir", str(run_dir)])
+        took = time.perf_counter() - started
+    assert code == 0, err.getvalue()
+    return {"cfg": cfg, "run_dir": run_dir, "out": out.getvalue(), "err": err.getvalue(),
+            "took": took}
+
+
+def test_start_up_is_shown_and_done_reports_the_wall_time_waited(finished: dict) -> None:
+    """Rank 0 says what it is doing before the first step (processes, data, model, ready),
+    and "done in" is the wall time the user waited, at least this call's own duration (it
+    used to be the loop's time alone: "done in 0.2 s" after ten silent seconds)."""
+    import re
+
+    err, out = finished["err"], finished["out"]
+    phases = [re.search(pattern, err) for pattern in (
+        r"scaletrain: 1 process\(es\) up, \d+ thread\(s\) each \(\d+\.\d s\)",
+        r"scaletrain: data: 1438 training and \d+ evaluation examples .*\(\d+\.\d s\)",
+        r"scaletrain: model: [\d,]+ parameters on this rank .*\(\d+\.\d s\)",
+        r"scaletrain: ready: step 1 of 2 starting .*\(\d+\.\d s\)")]
+    assert all(phases), err
+    assert [m.start() for m in phases] == sorted(m.start() for m in phases), err
+    done = re.search(r"scaletrain: done in (\d+\.\d) s \((\d+\.\d) s of it training", out)
+    assert done, out
+    assert float(done.group(1)) >= finished["took"] - 0.05, (done.group(0), finished["took"])
+    assert float(done.group(2)) <= float(done.group(1))
+
+
+def test_resume_of_a_finished_run_says_so_and_touches_nothing(
+        finished: dict, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--resume` of a run that has finished (summary.json, and train.steps already done)
+    says the run is complete and exits 0 without starting anything: summary.json, the
+    metrics, the weights and config.toml stay byte for byte (it used to rewrite summary.json
+    with NaN, world size 1 and 0 examples/s). One process, in this process."""
+    from harness import cli_main
+
+    cfg, run_dir = finished["cfg"], finished["run_dir"]
+    monkeypatch.chdir(cfg.parent)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["final_loss"] > 0
+    before = _file_tree(run_dir)
+
+    code = cli_main(["train", str(cfg), "checkpoint.every=2", "--run-dir", str(run_dir),
+                     "--resume"])
+
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"run {run_dir} is complete" in out + err and "step 2 of 2" in out + err, out + err
+    assert "final loss nan" not in out + err
+    assert _file_tree(run_dir) == before, "a resume of a finished run changed its files"
+
+
+def test_summary_is_valid_json_when_the_loss_is_not_finite(tmp_path: Path) -> None:
+    """A NaN (or infinite) value is written as null: summary.json stays valid JSON."""
+    from scaletrain.rundir import json_safe, write_summary
+
+    path = write_summary(tmp_path, {"final_loss": float("nan"),
+                                    "eval": {"loss": float("inf"), "accuracy": 0.5}, "steps": 3})
+    assert json.loads(path.read_text(), parse_constant=pytest.fail) == {
+        "final_loss": None, "eval": {"loss": None, "accuracy": 0.5}, "steps": 3}
+    assert json_safe([1.0, float("-inf")]) == [1.0, None]
+
+
+def test_the_checkpointer_owns_its_schedule(tmp_path: Path) -> None:
+    saver = Checkpointer(tmp_path, keep=2, async_save=False, config_toml="", every=3)
+    assert [s for s in range(1, 10) if saver.due(s)] == [3, 6, 9]
+    assert saver.due(4, stop=True)  # a planned stop or a SIGTERM saves whatever the step
+    never = Checkpointer(tmp_path, keep=2, async_save=False, config_toml="")
+    assert not any(never.due(s) for s in range(1, 10)) and never.due(7, stop=True)

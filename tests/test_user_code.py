@@ -505,7 +505,7 @@ def test_import_path_of_refuses_what_workers_cannot_import() -> None:
         import_path_of(in_main, key="train.loss")
     message = str(e.value)
     assert "train.loss: in_main is defined in __main__" in message
-    assert "loss=mycode.in_main" in message  # where to move it
+    assert "loss=in_main" in message and "train.loss = 'mycode:in_main'" in message
 
 
 def test_import_path_of_refuses_a_shadowed_name(imported: Path) -> None:
@@ -624,3 +624,24 @@ def test_hf_model_needs_a_path_or_a_config() -> None:
     assert "model.name = 'hf' needs exactly one of model.path" in message
     assert "model.hf_config" in message
     assert "path = '', hf_config = ''" in message
+
+
+def test_the_hint_for_a_main_callable_names_forms_that_are_accepted() -> None:
+    """The hint used to say `name=mycode.build`, which is neither the API's argument nor an
+    import path (refused as one). It names `model=build` (imported from mycode) and the
+    config's `model.name = 'mycode:build'`, and that import path is accepted."""
+    from scaletrain.config import validate_config
+    from scaletrain.user_code import UserCodeError, import_path_of, is_import_path
+
+    def build(task):
+        return task
+
+    build.__module__, build.__qualname__ = "__main__", "build"
+    with pytest.raises(UserCodeError) as caught:
+        import_path_of(build, key="model.name")
+    message = str(caught.value)
+    assert "name=mycode.build" not in message
+    assert "from mycode import build" in message and "model=build" in message, message
+    assert "model.name = 'mycode:build'" in message, message
+    assert is_import_path("mycode:build")
+    assert validate_config({"model": {"name": "mycode:build"}}).model.name == "mycode:build"

@@ -51,6 +51,7 @@ class Prepared:
     derived: Derived
     run_dir: Path
     warnings: tuple[str, ...]  # resume warnings (keys changed under --allow-config-change)
+    complete: dict | None = None  # --resume of a run that has finished: its summary
 
 
 def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resume: bool,
@@ -68,14 +69,16 @@ def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resum
     Raises:
         ConfigError, UserCodeError: a mistake, before anything starts.
     """
-    from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir
     from scaletrain.prelaunch import check_layout_fits
+    from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir, finished_run
     from scaletrain.training.assemble import NO_CODE, brings_own_code, check_user_code
 
     if allow_config_change and not resume:
         raise ConfigError("--allow-config-change only applies with --resume (it lets a resumed "
                           "run continue with a changed config); add --resume or drop it")
     derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
+    if resume and (done := finished_run(run_dir, config)) is not None:
+        return Prepared(derived=derived, run_dir=Path(run_dir), warnings=(), complete=done)
     if derived.ps is not None:
         from scaletrain.ps.run import interface_address
 
@@ -155,6 +158,11 @@ def train(config: str | Path | dict | Config, *, model: Callable | str | None = 
                            resume=resume, code=code)
     for warning in (*prepared.warnings,):
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
+    if prepared.complete is not None:  # --resume of a finished run: say so, touch nothing
+        from scaletrain.rundir import describe_finished
+
+        print(describe_finished(prepared.run_dir, prepared.complete), file=sys.stderr)
+        return {**prepared.complete, "run_dir": str(prepared.run_dir), "complete": True}
     if spec.in_process:
         summary = _train_here(parsed, prepared.run_dir, code=code)
     else:
@@ -180,7 +188,7 @@ def _to_config(config: str | Path | dict | Config, overrides: Sequence[str]) -> 
 def _with_names(config: Config, **given: Callable | str | None) -> Config:
     """Record each callable in the config by its import path (what config.toml stores and the
     workers import), and each string as the key's value."""
-    from scaletrain.user_code import import_path_of
+    from scaletrain.user_code import UserCodeError, import_path_of
 
     keys = {"model": ("model", "name"), "data": ("data", "source"), "loss": ("train", "loss")}
     data = config.model_dump(mode="json")
@@ -191,7 +199,7 @@ def _with_names(config: Config, **given: Callable | str | None) -> Config:
         if callable(value):
             try:
                 value = import_path_of(value, key=f"{section}.{key}")
-            except ValueError:  # not importable: fine in this process, refused for workers
+            except UserCodeError:  # not importable: fine in this process, refused for workers
                 value = _label(value)
         data[section][key] = value
     return validate_config(data)

@@ -264,6 +264,7 @@ class Checkpointer:
             gloo group, so its collectives never interleave with the training ones).
         config_toml: the resolved config, stored in each checkpoint.
         report: where warnings go (a checkpoint that could not be pruned); stderr.
+        every: save every this many steps (checkpoint.every; 0: only on a stop).
     """
 
     directory: Path
@@ -271,10 +272,16 @@ class Checkpointer:
     async_save: bool
     config_toml: str
     report: Callable[[str], None] = _to_stderr
+    every: int = 0
     _pending: Future | None = field(default=None, repr=False)
     _finisher: ThreadPoolExecutor | None = field(default=None, repr=False)
     _group: object = field(default=None, repr=False)
     _stager: object = field(default=None, repr=False)
+
+    def due(self, step: int, *, stop: bool = False) -> bool:
+        """Whether to save once `step` steps are done: on the schedule, or at a stop (a
+        planned train.stop_after, a SIGTERM) whatever the schedule."""
+        return stop or (self.every > 0 and step % self.every == 0)
 
     def save(self, state: TrainState) -> None:
         self.wait()  # at most one save in flight

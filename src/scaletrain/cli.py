@@ -1,8 +1,11 @@
 """The command line: `scaletrain train | explain | report | shard | export | distill-cache | eval`.
 
-Every user mistake (config, overrides, launcher flags, paths) is caught before any worker
-starts and printed as one line, `scaletrain: error: ...`, with exit status 2. A failed run
-exits with status 1 and says why (which rank, which collective, which step).
+Every user mistake (config, overrides, launcher flags, paths, the user's own code) is a
+`UserError` (errors.py), caught before any worker starts where it can be and printed as one
+paragraph, `scaletrain: error: ...`, with exit status 2. Only `UserError` is caught so: any
+other exception, a ValueError from scaletrain's own code included, is our bug and shows its
+traceback (exit status 1). A failed run exits with status 1 and says why (which rank, which
+collective, which step).
 """
 
 from __future__ import annotations
@@ -12,15 +15,15 @@ import json
 import sys
 from pathlib import Path
 
-from scaletrain.config import ConfigError, Config, describe_fields, given_world, load_config
-from scaletrain.plan import resolve
-from scaletrain.launch import (Interrupted, LaunchError, LaunchSpec, launch, slurm_defaults,
-                               under_elastic_agent, validate_spec)
 from scaletrain.cli_distill import add_parsers as add_distill_parsers
 from scaletrain.cli_distill import cmd_distill_cache, cmd_eval
 from scaletrain.cli_distill import explain_rows as distill_explain_rows
+from scaletrain.config import ConfigError, Config, describe_fields, given_world, load_config
+from scaletrain.errors import UserError
+from scaletrain.launch import (Interrupted, LaunchSpec, launch, slurm_defaults,
+                               under_elastic_agent, validate_spec)
+from scaletrain.plan import resolve
 from scaletrain.launch_output import describe_interrupt
-from scaletrain.user_code import UserCodeError
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -48,9 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show every rank's full output (C++ frames, tracebacks, torch's "
                             "logs) on the console, unfiltered; else it is in RUN_DIR/logs")
 
-    explain = sub.add_parser("explain", help="print the resolved config and derived values")
+    explain = sub.add_parser("explain", help="check a config as train would, print what it "
+                                             "derives (world, layout, batch, precision, ...)")
     _add_config_args(explain)
     _add_launch_args(explain)
+    explain.add_argument("--all", action="store_true", dest="all_fields",
+                         help="also list every config key with its value and meaning")
 
     shard = sub.add_parser("shard", help="write a dataset as Parquet shards with a manifest")
     shard.add_argument("source", help="a built-in source (mnist, digits, wikitext, ...) or a "
@@ -83,7 +89,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launcher (torchrun's flags)")
     g.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int,
-                   help="worker processes on this node (default: parallel.dp / nodes, else 1)")
+                   help="worker processes on this node (default: the product of the "
+                        "[parallel] degrees (dp_replicate or dp, dp_shard, tp, pp; under ps: "
+                        "ps.servers + dp) divided by the nodes, else 1)")
     g.add_argument("--nnodes", type=str, help="nodes, N or MIN:MAX (default 1)")
     g.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous)")
     g.add_argument("--rdzv-endpoint", type=str, help="HOST:PORT of the rendezvous")
@@ -129,6 +137,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     for warning in prepared.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     run_dir = prepared.run_dir
+    if prepared.complete is not None:  # --resume of a finished run: say so, touch nothing
+        from scaletrain.rundir import describe_finished
+
+        print(describe_finished(run_dir, prepared.complete))
+        return 0
+    if not spec.in_process and not config.log.quiet:  # the workers take a while to speak
+        print(f"scaletrain: config, data and code checked ({_waited():.1f} s); starting "
+              f"{spec.nproc} worker(s) on this node (their logs: {run_dir / 'logs'})",
+              file=sys.stderr, flush=True)
     try:
         if spec.in_process:
             code = _run_worker(config, run_dir, exit_process=False, debug=args.debug)
@@ -170,14 +187,15 @@ def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = Tr
             signals.drain()
             if signals.stopped_by_sigterm():  # saved a checkpoint and stopped early
                 interrupted = signal.SIGTERM
-        except (ConfigError, UserCodeError) as e:  # a mistake only a built model or data shows
+        except (CollectiveFailure, TrainingDiverged, CheckpointError, ShardError) as e:
+            # A failure mid-run (ShardError too: a shard damaged since the launcher read it).
+            print(f"scaletrain: error: {e}", file=sys.stderr)
+            code = EXIT_FAILED
+        except UserError as e:  # a mistake only a built model or data shows; not our bugs
             if debug:
                 traceback.print_exc()
             print(f"scaletrain: error: {e}", file=sys.stderr)
             code = EXIT_USAGE
-        except (CollectiveFailure, TrainingDiverged, CheckpointError, ShardError) as e:
-            print(f"scaletrain: error: {e}", file=sys.stderr)
-            code = EXIT_FAILED
         except (KeyboardInterrupt, signals.Terminated) as e:
             if debug:
                 traceback.print_exc()
@@ -214,14 +232,29 @@ def _print_outcome(run_dir: Path) -> None:
 
     summary = json.loads((run_dir / "summary.json").read_text())
     report = write_report([run_dir], out=run_dir / "report.png")
-    metric = ", ".join(f"{k} {v:.4g}" for k, v in summary["eval"].items())
+    metric = ", ".join(f"{k} {_number(v)}" for k, v in summary["eval"].items())
     training = _training_rate(run_dir)
     rate = f"{training:.0f} examples/s in training steps (as the bar), " if training else ""
-    print(f"scaletrain: done in {summary['wall_time_s']:.1f} s, final loss "
-          f"{summary['final_loss']:.4g}, eval {metric}; {rate}"
+    # The wall time the user waited (this process's, imports and start-up included), then
+    # what of it the steps and evaluations took (summary.json's wall_time_s).
+    print(f"scaletrain: done in {_waited():.1f} s ({summary['wall_time_s']:.1f} s of it "
+          f"training and evaluating), final loss "
+          f"{_number(summary['final_loss'])}, eval {metric}; {rate}"
           f"{summary['examples_per_s']:.0f} examples/s over the wall time (evals included)")
     print(f"scaletrain: run directory {run_dir}")
     print(f"scaletrain: report {report}")
+
+
+def _waited() -> float:
+    """Seconds since this process started: what the user has waited so far."""
+    from scaletrain.training.progress import process_age_s
+
+    return process_age_s() or 0.0
+
+
+def _number(value: float | None) -> str:
+    """A summary value: None is what a non-finite one is written as (summary.json is JSON)."""
+    return "not finite" if value is None else f"{value:.4g}"
 
 
 def _training_rate(run_dir: Path) -> float | None:
@@ -262,7 +295,7 @@ def _train_rows(config: Config) -> int | None:
 
         return len(load_dataset(d.source, split="train", path=d.path, seq_len=d.seq_len,
                                 synthetic_examples=d.synthetic_examples, seed=config.train.seed))
-    except (OSError, ValueError):  # ShardError is a ValueError; preflight names the problem
+    except (OSError, UserError):  # ShardError, SourceError: preflight names the problem
         return None
 
 
@@ -274,6 +307,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from scaletrain.prelaunch import check_layout_fits
+    from scaletrain.training.assemble import brings_own_code, check_user_code
 
     from scaletrain.precision import choose_auto
 
@@ -281,15 +315,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     spec = launch_spec(args, config)
     d = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
     preflight_data(config)
+    if brings_own_code(config):  # the user's model, data or loss: built and run as train does
+        check_user_code(config)
     check_layout_fits(config, d)  # what train would refuse about the model and the layout
     _warn_if_empty(args.config, config)
-    table = Table(title=f"config {args.config}", show_lines=False)
-    for col in ("key", "value", "meaning"):
-        table.add_column(col)
-    for key, value, doc in describe_fields(config):  # as written: "[ps]" is not markup
-        table.add_row(escape(key), escape(repr(value)), escape(doc))
     console = Console()
-    console.print(table)
     device = "cuda" if d.backend == "nccl" else "cpu"
     precision = config.precision.mode
     if precision == "auto":
@@ -317,14 +347,26 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "torch.compile": "on (inductor, before DDP)" if config.train.compile else "off",
         "epochs": _epochs(config),
     }
+    # What the config comes to first (a screen), then the placement; the key-by-key listing
+    # (hundreds of lines) only with --all.
     out = Table(title="derived")
     out.add_column("quantity")
     out.add_column("value")
     for k, v in derived.items():
-        out.add_row(k, str(v))
+        out.add_row(k, escape(str(v)))
     console.print(out)
     if d.world_size > 1 and d.ps is None:
         console.print(_placement_table(d))
+    if args.all_fields:
+        table = Table(title=f"config {args.config}", show_lines=False)
+        for col in ("key", "value", "meaning"):
+            table.add_column(col)
+        for key, value, doc in describe_fields(config):  # as written: "[ps]" is not markup
+            table.add_row(escape(key), escape(repr(value)), escape(doc))
+        console.print(table)
+    else:
+        console.print(f"every config key, its value and meaning: scaletrain explain "
+                      f"{escape(str(args.config))} ... --all")
     for warning in d.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     return 0
@@ -522,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)  # help, or an error naming the allowed subcommands
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, LaunchError, UserCodeError) as e:
+    except UserError as e:  # ConfigError, LaunchError, UserCodeError, ...: not our bugs
         if getattr(args, "debug", False):  # the user's own code's traceback, on request
             import traceback
 

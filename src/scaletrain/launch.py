@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from scaletrain.errors import UserError
 from scaletrain.launch_output import ConsoleEcho, agent_log, describe_child_failure, run_dir_logs
 from scaletrain.runtime import LAUNCHER_PID_ENV, MERGE_STREAMS_ENV
 
@@ -57,7 +58,7 @@ def grace_s() -> int:
     return int(raw)
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """A bad launcher flag; its message is shown as is."""
 
 

@@ -27,9 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.data.sources import IGNORE_INDEX, Batch, target_count
+from scaletrain.errors import UserError
 from scaletrain.models.protocol import output_logits
 
 LossFn = Callable[[Any, Batch], tuple[torch.Tensor, Any]]
+
+
+class LossError(UserError):
+    """A loss that does not fit the data's task, or a user's loss that does not return
+    (summed loss, count): the user's mistake, shown as one paragraph."""
 
 
 def cross_entropy(output: Any, batch: Batch) -> tuple[torch.Tensor, int]:
@@ -52,9 +58,9 @@ def mse(output: Any, batch: Batch) -> tuple[torch.Tensor, int]:
         pred = pred.float()
     targets = batch.targets
     if pred.numel() != targets.numel():
-        raise ValueError(f"the model output {tuple(pred.shape)} has {pred.numel()} values but the "
-                         f"targets {tuple(targets.shape)} have {targets.numel()}: a regression "
-                         "model needs one output per target value")
+        raise LossError(f"the model output {tuple(pred.shape)} has {pred.numel()} values but the "
+                        f"targets {tuple(targets.shape)} have {targets.numel()}: a regression "
+                        "model needs one output per target value")
     diff = pred.reshape(targets.shape) - targets.to(pred.dtype)
     return (diff * diff).sum(), batch.count
 
@@ -67,11 +73,11 @@ def builtin_loss(name: str, *, task_kind: str) -> LossFn:
     if name == "auto":
         name = "mse" if task_kind == "regression" else "cross-entropy"
     if name == "cross-entropy" and task_kind == "regression":
-        raise ValueError("train.loss = 'cross-entropy' needs class or token targets, but the "
-                         "data are regression (float targets); use train.loss = 'mse' or 'auto'")
+        raise LossError("train.loss = 'cross-entropy' needs class or token targets, but the "
+                        "data are regression (float targets); use train.loss = 'mse' or 'auto'")
     if name == "mse" and task_kind != "regression":
-        raise ValueError(f"train.loss = 'mse' needs float targets, but the data's task is "
-                         f"{task_kind!r}; use 'cross-entropy' or 'auto'")
+        raise LossError(f"train.loss = 'mse' needs float targets, but the data's task is "
+                        f"{task_kind!r}; use 'cross-entropy' or 'auto'")
     return BUILTIN_LOSSES[name]
 
 
@@ -94,7 +100,7 @@ def check_summed(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, task_
         label: how the user named the loss, e.g. "train.loss = 'mylosses:focal'".
 
     Raises:
-        ValueError: the count differs from the batch's, the result is not a scalar, or the
+        LossError: the count differs from the batch's, the result is not a scalar, or the
             loss is not additive over a split of the batch (a mean).
     """
     was_training = model.training
@@ -102,7 +108,7 @@ def check_summed(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, task_
     try:
         whole = _evaluate(loss_fn, model, batch, forward=forward, label=label)
         if whole[1] != batch.count:
-            raise ValueError(
+            raise LossError(
                 f"{label} returned count {whole[1]} for a micro-batch whose loss normaliser is "
                 f"{batch.count} ({COUNTS[task_kind]}); scaletrain divides every step's "
                 "summed loss by that count over all micro-batches and ranks, so the loss must "
@@ -121,7 +127,7 @@ def check_summed(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, task_
         mean_like = abs((parts[0][0] + parts[1][0]) / 2 - whole[0]) < abs(total - whole[0])
         why = ("it looks like a mean (the halves' average matches the whole)"
                if mean_like else "it is not additive over examples")
-        raise ValueError(
+        raise LossError(
             f"{label} must return the loss summed over the batch, but {why}: the two halves of "
             f"a micro-batch gave {parts[0][0]:.6g} + {parts[1][0]:.6g} = {total:.6g}, the whole "
             f"{whole[0]:.6g}. Use reduction='sum' and return (sum, count); scaletrain divides "
@@ -132,13 +138,13 @@ def _evaluate(loss_fn: LossFn, model, batch: Batch, *, forward, label: str
               ) -> tuple[float, int, torch.dtype]:
     result = loss_fn(forward(model, batch), batch)
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise ValueError(f"{label} returned {type(result).__name__}; a loss returns a tuple "
-                         "(summed loss tensor, count)")
+        raise LossError(f"{label} returned {type(result).__name__}; a loss returns a tuple "
+                        "(summed loss tensor, count)")
     loss, count = result
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"{label} returned a loss of shape {shape}; it must be a scalar tensor "
-                         "(the sum over the batch)")
+        raise LossError(f"{label} returned a loss of shape {shape}; it must be a scalar tensor "
+                        "(the sum over the batch)")
     return float(loss.double()), as_int(count), loss.dtype
 
 

@@ -32,6 +32,7 @@ from scaletrain.parallel.checks import (
     ps_layout,
 )
 from scaletrain.parallel.layout import ParallelLayout, layout_of
+from scaletrain.precision import detect_hardware, slow_precision_warning
 from scaletrain.user_code import is_import_path
 
 
@@ -217,9 +218,9 @@ def _warnings(config: Config, layout: ParallelLayout, *, backend: str, threads: 
               cores: int, nproc_per_node: int) -> tuple[str, ...]:
     """Legal but probably unwanted choices, printed when the run starts."""
     out = []
-    if config.precision.mode == "fp16-mixed" and backend != "nccl":
-        out.append("precision.mode = 'fp16-mixed' on a CPU is very slow (fp16 matmuls run "
-                   "~200x slower than fp32 here); use 'bf16-mixed' or 'auto' on CPU")
+    if backend != "nccl" and (slow := slow_precision_warning(
+            config.precision.mode, detect_hardware("cpu"))):  # bf16 without avx512_bf16/AMX
+        out.append(slow)
     if config.parallel.comm_hook != "none" and layout.dp == 1:
         out.append(f"parallel.comm_hook = {config.parallel.comm_hook!r} has no effect with dp = 1")
     if nproc_per_node * threads > cores:

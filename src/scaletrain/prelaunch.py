@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from scaletrain.config import Config
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.compose import check_model_fits, techniques_needing_the_model
 from scaletrain.plan import Derived
@@ -44,5 +44,5 @@ def check_layout_fits(config: Config, derived: Derived, code: UserCode = NO_CODE
     try:
         check_model_fits(model, model_spec(model), layout=layout, parallel=config.parallel,
                          pipeline=derived.pipeline, model_label=f"model.name = {config.model.name!r}")
-    except ValueError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
+    except UserError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
         raise ConfigError(str(e)) from None

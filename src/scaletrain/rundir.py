@@ -18,6 +18,8 @@ so on purpose; then it is printed as a warning.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import tomllib
 from pathlib import Path
@@ -39,6 +41,56 @@ def check_run_dir(run_dir: Path) -> None:
         raise ConfigError(
             f"--run-dir {str(run_dir)!r} already holds a run ({', '.join(taken)}); "
             "choose another --run-dir so nothing is overwritten")
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, inf) replaced by None, recursively: JSON has
+    no NaN, and a summary.json with one in it is not valid JSON (null says "no value")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """RUN_DIR/summary.json, valid JSON (a non-finite value is null)."""
+    path = run_dir / "summary.json"
+    path.write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def finished_run(run_dir: Path | None, config: Config) -> dict[str, Any] | None:
+    """The summary of the run in `run_dir` if it has already trained `config.train.steps`
+    steps (its summary.json says so), else None.
+
+    A resume of such a run has nothing to do: it is said and nothing is touched (a resume
+    with a larger train.steps, under --allow-config-change, continues it instead).
+    """
+    path = None if run_dir is None else Path(run_dir) / "summary.json"
+    if path is None or not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())  # Python reads the NaN older versions wrote
+    except (OSError, ValueError):
+        return None  # half-written: the checkpoints decide
+    if not isinstance(summary, dict) or int(summary.get("steps") or 0) < config.train.steps:
+        return None
+    return summary
+
+
+def describe_finished(run_dir: Path, summary: dict[str, Any]) -> str:
+    """The line that says a run is complete and that --resume changed nothing."""
+    loss = summary.get("final_loss")
+    evals = summary.get("eval") or {}
+    metric = "".join(f", eval {k} {v:.4g}" for k, v in evals.items() if isinstance(v, float))
+    return (f"scaletrain: run {run_dir} is complete (step {summary.get('steps')} of "
+            f"{summary.get('steps')}, final loss "
+            f"{'not finite' if loss is None else format(loss, '.4g')}{metric}): nothing to "
+            "resume, nothing changed. To train it further, resume with a larger train.steps "
+            "and --allow-config-change; for a new run, give a new --run-dir")
 
 
 def write_config(run_dir: Path, config: Config) -> Path:

@@ -31,11 +31,15 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from scaletrain.errors import UserError
+
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _LIBRARIES = ("torch", "transformers", "importlib")  # frames of theirs are not the user's
+# The Python API's argument for each config key a callable stands for (api.train).
+_API_ARGUMENT = {"model.name": "model", "data.source": "data", "train.loss": "loss"}
 
 
-class UserCodeError(ValueError):
+class UserCodeError(UserError):
     """The user's code named in the config could not be imported, or raised, or returned
     the wrong thing; shown as one line like any config mistake (exit status 2)."""
 
@@ -164,10 +168,15 @@ def import_path_of(obj: Callable, *, key: str) -> str:
             "another); worker processes import it by name: define it at the top level of a "
             "module and pass that, or run with one process")
     if module == "__main__":
+        # Both forms the hint names are accepted: the callable imported from its module, or
+        # its import path `module:qualname` as the config key's value.
+        argument = _API_ARGUMENT.get(key, key.split(".")[0])
         raise UserCodeError(
             f"{key}: {qualname} is defined in __main__ (a script or a notebook), which worker "
-            f"processes cannot import: move it into a module next to it (e.g. mycode.py, then "
-            f"{key.split('.')[-1]}=mycode.{qualname}), or run with one process")
+            f"processes cannot import: move it into a module next to it (e.g. mycode.py), then "
+            f"pass it from there (`from mycode import {qualname.split('.')[0]}`, "
+            f"{argument}={qualname}) or name it in the config ({key} = 'mycode:{qualname}'), "
+            "or run with one process")
     path = f"{module}:{qualname}"
     if load_object(path, key=key) is not obj:
         raise UserCodeError(f"{key}: importing {path!r} gives a different object than the one "

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from scaletrain.errors import UserError
 from scaletrain.data.sources import SOURCE_NAMES
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv",
@@ -37,7 +38,7 @@ LABEL, TARGET, TEXT = "label", "target", "text"  # the columns that name the tas
 TASK_COLUMNS = {"classification": LABEL, "regression": TARGET}  # kind -> the column of targets
 
 
-class SourceError(ValueError):
+class SourceError(UserError):
     """A file source's cell or column is not what the task needs; names file, row, column."""
 
 

@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from scaletrain.errors import UserError
 from scaletrain.data.holdout import EVAL_EVERY, HOLDOUT_SEED
 from scaletrain.data.sources import TaskSpec
 
@@ -65,7 +66,7 @@ _SCALAR_NUMBERS = {"halffloat", "float", "double", *(f"{u}int{b}" for u in ("", 
                                                      for b in (8, 16, 32, 64))}
 
 
-class ShardError(ValueError):
+class ShardError(UserError):
     """A shard (or manifest) is missing, damaged or inconsistent; the message names it."""
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scaletrain.errors import UserError
 from scaletrain.data.holdout import EVAL_EVERY
 from scaletrain.data.manifest import (MANIFEST, ShardError, find_split_dir, infer_task,
                                       read_manifest)
@@ -39,7 +40,7 @@ _DATA_WORDS = {"classification": "classification data", "regression": "regressio
                "lm": "text"}
 
 
-class DataCheckError(ValueError):
+class DataCheckError(UserError):
     """The data at `data.path` cannot train this config; the message says why and the fix."""
 
 

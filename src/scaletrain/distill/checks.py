@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from scaletrain.config import Config, DistillConfig
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.layout import ParallelLayout
 
 
@@ -50,7 +50,7 @@ def check_distill_config(config: Config, layout: ParallelLayout) -> None:
             from scaletrain.distill.cache import read_info
 
             read_info(d.cache)
-    except ValueError as e:  # TeacherError, CacheError: one-line user mistakes
+    except UserError as e:  # TeacherError, CacheError: one-line user mistakes
         raise ConfigError(str(e)) from None
     if d.cosine_weight and d.cosine_on == "pooled" and config.model.name in ("mlp", "cnn", "gpt"):
         raise ConfigError(f"distill.cosine_on = 'pooled' compares an encoder's mean-pooled hidden "

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from scaletrain.errors import UserError
+
 SPEC_ATTR = "scaletrain_spec"
 # Tensor-parallel styles, as torch.distributed.tensor.parallel names its layer plans:
 # ColwiseParallel (the Linear's output features are split), RowwiseParallel (its input
@@ -22,7 +24,7 @@ SPEC_ATTR = "scaletrain_spec"
 TP_STYLES = ("colwise", "rowwise")
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(UserError):
     """A model's declaration is inconsistent with its modules, or lacks what a technique needs."""
 
 

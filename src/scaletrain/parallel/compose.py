@@ -93,7 +93,7 @@ def check_model_fits(model: nn.Module, spec: ModelSpec, *, layout: ParallelLayou
     """Refuse a layout this model cannot take (no TP plan, heads that do not split, fewer
     blocks than stages), naming the model and the key. Runs on the bare model, before any
     technique: in the launcher, and on every rank before `parallelize`."""
-    from scaletrain.parallel.pipeline import check_schedule
+    from scaletrain.parallel.pipeline import PipelineConfigError, check_schedule
 
     for technique in techniques_needing_the_model(layout, parallel):
         require(spec, technique, model_label=model_label)
@@ -104,10 +104,11 @@ def check_model_fits(model: nn.Module, spec: ModelSpec, *, layout: ParallelLayou
                      model_label=model_label)
     if layout.pp > 1:
         if spec.source == "hugging-face":
-            raise ValueError(f"parallel.pp = {layout.pp}: pipeline stages of a Hugging Face "
-                             f"model ({model_label}) are not supported yet (its base model "
-                             "computes the rotary embeddings once for every layer); use "
-                             "dp_shard and tp with it, or the built-in gpt for pp")
+            raise PipelineConfigError(
+                f"parallel.pp = {layout.pp}: pipeline stages of a Hugging Face model "
+                f"({model_label}) are not supported yet (its base model computes the rotary "
+                "embeddings once for every layer); use dp_shard and tp with it, or the "
+                "built-in gpt for pp")
         n_blocks = len(list(model.get_submodule(spec.pipeline.blocks).children()))
         check_schedule(pipeline.schedule, pp=layout.pp, microbatches=pipeline.microbatches,
                        stages_per_rank=pipeline.stages_per_rank, n_blocks=n_blocks)

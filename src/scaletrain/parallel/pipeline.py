@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain.errors import UserError
 from scaletrain.data.sources import Batch
 from scaletrain.models.protocol import ModelSpec, PipelineSplit
 
@@ -58,7 +59,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
 
 
-class PipelineConfigError(ValueError):
+class PipelineConfigError(UserError):
     """A pipeline layout torch's schedules cannot run."""
 
 

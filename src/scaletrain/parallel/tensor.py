@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from scaletrain.errors import UserError
 
-class TensorParallelError(ValueError):
+
+class TensorParallelError(UserError):
     """A model whose shapes do not split over the tensor-parallel degree."""
 
 

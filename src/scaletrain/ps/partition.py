@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from scaletrain.errors import UserError
 
-class PartitionError(ValueError):
+
+class PartitionError(UserError):
     """More servers than parameter tensors; the message says how many there are."""
 
 

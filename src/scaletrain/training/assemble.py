@@ -19,6 +19,7 @@ import torch
 from scaletrain.config import Config
 from scaletrain.data.loader import Dataset, load_dataset
 from scaletrain.data.sources import Batch
+from scaletrain.errors import UserError
 from scaletrain.models import build_model
 from scaletrain.precision import Precision
 from scaletrain.loss import LossFn, builtin_loss, check_summed
@@ -72,7 +73,7 @@ def build_loss(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) ->
         return load_object(name, key="train.loss")
     try:
         return builtin_loss(name, task_kind=dataset.spec.kind)
-    except ValueError as e:
+    except UserError as e:  # LossError: a loss that does not fit the data's task
         raise UserCodeError(str(e)) from None
 
 
@@ -118,7 +119,7 @@ def check_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, config:
                      label=f"train.loss = {config.train.loss!r}")
     except UserCodeError:
         raise
-    except ValueError as e:
+    except UserError as e:  # LossError: not (sum, count), or a mean
         raise UserCodeError(str(e)) from None
 
 
@@ -138,7 +139,7 @@ def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
     model = build_net(config, train_ds, code=code)
     try:
         model_spec(model)
-    except ValueError as e:
+    except UserError as e:  # ModelSpecError
         raise UserCodeError(f"model.name = {config.model.name!r}: {e}") from None
     precision = make_precision(config.precision.mode, device_type="cpu",
                                init_scale=config.precision.init_scale,

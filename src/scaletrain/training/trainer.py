@@ -16,10 +16,10 @@ receives explicit arguments. Flow per run:
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ from scaletrain.config import Config, config_to_toml
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sources import Batch
-from scaletrain.memory import WindowPeak, held_bytes, lifetime_peak_bytes
+from scaletrain.memory import WindowPeak
 from scaletrain.models.protocol import model_spec
 from scaletrain.metrics import MetricsLogger
 from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
@@ -44,7 +44,8 @@ from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.plan import Derived, resolve
 from scaletrain.precision import Precision, make_precision
-from scaletrain.rundir import default_run_dir, write_config
+from scaletrain.rundir import (default_run_dir, describe_finished, finished_run, json_safe,
+                               write_config)
 from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, collective_guard,
                                 honour_umask, init_distributed, read_env, seed_everything,
                                 set_threads)
@@ -58,22 +59,15 @@ from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, bu
                                          is_user_loss)
 from scaletrain.loss import LossFn
 from scaletrain.training.evaluate import evaluate
+from scaletrain.training.hooks import step_hooks
+from scaletrain.training.progress import CommCounter, RunProgress, Startup, Window, log_window
 from scaletrain.training.step import StepResult, forward, train_step
+from scaletrain.errors import UserError
 from scaletrain.user_code import UserCodeError
 
 
 class TrainingDiverged(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
-
-
-@dataclass
-class Window:
-    """Accumulates steps between two metrics records."""
-
-    loss_sum: float = 0.0
-    count: int = 0
-    steps: int = 0
-    start: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -85,7 +79,7 @@ class Parts:
     train_ds: Dataset
     eval_ds: Dataset
     device: torch.device
-    comm: "CommCounter"
+    comm: CommCounter
     checkpointer: Checkpointer
     loss_fn: LossFn  # (model output, batch) -> (summed loss, count)
     layout: ParallelLayout
@@ -93,6 +87,9 @@ class Parts:
     pipeline: Pipeline | None = None  # under pp > 1: the schedule over this rank's stages
     pp_group: object | None = None  # under pp > 1: the pipeline's process group
     teacher: object | None = None  # under [distill] with an online teacher: distill.teacher.Teacher
+    # Called after each step's train_step with (step, its seconds): what a benchmark or a
+    # user hooks in (training/hooks.py); the loop itself sleeps for nobody.
+    after_step: tuple[Callable[[int, float], None], ...] = ()
 
     @property
     def reports_loss(self) -> bool:
@@ -117,12 +114,21 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
     heap = configure_allocator(config.train.allocator,
                                device_type="cuda" if derived.backend == "nccl" else "cpu")
     device = init_distributed(penv, backend=derived.backend, timeout_s=config.parallel.timeout_s)
+    startup = Startup(enabled=penv.is_main and not config.log.quiet)
+    startup.say(f"{penv.world_size} process(es) up, {derived.threads} thread(s) each")
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(config.name))))
+    # A finished run (plain torchrun pointed at its directory again): say so, touch nothing.
+    done = broadcast_object(finished_run(run_dir, config) if penv.is_main else None)
+    if done is not None:
+        if penv.is_main:
+            print(describe_finished(run_dir, done), file=sys.stderr)
+        return {**done, "run_dir": str(run_dir)} if penv.is_main else None
     resume_from = broadcast_object(_latest_checkpoint(run_dir, penv) if penv.is_main else None)
     if penv.is_main and resume_from is None:
         write_config(run_dir, config)
     seed_everything(config.train.seed)
-    parts = build(config, derived, penv, device=device, run_dir=run_dir, code=code)
+    parts = build(config, derived, penv, device=device, run_dir=run_dir, code=code,
+                  startup=startup)
     if resume_from is not None:
         load_checkpoint(Path(resume_from), parts.state)
         if keyed_by_bucket(parts.comm.hook_state):
@@ -140,6 +146,8 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
         logger.message(f"scaletrain: {describe_teacher(parts.teacher)}")
     if heap != "system":
         logger.message(f"scaletrain: CPU heap policy: {heap} (train.allocator)")
+    startup.say(f"ready: step {parts.state.step + 1} of {config.train.steps} starting (the "
+                "first is slower: warm-up)")
     try:
         summary = _loop(config, derived, penv, parts, logger=logger, run_dir=run_dir)
         return None if summary is None else {**summary, "run_dir": str(run_dir)}
@@ -149,10 +157,13 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
 
 
 def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.device,
-          run_dir: Path, code: UserCode = NO_CODE) -> Parts:
+          run_dir: Path, code: UserCode = NO_CODE, startup: Startup | None = None) -> Parts:
     """Data, model, loss, precision, parallelism, optimizer, schedule, sampler: in that order."""
     d, layout = config.data, derived.layout
+    startup = startup or Startup(enabled=False)
     train_ds, eval_ds = (build_data(config, split=split, code=code) for split in ("train", "eval"))
+    startup.say(f"data: {len(train_ds)} training and {len(eval_ds)} evaluation examples "
+                f"(data.source = {d.source!r})")
     # Tensor-parallel and pipeline peers read the same examples: the sampler takes the
     # data-parallel rank, not the global one.
     sampler = GlobalBatchSampler(len(train_ds), global_batch=config.train.global_batch,
@@ -181,13 +192,16 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
         check_model_fits(model, spec, layout=layout, parallel=config.parallel,
                          pipeline=derived.pipeline,
                          model_label=f"model.name = {config.model.name!r}")
-    except ValueError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
+    except UserError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
         raise UserCodeError(str(e)) from None
     par = parallelize(model, spec=spec, layout=layout, rank=penv.rank, device=device,
                       parallel=config.parallel, pipeline=derived.pipeline,
                       precision=precision, loss_fn=loss_fn,
                       compile=config.train.compile)
     model, hook_state = par.model, par.hook_state
+    held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
+    startup.say(f"model: {held:,} parameters on this rank (model.name = "
+                f"{config.model.name!r}), layout {layout.describe()}")
     if kd is not None and kd.teacher is not None:  # replicated, or sharded like the student
         place_teacher(kd.teacher, device=device,
                       mesh=par.mesh["dp_shard"] if layout.dp_shard > 1 else None)
@@ -204,7 +218,7 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
                                 min_lr_ratio=o.min_lr_ratio)
     c = config.checkpoint
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.keep, async_save=c.async_save,
-                                config_toml=config_to_toml(config))
+                                config_toml=config_to_toml(config), every=c.every)
     comm = CommCounter(model, hook_state, ddp=isinstance(model, DistributedDataParallel))
     # The loop's streak and window: a checkpoint loads into this RunProgress, the loop runs on it.
     state = TrainState(model, optimizer, scheduler, precision, hook=hook_state,
@@ -215,7 +229,8 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
                  device=device, comm=comm, checkpointer=checkpointer, loss_fn=loss_fn,
                  layout=layout, rank=penv.rank, pipeline=par.pipeline,
                  pp_group=par.pipeline.stages[0].group if par.pipeline else None,
-                 teacher=kd.teacher if kd is not None else None)
+                 teacher=kd.teacher if kd is not None else None,
+                 after_step=step_hooks(config, dp_rank=layout.dp_rank(penv.rank)))
 
 
 def _check_user_code(net: torch.nn.Module, train_ds: Dataset, config: Config, *,
@@ -277,8 +292,6 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     if not run.window.steps:  # no window restored: start its clock now, not at build time
         run.window = Window()
     indices = parts.sampler.micro_batches(state.step)
-    straggler = (config.ps.slow_worker == parts.layout.dp_rank(parts.rank)
-                 and config.ps.slow_factor > 1)
     for step in range(state.step, t.steps):
         micro, indices = _fetch(parts, indices, step=step, total_steps=t.steps)
         step_started = time.perf_counter()
@@ -288,12 +301,13 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
                                 grad_clip=config.optim.grad_clip, dp_size=derived.layout.dp,
                                 ragged_counts=parts.train_ds.spec.ragged, loss_fn=parts.loss_fn,
                                 pipeline=parts.pipeline, pp_group=parts.pp_group)
-        if straggler:  # the benchmark's slowed rank (ps.slow_worker): the others wait for it
-            time.sleep((config.ps.slow_factor - 1) * (time.perf_counter() - step_started))
+        for hook in parts.after_step:  # e.g. the benchmark's straggler (training/hooks.py)
+            hook(step, time.perf_counter() - step_started)
         state.step = step + 1
         _count_bad_steps(state, result, run, config=config)
-        _log_window(state, result, micro, run, parts=parts, logger=logger, config=config,
-                    dp=derived.layout.dp)
+        log_window(state, result, micro, run, reports_loss=parts.reports_loss, logger=logger,
+                   every=config.log.every, total_steps=t.steps, compiled=config.train.compile,
+                   dp=derived.layout.dp)
         if _checkpoint_or_stop(state, parts, logger=logger, config=config, run_dir=run_dir):
             return None
         if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
@@ -316,47 +330,12 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     logger.log_eval({"step": t.steps, **eval_record})
     if not penv.is_main:
         return None
+    # summary.json is JSON: a non-finite loss or metric is written as null, not NaN.
     return _finish(run_dir, model=state.model, weights=weights, config=config, derived=derived, wall=wall,
-                   last_loss=run.last_loss, eval_record=eval_record, skipped=state.skipped_steps,
+                   last_loss=json_safe(run.last_loss), eval_record=json_safe(eval_record),
+                   skipped=state.skipped_steps,
                    steps_run=t.steps - run.first_step, precision_mode=state.precision.mode,
                    tokens_per_example=state.tokens_per_example)
-
-
-@dataclass
-class RunProgress:
-    """What the loop tracks between steps of this process's run.
-
-    A DCP Stateful: a checkpoint holds the streak, the last logged loss, the open window
-    (its elapsed time, not its clock) and the comm counter's position, so a resumed run
-    stops, logs and reports as the uninterrupted one would. `build` makes it (it is
-    `TrainState.loop`), a checkpoint loads into it, and the loop runs on it.
-    """
-
-    first_step: int
-    bad_in_row: int = 0  # consecutive skipped steps
-    first_bad: str | None = None  # the first parameter to overflow in the current streak
-    last_loss: float = math.nan
-    window: Window = field(default_factory=Window)
-    started: float = field(default_factory=time.perf_counter)
-    memory: WindowPeak | None = None  # each window's peak above the post-set-up baseline
-    comm: CommCounter | None = None  # its bytes at the last record belong to the window
-
-    def state_dict(self) -> dict:
-        w = self.window
-        return {"bad_in_row": self.bad_in_row, "first_bad": self.first_bad or "",
-                "last_loss": self.last_loss, "window.loss_sum": w.loss_sum,
-                "window.count": w.count, "window.steps": w.steps,
-                "window.elapsed_s": time.perf_counter() - w.start,
-                "comm_seen": self.comm.seen if self.comm is not None else 0}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.bad_in_row, self.first_bad = int(state["bad_in_row"]), state["first_bad"] or None
-        self.last_loss = float(state["last_loss"])
-        self.window = Window(loss_sum=float(state["window.loss_sum"]),
-                             count=int(state["window.count"]), steps=int(state["window.steps"]),
-                             start=time.perf_counter() - float(state["window.elapsed_s"]))
-        if self.comm is not None:
-            self.comm.seen = int(state["comm_seen"])
 
 
 def _fetch(parts: Parts, indices: list[torch.Tensor], *, step: int,
@@ -383,35 +362,6 @@ def _count_bad_steps(state: TrainState, result: StepResult, run: RunProgress, *,
                                                  config, run.first_bad, state.precision))
 
 
-def _log_window(state: TrainState, result: StepResult, micro: list[Batch], run: RunProgress, *,
-                parts: Parts, logger: MetricsLogger, config: Config, dp: int) -> None:
-    """Add the step to the window; every log.every steps write one record and start a new one."""
-    window = run.window
-    # Tensor-parallel peers hold the same loss and a pipeline's other stages none: one rank
-    # per data-parallel share adds it, so the all-reduced sum counts every example once.
-    window.loss_sum += float(result.loss_sum) if parts.reports_loss else 0.0
-    window.count += result.count
-    window.steps += 1
-    if state.step % config.log.every and state.step != config.train.steps:
-        logger.advance()
-        return
-    with collective_guard("metrics all-reduce", step=state.step - 1):
-        record = _train_record(state.step - 1, result, window, micro, state.optimizer,
-                               state.precision, skipped=state.skipped_steps, dp=dp)
-    record["comm_bytes_per_step"] = parts.comm.per_step(window.steps)
-    record["examples_seen"], record["tokens_seen"] = state.examples_seen, state.tokens_seen
-    record.update(run.memory.record() if run.memory else {})
-    # What this rank holds, from its local tensors (a shard's bytes, not the global shape).
-    record.update(held_bytes(state.model, state.optimizer), grad_bytes=result.grad_bytes)
-    if config.train.compile:  # proof that dynamo captured graphs (0: the model ran eager)
-        from torch._dynamo.utils import counters
-
-        record["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
-    run.last_loss = record["loss"]
-    logger.log_step(record)
-    run.window = Window()
-
-
 def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogger,
                         config: Config, run_dir: Path) -> bool:
     """Save on the checkpoint schedule; on a planned stop or a SIGTERM save, wait, return True.
@@ -423,8 +373,7 @@ def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogge
     # stop_requested() runs on every step and rank: it is a collective (one step behind).
     with collective_guard("SIGTERM flag all-reduce", step=state.step - 1):
         preempted = signals.stop_requested() and state.step < config.train.steps
-    every = config.checkpoint.every
-    if (every and state.step % every == 0) or planned or preempted:
+    if parts.checkpointer.due(state.step, stop=planned or preempted):
         with collective_guard("checkpoint save", step=state.step - 1):
             parts.checkpointer.save(state)
     if not (planned or preempted):
@@ -440,31 +389,6 @@ def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogge
     return True
 
 
-def _train_record(step: int, result: StepResult, window: Window, micro: list[Batch], optimizer,
-                  precision: Precision, *, skipped: int, dp: int) -> dict:
-    # One all-reduce per record: the window's summed loss over every rank. Counts are global.
-    loss_sum = all_reduce_sum(torch.tensor([window.loss_sum], dtype=torch.float64))
-    elapsed = time.perf_counter() - window.start
-    examples = sum(len(mb.targets) for mb in micro) * dp * window.steps
-    tokens = sum(mb.tokens for mb in micro) * dp * window.steps
-    record = {
-        "step": step + 1,
-        "loss": float(loss_sum.item()) / max(window.count, 1),
-        "lr": optimizer.param_groups[0]["lr"],
-        "grad_norm": result.grad_norm,
-        "examples": examples,
-        "tokens": tokens,
-        "examples_per_s": examples / elapsed,
-        "tokens_per_s": tokens / elapsed,
-        "step_time_s": elapsed / window.steps,
-        "peak_mem_bytes": lifetime_peak_bytes(),
-        "skipped_steps": skipped,
-    }
-    if precision.loss_scale is not None:
-        record["loss_scale"] = precision.loss_scale
-    return record
-
-
 def _diverged_message(step: int, bad: int, last_loss: float, config: Config,
                       first_bad: str | None, precision: Precision) -> str:
     where = f"; the first gradient to overflow was {first_bad!r}" if first_bad else ""
@@ -476,28 +400,6 @@ def _diverged_message(step: int, bad: int, last_loss: float, config: Config,
         f"last logged loss {last_loss:.4g}. Try a lower optim.lr (now {config.optim.lr}), "
         f"gradient clipping (optim.grad_clip), or precision.mode='fp32'/'bf16-mixed'."
     )
-
-
-class CommCounter:
-    """Bytes each rank hands to DDP's gradient all-reduce per step.
-
-    With a comm hook, the hook counts the tensors it sends; without one, DDP all-reduces
-    every gradient once per step in its own dtype, which is the parameters' size. Other
-    layouts (FSDP's gathers and reduce-scatters, TP's all-reduces, PP's sends) are not
-    counted here: 0.
-    """
-
-    def __init__(self, model: torch.nn.Module, hook_state, *, ddp: bool) -> None:
-        self.hook_state = hook_state
-        self.plain = 0 if not ddp else sum(p.numel() * p.element_size()
-                                           for p in model.parameters() if p.requires_grad)
-        self.seen = 0
-
-    def per_step(self, steps: int) -> float:
-        if self.hook_state is None:
-            return float(self.plain)
-        sent, self.seen = self.hook_state.bytes_sent - self.seen, self.hook_state.bytes_sent
-        return sent / max(steps, 1)
 
 
 def _finish(run_dir: Path, *, model, weights: dict[str, torch.Tensor] | None, config: Config,

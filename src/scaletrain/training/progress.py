@@ -1,0 +1,200 @@
+"""What the loop reports as it goes: start-up progress, the metrics window, the loop's state.
+
+The trainer's loop asks this module *what to say*, never keeps the arithmetic itself:
+
+- `Startup` prints, on rank 0, one line per phase before the first step (data, model,
+  parallel layout, first step), each with the seconds since the process began: a run whose
+  imports, data loading and model build take ten seconds says so instead of staying silent.
+- `Window` accumulates the steps between two metrics records; `log_window` adds a step to
+  it and, every `log.every` steps, turns it into one record (`train_record`: one all-reduce
+  of the summed loss over every rank; counts are global by construction).
+- `RunProgress` is the loop's state between steps (the bad-step streak, the last logged
+  loss, the open window, the comm counter's position). It is a DCP Stateful in the
+  checkpoint (`TrainState.loop`), so a resumed run stops, logs and reports as the
+  uninterrupted one would.
+- `CommCounter` counts the bytes each rank hands to DDP's gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from scaletrain.data.sources import Batch
+from scaletrain.memory import WindowPeak, held_bytes, lifetime_peak_bytes
+from scaletrain.metrics import MetricsLogger
+from scaletrain.precision import Precision
+from scaletrain.runtime import all_reduce_sum, collective_guard
+from scaletrain.training.step import StepResult
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere): what the user has
+    waited, interpreter start and imports included."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Startup:
+    """Rank 0's start-up lines, `scaletrain: <phase> (<t> s)`, t the seconds since this
+    process started (imports included: they are part of the wait).
+
+    Args:
+        enabled: rank 0 and not log.quiet.
+    """
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.started = time.perf_counter() - (process_age_s() or 0.0)
+
+    def say(self, what: str) -> None:
+        if self.enabled:
+            print(f"scaletrain: {what} ({time.perf_counter() - self.started:.1f} s)",
+                  file=sys.stderr, flush=True)
+
+
+@dataclass
+class Window:
+    """Accumulates steps between two metrics records."""
+
+    loss_sum: float = 0.0
+    count: int = 0
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+class CommCounter:
+    """Bytes each rank hands to DDP's gradient all-reduce per step.
+
+    With a comm hook, the hook counts the tensors it sends; without one, DDP all-reduces
+    every gradient once per step in its own dtype, which is the parameters' size. Other
+    layouts (FSDP's gathers and reduce-scatters, TP's all-reduces, PP's sends) are not
+    counted here: 0.
+    """
+
+    def __init__(self, model: torch.nn.Module, hook_state, *, ddp: bool) -> None:
+        self.hook_state = hook_state
+        self.plain = 0 if not ddp else sum(p.numel() * p.element_size()
+                                           for p in model.parameters() if p.requires_grad)
+        self.seen = 0
+
+    def per_step(self, steps: int) -> float:
+        if self.hook_state is None:
+            return float(self.plain)
+        sent, self.seen = self.hook_state.bytes_sent - self.seen, self.hook_state.bytes_sent
+        return sent / max(steps, 1)
+
+
+@dataclass
+class RunProgress:
+    """What the loop tracks between steps of this process's run.
+
+    A DCP Stateful: a checkpoint holds the streak, the last logged loss, the open window
+    (its elapsed time, not its clock) and the comm counter's position, so a resumed run
+    stops, logs and reports as the uninterrupted one would. The trainer's `build` makes it
+    (it is `TrainState.loop`), a checkpoint loads into it, and the loop runs on it.
+    """
+
+    first_step: int
+    bad_in_row: int = 0  # consecutive skipped steps
+    first_bad: str | None = None  # the first parameter to overflow in the current streak
+    last_loss: float = math.nan
+    window: Window = field(default_factory=Window)
+    started: float = field(default_factory=time.perf_counter)
+    memory: WindowPeak | None = None  # each window's peak above the post-set-up baseline
+    comm: CommCounter | None = None  # its bytes at the last record belong to the window
+
+    def state_dict(self) -> dict:
+        w = self.window
+        return {"bad_in_row": self.bad_in_row, "first_bad": self.first_bad or "",
+                "last_loss": self.last_loss, "window.loss_sum": w.loss_sum,
+                "window.count": w.count, "window.steps": w.steps,
+                "window.elapsed_s": time.perf_counter() - w.start,
+                "comm_seen": self.comm.seen if self.comm is not None else 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bad_in_row, self.first_bad = int(state["bad_in_row"]), state["first_bad"] or None
+        self.last_loss = float(state["last_loss"])
+        self.window = Window(loss_sum=float(state["window.loss_sum"]),
+                             count=int(state["window.count"]), steps=int(state["window.steps"]),
+                             start=time.perf_counter() - float(state["window.elapsed_s"]))
+        if self.comm is not None:
+            self.comm.seen = int(state["comm_seen"])
+
+
+def log_window(state, result: StepResult, micro: list[Batch], run: RunProgress, *,
+               reports_loss: bool, logger: MetricsLogger, every: int, total_steps: int,
+               compiled: bool, dp: int) -> None:
+    """Add the step to the window; every `every` steps (and at the last) write one record
+    and start a new window.
+
+    Args:
+        state: the TrainState (step already advanced past this step).
+        result, micro: this step's outcome and micro-batches.
+        run: the loop's RunProgress (its window, memory peak, comm counter).
+        reports_loss: this rank's summed loss counts (one rank per data-parallel share).
+        logger: rank 0's sinks (a no-op elsewhere).
+        every, total_steps: log.every and train.steps.
+        compiled: train.compile (the record then says how many graphs dynamo captured).
+        dp: the data-parallel degree (examples per record are global).
+    """
+    window = run.window
+    # Tensor-parallel peers hold the same loss and a pipeline's other stages none: one rank
+    # per data-parallel share adds it, so the all-reduced sum counts every example once.
+    window.loss_sum += float(result.loss_sum) if reports_loss else 0.0
+    window.count += result.count
+    window.steps += 1
+    if state.step % every and state.step != total_steps:
+        logger.advance()
+        return
+    with collective_guard("metrics all-reduce", step=state.step - 1):
+        record = train_record(state.step - 1, result, window, micro, state.optimizer,
+                              state.precision, skipped=state.skipped_steps, dp=dp)
+    record["comm_bytes_per_step"] = run.comm.per_step(window.steps) if run.comm else 0.0
+    record["examples_seen"], record["tokens_seen"] = state.examples_seen, state.tokens_seen
+    record.update(run.memory.record() if run.memory else {})
+    # What this rank holds, from its local tensors (a shard's bytes, not the global shape).
+    record.update(held_bytes(state.model, state.optimizer), grad_bytes=result.grad_bytes)
+    if compiled:  # proof that dynamo captured graphs (0: the model ran eager)
+        from torch._dynamo.utils import counters
+
+        record["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
+    run.last_loss = record["loss"]
+    logger.log_step(record)
+    run.window = Window()
+
+
+def train_record(step: int, result: StepResult, window: Window, micro: list[Batch], optimizer,
+                 precision: Precision, *, skipped: int, dp: int) -> dict:
+    """One metrics record for the window that ends at `step` (0-based)."""
+    # One all-reduce per record: the window's summed loss over every rank. Counts are global.
+    loss_sum = all_reduce_sum(torch.tensor([window.loss_sum], dtype=torch.float64))
+    elapsed = time.perf_counter() - window.start
+    examples = sum(len(mb.targets) for mb in micro) * dp * window.steps
+    tokens = sum(mb.tokens for mb in micro) * dp * window.steps
+    record = {
+        "step": step + 1,
+        "loss": float(loss_sum.item()) / max(window.count, 1),
+        "lr": optimizer.param_groups[0]["lr"],
+        "grad_norm": result.grad_norm,
+        "examples": examples,
+        "tokens": tokens,
+        "examples_per_s": examples / elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "step_time_s": elapsed / window.steps,
+        "peak_mem_bytes": lifetime_peak_bytes(),
+        "skipped_steps": skipped,
+    }
+    if precision.loss_scale is not None:
+        record["loss_scale"] = precision.loss_scale
+    return record
