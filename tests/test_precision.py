@@ -173,7 +173,8 @@ def test_a_precision_slower_than_fp32_on_this_cpu_is_warned(
     precision asked for runs slower than fp32 on this CPU, naming its capability and the
     missing instruction sets; `auto` never warns, it picks fp32 there."""
     from harness import cli_main, forbid_starting
-    from scaletrain.config import resolve, validate_config
+    from scaletrain.config import validate_config
+    from scaletrain.plan import resolve
 
     forbid_starting(monkeypatch, tmp_path)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
@@ -202,7 +203,8 @@ def test_a_precision_slower_than_fp32_on_this_cpu_is_warned(
 
 
 def test_fp16_warning_no_longer_recommends_bf16_blindly(monkeypatch: pytest.MonkeyPatch) -> None:
-    from scaletrain.config import resolve, validate_config
+    from scaletrain.config import validate_config
+    from scaletrain.plan import resolve
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     warnings = resolve(validate_config({"precision": {"mode": "fp16-mixed"}}), world_size=1,

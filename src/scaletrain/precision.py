@@ -23,7 +23,7 @@ A mode asked for by name may be slower than fp32 on the machine it runs on: bf16
 without avx512_bf16 or AMX is emulated, about 100x slower than fp32 (measured on a 2-core
 AVX2-only AMD EPYC: 0.4-0.6 against 53 GFLOP/s), and fp16 on a CPU without AMX-FP16 about
 200x. `slow_precision_warning` says so, naming the CPU's capability and the instruction set
-it lacks; `explain` and `train` print it (config.resolve collects it with its warnings).
+it lacks; `explain` and `train` print it (plan.resolve collects it with its warnings).
 
 FSDP2's MixedPrecisionPolicy will stand in for autocast when FSDP is applied: the same object
 then reports `param_dtype`/`reduce_dtype` and returns a null forward context.
