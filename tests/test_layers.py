@@ -26,8 +26,9 @@ PACKAGE = "scaletrain"
 
 # Bottom floor first. Rooms on one floor do not import each other.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(rooms)) for name, rooms in (
-    # leaves: the user-mistake errors, the user's code, process and memory plumbing
-    ("leaves", {"errors", "version", "user_code", "memory", "allocator", "runtime"}),
+    # leaves: the user-mistake errors below the user's code, process and memory plumbing
+    ("errors", {"errors", "version"}),  # the user-mistake base classes: import nothing
+    ("leaves", {"user_code", "memory", "allocator", "runtime"}),
     ("data", {"data"}),  # sources, shards, sampler: know nothing of models
     ("models", {"models"}),  # built-in models and the ModelSpec protocol; take a TaskSpec
     # the techniques and the loss protocol: each takes plain values, owns its checks
