@@ -92,6 +92,7 @@ class Parts:
     rank: int
     pipeline: Pipeline | None = None  # under pp > 1: the schedule over this rank's stages
     pp_group: object | None = None  # under pp > 1: the pipeline's process group
+    dp_group: object | None = None  # the data-parallel peers' group (ragged counts sum over it)
     teacher: object | None = None  # under [distill] with an online teacher: distill.teacher.Teacher
 
     @property
@@ -213,6 +214,7 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
                  device=device, comm=comm, checkpointer=checkpointer, loss_fn=loss_fn,
                  layout=layout, rank=penv.rank, pipeline=par.pipeline,
                  pp_group=par.pipeline.stages[0].group if par.pipeline else None,
+                 dp_group=layout.dp_group(par.mesh),
                  teacher=kd.teacher if kd is not None else None)
 
 
@@ -285,7 +287,8 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
                                 scheduler=state.scheduler, precision=state.precision,
                                 grad_clip=config.optim.grad_clip, dp_size=derived.layout.dp,
                                 ragged_counts=parts.train_ds.spec.ragged, loss_fn=parts.loss_fn,
-                                pipeline=parts.pipeline, pp_group=parts.pp_group)
+                                pipeline=parts.pipeline, pp_group=parts.pp_group,
+                                dp_group=parts.dp_group)
         if straggler:  # the benchmark's slowed rank (ps.slow_worker): the others wait for it
             time.sleep((config.ps.slow_factor - 1) * (time.perf_counter() - step_started))
         state.step = step + 1
