@@ -41,7 +41,7 @@ from scaletrain.models.protocol import (ModelSpec, block_modules, require,
 from scaletrain.parallel.checkpointing import apply_activation_checkpointing
 from scaletrain.parallel.comm_hooks import HookState, register_comm_hook
 from scaletrain.parallel.ddp import apply_ddp
-from scaletrain.parallel.fsdp import apply_fsdp
+from scaletrain.parallel.fsdp import allow_tensor_parallel_output_view, apply_fsdp
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.tensor import apply_tp, check_tp_fit
 
@@ -143,6 +143,8 @@ def parallelize(model: nn.Module, *, spec: ModelSpec, layout: ParallelLayout, ra
                        mp_policy=precision.fsdp_policy(),
                        reshard_after_forward=options.reshard_after_forward,
                        offload=options.fsdp_offload)
+            if layout.tp > 1:  # its output is TP's to_local() view: see the function
+                allow_tensor_parallel_output_view(part)
     if compile:
         owner.compile()  # in place: the same module and parameter names, a compiled forward
     out = Parallelized(model=owner, mesh=mesh)

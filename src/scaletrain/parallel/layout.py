@@ -128,9 +128,11 @@ class ParallelLayout:
     def build_mesh(self, device_type: str):
         """The named DeviceMesh (None in a world of one process: nothing to communicate).
 
-        Under HSDP (dp_replicate, dp_shard) is also flattened into "dp" (a collective: every
-        rank builds the mesh), the data-parallel group its counts are summed over
-        (`dp_group`).
+        Two pairs of dimensions are also flattened into one (a collective: every rank builds
+        the mesh): "dp" = (dp_replicate, dp_shard), the data-parallel group that HSDP's
+        counts are summed over (`dp_group`), and "dp_shard_tp" = (dp_shard, tp), over which
+        DTensor then reduces a 2-D parameter's gradient norm in one all-reduce instead of
+        two in a row (training/grad_norm.py; it finds the flattened mesh by its ranks).
         """
         if self.world_size == 1:
             return None
@@ -139,9 +141,11 @@ class ParallelLayout:
         sizes = self.sizes
         mesh = init_device_mesh(device_type, tuple(sizes.values()),
                                 mesh_dim_names=tuple(sizes))
-        # torch 2.13 names this private; torchtitan builds its "dp" mesh so.
+        # torch 2.13 names this private; torchtitan builds its "dp" and "dp_shard_cp" so.
         if self.dp_replicate > 1 and self.dp_shard > 1:
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.dp_shard > 1 and self.tp > 1:
+            mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
         return mesh
 
     def dp_group(self, mesh):

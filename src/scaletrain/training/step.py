@@ -143,9 +143,15 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
         clip_grads_(grads, max_norm=grad_clip, total_norm=grad_norm)
     first_nonfinite = None if grads_finite else _first_nonfinite(model)
     stepped = precision.optimizer_step(optimizer, grads_finite=grads_finite)
-    with warnings.catch_warnings():  # a skipped first step makes LambdaLR warn about the order
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
-        scheduler.step()  # the schedule follows the step counter, skipped steps included
+    # The schedule follows the step counter, skipped steps included.
+    if stepped:
+        scheduler.step()
+    else:  # before any optimizer step LambdaLR warns about the order. Only here: entering
+        # catch_warnings resets Python's "shown once" record of every warning, which would
+        # then print again on every step (FSDP2's view warning did).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+            scheduler.step()
     grad_bytes = local_bytes(grads)  # what this rank held, before the gradients are freed
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum=loss_sum, count=global_count, grad_norm=float(grad_norm),
