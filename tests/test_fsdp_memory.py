@@ -12,6 +12,11 @@ state, and whole parameters between forward and backward only under ZeRO-2.
 2. Directly, in two gloo processes: after one forward, a (non-last) block's registered
    parameters are whole plain tensors under reshard_after_forward=False (ZeRO-2) and 1/2
    DTensor shards again under True (ZeRO-3); after backward both hold shards.
+3. The final gather (compose.full_state_dict) of a sharded model gives rank 0 the whole
+   model, exactly, and rank 1 nothing, and rank 1 never holds the whole model meanwhile:
+   its peak resident memory during the gather (VmHWM, reset just before) stays under half
+   the model's bytes (one tensor at a time is whole there, then dropped), where gathering
+   every tensor to every rank first, as a plain full_state_dict=True does, needs all of it.
 
 Run as a script (`python test_fsdp_memory.py RESHARD`, with torchrun's environment), this
 file is the worker of test 2 and prints its observations as one JSON line.
@@ -190,8 +195,41 @@ def _probe(reshard_after_forward: bool) -> dict:
     seen["after_forward"] = look()
     logits.float().pow(2).mean().backward()
     seen["after_backward"] = look()
+    seen["gather"] = _gather_probe(mesh)
     dist.destroy_process_group()
     return seen
+
+
+def _gather_probe(mesh) -> dict:
+    """One rank of test 3: shard 24 Linear layers (1 MiB of fp32 weight each), then gather
+    them for saving and measure this rank's peak resident memory meanwhile."""
+    import gc
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from scaletrain.memory import WindowPeak, local_bytes
+    from scaletrain.parallel.compose import full_state_dict
+    from scaletrain.parallel.fsdp import apply_fsdp
+    from scaletrain.parallel.layout import ParallelLayout
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(24)))
+    full_bytes = local_bytes(layers.parameters())
+    expected = {k: v.clone() for k, v in layers.state_dict().items()}
+    apply_fsdp(layers, mesh, blocks=list(layers), mp_policy=MixedPrecisionPolicy(),
+               reshard_after_forward=True, offload=False)
+    gc.collect()
+    dist.barrier()
+    window = WindowPeak.start()  # baseline: now; peak: from now
+    state = full_state_dict(layers, layout=ParallelLayout(dp_shard=2).resolve(2))
+    peak_above = window.record()["window_peak_above_baseline_bytes"]
+    exact = (state.keys() == expected.keys()
+             and all(torch.equal(state[k], expected[k]) for k in state)) if state else None
+    return {"full_bytes": full_bytes, "peak_above": peak_above,
+            "resettable": window.window_resettable, "keys": len(state), "exact": exact,
+            "on_cpu": all(v.device.type == "cpu" for v in state.values())}
 
 
 def _run_probe(reshard_after_forward: bool) -> list[dict]:
@@ -218,10 +256,22 @@ def _run_probe(reshard_after_forward: bool) -> list[dict]:
     return outs
 
 
+@pytest.fixture(scope="module")
+def probes() -> dict[int, list[dict]]:
+    """ZeRO stage -> both ranks' observations, each probe job run on first use."""
+
+    class Lazy(dict):
+        def __missing__(self, zero: int) -> list[dict]:
+            self[zero] = _run_probe(reshard_after_forward=zero == 3)
+            return self[zero]
+
+    return Lazy()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [2, 3], ids=["zero2", "zero3"])
-def test_reshard_after_forward(zero: int) -> None:
-    for rank, seen in enumerate(_run_probe(reshard_after_forward=zero == 3)):
+def test_reshard_after_forward(probes: dict[int, list[dict]], zero: int) -> None:
+    for rank, seen in enumerate(probes[zero]):
         full, full_q = seen["full_bytes"], seen["full_q"]
         half_q = [full_q[0] // 2, *full_q[1:]]
         print(f"ZeRO-{zero} rank {rank}: block bytes after forward "
@@ -240,6 +290,21 @@ def test_reshard_after_forward(zero: int) -> None:
                 assert b["local_bytes"] * 2 == full, (i, b)
         # apply_fsdp keeps the last block gathered under ZeRO-3 too: its backward is next.
         assert not last["any_dtensor"] and last["local_bytes"] == full, last
+
+
+@pytest.mark.slow
+def test_final_gather_puts_the_whole_model_on_rank_0_only(probes: dict[int, list[dict]]) -> None:
+    rank0, rank1 = (seen["gather"] for seen in probes[3])
+    full = rank0["full_bytes"]
+    print(f"final gather: peak above baseline rank 0 {rank0['peak_above']}, rank 1 "
+          f"{rank1['peak_above']} bytes; the model {full}")
+    assert rank0["keys"] == 24 and rank0["exact"] and rank0["on_cpu"], rank0
+    assert rank1["keys"] == 0, rank1  # rank 1 gets an empty dict
+    if not rank1["resettable"]:
+        pytest.skip("this kernel cannot reset the peak RSS (/proc/self/clear_refs)")
+    # Rank 0 keeps the model (about `full` more); rank 1 holds one whole tensor at a time.
+    assert rank0["peak_above"] > 0.75 * full, rank0
+    assert rank1["peak_above"] < 0.5 * full, rank1
 
 
 if __name__ == "__main__":

@@ -207,6 +207,28 @@ def test_one_process_builds_no_mesh() -> None:
     assert ParallelLayout().resolve(1).build_mesh("cpu") is None  # nothing to communicate
 
 
+class _NamedMesh:
+    """Stands in for a DeviceMesh: mesh[name].get_group() gives the name it was asked for."""
+
+    def __getitem__(self, name: str):
+        return type("Sub", (), {"get_group": lambda _self: name})()
+
+
+@pytest.mark.parametrize("layout, world, group", [
+    (ParallelLayout(), 2, "dp_replicate"),  # DDP: the whole world
+    (ParallelLayout(dp_shard=2), 2, "dp_shard"),
+    (ParallelLayout(dp_shard=2, tp=2), 4, "dp_shard"),  # not the world: tp peers share data
+    (ParallelLayout(dp_shard=2, pp=2), 4, "dp_shard"),
+    (ParallelLayout(dp_replicate=2, dp_shard=2, tp=2), 8, "dp"),  # HSDP: the flattened pair
+    (ParallelLayout(tp=2), 2, None),  # one data-parallel share: nothing to sum over
+    (ParallelLayout(pp=2, tp=2), 4, None),
+])
+def test_dp_group_is_the_data_parallel_ranks_only(layout: ParallelLayout, world: int,
+                                                  group: str | None) -> None:
+    assert layout.resolve(world).dp_group(_NamedMesh()) == group
+    assert ParallelLayout().resolve(1).dp_group(None) is None
+
+
 # ---------------------------------------------------------------------------- config refusals
 
 

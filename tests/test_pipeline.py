@@ -2,10 +2,11 @@
 
 Pure tests check the layout rules, the stage placement, the balanced split and the stage
 copies. One 2-process gloo job then runs every schedule in float64 on a 4-block GPT (and
-1f1b on the MLP) and compares, with the single-process model computed in the same process:
-the summed loss, every parameter's gradient after two accumulated micro-batches, and the
-eval logits of a batch smaller than the training one, to 1e-9. The same job measures the
-bubble of GPipe against theory.
+1f1b on the MLP), on full targets and on padded ones (-100: the chunks' token counts
+differ), and compares, with the single-process model computed in the same process: the
+summed loss, every parameter's gradient after two accumulated micro-batches, and the eval
+logits of a batch smaller than the training one, to 1e-9. The same job measures the bubble
+of GPipe against theory.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from scaletrain.data.sources import Batch
+from scaletrain.data.sources import IGNORE_INDEX, Batch
 from scaletrain.models.gpt import GPT, GPTShape
 from scaletrain.models.mlp import MLP
 from scaletrain.models.protocol import ModelSpec, PipelineSplit, model_spec
@@ -34,14 +35,18 @@ from scaletrain.loss import cross_entropy
 
 TOL = 1e-9
 WORLD = 2
-# name -> (model, schedule, stages per rank, chunks, eval before the first train call)
+# name -> (model, schedule, stages per rank, chunks, eval before the first train call,
+#          ragged: padded targets (-100), so the chunks' token counts differ)
 CASES = {
-    "gpipe": ("gpt", "gpipe", 1, 2, False),
-    "1f1b": ("gpt", "1f1b", 1, 4, False),
-    "interleaved-1f1b": ("gpt", "interleaved-1f1b", 2, 2, False),
-    "zero-bubble": ("gpt", "zero-bubble", 2, 4, False),
-    "zero-bubble-h1-eval-first": ("gpt", "zero-bubble", 1, 2, True),
-    "mlp-1f1b": ("mlp", "1f1b", 1, 2, False),
+    "gpipe": ("gpt", "gpipe", 1, 2, False, False),
+    "1f1b": ("gpt", "1f1b", 1, 4, False, False),
+    "interleaved-1f1b": ("gpt", "interleaved-1f1b", 2, 2, False, False),
+    "zero-bubble": ("gpt", "zero-bubble", 2, 4, False, False),
+    "zero-bubble-h1-eval-first": ("gpt", "zero-bubble", 1, 2, True, False),
+    "mlp-1f1b": ("mlp", "1f1b", 1, 2, False, False),
+    **{f"{s}-ragged": ("gpt", s, spr, chunks, False, True)
+       for s, spr, chunks in (("gpipe", 1, 2), ("1f1b", 1, 4), ("interleaved-1f1b", 2, 2),
+                              ("zero-bubble", 2, 4))},
 }
 IDLE_CHUNKS = (2, 8)  # GPipe on 2 ranks: theory 1/3 and 1/9
 
@@ -225,6 +230,8 @@ def test_pipeline_matches_one_process(job: dict, case: str) -> None:
     assert last["loss_err"] < TOL and results[0]["losses"] == [0.0, 0.0]
     assert last["eval_err"] < TOL and last["eval_shape"][0] == 3
     assert results[0]["eval_shape"] is None
+    if CASES[case][5]:  # ragged: the micro-batches' counts differ, and are not full
+        assert len(set(last["counts"])) == 2 and max(last["counts"]) < 8 * 16, last["counts"]
 
 
 @pytest.mark.slow
@@ -242,25 +249,31 @@ def test_measured_idle_is_one_fraction_for_the_pipeline(job: dict) -> None:
 # --------------------------------------------------- the worker (run as a script per rank)
 
 
-def _batch(model: str, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(model: str, rows: int, seed: int,
+           ragged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     if model == "mlp":
         return torch.randn(rows, 1, 8, 8, generator=g), torch.randint(0, 10, (rows,), generator=g)
-    return (torch.randint(0, 256, (rows, 16), generator=g),
+    x, y = (torch.randint(0, 256, (rows, 16), generator=g),
             torch.randint(0, 256, (rows, 16), generator=g))
+    if ragged:  # every row padded after its own length, 1 to 16 target tokens
+        lengths = torch.randint(1, 17, (rows, 1), generator=g)
+        y[torch.arange(16) >= lengths] = IGNORE_INDEX
+    return x, y
 
 
 def _run_case(name: str, rank: int, group) -> dict:
     from scaletrain.parallel.pipeline import build_pipeline, eval_pipeline, run_pipeline
 
-    which, schedule, spr, chunks, eval_first = CASES[name]
+    which, schedule, spr, chunks, eval_first, ragged = CASES[name]
     model = _gpt() if which == "gpt" else _mlp()
-    batches = [_batch(which, 8, seed) for seed in (1, 2)]  # two micro-batches of one step
-    total = sum(y.numel() for _, y in batches)  # the global count (no -100 targets here)
+    batches = [_batch(which, 8, seed, ragged) for seed in (1, 2)]  # two micro-batches
+    counts = [int((y != IGNORE_INDEX).sum()) for _, y in batches]
+    total = sum(counts)  # the step's global count of target tokens
     ref = copy.deepcopy(model)
     ref_sums = []
-    for x, y in batches:
-        summed, _ = cross_entropy(ref(x), Batch(x, y, y.numel(), 0))
+    for (x, y), count in zip(batches, counts):
+        summed, _ = cross_entropy(ref(x), Batch(x, y, count, 0))
         (summed / total).backward()
         ref_sums.append(float(summed.detach()))
     ref_grads = dict(ref.named_parameters())
@@ -286,6 +299,7 @@ def _run_case(name: str, rank: int, group) -> dict:
         "loss_err": max(abs(a - b) for a, b in zip(losses, ref_sums)) if pipe.has_last else None,
         "eval_shape": list(logits.shape) if logits is not None else None,
         "eval_err": float((logits - expected).abs().max()) if logits is not None else None,
+        "counts": counts,
     }
 
 

@@ -153,10 +153,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """In-place sum over all ranks; a no-op in a single process."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None
+                   ) -> torch.Tensor:
+    """In-place sum over the ranks of `group` (None: all ranks); a no-op in a single process."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 

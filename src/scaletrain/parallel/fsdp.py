@@ -24,6 +24,9 @@ ranks as DDP averages them (the train step's loss weight is the same for both).
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import torch
 from torch import nn
 
@@ -51,3 +54,30 @@ def apply_fsdp(model: nn.Module, mesh, *, blocks: list[nn.Module], mp_policy,
         fully_shard(block, reshard_after_forward=keep, **common)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
     return model
+
+
+def allow_tensor_parallel_output_view(model: nn.Module) -> None:
+    """Silence FSDP2's "returned a view tensor" warning for this one sharded module, whose
+    output under tensor parallelism comes out of DTensor's `to_local()`. Call it after
+    `apply_fsdp`, only when tp > 1.
+
+    Why the warning does not apply here. torch 2.13 warns (fsdp/_fully_shard/_fsdp_state.py,
+    `_register_pre_backward_hook`) when a sharded module's output is a view, because an
+    in-place op on a view replaces its autograd history, drops the pre-backward hook FSDP
+    registered on it, and so skips the all-gather before that module's backward. Our output
+    is a view for one reason: a tensor-parallel layer returns `to_local()`, which is
+    `_ToTorchTensor`, a custom autograd Function returning `local_tensor.view_as(...)`
+    (tensor/_api.py). Autograd forbids any in-place op on a view made inside a custom
+    Function, and on every view of it ("Output 0 of _ToTorchTensor is a view and is being
+    modified inplace ... This behavior is forbidden"), so the silent drop cannot happen: an
+    in-place op raises instead (tests/test_model_parallel_parity.py, the view probe), and
+    the losses the step computes are out of place. The gradients are checked, not assumed:
+    the model-parallel parity tests match one process to 1e-9. Without this filter the
+    warning prints on every step.
+
+    The filter names this module's FSDP class (e.g. FSDPGPT), so any other module's view
+    still warns.
+    """
+    name = re.escape(type(model).__name__)
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=rf"FSDP2-wrapped module \({name}\) returned a view tensor")

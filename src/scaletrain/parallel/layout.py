@@ -131,14 +131,38 @@ class ParallelLayout:
         return c["tp"] == 0 and c["pp"] == self.pp - 1
 
     def build_mesh(self, device_type: str):
-        """The named DeviceMesh (None in a world of one process: nothing to communicate)."""
+        """The named DeviceMesh (None in a world of one process: nothing to communicate).
+
+        Two pairs of dimensions are also flattened into one (a collective: every rank builds
+        the mesh): "dp" = (dp_replicate, dp_shard), the data-parallel group that HSDP's
+        counts are summed over (`dp_group`), and "dp_shard_tp" = (dp_shard, tp), over which
+        DTensor then reduces a 2-D parameter's gradient norm in one all-reduce instead of
+        two in a row (training/grad_norm.py; it finds the flattened mesh by its ranks).
+        """
         if self.world_size == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes = self.sizes
-        return init_device_mesh(device_type, tuple(sizes.values()),
+        mesh = init_device_mesh(device_type, tuple(sizes.values()),
                                 mesh_dim_names=tuple(sizes))
+        # torch 2.13 names this private; torchtitan builds its "dp" and "dp_shard_cp" so.
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.dp_shard > 1 and self.tp > 1:
+            mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+        return mesh
+
+    def dp_group(self, mesh):
+        """The process group of this rank's data-parallel peers: the ranks that read the
+        other shares of the global batch (tensor-parallel and pipeline peers read the same
+        share, so a count or a loss summed over the world would count each example tp x pp
+        times). None when there is none to reduce over (one process, or dp = 1)."""
+        if mesh is None or self.dp == 1:
+            return None
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return mesh["dp"].get_group()
+        return mesh["dp_replicate" if self.dp_replicate > 1 else "dp_shard"].get_group()
 
     def describe(self) -> str:
         """e.g. 'pp=2 x dp_shard=2 (4 ranks)'; '1 process' when nothing is parallel."""

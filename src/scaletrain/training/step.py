@@ -15,7 +15,8 @@ local count x n and no collective runs.
 
 The same step runs every layout. n is the data-parallel degree (dp_replicate x dp_shard):
 FSDP averages like DDP, tensor-parallel and pipeline peers read the same examples and
-average nothing. Under pipeline parallelism one call of the schedule replaces a micro-
+average nothing, so a ragged count is summed over the data-parallel group alone (a sum over
+the world would count every example tp x pp times). Under pipeline parallelism one call of the schedule replaces a micro-
 batch's forward and backward (it splits the micro-batch into chunks and backpropagates
 each chunk's sum x the same weight), and the gradient norm is the whole model's, however it
 is split (training/grad_norm.py).
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from scaletrain.data.sources import Batch
 from scaletrain.memory import local_bytes
@@ -61,7 +63,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
                optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                precision: Precision, grad_clip: float, dp_size: int,
                ragged_counts: bool, loss_fn: LossFn = cross_entropy,
-               pipeline: Pipeline | None = None, pp_group=None) -> StepResult:
+               pipeline: Pipeline | None = None, pp_group=None, dp_group=None) -> StepResult:
     """Run one optimizer step over this rank's micro-batches.
 
     Args:
@@ -79,11 +81,20 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
         pipeline: under pp > 1, the schedule that runs forward and backward of each
             micro-batch through the stages (parallel/pipeline.py).
         pp_group: under pp > 1, the pipeline's process group (the stages' grad norms add).
+        dp_group: the data-parallel process group (ParallelLayout.dp_group), which ragged
+            counts are summed over; None means every rank is a data-parallel rank.
     """
     # The normaliser of the whole step, across micro-batches and ranks, before any forward.
     local_count = sum(mb.count for mb in micro_batches)
     if ragged_counts and dp_size > 1:
-        global_count = int(all_reduce_sum(torch.tensor([local_count], dtype=torch.float64)).item())
+        # Over the data-parallel ranks only: tensor-parallel and pipeline peers hold the
+        # same micro-batches, and a sum over the world would count them tp x pp times.
+        if dist.get_world_size(dp_group) != dp_size:
+            raise RuntimeError(f"the count's group has {dist.get_world_size(dp_group)} ranks, "
+                               f"the data-parallel degree is {dp_size}: pass its dp_group")
+        count = torch.tensor([local_count], dtype=torch.float64,
+                             device=micro_batches[0].targets.device)
+        global_count = int(all_reduce_sum(count, group=dp_group).item())
     else:
         global_count = local_count * dp_size
     # DDP and FSDP divide the summed gradient by dp_size; multiply it back so the result is
@@ -132,9 +143,15 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
         clip_grads_(grads, max_norm=grad_clip, total_norm=grad_norm)
     first_nonfinite = None if grads_finite else _first_nonfinite(model)
     stepped = precision.optimizer_step(optimizer, grads_finite=grads_finite)
-    with warnings.catch_warnings():  # a skipped first step makes LambdaLR warn about the order
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
-        scheduler.step()  # the schedule follows the step counter, skipped steps included
+    # The schedule follows the step counter, skipped steps included.
+    if stepped:
+        scheduler.step()
+    else:  # before any optimizer step LambdaLR warns about the order. Only here: entering
+        # catch_warnings resets Python's "shown once" record of every warning, which would
+        # then print again on every step (FSDP2's view warning did).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+            scheduler.step()
     grad_bytes = local_bytes(grads)  # what this rank held, before the gradients are freed
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum=loss_sum, count=global_count, grad_norm=float(grad_norm),

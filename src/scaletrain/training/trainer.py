@@ -86,6 +86,7 @@ class Parts:
     rank: int
     pipeline: Pipeline | None = None  # under pp > 1: the schedule over this rank's stages
     pp_group: object | None = None  # under pp > 1: the pipeline's process group
+    dp_group: object | None = None  # the data-parallel peers' group (ragged counts sum over it)
     teacher: object | None = None  # under [distill] with an online teacher: distill.teacher.Teacher
     # Called after each step's train_step with (step, its seconds): what a benchmark or a
     # user hooks in (training/hooks.py); the loop itself sleeps for nobody.
@@ -229,6 +230,7 @@ def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.d
                  device=device, comm=comm, checkpointer=checkpointer, loss_fn=loss_fn,
                  layout=layout, rank=penv.rank, pipeline=par.pipeline,
                  pp_group=par.pipeline.stages[0].group if par.pipeline else None,
+                 dp_group=layout.dp_group(par.mesh),
                  teacher=kd.teacher if kd is not None else None,
                  after_step=step_hooks(config, dp_rank=layout.dp_rank(penv.rank)))
 
@@ -300,7 +302,8 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
                                 scheduler=state.scheduler, precision=state.precision,
                                 grad_clip=config.optim.grad_clip, dp_size=derived.layout.dp,
                                 ragged_counts=parts.train_ds.spec.ragged, loss_fn=parts.loss_fn,
-                                pipeline=parts.pipeline, pp_group=parts.pp_group)
+                                pipeline=parts.pipeline, pp_group=parts.pp_group,
+                                dp_group=parts.dp_group)
         for hook in parts.after_step:  # e.g. the benchmark's straggler (training/hooks.py)
             hook(step, time.perf_counter() - step_started)
         state.step = step + 1
