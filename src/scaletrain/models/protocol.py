@@ -50,12 +50,19 @@ from scaletrain.models.spec import (
     check_spec,
 )
 
-__all__ = ["SPEC_ATTR", "TECHNIQUES", "TP_STYLES", "ModelSpec", "ModelSpecError",
+__all__ = ["REQUIRES", "SPEC_ATTR", "TECHNIQUES", "TP_STYLES", "ModelSpec", "ModelSpecError",
            "PipelineSplit", "SequenceSplit", "block_modules", "check_spec",
            "find_repeated_blocks", "model_spec", "output_logits", "require",
            "sequence_targets", "tp_targets"]
 
-TECHNIQUES = ("fsdp", "activation-checkpointing", "tp", "pp")
+# What each technique needs the model to declare: the ModelSpec field, and what it holds.
+REQUIRES: dict[str, tuple[str, str]] = {
+    "fsdp": ("blocks", "repeated blocks (FSDP shards each block as its own unit)"),
+    "activation-checkpointing": ("blocks", "repeated blocks (each is recomputed in backward)"),
+    "tp": ("tp_plan", "tensor-parallel plan"),
+    "pp": ("pipeline", "pipeline split"),
+}
+TECHNIQUES = tuple(REQUIRES)
 
 
 def model_spec(model: nn.Module) -> ModelSpec:
@@ -119,22 +126,15 @@ def require(spec: ModelSpec, technique: str, *, model_label: str) -> None:
         technique: one of TECHNIQUES.
         model_label: how the user named the model (e.g. "model.name = 'pkg.mod:build'").
     """
-    if technique not in TECHNIQUES:
+    if technique not in REQUIRES:
         raise ValueError(f"unknown technique {technique!r}; allowed: {', '.join(TECHNIQUES)}")
-    missing = {"fsdp": spec.blocks is None, "activation-checkpointing": spec.blocks is None,
-               "tp": not spec.tp_plan, "pp": spec.pipeline is None}[technique]
-    if not missing:
+    field_name, what = REQUIRES[technique]
+    if getattr(spec, field_name):  # a blocks path, a non-empty plan, a split
         return
-    what = {"fsdp": "repeated blocks (FSDP shards each block as its own unit)",
-            "activation-checkpointing": "repeated blocks (each is recomputed in backward)",
-            "tp": "tensor-parallel plan", "pp": "pipeline split"}[technique]
-    field_name = {"fsdp": "blocks", "activation-checkpointing": "blocks", "tp": "tp_plan",
-                  "pp": "pipeline"}[technique]
     raise ModelSpecError(
         f"{model_label} declares no {what}, which {technique} needs: set "
         f"`{SPEC_ATTR} = scaletrain.ModelSpec({field_name}=...)` on the module the factory "
         f"returns (docs/ARCHITECTURE.md, 'The model protocol'), or turn {technique} off")
-
 
 
 def sequence_targets(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
