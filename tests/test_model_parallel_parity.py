@@ -353,7 +353,8 @@ def _view_probe(root: Path) -> None:
 
     from scaletrain.models.gpt import GPT, GPT_SHAPES
     from scaletrain.models.protocol import model_spec
-    from scaletrain.parallel.compose import ParallelOptions, parallelize
+    from scaletrain.config import ParallelConfig
+    from scaletrain.parallel.compose import parallelize
     from scaletrain.parallel.layout import ParallelLayout
     from scaletrain.precision import make_precision
 
@@ -361,7 +362,7 @@ def _view_probe(root: Path) -> None:
     model = GPT(vocab_size=256, block_size=32, shape=GPT_SHAPES["small"])
     layout = ParallelLayout(dp_shard=2, tp=2).resolve(4)
     par = parallelize(model, spec=model_spec(model), layout=layout, rank=dist.get_rank(),
-                      device=torch.device("cpu"), options=ParallelOptions(),
+                      device=torch.device("cpu"), parallel=ParallelConfig(), pipeline=None,
                       precision=make_precision("fp32", device_type="cpu", sharded=True))
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))  # (B, T)
     with warnings.catch_warnings(record=True) as seen:  # the filters as they are, recorded
