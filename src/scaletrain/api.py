@@ -17,9 +17,11 @@ Three ways it runs:
   before anything starts, with where to move it. The directory its module was imported
   from is added to the workers' PYTHONPATH.
 
-Mistakes raise exceptions (ConfigError, UserCodeError, LaunchError: ValueErrors whose
-message is the CLI's one line); a failed multi-process run raises `TrainingFailed` naming
-the logs.
+Mistakes raise exceptions (ConfigError, UserCodeError, LaunchError, ...: each a
+`scaletrain.errors.UserError`, a ValueError, whose message is the CLI's one paragraph); any
+other exception is a bug of ours; a failed multi-process run raises `TrainingFailed` naming
+the logs. `resume=True` on a run that has already finished trains nothing and returns its
+summary with "complete": True.
 """
 
 from __future__ import annotations
