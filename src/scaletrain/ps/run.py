@@ -408,6 +408,9 @@ def _finish(run_dir: Path, config: Config, derived: Derived, *, model: torch.nn.
         "mode": config.ps.mode, "servers": derived.ps.servers,
         "workers": derived.ps.workers, "workers_alive": derived.ps.workers - len(dead),
         "dead_workers": dead, "updates": server.version,
+        # Every server's count: under sync they are equal, or the shards took different steps.
+        "updates_by_server": {str(k): v for k, v in
+                              _versions(server.version, derived.ps.servers).items()},
         "staleness_histogram": {str(k): n for k, n in sorted(metrics.staleness_hist.items())},
         "delay_histogram": {str(k): n for k, n in sorted(metrics.delay_hist.items())},
         "staleness_bound": config.ps.staleness if config.ps.mode == "ssp" else None,
