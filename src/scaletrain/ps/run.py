@@ -282,6 +282,8 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         checkpointer.save(state)
         checkpointer.wait()
 
+    announced: list = []  # server 0's membership messages in flight (RPC futures)
+
     def on_update(u: Update) -> None:
         if metrics is not None:
             metrics.update(u, alive=len(server.clocks.live),
@@ -296,7 +298,8 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         checkpoint_every=c.every, stop_after=t.stop_after, save=save, on_update=on_update,
         report=lambda m: print(m, file=sys.stderr, flush=True),
         authority=main,  # server 0 decides who is alive, and tells the others
-        announce=lambda w, why: _announce(w, why, shape.servers, ps.worker_timeout_s),
+        announce=lambda w, why: announced.extend(_announce(w, why, shape.servers,
+                                                           timeout_s=ps.worker_timeout_s)),
         grad_clip=o.grad_clip if ps.mode == "sync" else 0.0,
         reduce_squares=all_reduce_sum, schedule_examples=t.global_batch // per_step)
     progress.server = server
@@ -313,6 +316,7 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
     ps_server.serve(server)
     try:
         server.wait_until_done()
+        _settle(announced)
         wall = time.perf_counter() - started
         if metrics is not None:
             metrics.close()
@@ -332,11 +336,17 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
             {"dead_workers": {str(w): why for w, why in server.clocks.dead.items()}}) + "\n")
 
 
-def _announce(worker: int, why: str | None, servers: int, timeout_s: float) -> None:
+def _announce(worker: int, why: str | None, servers: int, *, timeout_s: float) -> list:
     """Server 0 (the membership authority) tells the other servers that `worker` died (why)
-    or left (None). A server that does not answer is gone, and the run with it."""
-    calls = [rpc.rpc_async(server_name(k), ps_server.rpc_membership, args=(worker, why),
-                           timeout=timeout_s) for k in range(1, servers)]
+    or left (None); the calls' futures, not waited for (ParameterServer.membership says
+    why)."""
+    return [rpc.rpc_async(server_name(k), ps_server.rpc_membership, args=(worker, why),
+                          timeout=timeout_s) for k in range(1, servers)]
+
+
+def _settle(calls: list) -> None:
+    """Wait for server 0's membership messages; a server that did not answer is gone, and
+    its supervisor ends the run."""
     for call in calls:
         try:
             call.wait()

@@ -122,7 +122,7 @@ class ParameterServer:
         report: where one-line messages go (a worker declared dead).
         authority: this server decides membership (server 0): it keeps the leases.
         announce: the authority's messenger to the other servers, called off the lock with
-            (worker, why it died) or (worker, None) when it left.
+            (worker, why it died) or (worker, None) when it left; it must not wait for them.
         grad_clip: sync only: max global norm of the step's mean gradient; 0: no clipping.
         reduce_squares: sums a float64 scalar over every server (identity for one server).
         schedule_examples: examples per step of the LR schedule (default global_batch).
@@ -210,23 +210,36 @@ class ParameterServer:
 
     def leave(self, worker: int) -> None:
         """A worker is done (finished, stopped or refused) and exits: nobody waits for it."""
+        self.membership(worker, None)
+
+    def membership(self, worker: int, why: str | None) -> None:
+        """`worker` died (why) or left (None): from now on it is not live here, and if this
+        server is the authority, nowhere.
+
+        In three moves: mark it under the lock; (the authority) announce it to the other
+        servers, without waiting; then complete what waited for it. In that order because
+        completing a sync step all-reduces the clipping norm with the other servers, which
+        complete theirs only once they know.
+        """
         with self.cond:
             if worker in self.clocks.left or worker in self.clocks.dead:
                 return
-            self.clocks.left.add(worker)
+            if why is None:
+                self.clocks.left.add(worker)
+            else:
+                self.clocks.dead[worker] = why
+                self.report(f"scaletrain: parameter server {self.index}: worker {worker} "
+                            f"declared dead ({why}); going on with {len(self.clocks.live)} "
+                            "worker(s), its later messages refused")
+            # Under sync its gradient for the step may be in here and not on another server
+            # (stopped between its pushes): no server applies it.
             self.pending.pop(worker, None)
+        if self.authority and self.announce is not None:  # off the lock: RPCs
+            self.announce(worker, why)
+        with self.cond:
             if self.mode == "sync":  # the step may be complete without it now
                 self._apply_sync_if_complete()
             self._release()
-        if self.authority and self.announce is not None:
-            self.announce(worker, None)
-
-    def membership(self, worker: int, why: str | None) -> None:
-        """What the authority (server 0) decided: `worker` died (why) or left (None)."""
-        if why is None:
-            self.leave(worker)
-        else:
-            self.declare_dead(worker, why)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of this server's parameters, by name (for evaluation and the final save)."""
@@ -258,21 +271,7 @@ class ParameterServer:
     def declare_dead(self, worker: int, why: str) -> None:
         """`worker` is dead from now on: refused, waited for by nobody; the authority tells
         the other servers."""
-        with self.cond:
-            if worker in self.clocks.dead or worker in self.clocks.left:
-                return
-            self.clocks.dead[worker] = why
-            # Under sync its gradient for the step may be in here and not on another server
-            # (stopped between its pushes): no server applies it.
-            self.pending.pop(worker, None)
-            self.report(f"scaletrain: parameter server {self.index}: worker {worker} declared "
-                        f"dead ({why}); going on with {len(self.clocks.live)} worker(s), "
-                        "its later messages refused")
-            if self.mode == "sync":  # the step may be complete without it now
-                self._apply_sync_if_complete()
-            self._release()
-        if self.authority and self.announce is not None:  # off the lock: RPCs
-            self.announce(worker, why)
+        self.membership(worker, why)
 
     def _watch_leases(self) -> None:
         """The authority's watcher: declares silent workers dead, until the run is over."""

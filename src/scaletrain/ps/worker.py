@@ -164,9 +164,13 @@ def run_worker(model: torch.nn.Module, *, worker: int, partition: list[list[str]
         heartbeat.stop()
     status = ("refused" if heartbeat.refused.is_set() or any(r.status == "refused" for r in replies)
               else replies[0].status)
-    for k in range(len(partition)):  # best effort: a server that is gone cannot be told
+    # Every server at once (best effort: one that is gone cannot be told): a server whose
+    # sync step completes without this worker waits for the others to do the same.
+    goodbyes = [rpc.rpc_async(server_name(k), ps_server.rpc_leave, args=(worker,),
+                              timeout=lease_s) for k in range(len(partition))]
+    for call in goodbyes:
         try:
-            rpc.rpc_sync(server_name(k), ps_server.rpc_leave, args=(worker,), timeout=lease_s)
+            call.wait()
         except RuntimeError:
             pass
     return WorkerOutcome(status=status, steps_done=step, last_loss=last_loss)
