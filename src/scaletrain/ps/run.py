@@ -15,8 +15,10 @@ rank exits non-zero, so a worker killed by the OOM killer would end the run.
 Server 0 also keeps the run directory: config.toml, metrics.jsonl (ps/metrics.py: a record
 every log.every global steps, with the staleness and delay of every update in it),
 evaluations every train.eval_every global steps on a background thread, and at the end the
-final evaluation, model.safetensors (every server's shard) and summary.json (with the
-staleness histogram).
+final evaluation, then model.safetensors (every server's shard gathered into the whole
+model, buffers and tied weights kept) and summary.json (with the staleness histogram),
+written by training/finish.py as a collective run writes them. Server 0 is also the one
+authority on which workers are alive (ps/server.py).
 A global step is train.global_batch examples applied, so that train.steps, log.every,
 eval_every and checkpoint.every mean the same numbers of examples as under DDP: under async
 and ssp one step is `workers` updates of global_batch / workers examples each.
