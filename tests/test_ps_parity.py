@@ -4,8 +4,10 @@ end train.steps steps with the same parameters and the same logged losses as DDP
 Both sides run the real CLI path on gloo (tests/harness.run_workers: S + W ranks for the
 servers, each a supervisor running its role in a child process, against W collective
 ranks), in float64 with a tolerance of 1e-9 (test_dp_parity.py says why fp64), at the
-defaults: optim.grad_clip = 1.0 clips these steps (checked), and sync clips the averaged
-gradient as DDP does (the servers sum their shards' squared norms). The DDP config has no
+defaults: optim.grad_clip = 1.0. Sync clips the averaged gradient as DDP does (the servers
+sum their shards' squared norms); here the mean's norm stays below 1 while a worker's own
+half-batch gradient goes above it, so clipping each worker's gradient instead (what sync
+did before) lands 1.5e-3 away from DDP in the SGD case. The DDP config has no
 [ps] section at all; the parameter-server keys come as overrides of the same file.
 
 A parameter server run writes its model.safetensors as a collective run does (one shared
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import load_weights, losses, max_abs_diff, records, run_workers
+from harness import load_weights, losses, max_abs_diff, run_workers
 
 TOL = 1e-9
 STEPS = 6
@@ -118,8 +120,6 @@ def test_ps_sync_matches_ddp(runs, case: str) -> None:
     assert diff < TOL, f"{case}: parameters differ from DDP by {diff:.3g}"
     ref_losses = losses(reference)
     assert len(ref_losses) == STEPS
-    # The defaults' clip (optim.grad_clip = 1.0) bites: parity covers who clips what.
-    assert max(r["grad_norm"] for r in records(reference)) > 1.0
     assert losses(got) == pytest.approx(ref_losses, abs=TOL, rel=TOL)
     summary = json.loads((got / "summary.json").read_text())["ps"]
     assert summary["updates"] == STEPS  # sync: one update per step on server 0
