@@ -346,3 +346,87 @@ def _env_of(pid: int) -> dict[str, str]:
     except OSError:
         return {}
     return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
+
+
+def _other_interface() -> tuple[str, str] | None:
+    """A non-loopback interface with an IPv4 address on this machine: (name, address)."""
+    import socket
+
+    from scaletrain.config import ConfigError
+    from scaletrain.ps.run import interface_address
+
+    for _, name in socket.if_nameindex():
+        if name == "lo":
+            continue
+        try:
+            address = interface_address(name)
+        except ConfigError:
+            continue
+        if not address.startswith("127."):
+            return name, address
+    return None
+
+
+@pytest.mark.slow
+def test_ps_interface_other_than_lo_holds_the_servers_gloo_group_too(tmp_path: Path) -> None:
+    """ps.interface = eth0 (say): the servers' gloo group (checkpoints, sync's clipping norm)
+    listens there as TensorPipe and the store do, not where gloo would pick from the host
+    name (here: loopback). Ranks started as torchrun would (harness.run_workers' env), with
+    MASTER_ADDR on that interface."""
+    found = _other_interface()
+    if found is None:
+        pytest.skip("this machine has no non-loopback IPv4 interface")
+    name, address = found
+    from harness import free_port
+
+    cfg = tmp_path / "ps.toml"
+    cfg.write_text(PS_TOML)
+    run_dir, port, world = tmp_path / "run", free_port(), 3  # 2 servers + 1 worker
+    procs = []
+    for rank in range(world):
+        env = cli_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=address, MASTER_PORT=str(port),
+                      TORCHELASTIC_RUN_ID="test", OMP_NUM_THREADS="1")
+        with open(tmp_path / f"rank-{rank}.err", "w") as err:  # the child keeps the fd
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "scaletrain", "train", str(cfg), "ps.servers=2",
+                 "parallel.dp=1", f"ps.interface={name}", "train.steps=100000", "log.every=1",
+                 "log.quiet=true", "checkpoint.every=0", "--run-dir", str(run_dir)],
+                env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path))
+    servers: dict[int, int] = {}  # pid -> index
+    children: set[int] = set()  # every role's pid, killed at the end if still there
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            for log in sorted(tmp_path.glob("rank-*.err")):
+                for m in ROLE_LINE.finditer(log.read_text()):
+                    children.add(int(m[4]))
+                    if m[1] == "server":
+                        servers[int(m[4])] = int(m[2])
+            if len(servers) == 2 and (run_dir / "metrics.jsonl").exists() and records(run_dir):
+                break  # both servers up, their group formed, gradients applied
+            time.sleep(0.5)
+        assert all(p.poll() is None for p in procs), "a rank ended early:\n" + "\n".join(
+            log.read_text()[-2000:] for log in sorted(tmp_path.glob("rank-*.err")))
+        assert len(servers) == 2, servers
+        for pid, index in sorted(servers.items()):
+            seen = set(listening(pid))
+            assert seen, f"server {index} (pid {pid}) listens on nothing: wrong pid?"
+            elsewhere = sorted(s for s in seen if s[0] != address)
+            assert not elsewhere, (f"server {index} (pid {pid}) listens beyond "
+                                   f"ps.interface = {name} ({address}): {elsewhere}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=30)
+        for pid in children:  # a role child its supervisor left behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -3,9 +3,15 @@ end train.steps steps with the same parameters and the same logged losses as DDP
 
 Both sides run the real CLI path on gloo (tests/harness.run_workers: S + W ranks for the
 servers, each a supervisor running its role in a child process, against W collective
-ranks), in float64 with a tolerance of 1e-9 (test_dp_parity.py says why fp64). Gradient
-clipping is off: a worker clips its own gradient, DDP the averaged one. The DDP config has
-no [ps] section at all; the parameter-server keys come as overrides of the same file.
+ranks), in float64 with a tolerance of 1e-9 (test_dp_parity.py says why fp64), at the
+defaults: optim.grad_clip = 1.0. Sync clips the averaged gradient as DDP does (the servers
+sum their shards' squared norms); here the mean's norm stays below 1 while a worker's own
+half-batch gradient goes above it, so clipping each worker's gradient instead (what sync
+did before) lands 1.5e-3 away from DDP in the SGD case. The DDP config has no
+[ps] section at all; the parameter-server keys come as overrides of the same file.
+
+A parameter server run writes its model.safetensors as a collective run does (one shared
+function, training/finish.py): a model with tied weights and a buffer keeps both.
 
 The check can fail: async with two workers applies each worker's half-batch gradient on its
 own, which is a different algorithm, and lands far from DDP (the last test).
@@ -14,6 +20,7 @@ own, which is a different algorithm, and lands far from DDP (the last test).
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -31,8 +38,6 @@ name = "mlp"
 size = "tiny"
 [data]
 source = "digits"
-[optim]
-grad_clip = 0.0
 [train]
 steps = 6
 global_batch = 64
@@ -62,12 +67,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     config.write_text(CONFIG)
     done: dict[tuple, Path] = {}
 
-    def run(overrides: list[str], *, world_size: int) -> Path:
-        key = (tuple(overrides), world_size)
+    def run(overrides: list[str], *, world_size: int, cwd: Path | None = None) -> Path:
+        key = (tuple(overrides), world_size, cwd)
         if key not in done:
             run_dir = root / f"run-{len(done)}"
             results = run_workers(config, overrides, world_size=world_size, run_dir=run_dir,
-                                  timeout=180)
+                                  timeout=180, cwd=cwd)
             done[key] = run_dir
             (run_dir / "stderr.txt").write_text("\n".join(r.stderr for r in results))
         return done[key]
@@ -75,19 +80,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     return run
 
 
-def _ddp(runs, *, workers: int, micro: int, extra: list[str], precision: str = "fp64") -> Path:
+def _ddp(runs, *, workers: int, micro: int, extra: list[str], precision: str = "fp64",
+         cwd: Path | None = None) -> Path:
     run_dir = runs([f"parallel.dp={workers}", f"train.micro_batch={micro}",
-                    f"precision.mode={precision}", *extra], world_size=workers)
+                    f"precision.mode={precision}", *extra], world_size=workers, cwd=cwd)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "ps" not in summary and summary["world_size"] == workers  # really the collective path
     return run_dir
 
 
 def _ps(runs, *, mode: str, servers: int, workers: int, micro: int, extra: list[str],
-        precision: str = "fp64") -> Path:
+        precision: str = "fp64", cwd: Path | None = None) -> Path:
     run_dir = runs(["parallel.strategy=ps", f"ps.mode={mode}", f"ps.servers={servers}",
                     f"parallel.dp={workers}", f"train.micro_batch={micro}",
-                    f"precision.mode={precision}", *extra], world_size=servers + workers)
+                    f"precision.mode={precision}", *extra], world_size=servers + workers,
+                   cwd=cwd)
     summary = json.loads((run_dir / "summary.json").read_text())["ps"]
     assert (summary["mode"], summary["servers"], summary["workers"]) == (mode, servers, workers)
     assert summary["workers_alive"] == workers and summary["dead_workers"] == {}
@@ -150,3 +157,56 @@ def test_async_with_two_workers_is_not_ddp(runs) -> None:
     print(f"async, 2 workers: max |ps - ddp| = {diff:.3g}")
     assert diff > 1e6 * TOL
     assert json.loads((got / "summary.json").read_text())["ps"]["updates"] == 2 * STEPS
+
+
+TIED = {
+    "tiedpkg/__init__.py": "",
+    "tiedpkg/nets.py": """
+        import math
+
+        import torch
+        from torch import nn
+
+
+        class Tied(nn.Module):
+            \"\"\"x * scale -> inner -> outer (inner's weight) -> head; `scale` a buffer.\"\"\"
+
+            def __init__(self, features, classes):
+                super().__init__()
+                self.inner = nn.Linear(features, features)
+                self.outer = nn.Linear(features, features)
+                self.outer.weight = self.inner.weight  # tied
+                self.head = nn.Linear(features, classes)
+                self.register_buffer("scale", torch.linspace(0.5, 1.5, features))
+
+            def forward(self, x):
+                h = torch.tanh(self.inner(x.flatten(1) * self.scale))
+                return self.head(torch.tanh(self.outer(h)))
+
+
+        def build(task):
+            return Tied(math.prod(task.input_shape), task.num_classes)
+    """,
+}
+
+
+@pytest.mark.slow
+def test_ps_weights_keep_buffers_and_tied_weights_as_a_collective_run(
+        runs, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Async with one worker is plain SGD on the whole batch: the same weights as one
+    process, under the same names (one of the tied pair) and with the buffer."""
+    user = tmp_path_factory.mktemp("tied")
+    for name, body in TIED.items():
+        (user / name).parent.mkdir(parents=True, exist_ok=True)
+        (user / name).write_text(textwrap.dedent(body))
+    model = ["model.name=tiedpkg.nets:build"]
+    reference = _ddp(runs, workers=1, micro=32, extra=[*SGD, *model], cwd=user)
+    got = _ps(runs, mode="async", servers=2, workers=1, micro=32, extra=[*SGD, *model],
+              cwd=user)
+
+    ref, weights = load_weights(reference), load_weights(got)
+    assert "scale" in ref and len([k for k in ref if k.endswith(("inner.weight",
+                                                                   "outer.weight"))]) == 1
+    assert sorted(weights) == sorted(ref)
+    assert max_abs_diff(weights, ref) < TOL
+    assert losses(got) == pytest.approx(losses(reference), abs=TOL, rel=TOL)

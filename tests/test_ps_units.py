@@ -144,22 +144,23 @@ def make_server(rec: Recorder, *, mode: str, workers: int = 2, staleness: int = 
                 inverse_lr: bool = False, lease_s: float = 1e6, join_s: float = 1e6,
                 steps: int = 100, global_batch: int | None = None, start_step: int = 0,
                 checkpoint_every: int = 0, stop_after: int = 0,
-                momentum: float = 0.0) -> ParameterServer:
+                momentum: float = 0.0, index: int = 0, **kwargs) -> ParameterServer:
     """A server of two float64 parameters (w: 3 values, b: 1), zero-initialised, plain SGD.
 
     A global step is `global_batch` examples applied: by default one push of EXAMPLES from
-    every worker, as each worker's share of train.global_batch is in a real run."""
+    every worker, as each worker's share of train.global_batch is in a real run. More
+    keyword arguments go to ParameterServer (authority, announce, grad_clip, ...)."""
     params = {"w": torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
               "b": torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))}
     optimizer = torch.optim.SGD(list(params.values()), lr=LR, momentum=momentum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return ParameterServer(index=0, params=params, optimizer=optimizer, scheduler=scheduler,
+    return ParameterServer(index=index, params=params, optimizer=optimizer, scheduler=scheduler,
                            workers=workers, mode=mode, staleness=staleness,
                            inverse_lr=inverse_lr, lease_s=lease_s, join_s=join_s, steps=steps,
                            global_batch=global_batch or EXAMPLES * workers,
                            start_step=start_step, checkpoint_every=checkpoint_every,
                            stop_after=stop_after, save=rec.save, on_update=rec.on_update,
-                           report=rec.reports.append)
+                           report=rec.reports.append, **kwargs)
 
 
 def grads(*values: float) -> list[torch.Tensor]:
@@ -543,3 +544,205 @@ def test_done_after_the_last_step_and_wait_until_done() -> None:
     server.leave(0)
     server.declare_dead(1, "test")
     server.wait_until_done()  # returns: everyone left or died
+
+
+# ---------------------------------------------------------------------- membership
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_worker_that_left_is_waited_for_by_nobody(mode: str) -> None:
+    """A worker gone (done on one server, lost another) is not live: sync completes the
+    step and ssp lets the others run without it."""
+    rec = Recorder()
+    server = make_server(rec, mode=mode, staleness=0)
+    r0, _ = server.join(0), server.join(1)
+    waiting = push(server, r0, 0, G0)
+    assert not waiting.done()
+
+    server.leave(1)
+
+    a = done_reply(waiting)
+    assert a.status == "go" and a.step == 1
+    torch.testing.assert_close(torch.cat(a.tensors), -LR * as_vec(G0), rtol=0, atol=1e-15)
+    assert server.clocks.live == [0]
+
+
+def test_a_worker_that_left_does_not_hold_the_cut() -> None:
+    rec = Recorder()
+    server = make_server(rec, mode="async", checkpoint_every=1, steps=10)
+    r0 = server.join(0)
+    server.join(1)
+    r0 = done_reply(push(server, r0, 0, G0))
+    held = push(server, r0, 0, G0)  # 8 examples: the cut at step 1 waits for worker 1
+    assert not held.done() and rec.saves == []
+
+    server.leave(1)
+
+    assert rec.saves == [1] and done_reply(held).status == "go"
+
+
+def _two_servers(rec0: Recorder, rec1: Recorder, *, mode: str, lease_s: float = 1e6,
+                 join_s: float = 1e6) -> tuple[ParameterServer, ParameterServer]:
+    """Server 0 (the authority) tells server 1 of every death and departure, as run.py's
+    `_announce` does over RPC."""
+    s1 = make_server(rec1, mode=mode, index=1, authority=False)
+    s0 = make_server(rec0, mode=mode, lease_s=lease_s, join_s=join_s,
+                     announce=lambda w, why: s1.membership(w, why))
+    return s0, s1
+
+
+def test_server_zero_alone_decides_who_is_dead_and_tells_the_others() -> None:
+    rec0, rec1 = Recorder(), Recorder()
+    lease = 0.3
+    s0, s1 = _two_servers(rec0, rec1, mode="async", lease_s=lease, join_s=0)
+    assert s1._watcher is None  # no lease clock of its own: it cannot disagree
+    r1 = s1.join(1)
+    deadline = time.monotonic() + 20 * lease
+    while 1 not in s1.clocks.dead and time.monotonic() < deadline:
+        s0.heartbeat(0)  # worker 0 stays alive, worker 1 is silent on server 0
+        s1.heartbeat(1)  # ... though it still talks to server 1: that is not a lease
+        time.sleep(lease / 10)
+
+    assert list(s0.clocks.dead) == [1] and list(s1.clocks.dead) == [1]
+    assert s1.clocks.dead[1] == s0.clocks.dead[1]  # the authority's reason, verbatim
+    assert any("parameter server 0: worker 1 declared dead" in m for m in rec0.reports)
+    assert any("parameter server 1: worker 1 declared dead" in m for m in rec1.reports)
+    # Its late push is refused by both, applied by neither: the shards stay one model.
+    assert done_reply(push(s1, r1, 1, G1)).status == "refused"
+    assert s1.version == 0 and rec1.updates == []
+    s0.leave(0)  # the authority's leave reaches server 1 too
+    assert s1.clocks.left == {0}
+    s0.wait_until_done()
+    s1.wait_until_done()
+
+
+def test_under_sync_a_dead_workers_waiting_gradient_is_applied_nowhere() -> None:
+    """Worker 1 was stopped between its pushes: its gradient reached server 1, not server 0.
+    When it is declared dead, both servers apply worker 0's gradient alone (worker 0's push
+    to server 1 is still on its way, or server 1 would have applied the step with both)."""
+    rec0, rec1 = Recorder(), Recorder()
+    s0, s1 = _two_servers(rec0, rec1, mode="sync")
+    r0_0, r0_1, r1_1 = s0.join(0), s1.join(0), s1.join(1)
+    s0.join(1)
+    late = push(s1, r1_1, 1, G1)  # never reaches server 0
+    a0 = push(s0, r0_0, 0, G0)
+    assert not (a0.done() or late.done())
+
+    s0.declare_dead(1, "test")
+
+    assert done_reply(late).status == "refused"
+    a1 = push(s1, r0_1, 0, G0)
+    expect = -LR * as_vec(G0)
+    torch.testing.assert_close(params_of(s0), expect, rtol=0, atol=1e-15)
+    torch.testing.assert_close(params_of(s1), params_of(s0), rtol=0, atol=0)
+    assert done_reply(a0).status == done_reply(a1).status == "go"
+
+
+def test_the_lease_watcher_ends_with_the_run() -> None:
+    rec = Recorder()
+    server = make_server(rec, mode="async", lease_s=0.2)
+    assert server._watcher.is_alive()
+    server.leave(0)
+    server.declare_dead(1, "test")
+    server.wait_until_done()
+    assert not server._watcher.is_alive()
+
+
+# ---------------------------------------------------------------------- sync: DDP's rules
+
+
+def test_sync_steps_the_lr_schedule_by_examples_applied() -> None:
+    """With a worker dead each sync update is half a global step: the schedule moves once
+    per global step of examples, not once per update (it would end twice too early)."""
+    rec = Recorder()
+    server = make_server(rec, mode="sync")  # global_batch: 2 workers x 4 examples
+    r0, r1 = server.join(0), server.join(1)
+    a, b = push(server, r0, 0, G0), push(server, r1, 1, G1)
+    r0 = done_reply(a)
+    done_reply(b)
+    assert server.scheduler.last_epoch == 1  # one whole global step
+    server.declare_dead(1, "test")
+    r0 = done_reply(push(server, r0, 0, G0))  # 4 examples: half a step
+    assert server.scheduler.last_epoch == 1
+    done_reply(push(server, r0, 0, G0))  # 8: a whole one
+    assert server.scheduler.last_epoch == 2 and server.version == 3
+
+
+def test_sync_clips_the_averaged_gradient_by_its_global_norm() -> None:
+    """DDP clips the mean gradient of the step; so does sync, not each worker's own."""
+    rec = Recorder()
+    server = make_server(rec, mode="sync", grad_clip=1.0)
+    r0, r1 = server.join(0), server.join(1)
+    a, b = push(server, r0, 0, G0), push(server, r1, 1, G1)
+    mean = (as_vec(G0) + as_vec(G1)) / 2
+    norm = float(mean.norm())
+    assert norm > 1.0  # the clip bites
+    torch.testing.assert_close(torch.cat(done_reply(a).tensors),
+                               -LR * mean / (norm + 1e-6), rtol=1e-15, atol=1e-17)
+    done_reply(b)
+
+
+def test_sync_clipping_sums_the_servers_squared_norms() -> None:
+    """Each server clips its shard by the whole gradient's norm: reduce_squares adds the
+    other servers' squares (here a constant standing in for them)."""
+    rec = Recorder()
+    other = 12.0  # the squared norm of the shards held elsewhere
+    server = make_server(rec, mode="sync", grad_clip=1.0,
+                         reduce_squares=lambda sq: sq + other)
+    r0, r1 = server.join(0), server.join(1)
+    a, b = push(server, r0, 0, G0), push(server, r1, 1, G1)
+    mean = (as_vec(G0) + as_vec(G1)) / 2
+    norm = (float(mean.norm()) ** 2 + other) ** 0.5
+    torch.testing.assert_close(torch.cat(done_reply(a).tensors),
+                               -LR * mean / (norm + 1e-6), rtol=1e-15, atol=1e-17)
+    done_reply(b)
+
+
+# ---------------------------------------------------------------------- the metrics writer
+
+
+class _Logger:
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.evals: list[dict] = []
+
+    def log_step(self, record: dict) -> None:
+        self.steps.append(record)
+
+    def log_eval(self, record: dict) -> None:
+        self.evals.append(record)
+
+    def advance(self, n: int) -> None:
+        pass
+
+
+def test_an_evaluation_that_raises_loses_no_later_record(capsys) -> None:
+    from types import SimpleNamespace
+
+    from scaletrain.ps.metrics import ServerMetrics
+
+    config = SimpleNamespace(train=SimpleNamespace(global_batch=8, eval_every=1, steps=4),
+                             log=SimpleNamespace(every=1))
+    derived = SimpleNamespace(ps=SimpleNamespace(workers=2))
+    calls = []
+
+    def evaluate() -> dict:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("the model's forward broke")
+        return {"loss": 0.5}
+
+    logger = _Logger()
+    metrics = ServerMetrics(config, derived, logger=logger, start_step=0, evaluate=evaluate,
+                            versions=lambda own: {0: own})
+    for step in range(4):
+        for w in range(2):
+            p = Push(worker=w, step=step, grads=None, read=Read(0, 0), loss_sum=4.0, count=4,
+                     examples=4, examples_per_s=1.0)
+            metrics.update(Update(p, 0, 0, step + 1, True), alive=2, lr=0.1, version=step + 1)
+
+    with pytest.raises(ValueError, match="forward broke"):
+        metrics.close()
+    assert [r["step"] for r in logger.steps] == [1, 2, 3, 4]  # every window after it too
+    assert [r["step"] for r in logger.evals] == [2, 3]
+    assert "eval record at step 1 raised ValueError" in capsys.readouterr().err

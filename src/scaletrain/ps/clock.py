@@ -1,7 +1,8 @@
 """When a worker may start its next step: the rules of async, SSP and sync, as data.
 
 Every server keeps a `Clocks`: for each worker the number of its gradients it has applied
-(its clock: the worker's next step), and which workers are dead. A worker parked after its
+(its clock: the worker's next step), and which workers are dead or have left (neither is
+live: nobody waits for them). A worker parked after its
 push may go on when `may_start` says so:
 
 - async: at once (Downpour SGD).
@@ -26,14 +27,18 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Clocks:
-    """Per-worker clocks and liveness, as one server sees them."""
+    """Per-worker clocks and membership. Every server keeps one; which workers are dead or
+    gone is decided by server 0 alone and told to the others (ps/server.py)."""
 
     clock: dict[int, int]  # worker -> gradients applied (= its next step)
     dead: dict[int, str] = field(default_factory=dict)  # worker -> why it was declared dead
+    left: set[int] = field(default_factory=set)  # workers that said goodbye
 
     @property
     def live(self) -> list[int]:
-        return [w for w in self.clock if w not in self.dead]
+        """The workers sync, ssp and the checkpoint cut wait for: neither dead nor gone (a
+        worker that left sends nothing more, so waiting for it would be waiting forever)."""
+        return [w for w in self.clock if w not in self.dead and w not in self.left]
 
     def slowest(self) -> int | None:
         """The smallest clock of a live worker (None when none is alive)."""

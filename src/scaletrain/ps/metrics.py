@@ -5,12 +5,16 @@ evaluations on a background thread, the staleness and delay histograms of summar
 gradient applied) and only adds numbers; records go through a queue to a writer thread,
 which also asks the other servers for their versions (their updates/s) and runs the
 mid-run evaluations, off the lock and off the RPC threads, so no worker waits for either.
+A record that raises (an evaluation's error, in the model's or the user's code) does not
+end the writer: it says so at once, writes every later record, and `close` raises the
+first error, so that the run still fails with its traceback.
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 from collections import Counter
@@ -61,6 +65,7 @@ class ServerMetrics:
         self.alive = self.workers
         self.started = time.perf_counter()
         self._queue: queue.Queue = queue.Queue()
+        self.failure: BaseException | None = None  # the first record that raised
         self._thread = threading.Thread(target=self._write, daemon=True, name="ps-metrics")
         self._thread.start()
 
@@ -98,35 +103,48 @@ class ServerMetrics:
             item = self._queue.get()
             if item is None:
                 return
-            if item[0] == "eval":  # of the weights as they are now (at or after the step)
-                record = {"step": item[1], **self.evaluate(),
-                          "time_s": item[2] - self.started}
-                self.logger.log_eval(record)
-                continue
-            _, step, w, lr, version, rates, alive, ended = item
-            elapsed = ended - w.started
-            now, versions = ended, self.versions(version)
-            ups = {}
-            for k, v in versions.items():
-                v0, t0 = last_versions.get(k, (v, self.started))
-                ups[str(k)] = (v - v0) / max(now - t0, 1e-9) if k in last_versions else \
-                    v / max(now - self.started, 1e-9)
-                last_versions[k] = (v, now)
-            steps_in = max(w.examples / self.global_batch, 1e-9)  # global steps in the window
-            self.logger.log_step({
-                "step": step, "loss": w.loss_sum / max(w.count, 1), "lr": lr,
-                "examples": w.examples, "examples_per_s": w.examples / max(elapsed, 1e-9),
-                "step_time_s": elapsed / steps_in, "skipped_steps": self.skipped,
-                "staleness": w.staleness, "staleness_max": max(w.staleness, default=0),
-                "delay": w.delay, "updates_per_s": ups,
-                "worker_examples_per_s": {str(k): r for k, r in sorted(rates.items())},
-                "workers_alive": alive, "time_s": now - self.started})
-            self.logger.advance(max(step - self._logged_step - 1, 0))  # the bar: global steps
-            self._logged_step = step
+            try:
+                self._write_one(item, last_versions)
+            except Exception as e:  # noqa: BLE001  raised again by close()
+                if self.failure is None:
+                    self.failure = e
+                print(f"scaletrain: error: server 0's {item[0]} record at step {item[1]} "
+                      f"raised {type(e).__name__}: {e}; training goes on, the run ends with "
+                      "this error", file=sys.stderr, flush=True)
+
+    def _write_one(self, item: tuple, last_versions: dict[int, tuple[int, float]]) -> None:
+        """Write one queued record: an evaluation, or a window of train steps."""
+        if item[0] == "eval":  # of the weights as they are now (at or after the step)
+            record = {"step": item[1], **self.evaluate(), "time_s": item[2] - self.started}
+            self.logger.log_eval(record)
+            return
+        _, step, w, lr, version, rates, alive, ended = item
+        elapsed = ended - w.started
+        now, versions = ended, self.versions(version)
+        ups = {}
+        for k, v in versions.items():
+            v0, t0 = last_versions.get(k, (v, self.started))
+            ups[str(k)] = (v - v0) / max(now - t0, 1e-9) if k in last_versions else \
+                v / max(now - self.started, 1e-9)
+            last_versions[k] = (v, now)
+        steps_in = max(w.examples / self.global_batch, 1e-9)  # global steps in the window
+        self.logger.log_step({
+            "step": step, "loss": w.loss_sum / max(w.count, 1), "lr": lr,
+            "examples": w.examples, "examples_per_s": w.examples / max(elapsed, 1e-9),
+            "step_time_s": elapsed / steps_in, "skipped_steps": self.skipped,
+            "staleness": w.staleness, "staleness_max": max(w.staleness, default=0),
+            "delay": w.delay, "updates_per_s": ups,
+            "worker_examples_per_s": {str(k): r for k, r in sorted(rates.items())},
+            "workers_alive": alive, "time_s": now - self.started})
+        self.logger.advance(max(step - self._logged_step - 1, 0))  # the bar: global steps
+        self._logged_step = step
 
     def close(self) -> None:
+        """Write what is queued, end the writer; raise the first record's error, if any."""
         self._queue.put(None)
         self._thread.join()
+        if self.failure is not None:
+            raise self.failure
 
     def state_dict(self) -> dict:
         w = self.window  # open: gradients in flight at the cut were applied before the save

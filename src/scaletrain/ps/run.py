@@ -15,8 +15,10 @@ rank exits non-zero, so a worker killed by the OOM killer would end the run.
 Server 0 also keeps the run directory: config.toml, metrics.jsonl (ps/metrics.py: a record
 every log.every global steps, with the staleness and delay of every update in it),
 evaluations every train.eval_every global steps on a background thread, and at the end the
-final evaluation, model.safetensors (every server's shard) and summary.json (with the
-staleness histogram).
+final evaluation, then model.safetensors (every server's shard gathered into the whole
+model, buffers and tied weights kept) and summary.json (with the staleness histogram),
+written by training/finish.py as a collective run writes them. Server 0 is also the one
+authority on which workers are alive (ps/server.py).
 A global step is train.global_batch examples applied, so that train.steps, log.every,
 eval_every and checkpoint.every mean the same numbers of examples as under DDP: under async
 and ssp one step is `workers` updates of global_batch / workers examples each.
@@ -98,8 +100,11 @@ def run_role(config: Config, run_dir: Path) -> int:
 def _init_rpc(config: Config, rank: int, world: int, *, role: str, index: int):
     """RPC up on a rendezvous store that listens on ps.interface only; returns the store
     (the servers' checkpoint group uses it too)."""
-    # TensorPipe listens on the interface TP_SOCKET_IFNAME names, and only there.
+    # TensorPipe listens on the interface TP_SOCKET_IFNAME names, and only there; the
+    # servers' gloo group (checkpoints, sync's clipping norm) on GLOO_SOCKET_IFNAME's, which
+    # gloo otherwise picks from the host name.
     os.environ["TP_SOCKET_IFNAME"] = config.ps.interface
+    os.environ["GLOO_SOCKET_IFNAME"] = config.ps.interface
     store = _store(config, rank, world)
     # init_rpc meets on a store it makes from a URL: hand it ours through a scheme of our own.
     dist.register_rendezvous_handler("scaletrain-ps",
@@ -193,7 +198,9 @@ def _work(config: Config, derived: Derived, *, index: int) -> int:
     outcome = run_worker(model, worker=index,
                          partition=model_partition(model, servers=derived.ps.servers),
                          sampler=sampler, train_ds=train_ds, loss_fn=loss_fn,
-                         precision=precision, grad_clip=config.optim.grad_clip,
+                         precision=precision,
+                         # sync: the servers clip the averaged gradient, as DDP does
+                         grad_clip=0.0 if ps.mode == "sync" else config.optim.grad_clip,
                          device=torch.device("cpu"), timeout_s=config.parallel.timeout_s,
                          lease_s=ps.worker_timeout_s, seed=t.seed,
                          slow_factor=ps.slow_factor if ps.slow_worker == index else 1.0)
@@ -230,7 +237,7 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
     from scaletrain.checkpoint import load as load_checkpoint
     from scaletrain.metrics import MetricsLogger
     from scaletrain.rundir import write_config
-    from scaletrain.runtime import barrier, broadcast_object
+    from scaletrain.runtime import all_reduce_sum, barrier, broadcast_object
     from scaletrain.training.optim import build_optimizer, build_scheduler
 
     t, o, ps, shape = config.train, config.optim, config.ps, derived.ps
@@ -278,6 +285,8 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         checkpointer.save(state)
         checkpointer.wait()
 
+    announced: list = []  # server 0's membership messages in flight (RPC futures)
+
     def on_update(u: Update) -> None:
         if metrics is not None:
             metrics.update(u, alive=len(server.clocks.live),
@@ -290,7 +299,12 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         join_s=config.parallel.timeout_s, steps=t.steps, global_batch=t.global_batch,
         start_step=state.step,
         checkpoint_every=c.every, stop_after=t.stop_after, save=save, on_update=on_update,
-        report=lambda m: print(m, file=sys.stderr, flush=True))
+        report=lambda m: print(m, file=sys.stderr, flush=True),
+        authority=main,  # server 0 decides who is alive, and tells the others
+        announce=lambda w, why: announced.extend(_announce(w, why, shape.servers,
+                                                           timeout_s=ps.worker_timeout_s)),
+        grad_clip=o.grad_clip if ps.mode == "sync" else 0.0,
+        reduce_squares=all_reduce_sum, schedule_examples=t.global_batch // per_step)
     progress.server = server
     if progress.loaded:
         server.load_state_dict({k.removeprefix("server."): v for k, v in progress.loaded.items()
@@ -305,6 +319,7 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
     ps_server.serve(server)
     try:
         server.wait_until_done()
+        _settle(announced)
         wall = time.perf_counter() - started
         if metrics is not None:
             metrics.close()
@@ -322,6 +337,24 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (run_dir / "logs" / FINISHED_MARKER).write_text(json.dumps(
             {"dead_workers": {str(w): why for w, why in server.clocks.dead.items()}}) + "\n")
+
+
+def _announce(worker: int, why: str | None, servers: int, *, timeout_s: float) -> list:
+    """Server 0 (the membership authority) tells the other servers that `worker` died (why)
+    or left (None); the calls' futures, not waited for (ParameterServer.membership says
+    why)."""
+    return [rpc.rpc_async(server_name(k), ps_server.rpc_membership, args=(worker, why),
+                          timeout=timeout_s) for k in range(1, servers)]
+
+
+def _settle(calls: list) -> None:
+    """Wait for server 0's membership messages; a server that did not answer is gone, and
+    its supervisor ends the run."""
+    for call in calls:
+        try:
+            call.wait()
+        except RuntimeError:
+            pass
 
 
 def _latest_checkpoint(run_dir: Path) -> str | None:
@@ -375,44 +408,31 @@ def _evaluate(model: torch.nn.Module, config: Config, servers: int, *, eval_ds, 
 def _finish(run_dir: Path, config: Config, derived: Derived, *, model: torch.nn.Module,
             server: ParameterServer, metrics: ServerMetrics, wall: float, precision, loss_fn,
             eval_ds) -> None:
-    """Server 0: the final evaluation, model.safetensors and summary.json."""
-    from safetensors.torch import save_file
-
-    from scaletrain.runtime import honour_umask
+    """Server 0: the final evaluation, then what a collective run writes (training/finish.py:
+    model.safetensors with the model's buffers and tied weights, hf-model/, summary.json),
+    with the servers' own section in the summary."""
+    from scaletrain.training.finish import finish_run
 
     record = _evaluate(model, config, derived.ps.servers, eval_ds=eval_ds, precision=precision,
-                       loss_fn=loss_fn)
-    weights = {n: p.detach().contiguous() for n, p in model.named_parameters()}
-    meta = {"model": config.model.name, "size": config.model.size}
-    save_file(weights, str(run_dir / "model.safetensors"), metadata=meta)
-    honour_umask(run_dir / "model.safetensors")
-    if config.model.name == "hf":
-        from scaletrain.models.hf import save_hf
-
-        save_hf(model, run_dir / "hf-model", state_dict=weights)
+                       loss_fn=loss_fn)  # `model` now holds every server's parameters
     metrics.logger.log_eval({"step": config.train.steps, **record})
     dead = {str(w): why for w, why in sorted(server.clocks.dead.items())}
-    examples = metrics.examples - metrics.start_examples  # applied by this run
-    summary = {
-        "final_loss": metrics.last_loss,
-        "eval": record,
-        "wall_time_s": wall,
-        "steps": config.train.steps,
-        "skipped_steps": metrics.skipped,
-        "world_size": derived.world_size,
-        "examples_per_s": examples / max(wall, 1e-9),
-        "tokens_per_s": 0.0,
-        "precision": precision.mode,
-        "ps": {
-            "mode": config.ps.mode, "servers": derived.ps.servers,
-            "workers": derived.ps.workers, "workers_alive": derived.ps.workers - len(dead),
-            "dead_workers": dead, "updates": server.version,
-            "staleness_histogram": {str(k): n for k, n in sorted(metrics.staleness_hist.items())},
-            "delay_histogram": {str(k): n for k, n in sorted(metrics.delay_hist.items())},
-            "staleness_bound": config.ps.staleness if config.ps.mode == "ssp" else None,
-        },
+    ps = {
+        "mode": config.ps.mode, "servers": derived.ps.servers,
+        "workers": derived.ps.workers, "workers_alive": derived.ps.workers - len(dead),
+        "dead_workers": dead, "updates": server.version,
+        # Every server's count: under sync they are equal, or the shards took different steps.
+        "updates_by_server": {str(k): v for k, v in
+                              _versions(server.version, derived.ps.servers).items()},
+        "staleness_histogram": {str(k): n for k, n in sorted(metrics.staleness_hist.items())},
+        "delay_histogram": {str(k): n for k, n in sorted(metrics.delay_hist.items())},
+        "staleness_bound": config.ps.staleness if config.ps.mode == "ssp" else None,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary = finish_run(run_dir, model=model, weights=None, config=config, derived=derived,
+                         wall=wall, last_loss=metrics.last_loss, eval_record=record,
+                         skipped=metrics.skipped, precision_mode=precision.mode,
+                         examples=metrics.examples - metrics.start_examples,  # by this run
+                         extra={"ps": ps})
     metrics.logger.message(
         f"scaletrain: parameter servers done: {server.version} updates on server 0, "
         f"{summary['ps']['workers_alive']} of {derived.ps.workers} workers alive"

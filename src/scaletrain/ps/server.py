@@ -7,9 +7,25 @@ parameters for its next step once the mode's rule lets it go on (clock.py). An a
 must wait is parked as a torch Future (`rpc.functions.async_execution`): no RPC thread is
 held while a worker waits, so a small thread pool cannot deadlock.
 
-Liveness: every push and heartbeat renews the worker's lease; a watcher thread declares a
-worker dead when its lease is older than `lease_s`, releases whoever waited for it, and from
-then on refuses its messages (a SIGSTOPped worker that wakes up is told so and leaves).
+Membership has one authority, server 0 (`authority=True`): only it keeps leases (every
+push and heartbeat to it renews the worker's), and a watcher thread there declares a worker
+dead when its lease is older than `lease_s`. Server 0 then tells every other server
+(`announce` -> `rpc_membership`), so that all of them refuse the worker's later messages
+(a SIGSTOPped worker that wakes up is told so and leaves) and none applies a gradient the
+others refuse. A worker that leaves (done, stopped, refused) tells every server itself, and
+server 0 tells them again (a worker killed half-way through its goodbyes). Neither a dead
+nor a departed worker is live: sync, ssp and the checkpoint cut stop waiting for it, and
+under sync a dead worker's gradient still waiting for its step is dropped on every server.
+One window is left open: a worker stopped between its pushes of one step to two servers,
+for longer than the lease, has that step's gradient on one server and not on the other.
+
+Sync clips like DDP: the mean gradient of the step, not each worker's. Each server holds a
+shard, so the servers sum their shards' squared norms (`reduce_squares`: an all-reduce over
+their gloo group) and each scales its shard by the same min(1, grad_clip / norm).
+
+The LR schedule follows examples applied (`schedule_examples` per schedule step), not
+updates: under sync with a worker dead an update is a fraction of a global step, and
+counting updates would end the schedule early.
 
 Threads: the RPC agent's pool runs the handlers; one Condition guards the state.
 Heartbeats only write a timestamp (atomic under the GIL) and take no lock, so a checkpoint
@@ -28,6 +44,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from scaletrain.ps.clock import Clocks, may_start, staleness_of
+from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,12 @@ class ParameterServer:
             cut (every live worker waiting here, so every server holds the same gradients).
         on_update: told of every gradient applied or skipped, under the lock.
         report: where one-line messages go (a worker declared dead).
+        authority: this server decides membership (server 0): it keeps the leases.
+        announce: the authority's messenger to the other servers, called off the lock with
+            (worker, why it died) or (worker, None) when it left; it must not wait for them.
+        grad_clip: sync only: max global norm of the step's mean gradient; 0: no clipping.
+        reduce_squares: sums a float64 scalar over every server (identity for one server).
+        schedule_examples: examples per step of the LR schedule (default global_batch).
     """
 
     def __init__(self, *, index: int, params: dict[str, torch.nn.Parameter],
@@ -112,13 +135,20 @@ class ParameterServer:
                  global_batch: int, start_step: int, checkpoint_every: int, stop_after: int,
                  start_clocks: list[int] | None = None, start_examples: int | None = None,
                  save: Callable[[int], None], on_update: Callable[[Update], None],
-                 report: Callable[[str], None] = print) -> None:
+                 report: Callable[[str], None] = print, authority: bool = True,
+                 announce: Callable[[int, str | None], None] | None = None,
+                 grad_clip: float = 0.0,
+                 reduce_squares: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                 schedule_examples: int | None = None) -> None:
         self.index, self.names, self.params = index, list(params), list(params.values())
         self.optimizer, self.scheduler = optimizer, scheduler
         self.mode, self.staleness, self.inverse_lr = mode, staleness, inverse_lr
         self.lease_s, self.steps, self.global_batch = lease_s, steps, global_batch
         self.checkpoint_every, self.stop_after = checkpoint_every, stop_after
         self.save, self.on_update, self.report = save, on_update, report
+        self.authority, self.announce = authority, announce
+        self.grad_clip, self.reduce_squares = grad_clip, reduce_squares
+        self.schedule_examples = schedule_examples or global_batch
         self.cond = threading.Condition()
         self.clocks = Clocks(clock={w: start_step if start_clocks is None else start_clocks[w]
                                     for w in range(workers)})
@@ -131,11 +161,13 @@ class ParameterServer:
         self.stopping = False  # a planned stop's checkpoint is written
         self.parked: list[tuple[int, torch.futures.Future]] = []
         self.pending: dict[int, Push] = {}  # sync: this step's gradients so far
-        self.left: set[int] = set()  # workers that said goodbye
         self.failure: BaseException | None = None  # a save that failed ends the server
-        self._watcher = threading.Thread(target=self._watch_leases, daemon=True,
-                                         name=f"ps-server-{index}-leases")
-        self._watcher.start()
+        self._stop = threading.Event()  # set once the run is over: the watcher ends
+        self._watcher: threading.Thread | None = None
+        if authority:  # the others learn of deaths from it (`membership`)
+            self._watcher = threading.Thread(target=self._watch_leases, daemon=True,
+                                             name=f"ps-server-{index}-leases")
+            self._watcher.start()
 
     # ------------------------------------------------------------------ worker calls
 
@@ -177,10 +209,37 @@ class ParameterServer:
         return True
 
     def leave(self, worker: int) -> None:
-        """A worker is done (finished, stopped or refused) and exits."""
+        """A worker is done (finished, stopped or refused) and exits: nobody waits for it."""
+        self.membership(worker, None)
+
+    def membership(self, worker: int, why: str | None) -> None:
+        """`worker` died (why) or left (None): from now on it is not live here, and if this
+        server is the authority, nowhere.
+
+        In three moves: mark it under the lock; (the authority) announce it to the other
+        servers, without waiting; then complete what waited for it. In that order because
+        completing a sync step all-reduces the clipping norm with the other servers, which
+        complete theirs only once they know.
+        """
         with self.cond:
-            self.left.add(worker)
-            self.cond.notify_all()
+            if worker in self.clocks.left or worker in self.clocks.dead:
+                return
+            if why is None:
+                self.clocks.left.add(worker)
+            else:
+                self.clocks.dead[worker] = why
+                self.report(f"scaletrain: parameter server {self.index}: worker {worker} "
+                            f"declared dead ({why}); going on with {len(self.clocks.live)} "
+                            "worker(s), its later messages refused")
+            # Under sync its gradient for the step may be in here and not on another server
+            # (stopped between its pushes): no server applies it.
+            self.pending.pop(worker, None)
+        if self.authority and self.announce is not None:  # off the lock: RPCs
+            self.announce(worker, why)
+        with self.cond:
+            if self.mode == "sync":  # the step may be complete without it now
+                self._apply_sync_if_complete()
+            self._release()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of this server's parameters, by name (for evaluation and the final save)."""
@@ -190,38 +249,42 @@ class ParameterServer:
     # ------------------------------------------------------------------ the server's own
 
     def wait_until_done(self) -> None:
-        """Block until every worker has left or died; raise a failed save's error."""
+        """Block until every worker has left or died; stop the lease watcher; raise a failed
+        save's error."""
         with self.cond:
             while not self._done():
                 self.cond.wait(timeout=0.5)
-            if self.failure is not None:
-                raise self.failure
+        self.close()
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        """Stop the lease watcher (idempotent)."""
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
 
     def _done(self) -> bool:
         return self.failure is not None or all(
-            w in self.left or w in self.clocks.dead for w in self.clocks.clock)
+            w in self.clocks.left or w in self.clocks.dead for w in self.clocks.clock)
 
     def declare_dead(self, worker: int, why: str) -> None:
-        with self.cond:
-            if worker not in self.clocks.dead:
-                self.clocks.dead[worker] = why
-                self.report(f"scaletrain: parameter server {self.index}: worker {worker} declared "
-                            f"dead ({why}); going on with {len(self.clocks.live)} worker(s), "
-                            "its later messages refused")
-                if self.mode == "sync":  # the step may be complete without it now
-                    self._apply_sync_if_complete()
-                self._release()
+        """`worker` is dead from now on: refused, waited for by nobody; the authority tells
+        the other servers."""
+        self.membership(worker, why)
 
     def _watch_leases(self) -> None:
+        """The authority's watcher: declares silent workers dead, until the run is over."""
         tick = min(self.lease_s / 4, 0.5)
-        while True:
-            time.sleep(tick)
+        while not self._stop.wait(tick):
             now = time.monotonic()
             for w, seen in list(self.last_seen.items()):
-                if (w not in self.clocks.dead and w not in self.left
+                if (w not in self.clocks.dead and w not in self.clocks.left
                         and now - seen > self.lease_s):
                     self.declare_dead(w, f"not heard from for {now - seen:.1f} s "
                                          f"(ps.worker_timeout_s = {self.lease_s:g})")
+            if self._done():
+                return
 
     # ------------------------------------------------------------------ under the lock
 
@@ -241,13 +304,14 @@ class ParameterServer:
             self._step(push.grads, lr_scale=1.0 / (1 + delay) if self.inverse_lr else 1.0)
         self.clocks.clock[push.worker] += 1
         self.examples += push.examples
+        self._advance_schedule()
         self.on_update(Update(push, staleness_of(push.step, slowest_at_read=push.read.slowest),
                               delay, self.version, applied))
 
     def _apply_sync_if_complete(self) -> None:
         """sync: once every live worker's gradient for the step is in, apply their mean,
         weighted by the loss's counts (so it is the gradient of the mean loss over every
-        example of the step, as DDP's all-reduce makes it)."""
+        example of the step, as DDP's all-reduce makes it), clipped by its global norm."""
         live = self.clocks.live
         if not self.pending or any(w not in self.pending for w in live):
             return
@@ -255,16 +319,44 @@ class ParameterServer:
         self.pending = {}
         finite = [p for p in pushes if p.grads is not None]
         total, before = sum(p.count for p in finite), self.version
+        # Every server sees the same pushes (a worker sends None to all), so all of them take
+        # this branch, and its all-reduce, together.
         if finite and total > 0:
             mean = [sum(p.grads[i] * (p.count / total) for p in finite)
                     for i in range(len(self.params))]
-            self._step(mean, lr_scale=1.0)
+            if self._clip_mean(mean):  # False: the mean overflowed, as DDP would skip it
+                self._step(mean, lr_scale=1.0)
         for p in pushes:
             self.clocks.clock[p.worker] += 1
             self.examples += p.examples
+        self._advance_schedule()
+        for p in pushes:
             self.on_update(Update(p, staleness_of(p.step, slowest_at_read=p.read.slowest),
                                   before - p.read.version, self.version,
                                   p.grads is not None))
+
+    def _clip_mean(self, mean: list[torch.Tensor]) -> bool:
+        """Clip the step's mean gradient (this server's shard of it) to grad_clip by the norm
+        of the whole gradient, the servers' squared shard norms summed; False if it is not
+        finite. training/step.py's rule (grad_norm.clip_grads_) on the same global norm."""
+        if self.grad_clip <= 0:
+            return True
+        squares = self.reduce_squares(global_grad_norm(mean).double() ** 2)
+        norm = squares.sqrt()
+        if not bool(torch.isfinite(norm)):
+            return False
+        clip_grads_(mean, max_norm=self.grad_clip, total_norm=norm)
+        return True
+
+    def _advance_schedule(self) -> None:
+        """Step the LR schedule to examples applied / schedule_examples (a sync update with a
+        worker dead is a fraction of a schedule step; skipped updates count, as in
+        training/step.py)."""
+        target = self.examples // self.schedule_examples
+        with warnings.catch_warnings():  # LambdaLR's order check knows nothing of servers
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+            while self.scheduler.last_epoch < target:
+                self.scheduler.step()
 
     def _step(self, grads: list[torch.Tensor], *, lr_scale: float) -> None:
         for p, g in zip(self.params, grads):
@@ -277,9 +369,6 @@ class ParameterServer:
         for g, lr in zip(groups, base):
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # LambdaLR's order check knows nothing of servers
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
-            self.scheduler.step()
         self.version += 1
 
     def global_step(self) -> int:
@@ -341,14 +430,16 @@ class ParameterServer:
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict:
-        """The counters a checkpoint keeps: every worker's clock, examples applied, version."""
+        """The counters a checkpoint keeps: every worker's clock, examples applied (the run's
+        position and the LR schedule's), version, and the membership at the cut."""
         return {"version": self.version, "examples": self.examples,
                 "clocks": ",".join(str(self.clocks.clock[w]) for w in sorted(self.clocks.clock)),
-                "dead": ",".join(map(str, sorted(self.clocks.dead)))}
+                "dead": ",".join(map(str, sorted(self.clocks.dead))),
+                "left": ",".join(map(str, sorted(self.clocks.left)))}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the counters; a worker dead at the checkpoint is alive again (a restart
-        starts every worker)."""
+        """Restore the counters; a worker dead or gone at the checkpoint is a member again
+        (a restart starts every worker)."""
         self.version, self.examples = int(state["version"]), int(state["examples"])
         clocks = [int(c) for c in state["clocks"].split(",")]
         if len(clocks) == len(self.clocks.clock):  # else the start_step every worker got
@@ -391,6 +482,10 @@ def rpc_heartbeat(worker: int) -> bool:
 
 def rpc_leave(worker: int) -> None:
     _server().leave(worker)
+
+
+def rpc_membership(worker: int, why: str | None) -> None:
+    _server().membership(worker, why)
 
 
 def rpc_snapshot() -> dict[str, torch.Tensor]:

@@ -11,11 +11,12 @@ and together the whole global order. Under sync, W workers therefore see exactly
 ranks see, step by step.
 
 Normalisation: a worker's gradient is that of the mean loss over its own examples of the
-step (its micro-batches' summed losses over its count, as training/step.py writes it with
-dp = 1); the servers apply it alone (async, ssp) or average the workers' by count (sync).
+step (its micro-batches' summed losses over its count: training/step.py's
+`accumulate_gradients` with dp = 1); the servers apply it alone (async, ssp: clipped by the
+worker) or average the workers' by count and clip the average (sync, as DDP does).
 
-Liveness: a heartbeat thread renews the worker's lease on every server every lease/4
-seconds, so a long step does not look like a dead worker; a SIGSTOPped process stops
+Liveness: a heartbeat thread renews the worker's lease on server 0 (the one that decides
+membership for all servers) every lease/4 seconds, so a long step does not look like a dead worker; a SIGSTOPped process stops
 sending and is declared dead. Every call carries a timeout (a stopped server would
 otherwise never answer).
 """
@@ -35,9 +36,8 @@ from scaletrain.data.sources import Batch
 from scaletrain.precision import Precision
 from scaletrain.ps import server as ps_server
 from scaletrain.ps.server import Push, Read, Reply
-from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
 from scaletrain.loss import LossFn
-from scaletrain.training.step import forward
+from scaletrain.training.step import accumulate_gradients, clip_gradients
 
 
 class ServerLost(RuntimeError):
@@ -64,34 +64,31 @@ def gradient(model: torch.nn.Module, micro_batches: list[Batch], *, precision: P
     """This worker's gradient for one step: (gradients by parameter, or None if non-finite;
     summed loss; count).
 
-    The gradient of (sum of the step's losses) / (their count), accumulated over the
-    micro-batches, clipped to grad_clip by its own norm (the update a server applies).
+    training/step.py's own code: `accumulate_gradients` with dp_size = 1 (the gradient of
+    the sum of the step's losses over their count, accumulated over the micro-batches),
+    then `clip_gradients`. grad_clip is the worker's own clip under async and ssp (its
+    gradient alone is an update); under sync it is 0 and the servers clip the average, as
+    DDP does (ps/server.py).
     """
-    count = sum(mb.count for mb in micro_batches)  # the normaliser, before any forward
-    loss_sum = 0.0
-    for mb in micro_batches:
-        with precision.forward_context():
-            loss, _ = loss_fn(forward(model, mb, precision), mb)  # a sum, not a mean
-        precision.backward(loss / max(count, 1))
-        loss_sum += float(loss.detach().double())
+    loss_sum, count = accumulate_gradients(model, micro_batches, precision=precision,
+                                           dp_size=1, ragged_counts=False, loss_fn=loss_fn)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    norm = global_grad_norm(grads)
-    if not bool(torch.isfinite(norm)):
+    _, finite = clip_gradients(grads, grad_clip=grad_clip)
+    if not finite:  # every server is told None: none applies any of it
         model.zero_grad(set_to_none=True)
-        return None, loss_sum, count
-    if grad_clip > 0:
-        clip_grads_(grads, max_norm=grad_clip, total_norm=norm)
+        return None, float(loss_sum), count
     grads = [g.detach().clone() for g in grads]
     model.zero_grad(set_to_none=True)
-    return grads, loss_sum, count
+    return grads, float(loss_sum), count
 
 
 class _Heartbeat:
-    """Renews this worker's lease on every server until stopped."""
+    """Renews this worker's lease until stopped; on server 0 alone, which decides who is
+    alive for every server (ps/server.py)."""
 
-    def __init__(self, worker: int, servers: int, *, lease_s: float) -> None:
-        self.worker, self.servers, self.lease_s = worker, servers, lease_s
+    def __init__(self, worker: int, *, lease_s: float) -> None:
+        self.worker, self.lease_s = worker, lease_s
         self.refused = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ps-heartbeat")
@@ -99,14 +96,13 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.lease_s / 4):
-            calls = [rpc.rpc_async(server_name(k), ps_server.rpc_heartbeat, args=(self.worker,),
-                                   timeout=self.lease_s) for k in range(self.servers)]
-            for call in calls:
-                try:
-                    if not call.wait():
-                        self.refused.set()
-                except RuntimeError:  # a server gone: the next push says which
-                    pass
+            call = rpc.rpc_async(server_name(0), ps_server.rpc_heartbeat, args=(self.worker,),
+                                 timeout=self.lease_s)
+            try:
+                if not call.wait():
+                    self.refused.set()
+            except RuntimeError:  # server 0 gone: the next push says so
+                pass
 
     def stop(self) -> None:
         self._stop.set()
@@ -125,7 +121,8 @@ def run_worker(model: torch.nn.Module, *, worker: int, partition: list[list[str]
         partition: each server's parameter names (ps/partition.py), the order of its tensors.
         sampler: the global order; this worker's share is its dp_rank.
         train_ds, loss_fn, precision: as in training.
-        grad_clip: max norm of this worker's gradient; 0 disables clipping.
+        grad_clip: max norm of this worker's gradient (async, ssp); 0 disables clipping
+            (sync: the servers clip the averaged gradient).
         device: where the model runs.
         timeout_s: how long a push may wait for its answer (ssp, sync and checkpoints park).
         lease_s: ps.worker_timeout_s; heartbeats go out every lease_s / 4.
@@ -139,7 +136,7 @@ def run_worker(model: torch.nn.Module, *, worker: int, partition: list[list[str]
     positions = [[order.index(n) for n in names] for names in partition]
     replies = _all(rpc.rpc_async(server_name(k), ps_server.rpc_join, args=(worker,),
                                  timeout=timeout_s) for k in range(len(partition)))
-    heartbeat = _Heartbeat(worker, len(partition), lease_s=lease_s)
+    heartbeat = _Heartbeat(worker, lease_s=lease_s)
     last_loss, step = float("nan"), replies[0].step
     try:
         while all(r.status == "go" for r in replies):
@@ -167,9 +164,13 @@ def run_worker(model: torch.nn.Module, *, worker: int, partition: list[list[str]
         heartbeat.stop()
     status = ("refused" if heartbeat.refused.is_set() or any(r.status == "refused" for r in replies)
               else replies[0].status)
-    for k in range(len(partition)):  # best effort: a server that is gone cannot be told
+    # Every server at once (best effort: one that is gone cannot be told): a server whose
+    # sync step completes without this worker waits for the others to do the same.
+    goodbyes = [rpc.rpc_async(server_name(k), ps_server.rpc_leave, args=(worker,),
+                              timeout=lease_s) for k in range(len(partition))]
+    for call in goodbyes:
         try:
-            rpc.rpc_sync(server_name(k), ps_server.rpc_leave, args=(worker,), timeout=lease_s)
+            call.wait()
         except RuntimeError:
             pass
     return WorkerOutcome(status=status, steps_done=step, last_loss=last_loss)

@@ -20,6 +20,11 @@ the world would count every example tp x pp times). Under pipeline parallelism o
 batch's forward and backward (it splits the micro-batch into chunks and backpropagates
 each chunk's sum x the same weight), and the gradient norm is the whole model's, however it
 is split (training/grad_norm.py).
+
+Its two halves are functions of their own: `accumulate_gradients` (the normalised forward
+and backward) and `clip_gradients` (the global norm and clipping), so that a parameter-
+server worker computes its gradient with exactly this code (ps/worker.py), and its servers
+clip the averaged gradient with the same rule.
 """
 
 from __future__ import annotations
@@ -59,30 +64,25 @@ class StepResult:
     grad_bytes: int = 0  # bytes of the gradients this rank held (its local shards)
 
 
-def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
-               optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-               precision: Precision, grad_clip: float, dp_size: int,
-               ragged_counts: bool, loss_fn: LossFn = cross_entropy,
-               pipeline: Pipeline | None = None, pp_group=None, dp_group=None) -> StepResult:
-    """Run one optimizer step over this rank's micro-batches.
+def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], *,
+                         precision: Precision, dp_size: int, ragged_counts: bool,
+                         loss_fn: LossFn = cross_entropy, pipeline: Pipeline | None = None,
+                         dp_group=None) -> tuple[torch.Tensor, int]:
+    """Forward and backward over this rank's micro-batches, leaving in each parameter's
+    .grad the gradient of (sum of the step's losses over every rank) / (their global count).
+
+    The first half of `train_step`, and the whole of a parameter-server worker's gradient
+    (ps/worker.py, with dp_size = 1: a worker is its own data-parallel group).
 
     Args:
-        model: the (possibly DDP- or FSDP-wrapped, TP-split) model, or under pipeline
-            parallelism this rank's share of it (what the optimizer holds).
-        micro_batches: this rank's micro-batches for the step.
-        optimizer: the optimizer over the model's parameters.
-        scheduler: LR schedule, advanced once per step.
-        precision: forward context, (scaled) backward, unscale, optimizer step.
-        grad_clip: max global gradient norm; 0 disables clipping.
-        dp_size: data-parallel ranks (dp_replicate x dp_shard) whose gradients DDP or FSDP
-            average.
+        model, micro_batches, precision, loss_fn, pipeline: as in `train_step`.
+        dp_size: data-parallel ranks whose gradients DDP or FSDP average (1: none).
         ragged_counts: counts may differ between ranks (masked tokens): all-reduce them.
-        loss_fn: (model output, batch) -> (summed loss, count); cross-entropy by default.
-        pipeline: under pp > 1, the schedule that runs forward and backward of each
-            micro-batch through the stages (parallel/pipeline.py).
-        pp_group: under pp > 1, the pipeline's process group (the stages' grad norms add).
         dp_group: the data-parallel process group (ParallelLayout.dp_group), which ragged
             counts are summed over; None means every rank is a data-parallel rank.
+
+    Returns:
+        (this rank's summed loss, fp64 and detached; the step's global count).
     """
     # The normaliser of the whole step, across micro-batches and ranks, before any forward.
     local_count = sum(mb.count for mb in micro_batches)
@@ -128,10 +128,21 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
                                         mb.targets, loss_weight=loss_weight,
                                         scale=precision.scale)
         loss_sum += loss  # on a pipeline's other stages: 0 (the loss is on the last)
+    return loss_sum, global_count
 
-    params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    precision.unscale_(optimizer)  # fp16: clip and check the true gradient, not the scaled one
+
+def clip_gradients(grads: list[torch.Tensor], *, grad_clip: float,
+                   pp_group=None) -> tuple[torch.Tensor, bool]:
+    """The global norm of (unscaled) gradients and, when it is finite, clipping to grad_clip.
+
+    Args:
+        grads: this rank's gradients (plain tensors and DTensors).
+        grad_clip: max global norm; 0 disables clipping.
+        pp_group: under pp > 1, the pipeline's process group (the stages' norms add).
+
+    Returns:
+        (the norm before clipping, float64; whether it is finite).
+    """
     # The norm of the whole gradient, the same on every rank: DTensor shards and pipeline
     # stages summed (training/grad_norm.py).
     grad_norm = global_grad_norm(grads, pp_group=pp_group)
@@ -141,6 +152,42 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
     grads_finite = bool(torch.isfinite(grad_norm))
     if grad_clip > 0 and grads_finite:
         clip_grads_(grads, max_norm=grad_clip, total_norm=grad_norm)
+    return grad_norm, grads_finite
+
+
+def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
+               optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               precision: Precision, grad_clip: float, dp_size: int,
+               ragged_counts: bool, loss_fn: LossFn = cross_entropy,
+               pipeline: Pipeline | None = None, pp_group=None, dp_group=None) -> StepResult:
+    """Run one optimizer step over this rank's micro-batches.
+
+    Args:
+        model: the (possibly DDP- or FSDP-wrapped, TP-split) model, or under pipeline
+            parallelism this rank's share of it (what the optimizer holds).
+        micro_batches: this rank's micro-batches for the step.
+        optimizer: the optimizer over the model's parameters.
+        scheduler: LR schedule, advanced once per step.
+        precision: forward context, (scaled) backward, unscale, optimizer step.
+        grad_clip: max global gradient norm; 0 disables clipping.
+        dp_size: data-parallel ranks (dp_replicate x dp_shard) whose gradients DDP or FSDP
+            average.
+        ragged_counts: counts may differ between ranks (masked tokens): all-reduce them.
+        loss_fn: (model output, batch) -> (summed loss, count); cross-entropy by default.
+        pipeline: under pp > 1, the schedule that runs forward and backward of each
+            micro-batch through the stages (parallel/pipeline.py).
+        pp_group: under pp > 1, the pipeline's process group (the stages' grad norms add).
+        dp_group: the data-parallel process group (ParallelLayout.dp_group), which ragged
+            counts are summed over; None means every rank is a data-parallel rank.
+    """
+    loss_sum, global_count = accumulate_gradients(
+        model, micro_batches, precision=precision, dp_size=dp_size,
+        ragged_counts=ragged_counts, loss_fn=loss_fn, pipeline=pipeline, dp_group=dp_group)
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    precision.unscale_(optimizer)  # fp16: clip and check the true gradient, not the scaled one
+    grad_norm, grads_finite = clip_gradients(grads, grad_clip=grad_clip, pp_group=pp_group)
     first_nonfinite = None if grads_finite else _first_nonfinite(model)
     stepped = precision.optimizer_step(optimizer, grads_finite=grads_finite)
     # The schedule follows the step counter, skipped steps included.

@@ -15,7 +15,6 @@ receives explicit arguments. Flow per run:
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file, save_model
 from torch.nn.parallel import DistributedDataParallel
 
 from scaletrain.allocator import configure_allocator
@@ -39,20 +37,19 @@ from scaletrain.memory import WindowPeak
 from scaletrain.models.protocol import model_spec
 from scaletrain.metrics import MetricsLogger
 from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
-from scaletrain.parallel.compose import check_model_fits, full_state_dict, parallelize, unwrap
+from scaletrain.parallel.compose import check_model_fits, full_state_dict, parallelize
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.plan import Derived, resolve
 from scaletrain.precision import Precision, make_precision
-from scaletrain.rundir import (default_run_dir, describe_finished, finished_run, json_safe,
-                               write_config)
+from scaletrain.rundir import (default_run_dir, describe_finished, finished_run, write_config)
 from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, collective_guard,
-                                honour_umask, init_distributed, read_env, seed_everything,
+                                init_distributed, read_env, seed_everything,
                                 set_threads)
 from scaletrain.training import signals
+from scaletrain.training.finish import finish_run as _finish
 from scaletrain.training.optim import build_optimizer, build_scheduler
 from scaletrain.distill.build import cached_splits
-from scaletrain.distill.student import student_weights
 from scaletrain.distill.teacher import describe_teacher, place_teacher
 from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, build_data,
                                          build_objective, build_net, check_fit, check_loss,
@@ -333,9 +330,9 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     logger.log_eval({"step": t.steps, **eval_record})
     if not penv.is_main:
         return None
-    # summary.json is JSON: a non-finite loss or metric is written as null, not NaN.
+    # summary.json is JSON: a non-finite loss or metric is written as null (finish.py).
     return _finish(run_dir, model=state.model, weights=weights, config=config, derived=derived, wall=wall,
-                   last_loss=json_safe(run.last_loss), eval_record=json_safe(eval_record),
+                   last_loss=run.last_loss, eval_record=eval_record,
                    skipped=state.skipped_steps,
                    steps_run=t.steps - run.first_step, precision_mode=state.precision.mode,
                    tokens_per_example=state.tokens_per_example)
@@ -405,37 +402,3 @@ def _diverged_message(step: int, bad: int, last_loss: float, config: Config,
     )
 
 
-def _finish(run_dir: Path, *, model, weights: dict[str, torch.Tensor] | None, config: Config,
-            derived: Derived, wall: float,
-            last_loss: float, eval_record: dict, skipped: int, steps_run: int,
-            tokens_per_example: int, precision_mode: str) -> dict:
-    """Rank 0 writes the final weights (plain names, no DDP prefix) and the summary."""
-    # In the dtype that was trained (fp32 master weights; bf16 for bf16-true, fp64 for fp64).
-    # save_model keeps one name of weights tied to each other (safetensors refuses aliases).
-    # Under sharding or pipeline stages, `weights` were gathered from every rank (plain
-    # names, full shapes); otherwise this rank's module is the whole model.
-    net, weights = student_weights(unwrap(model), weights)  # under [distill]: the student alone
-    meta = {"model": config.model.name, "size": config.model.size}
-    if weights is None:
-        save_model(net, str(run_dir / "model.safetensors"), metadata=meta)
-    else:
-        save_file(weights, str(run_dir / "model.safetensors"), metadata=meta)
-    honour_umask(run_dir / "model.safetensors")  # safetensors writes 0600
-    if config.model.name == "hf":  # also as a model directory: model.path can fine-tune it
-        from scaletrain.models.hf import save_hf
-
-        save_hf(net, run_dir / "hf-model", state_dict=weights)
-    examples = steps_run * config.train.global_batch  # this process's share of the run
-    summary = {
-        "final_loss": last_loss,  # mean training loss of the last log.every-step window
-        "eval": eval_record,
-        "wall_time_s": wall,
-        "steps": config.train.steps,
-        "skipped_steps": skipped,
-        "world_size": derived.world_size,
-        "examples_per_s": examples / wall,  # over the wall time, mid-run evals included
-        "tokens_per_s": examples * tokens_per_example / wall,
-        "precision": precision_mode,  # what ran ("auto" resolved)
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary

@@ -1,0 +1,87 @@
+"""The end of a run: model.safetensors, hf-model/ (for a Hugging Face model), summary.json.
+
+One function for both strategies, so that what a run leaves behind does not depend on how
+it trained: the collective trainer (training/trainer.py) and the parameter servers' server
+0 (ps/run.py) both call `finish_run`. The weights are written by `save_model` from the whole
+module when no gathered state dict is given: buffers included, and one name kept for
+weights tied to each other (safetensors refuses aliases). A parameter server's copy of
+`named_parameters()` would drop both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file, save_model
+
+from scaletrain.config import Config
+from scaletrain.distill.student import student_weights
+from scaletrain.parallel.compose import unwrap
+from scaletrain.plan import Derived
+from scaletrain.rundir import write_summary
+from scaletrain.runtime import honour_umask
+
+
+def write_weights(run_dir: Path, *, model: torch.nn.Module,
+                  weights: dict[str, torch.Tensor] | None, config: Config) -> None:
+    """model.safetensors (and hf-model/ for model.name = "hf") in the dtype that was trained.
+
+    Args:
+        run_dir: the run directory.
+        model: the trained module (DDP-wrapped or not; under [distill] the wrapper).
+        weights: a full state dict gathered from every rank (sharded or pipeline layouts),
+            or None when `model` is the whole model on this rank.
+        config: the run's config (the model's name and size go into the metadata).
+    """
+    net, weights = student_weights(unwrap(model), weights)  # under [distill]: the student alone
+    meta = {"model": config.model.name, "size": config.model.size}
+    if weights is None:
+        save_model(net, str(run_dir / "model.safetensors"), metadata=meta)
+    else:
+        save_file(weights, str(run_dir / "model.safetensors"), metadata=meta)
+    honour_umask(run_dir / "model.safetensors")  # safetensors writes 0600
+    if config.model.name == "hf":  # also as a model directory: model.path can fine-tune it
+        from scaletrain.models.hf import save_hf
+
+        save_hf(net, run_dir / "hf-model", state_dict=weights)
+
+
+def finish_run(run_dir: Path, *, model: torch.nn.Module,
+               weights: dict[str, torch.Tensor] | None, config: Config, derived: Derived,
+               wall: float, last_loss: float, eval_record: dict, skipped: int,
+               precision_mode: str, steps_run: int | None = None, examples: int | None = None,
+               tokens_per_example: int = 0, extra: dict | None = None) -> dict:
+    """Rank 0 (server 0 under "ps") writes the final weights and the summary; returns it.
+
+    Args:
+        run_dir, model, weights, config: as in `write_weights`.
+        derived: the resolved layout (its world size goes into the summary).
+        wall: seconds of training, mid-run evaluations included.
+        last_loss: mean training loss of the last logged window.
+        eval_record: the final evaluation.
+        skipped: steps (updates) skipped for a non-finite gradient.
+        precision_mode: what ran ("auto" resolved).
+        steps_run: global steps this process ran (a resumed run: since the resume); the
+            examples are steps_run x train.global_batch unless `examples` is given.
+        examples: examples trained on by this run (the parameter servers count them).
+        tokens_per_example: tokens per example, for tokens_per_s (0: not a token model).
+        extra: more sections of the summary (the parameter servers' "ps").
+    """
+    write_weights(run_dir, model=model, weights=weights, config=config)
+    if examples is None:
+        examples = (steps_run or 0) * config.train.global_batch  # this process's share
+    summary = {
+        "final_loss": last_loss,  # mean training loss of the last log.every-step window
+        "eval": eval_record,
+        "wall_time_s": wall,
+        "steps": config.train.steps,
+        "skipped_steps": skipped,
+        "world_size": derived.world_size,
+        "examples_per_s": examples / max(wall, 1e-9),  # over the wall time, evals included
+        "tokens_per_s": examples * tokens_per_example / max(wall, 1e-9),
+        "precision": precision_mode,
+        **(extra or {}),
+    }
+    write_summary(run_dir, summary)  # valid JSON: a NaN loss is written as null
+    return summary
