@@ -49,7 +49,8 @@ from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, co
                                 set_threads)
 from scaletrain.training import signals
 from scaletrain.training.optim import build_optimizer, build_scheduler
-from scaletrain.distill.build import cached_splits
+from scaletrain.distill.build import cached_splits, sentence_tokenizer_dir
+from scaletrain.distill.objective import take_terms
 from scaletrain.distill.student import student_weights
 from scaletrain.distill.teacher import describe_teacher, place_teacher
 from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, build_data,
@@ -72,6 +73,7 @@ class Window:
 
     loss_sum: float = 0.0
     count: int = 0
+    terms: dict[str, float] = field(default_factory=dict)  # a loss's parts, summed like it
     steps: int = 0
     start: float = field(default_factory=time.perf_counter)
 
@@ -275,6 +277,7 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     if not run.window.steps:  # no window restored: start its clock now, not at build time
         run.window = Window()
     indices = parts.sampler.micro_batches(state.step)
+    take_terms(parts.loss_fn)  # the set-up checks' calls are no step's
     straggler = (config.ps.slow_worker == parts.layout.dp_rank(parts.rank)
                  and config.ps.slow_factor > 1)
     for step in range(state.step, t.steps):
@@ -343,6 +346,7 @@ class RunProgress:
         w = self.window
         return {"bad_in_row": self.bad_in_row, "first_bad": self.first_bad or "",
                 "last_loss": self.last_loss, "window.loss_sum": w.loss_sum,
+                "window.terms": json.dumps(w.terms),
                 "window.count": w.count, "window.steps": w.steps,
                 "window.elapsed_s": time.perf_counter() - w.start,
                 "comm_seen": self.comm.seen if self.comm is not None else 0}
@@ -351,6 +355,7 @@ class RunProgress:
         self.bad_in_row, self.first_bad = int(state["bad_in_row"]), state["first_bad"] or None
         self.last_loss = float(state["last_loss"])
         self.window = Window(loss_sum=float(state["window.loss_sum"]),
+                             terms=json.loads(state.get("window.terms", "{}")),
                              count=int(state["window.count"]), steps=int(state["window.steps"]),
                              start=time.perf_counter() - float(state["window.elapsed_s"]))
         if self.comm is not None:
@@ -388,6 +393,8 @@ def _log_window(state: TrainState, result: StepResult, micro: list[Batch], run: 
     # Tensor-parallel peers hold the same loss and a pipeline's other stages none: one rank
     # per data-parallel share adds it, so the all-reduced sum counts every example once.
     window.loss_sum += float(result.loss_sum) if parts.reports_loss else 0.0
+    for name, value in take_terms(parts.loss_fn).items():  # [distill]: each term of the loss
+        window.terms[name] = window.terms.get(name, 0.0) + (value if parts.reports_loss else 0.0)
     window.count += result.count
     window.steps += 1
     if state.step % config.log.every and state.step != config.train.steps:
@@ -440,8 +447,12 @@ def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogge
 
 def _train_record(step: int, result: StepResult, window: Window, micro: list[Batch], optimizer,
                   precision: Precision, *, skipped: int, dp: int) -> dict:
-    # One all-reduce per record: the window's summed loss over every rank. Counts are global.
-    loss_sum = all_reduce_sum(torch.tensor([window.loss_sum], dtype=torch.float64))
+    # One all-reduce per record: the window's summed loss (and its terms, under [distill])
+    # over every rank. Counts are global.
+    names = sorted(window.terms)
+    sums = all_reduce_sum(torch.tensor([window.loss_sum, *(window.terms[n] for n in names)],
+                                       dtype=torch.float64))
+    loss_sum = sums[0]
     elapsed = time.perf_counter() - window.start
     examples = sum(len(mb.targets) for mb in micro) * dp * window.steps
     tokens = sum(mb.tokens for mb in micro) * dp * window.steps
@@ -458,6 +469,7 @@ def _train_record(step: int, result: StepResult, window: Window, micro: list[Bat
         "peak_mem_bytes": lifetime_peak_bytes(),
         "skipped_steps": skipped,
     }
+    record.update({n: float(sums[1 + i]) / max(window.count, 1) for i, n in enumerate(names)})
     if precision.loss_scale is not None:
         record["loss_scale"] = precision.loss_scale
     return record
@@ -517,7 +529,8 @@ def _finish(run_dir: Path, *, model, weights: dict[str, torch.Tensor] | None, co
     if config.model.name == "hf":  # also as a model directory: model.path can fine-tune it
         from scaletrain.models.hf import save_hf
 
-        save_hf(net, run_dir / "hf-model", state_dict=weights)
+        save_hf(net, run_dir / "hf-model", state_dict=weights,
+                tokenizer_dir=sentence_tokenizer_dir(config))  # sentences: a whole encoder
     examples = steps_run * config.train.global_batch  # this process's share of the run
     summary = {
         "final_loss": last_loss,  # mean training loss of the last log.every-step window
