@@ -44,21 +44,8 @@ def check_distill_config(config, layout) -> None:
                                        cosine=d.cosine_weight, cosine_on=d.cosine_on)
         if problem:
             raise ConfigError(problem)
-    from scaletrain.distill.teacher import resolve_tokenizer_dir, teacher_kind
-
     try:
-        if d.teacher:
-            teacher_kind(d.teacher)
-        if config.data.source == "sentences":
-            resolve_tokenizer_dir(str(config.data.kwargs.get("tokenizer", "all-MiniLM-L6-v2")))
-        if d.cache:
-            from scaletrain.distill.cache import check_cache_teacher, read_info
-
-            # distill.teacher_sha256 names the cache's teacher when no teacher is given (a
-            # given teacher's own weights are hashed in the launcher: distill/build.py).
-            check_cache_teacher(read_info(d.cache), cache_dir=d.cache,
-                                teacher_sha256=None if d.teacher else d.teacher_sha256 or None,
-                                teacher_key="distill.teacher_sha256")
+        _check_paths(config)
     except ValueError as e:  # TeacherError, CacheError: one-line user mistakes
         raise ConfigError(str(e)) from None
     if d.cosine_weight and d.cosine_on == "pooled" and config.model.name in ("mlp", "cnn", "gpt"):
@@ -70,6 +57,29 @@ def check_distill_config(config, layout) -> None:
         raise ConfigError(f"distill.hidden_weight / attention_weight need a Hugging Face "
                           f"student (model.name = 'hf'); model.name = {config.model.name!r} "
                           "gives logits only")
+
+
+def _check_paths(config) -> None:
+    """The teacher, the sentences' tokenizer and the cache exist and, with the cache alone,
+    distill.teacher_sha256 names the cache's teacher (a given teacher's own weights are
+    hashed in the launcher, where the cache is checked against the data: distill/build.py).
+
+    Raises:
+        TeacherError, CacheError: one-line user mistakes.
+    """
+    from scaletrain.distill.teacher import MINILM, resolve_tokenizer_dir, teacher_kind
+
+    d = config.distill
+    if d.teacher:
+        teacher_kind(d.teacher)
+    if config.data.source == "sentences":
+        resolve_tokenizer_dir(str(config.data.kwargs.get("tokenizer", MINILM)))
+    if d.cache:
+        from scaletrain.distill.cache import check_cache_teacher, read_info
+
+        check_cache_teacher(read_info(d.cache), cache_dir=d.cache,
+                            teacher_sha256=None if d.teacher else d.teacher_sha256 or None,
+                            teacher_key="distill.teacher_sha256")
 
 
 def encoder_loss_problem(*, hidden: float, attention: float, cosine: float,
