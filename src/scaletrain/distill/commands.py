@@ -110,7 +110,7 @@ def _encoder_dir(model: str) -> tuple[Path, Path]:
             raise ConfigError(f"run directory {model!r} has no hf-model/: `scaletrain eval` scores "
                               "Hugging Face encoders (model.name = 'hf' on sentences)")
         weights = _safetensors_dir(path / "hf-model", model)
-        if _has_tokenizer(weights):  # saved beside the weights (runs since issue 18)
+        if _has_tokenizer(weights):  # the trainer saves it beside the weights
             return weights, weights
         return weights, resolve_tokenizer_dir(str(config.data.kwargs.get("tokenizer", MINILM)))
     if (path / "config.json").is_file():

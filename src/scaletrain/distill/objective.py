@@ -12,6 +12,10 @@ It is called inside the step's forward context, right after the student's forwar
 teacher runs there too (its own dtype, inference mode: distill/teacher.py) or, with a cache,
 its outputs arrive with the batch (`Batch.teacher`, distill/cache.py) and no teacher exists.
 
+The loss also keeps each term's unweighted sum (`DistillationLoss.terms`), which the trainer
+and the evaluation log as hard_loss, distill/kl, distill/hidden, distill/attention and
+distill/cosine, normalised and reduced like the loss itself.
+
 Teacher targets, online or cached, are one flat dict: "logits" (and "logits_index" for
 top-k), "pooled" (B, D) mean-pooled last hidden state, "hidden.L" (B, T, D) teacher state L,
 "attn.L" (B, H, T, T) teacher block L's attention. `Needs` says which a run reads.
