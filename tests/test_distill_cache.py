@@ -13,9 +13,12 @@ bit-identically.
   another teacher's cache, a cache of other data (the same rows, tokenized to another
   length), a cache lacking an output the run needs, a cache in another teacher dtype.
 - checkpoint.every = 5, train.stop_after = 5 and `scaletrain train --resume` to step 12
-  equals the uninterrupted 12 steps exactly (torch.equal, identical records), for that BERT
-  student from the cache: its hidden-state projections and their optimizer state live in
-  the checkpoint, and dropout is on, so the RNG state must be restored too.
+  equals the uninterrupted 12 steps exactly (torch.equal, identical records, the
+  distillation terms included), for that BERT student from the cache: its hidden-state
+  projections and their optimizer state live in the checkpoint, and dropout is on, so the
+  RNG state must be restored too; log.every = 2, so the checkpoint holds an open metrics
+  window (its loss and terms sums).
+- A checkpoint teacher (checkpoints/step-N) is checked against the cache like any teacher.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# The BERT runs here: 12 AdamW steps with dropout, a checkpoint every 5 (to resume from).
+# The BERT runs here: 12 AdamW steps with dropout, a checkpoint every 5 (to resume from), a
+# record every 2 steps (so the checkpoint at step 5 holds an open metrics window).
 BERT_RUN = ["train.steps=12", "checkpoint.every=5", "optim.name=adamw", "optim.lr=3e-3",
-            "model.kwargs.hidden_dropout_prob=0.1"]
+            "model.kwargs.hidden_dropout_prob=0.1", "log.every=2"]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,8 @@ def configs(work: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def mlp_teacher(work: Path) -> Path:
-    return train_mlp_teacher(work)
+    """With checkpoints at steps 20 and 40: a checkpoint is a teacher too."""
+    return train_mlp_teacher(work, ["checkpoint.every=20"])
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +132,7 @@ def test_bert_run_from_the_cache_is_the_online_run(work: Path, configs: dict[str
     online = train(configs["bert"], work / "bert-online",
                    [f"distill.teacher={bert_teacher}", *BERT_RUN, "checkpoint.every=0"],
                    global_batch=16)
-    assert_same_run(online, bert_cached_run, steps=12)
+    assert_same_run(online, bert_cached_run, steps=6)
 
 
 def test_a_top_k_cache_trains_another_loss(work: Path, configs: dict[str, Path],
@@ -170,6 +175,12 @@ def test_a_cache_that_does_not_fit_the_run_is_refused(
     line = _refused(configs["mlp"], [f"distill.teacher={other}", f"distill.cache={mlp_cache}"],
                     work / "refused-teacher")
     assert "another teacher" in line
+    # A checkpoint teacher is hashed too (its weights exported): step 20 is not the final
+    # weights the cache was written from.
+    step20 = mlp_teacher / "checkpoints" / "step-00000020"
+    line = _refused(configs["mlp"], [f"distill.teacher={step20}", f"distill.cache={mlp_cache}"],
+                    work / "refused-checkpoint")
+    assert "another teacher" in line and "distill.teacher gives" in line
     line = _refused(configs["mlp"], [f"distill.cache={mlp_cache}",
                                      "distill.teacher_precision=fp32"], work / "refused-dtype")
     assert "float64" in line and "float32" in line
@@ -184,9 +195,10 @@ def test_a_cache_that_does_not_fit_the_run_is_refused(
     assert (file_tree(work / "mlp-cache"), file_tree(work / "bert-cache")) == before
 
 
-# Every number a step record holds that a resume must reproduce (not times or memory).
+# Every number a step record holds that a resume must reproduce (not times or memory),
+# the distillation terms included.
 SAME_IN_RECORDS = ("loss", "lr", "grad_norm", "examples", "tokens", "examples_seen",
-                   "tokens_seen")
+                   "tokens_seen", "distill/hidden", "distill/attention", "distill/cosine")
 
 
 def test_a_cached_bert_run_resumes_bit_identically(work: Path, configs: dict[str, Path],
@@ -220,7 +232,8 @@ def test_a_cached_bert_run_resumes_bit_identically(work: Path, configs: dict[str
     assert sorted(load_file(str(exported))) == sorted(b)
     ref = {r["step"]: r for r in records(bert_cached_run)}
     got = {r["step"]: r for r in records(resumed)}  # a re-run step: its last record
-    assert sorted(ref) == sorted(got) == list(range(1, 13))
-    for step in range(6, 13):
+    assert sorted(ref) == sorted(got) == list(range(2, 13, 2))
+    # Step 6's record covers steps 5 and 6: step 5's loss and terms came from the checkpoint.
+    for step in (6, 8, 10, 12):
         for key in SAME_IN_RECORDS:
             assert got[step].get(key) == ref[step].get(key), (step, key)

@@ -15,8 +15,10 @@ written with `scaletrain distill-cache`: two over digits (all logits, and the to
 
 from __future__ import annotations
 
+import io
 import os
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,17 @@ CASES = [
     case("top-k-without-teacher", "train {cfg} distill.top_k=3", "distill.top_k = 3"),
     case("sentences-without-teacher", "train {cfg}", "data.source = 'sentences'",
          "distill.teacher", toml=SENTENCES_TOML),
+    # sentences: an encoder has no logits, so alpha (the defaults) alone gives a zero loss
+    case("sentences-with-the-default-weights", "train {cfg} distill.teacher=all-MiniLM-L6-v2",
+         "distill.hidden_weight = 0.0", "distill.cosine_weight = 0.0", "no gradient",
+         toml=SENTENCES_TOML),
+    case("sentences-cosine-on-logits", "train {cfg} distill.teacher=all-MiniLM-L6-v2 "
+         "distill.cosine_weight=1.0 distill.cosine_on=logits", "distill.cosine_on = 'logits'",
+         "distill.cosine_on = 'pooled'", toml=SENTENCES_TOML),
+    case("sentences-tokenizer-not-a-directory", "train {cfg} distill.teacher=all-MiniLM-L6-v2 "
+         "distill.cosine_weight=1.0 data.kwargs.tokenizer={tmp}/nowhere",
+         "data.kwargs.tokenizer = '{tmp}/nowhere'", "not a tokenizer directory",
+         toml=SENTENCES_TOML),
     # the teacher itself
     case("teacher-missing", "train {cfg} distill.teacher={tmp}/nowhere",
          "distill.teacher = '{tmp}/nowhere'", "no such directory"),
@@ -182,6 +195,14 @@ CASES = [
          toml=SYNTHETIC_TOML),
     case("cache-of-another-teacher", "train {cfg} --nproc 2 distill.cache={cache} "
          "distill.teacher={teacher2}", "distill.cache = '{cache}'", "another teacher"),
+    # distill.teacher_sha256 is the cache's teacher when only the cache is given
+    case("cache-of-another-teacher-sha256", "train {cfg} distill.cache={cache} "
+         f"distill.teacher_sha256={SHA_ZERO}", "distill.cache = '{cache}'", "another teacher",
+         "distill.teacher_sha256 gives 000000000000"),
+    # ... and the teacher's when both are: checked although the cache replaces the teacher
+    case("cache-with-a-teacher-of-another-sha256", "train {cfg} --nproc 2 distill.cache={cache} "
+         f"distill.teacher={{teacher}} distill.teacher_sha256={SHA_ZERO}",
+         "distill.teacher = '{teacher}'", "{teacher_sha16}", "0000000000000000", "refusing"),
     case("cache-of-another-teacher-dtype", "train {cfg} --nproc 2 distill.cache={cache} "
          "distill.teacher_precision=fp64", "distill.cache = '{cache}'", "float32", "float64"),
     # scaletrain distill-cache
@@ -279,6 +300,34 @@ def test_the_cache_holds_what_distill_cache_reported(kd: dict[str, Path | str]) 
     assert {s: info["splits"][s]["rows"] for s in ("train", "eval")} == {"train": 1438,
                                                                           "eval": 359}
     assert info["splits"]["train"]["shapes"]["logits"]["shape"] == [10]
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal, quiet", [(True, False), (False, False), (True, True)])
+def test_distill_cache_shows_a_progress_bar_on_a_terminal(
+        terminal: bool, quiet: bool, kd: dict[str, Path | str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`scaletrain distill-cache` ran minutes silent: a rows bar on stderr on a terminal; in
+    a log (stderr not a tty) or with log.quiet no bar, a line per split and one at the start."""
+    err = _Terminal()
+    if terminal:
+        monkeypatch.setattr(sys, "stderr", err)
+    toml = GOOD_TOML + ("\n[log]\nquiet = true\n" if quiet else "")
+    _distill_cache(toml, tmp_path / "cache", kd["teacher"], tmp_path)
+
+    out = capsys.readouterr()
+    bar = err.getvalue() + out.err
+    assert ("1797/1797" in bar) == (terminal and not quiet), bar  # 1438 train + 359 eval rows
+    lines = out.out.splitlines()
+    assert lines[0].startswith("scaletrain: distill-cache: teacher") and "1797 rows" in lines[0]
+    assert [line.split(" rows")[0] for line in lines[1:3]] == [
+        "scaletrain: cached 1438 train", "scaletrain: cached 359 eval"], lines
 
 
 def test_packaged_teacher_is_pinned_without_teacher_sha256(

@@ -201,3 +201,26 @@ def test_teacher_scores_reproduce():
            "simlex999": ev.simlex999(teacher)["spearman"]}
     assert got == pytest.approx(TEACHER_SCORES, abs=0.01)
     assert ev.polarity_probe(teacher)["accuracy"] > 0.65  # chance is 0.5
+
+
+def test_eval_refuses_pickle_weights_and_never_unpickles(tiny_bert, tmp_path, monkeypatch,
+                                                         capsys):
+    """`scaletrain eval DIR` of a directory whose weights are pytorch_model.bin: refused with
+    one line, torch.load never called (unpickling can run code); the README promises
+    safetensors only. hf_encoder refuses it as well."""
+    from harness import cli_main
+
+    tiny_bert.config.save_pretrained(tmp_path)
+    torch.save(tiny_bert.state_dict(), tmp_path / "pytorch_model.bin")
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError("torch.load was called on a pickle")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    code = cli_main(["eval", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("scaletrain: error: ") == 1, err
+    assert "pytorch_model.bin" in err and "safetensors" in err, err
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        ev.hf_encoder(tmp_path, tokenizer_dir=TEACHER_DIR)

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import file_tree, load_weights, losses, max_abs_diff, run_workers
+from harness import file_tree, load_weights, losses, max_abs_diff, records, run_workers
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -137,12 +137,12 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("distill-parity")
 
 
-def train_mlp_teacher(work: Path) -> Path:
+def train_mlp_teacher(work: Path, overrides: list[str] = ()) -> Path:
     """A digits MLP trained in one process: a scaletrain run directory as a teacher."""
     config = work / "teacher.toml"
     config.write_text(TEACHER)
     run_dir = work / "teacher"
-    run_workers(config, [], world_size=1, run_dir=run_dir)
+    run_workers(config, list(overrides), world_size=1, run_dir=run_dir)
     return run_dir
 
 
@@ -199,10 +199,27 @@ def assert_same_run(a: Path, b: Path, *, steps: int = 4) -> None:
     assert losses(b) == pytest.approx(ref, abs=TOL, rel=TOL)
 
 
+def assert_same_terms(a: Path, b: Path, weights: dict[str, float]) -> None:
+    """Each record of `b` (training and eval) logs the terms of `a`'s, within TOL: summed over
+    the data-parallel group and divided by the loss's count, like the loss; and in each the
+    loss is the weighted sum of its terms (`weights`: name -> weight)."""
+    for kind in ("train", "eval"):
+        ref, got = records(a, kind), records(b, kind)
+        assert len(ref) == len(got) > 0, kind
+        for r, g in zip(ref, got):
+            assert sorted(k for k in g if k in weights) == sorted(weights), (kind, g)
+            assert {k: g[k] for k in weights} == pytest.approx(
+                {k: r[k] for k in weights}, abs=TOL, rel=TOL), (kind, r["step"])
+            assert g["loss"] == pytest.approx(sum(w * g[k] for k, w in weights.items()),
+                                              rel=1e-12), (kind, g)
+
+
 def test_mlp_distillation_dp2_matches_one_process(mlp_runs: dict[int, Path]) -> None:
     weights = load_weights(mlp_runs[1])
     assert all(w.dtype == torch.float64 for w in weights.values())
     assert_same_run(mlp_runs[1], mlp_runs[2])
+    # alpha = 0.7: loss = 0.3 x hard_loss + 0.7 x distill/kl (T^2 x KL)
+    assert_same_terms(mlp_runs[1], mlp_runs[2], {"hard_loss": 0.3, "distill/kl": 0.7})
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +238,9 @@ def bert_runs(work: Path, bert_teacher: Path, bert_teacher_files: dict) -> dict[
 def test_bert_distillation_dp2_matches_one_process(bert_runs: dict[int, Path],
                                                    bert_teacher: Path) -> None:
     assert_same_run(bert_runs[1], bert_runs[2])
+    assert_same_terms(bert_runs[1], bert_runs[2], {"distill/hidden": 1.0,
+                                                   "distill/attention": 1.0,
+                                                   "distill/cosine": 1.0})
     # The check can fail: the 4 steps moved the student far beyond the tolerance from where
     # it started, teacher blocks 1 and 3.
     teacher = load_file(str(bert_teacher / "model.safetensors"))
@@ -273,3 +293,39 @@ def test_distilling_changes_the_student_and_not_the_teacher(
     names = set(transformers.BertModel(config, add_pooling_layer=False).state_dict())
     assert set(bert) == names, sorted(set(bert) ^ names)
     assert file_tree(bert_teacher) == bert_teacher_files
+
+
+def test_the_students_hf_model_is_a_whole_encoder(bert_runs: dict[int, Path]) -> None:
+    """RUN_DIR/hf-model/ of a sentences student holds the data's tokenizer and
+    sentence-transformers' mean pooling beside the weights: loaded as a user would, with plain
+    AutoTokenizer + AutoModel, it has the teacher's vocabulary (not the 5-token tokenizer
+    transformers builds from config.json alone, with which the student scored Lee 0.015) and
+    gives the embeddings scaletrain computes in process; sentence-transformers loads it too."""
+    from scaletrain.data.sentences import tokenize
+    from scaletrain.distill.losses import mean_pool
+    from scaletrain.distill.teacher import packaged_minilm_dir
+
+    hf_dir, texts = bert_runs[1] / "hf-model", ["hello world", "students learn", "x"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    data_tok = transformers.AutoTokenizer.from_pretrained(str(packaged_minilm_dir()),
+                                                          local_files_only=True)
+    assert len(tok) == len(data_tok) == 30522
+    model = transformers.AutoModel.from_pretrained(str(hf_dir), local_files_only=True).eval()
+    enc = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**enc).last_hidden_state  # (B, T, D)
+    m = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    plain = (hidden * m).sum(1) / m.sum(1)  # mean pooling, by hand
+    # scaletrain in process: the data's own tokens (seq_len 16), the student from its weights
+    ids, mask, _ = tokenize(texts, tokenizer_dir=packaged_minilm_dir(), seq_len=16)
+    student = transformers.BertModel(transformers.BertConfig(num_hidden_layers=2, **BERT_WIDTHS),
+                                     add_pooling_layer=False).double().eval()
+    student.load_state_dict(load_weights(bert_runs[1]))
+    with torch.no_grad():
+        ours = mean_pool(student(ids, attention_mask=mask).last_hidden_state, mask)
+    assert plain.dtype == ours.dtype == torch.float64
+    assert float((plain - ours).abs().max()) < TOL
+    st = pytest.importorskip("sentence_transformers")
+    encoder = st.SentenceTransformer(str(hf_dir), device="cpu")
+    got = torch.from_numpy(encoder.encode(texts, convert_to_numpy=True)).double()
+    assert float((got - ours).abs().max()) < TOL

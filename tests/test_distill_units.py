@@ -10,9 +10,11 @@ order the losses' docstrings define them (per example first, then summed over ex
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,8 @@ from scaletrain.data.sources import IGNORE_INDEX, ArrayDataset, Batch, TaskSpec 
 from scaletrain.distill import cache as kd_cache  # noqa: E402
 from scaletrain.distill.losses import (attention_mse, cosine_loss, hidden_mse,  # noqa: E402
                                        mean_pool, soft_target_kl, uniform_layer_map)
-from scaletrain.distill.objective import Needs, Weights, distillation_loss  # noqa: E402
+from scaletrain.distill.objective import (Needs, Weights, distillation_loss,  # noqa: E402
+                                          take_terms)
 from scaletrain.distill.student import (Distilled, StudentOutput,  # noqa: E402
                                         init_from_teacher, resolve_layer_map, student_weights)
 from scaletrain.distill.teacher import TeacherError, load_teacher, weights_sha256  # noqa: E402
@@ -463,6 +466,77 @@ def test_language_model_loss_skips_ignored_tokens_in_both_terms() -> None:
     assert float(total) == pytest.approx(0.75 * ce + 0.25 * 4 * kl, rel=1e-12)
 
 
+def test_language_model_cosine_on_logits_skips_ignored_tokens() -> None:
+    """The cosine on an LM's logits counts the tokens the hard loss and the KL count (targets
+    not -100), which the step's count (target tokens) normalises; an ignored position (here
+    with logits opposite to the teacher's: cosine -1) adds nothing."""
+    s = _t([[[1.0, 0.0, 0.0], [0.0, 2.0, 1.0]], [[0.5, 0.5, 0.0], [3.0, 1.0, 0.0]]])
+    t = _t([[[0.0, 1.0, 0.0], [0.0, -2.0, -1.0]], [[2.0, 0.0, 1.0], [0.0, 0.0, 4.0]]])
+    targets = torch.tensor([[2, IGNORE_INDEX], [0, 1]])
+    batch = Batch(inputs=torch.zeros(2, 2, dtype=torch.long), targets=targets, count=3,
+                  tokens=4, teacher={"logits": t})
+    real = [(0, 0, 2), (1, 0, 0), (1, 1, 1)]
+    ce = sum(_ce(s[b, i].tolist(), y) for b, i, y in real)
+    cos = sum(1 - _cosine(s[b, i].tolist(), t[b, i].tolist()) for b, i, _ in real)
+
+    total, count = _loss("lm", _w(alpha=0.0, cosine=0.5, cosine_on="logits"))(
+        StudentOutput(logits=s, last_hidden=None), batch)
+
+    assert count == 3
+    assert float(total) == pytest.approx(ce + 0.5 * cos, rel=1e-12)
+
+
+def test_loss_terms_are_the_unweighted_parts_of_the_loss() -> None:
+    """`loss_fn.terms` sums each term over the calls since the last take: what the training
+    and eval records log as hard_loss and distill/* (divided by the loss's count)."""
+    s = _t([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]])
+    t = _t([[3.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    batch = Batch(inputs=torch.zeros(2, 4), targets=torch.tensor([0, 2]), count=2, tokens=0,
+                  teacher={"logits": t})
+    out = StudentOutput(logits=s, last_hidden=None)
+    ce = _ce(s[0].tolist(), 0) + _ce(s[1].tolist(), 2)
+    kl = 4 * (_kl(s[0].tolist(), t[0].tolist(), 2.0) + _kl(s[1].tolist(), t[1].tolist(), 2.0))
+    cos = sum(1 - _cosine(s[b].tolist(), t[b].tolist()) for b in range(2))
+    fn = _loss("classification", _w(alpha=0.3, temperature=2.0, cosine=0.5, cosine_on="logits"))
+
+    assert fn.terms.names == ("hard_loss", "distill/kl", "distill/cosine")
+    total = sum(float(fn(out, batch)[0]) for _ in range(2))  # two calls: the sums add
+    terms = take_terms(fn)
+
+    assert terms == pytest.approx({"hard_loss": 2 * ce, "distill/kl": 2 * kl,
+                                   "distill/cosine": 2 * cos}, rel=1e-12)
+    assert total == pytest.approx(0.7 * terms["hard_loss"] + 0.3 * terms["distill/kl"]
+                                  + 0.5 * terms["distill/cosine"], rel=1e-12)
+    assert take_terms(fn) == {"hard_loss": 0.0, "distill/kl": 0.0, "distill/cosine": 0.0}
+    assert take_terms(cross_entropy) == {}  # a loss without terms
+    encoder = _loss("encode", _w(alpha=0.5, hidden=2.0, attention=3.0, cosine=0.5),
+                    layer_map=[0, 2, 4])
+    assert encoder.terms.names == ("distill/hidden", "distill/attention", "distill/cosine")
+
+
+@pytest.mark.parametrize("weights, expect", [
+    (dict(), "distill.cosine_weight = 0.0"),  # the defaults: alpha alone, no encoder term
+    (dict(cosine=1.0, cosine_on="logits"), "distill.cosine_on = 'pooled'"),
+])
+def test_encoder_weights_that_give_no_loss_are_refused(weights: dict, expect: str) -> None:
+    """Sentence data with the default [distill] weights: the loss would be a constant zero
+    with no gradient (the first backward raised a traceback); build_distillation refuses it
+    like the launcher does (distill/checks.py)."""
+    from scaletrain.config import Config
+    from scaletrain.distill.build import build_distillation
+    from scaletrain.distill.checks import encoder_loss_problem
+
+    cosine, cosine_on = weights.get("cosine", 0.0), weights.get("cosine_on", "pooled")
+    assert expect in encoder_loss_problem(hidden=0.0, attention=0.0, cosine=cosine,
+                                          cosine_on=cosine_on)
+    assert encoder_loss_problem(hidden=0.0, attention=0.0, cosine=1.0, cosine_on="pooled") is None
+    config = Config.model_validate({"distill": {"teacher": "unread", "cosine_weight": cosine,
+                                                "cosine_on": cosine_on}})
+    with pytest.raises(UserCodeError, match=re.escape(expect)):
+        build_distillation(config, _bert(2, seed=1), task=TaskSpec("encode", (4,), 30522),
+                           hard=None, precision=None)
+
+
 def _encode_case(seed: int = 0):
     """A 2-layer student mapped to teacher states [0, 2, 4], with every teacher output."""
     g = torch.Generator().manual_seed(seed)
@@ -692,3 +766,20 @@ def test_load_teacher_with_its_sha256_is_the_frozen_run(mlp_run_dir) -> None:
     state = teacher.module.state_dict()
     assert all(torch.equal(state[k], v.double()) for k, v in model.state_dict().items())
     assert not any(p.requires_grad for p in teacher.module.parameters())
+
+
+# ----------------------------------------------------------------------------- layering
+
+
+def test_sentences_data_import_nothing_from_distill_or_models() -> None:
+    """data/ sits below the techniques and the models: data/sentences.py takes its tokenizer
+    directory as a plain value from the caller (distill/build.sentence_tokenizer_dir), and
+    imports neither distill/ (the packaged teacher's directory) nor models/ (which import
+    data.sources: a cycle). Imports inside functions count too."""
+    import scaletrain.data.sentences as sentences
+
+    tree = ast.parse(Path(sentences.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    upward = sorted(m for m in imported if m.startswith(("scaletrain.distill", "scaletrain.models")))
+    assert not upward, f"data/sentences.py imports {upward}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -75,8 +76,14 @@ def cmd_distill_cache(args: argparse.Namespace) -> int:
             "teacher_width": int(width or 0), "outputs": kd.needs.keys(),
             "data_source": config.data.source, "seq_len": config.data.seq_len}
     start = time.perf_counter()
-    written = write_cache(args.out_dir, splits=splits, info=info, top_k=config.distill.top_k,
-                          targets_fn=lambda b: teacher_targets(teacher, b, kd.needs))
+    total = sum(len(ds) for ds in splits.values())
+    print(f"scaletrain: distill-cache: teacher {config.distill.teacher} over {total} rows "
+          f"({', '.join(f'{len(ds)} {s}' for s, ds in splits.items())}) into {args.out_dir}",
+          flush=True)
+    with _progress(total, quiet=config.log.quiet) as bar:
+        written = write_cache(args.out_dir, splits=splits, info=info, top_k=config.distill.top_k,
+                              targets_fn=lambda b: teacher_targets(teacher, b, kd.needs),
+                              report=bar.write, advance=bar.update)
     rows = sum(s["rows"] for s in written["splits"].values())
     wall = time.perf_counter() - start
     print(f"scaletrain: teacher-output cache {args.out_dir} ({rows} rows in {wall:.1f} s, "
@@ -84,10 +91,18 @@ def cmd_distill_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(total: int, *, quiet: bool):
+    """A rows bar on stderr for a terminal; off in a log (not a tty) or with log.quiet, where
+    each split's one line (`write`, on stdout) is all that is printed."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="rows", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                disable=quiet or not sys.stderr.isatty())
+
+
 def _encoder_dir(model: str) -> tuple[Path, Path]:
     """(weights directory, tokenizer directory) of what `scaletrain eval` was given."""
-    from scaletrain.data.sentences import resolve_tokenizer_dir
-    from scaletrain.distill.teacher import MINILM, packaged_minilm_dir
+    from scaletrain.distill.teacher import MINILM, packaged_minilm_dir, resolve_tokenizer_dir
 
     if model == MINILM:
         d = packaged_minilm_dir()
@@ -98,13 +113,34 @@ def _encoder_dir(model: str) -> tuple[Path, Path]:
         if not (path / "hf-model").is_dir():
             raise ConfigError(f"run directory {model!r} has no hf-model/: `scaletrain eval` scores "
                               "Hugging Face encoders (model.name = 'hf' on sentences)")
-        tokenizer = str(config.data.kwargs.get("tokenizer", MINILM))
-        return path / "hf-model", resolve_tokenizer_dir(tokenizer)
+        weights = _safetensors_dir(path / "hf-model", model)
+        if _has_tokenizer(weights):  # the trainer saves it beside the weights
+            return weights, weights
+        return weights, resolve_tokenizer_dir(str(config.data.kwargs.get("tokenizer", MINILM)))
     if (path / "config.json").is_file():
-        return path, resolve_tokenizer_dir(str(path)) if (path / "vocab.txt").exists() or (
-            path / "tokenizer.json").exists() else packaged_minilm_dir()
+        weights = _safetensors_dir(path, model)
+        return weights, weights if _has_tokenizer(weights) else packaged_minilm_dir()
     raise ConfigError(f"MODEL {model!r} is neither a scaletrain run directory, a Hugging Face "
                       f"directory, nor {MINILM!r}")
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file() or (path / "vocab.txt").is_file()
+
+
+def _safetensors_dir(path: Path, model: str) -> Path:
+    """`path`, which must hold safetensors weights: pickle weights (pytorch_model.bin) are
+    refused, never loaded, since unpickling can run code (the README's promise)."""
+    from scaletrain.models.hf import PICKLE_SUFFIXES
+
+    if any(path.glob("*.safetensors")):
+        return path
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    held = f"holds {', '.join(pickles)} instead of" if pickles else "has no"
+    raise ConfigError(f"MODEL {model!r}: {str(path)!r} {held} safetensors weights; scaletrain "
+                      "eval loads only *.safetensors (a pickle can run code when loaded): "
+                      "convert it once, in a trusted environment, with `AutoModel.from_pretrained"
+                      "(dir).save_pretrained(new_dir)` (transformers 5 writes safetensors)")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

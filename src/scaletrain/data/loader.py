@@ -35,7 +35,7 @@ class Dataset(Protocol):
 def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
                  synthetic_examples: int = 4096, seed: int = 0,
                  shuffle_window: int | None = None, kwargs: dict[str, Any] | None = None,
-                 fn: Callable | None = None) -> Dataset:
+                 fn: Callable | None = None, tokenizer_dir: Path | None = None) -> Dataset:
     """A built-in source in memory, the Parquet shards under `path`, or the user's dataset.
 
     Args:
@@ -50,6 +50,7 @@ def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
             what one window touches; None for splits read in storage order (eval).
         kwargs: for a user's data function (`data.kwargs`).
         fn: the user's data function itself (Python API); `source` is then its label.
+        tokenizer_dir: for "sentences": the tokenizer's directory (the caller resolves it).
     """
     if fn is not None or is_import_path(source):
         from scaletrain.data.user_source import load_user_dataset
@@ -58,7 +59,8 @@ def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
     if source == "sentences":
         from scaletrain.data.sentences import load_sentences
 
-        return load_sentences(split=split, seq_len=seq_len, kwargs=kwargs or {})
+        return load_sentences(split=split, seq_len=seq_len, kwargs=kwargs or {},
+                              tokenizer_dir=tokenizer_dir)
     if source == "shards":
         from scaletrain.data.shards import load_dataset as load_shards
 

@@ -7,8 +7,9 @@ words), the most frequent words of that text as items of their own. Lee's news d
 the word-similarity sets and the sentiment sentences are never read here: they are the
 evaluation (`distill/evaluate.py`).
 
-Items are tokenized once with the teacher's WordPiece tokenizer (a local directory, or the
-packaged all-MiniLM-L6-v2's), truncated or padded to data.seq_len, with the attention mask
+Items are tokenized once with the teacher's WordPiece tokenizer (a directory handed in by
+the caller: data.kwargs.tokenizer resolved above this layer, by default the packaged
+all-MiniLM-L6-v2's), truncated or padded to data.seq_len, with the attention mask
 as the model's `attention_mask` keyword. There are no labels: the targets are zeros, the
 count is examples, and the loss comes from the teacher (distill/objective.py).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -55,26 +57,14 @@ def frequent_words(n: int) -> list[str]:
     return [w for w, _ in counts.most_common(n)]
 
 
-def resolve_tokenizer_dir(name: str) -> Path:
-    """A tokenizer directory, or the packaged teacher's for 'all-MiniLM-L6-v2'."""
-    if name == "all-MiniLM-L6-v2":
-        from scaletrain.distill.teacher import packaged_minilm_dir
-
-        return packaged_minilm_dir()
-    path = Path(name).expanduser()
-    if not (path / "tokenizer.json").is_file() and not (path / "vocab.txt").is_file():
-        raise ValueError(f"data.kwargs.tokenizer = {name!r} is not a tokenizer directory (no "
-                         "tokenizer.json or vocab.txt); give a local model directory or "
-                         "'all-MiniLM-L6-v2'")
-    return path
-
-
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str):
     """A fast tokenizer from a local directory (nothing is downloaded)."""
-    from scaletrain.models.hf import _import_transformers
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read once, at the hub's first import
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import transformers
 
-    return _import_transformers().AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 class TokenDataset:
@@ -115,8 +105,18 @@ def tokenize(texts: list[str], *, tokenizer_dir: str | Path, seq_len: int
     return enc["input_ids"].long(), enc["attention_mask"].long(), len(tok)
 
 
-def load_sentences(*, split: str, seq_len: int, kwargs: dict[str, Any]) -> TokenDataset:
-    """One split of the sentence mix (see the module docstring)."""
+def load_sentences(*, split: str, seq_len: int, kwargs: dict[str, Any],
+                   tokenizer_dir: str | Path) -> TokenDataset:
+    """One split of the sentence mix (see the module docstring).
+
+    Args:
+        split: "train" or "eval".
+        seq_len: tokens per item (truncated or padded).
+        kwargs: data.kwargs (corpora, words; tokenizer is resolved by the caller).
+        tokenizer_dir: the tokenizer's directory, decided above the data layer
+            (distill/build.sentence_tokenizer_dir: data.kwargs.tokenizer, or the packaged
+            teacher's), so that data/ asks no other layer where a tokenizer lives.
+    """
     unknown = sorted(set(kwargs) - set(KWARGS))
     if unknown:
         raise ValueError(f"data.kwargs {unknown} are not read by data.source = 'sentences'; "
@@ -133,6 +133,5 @@ def load_sentences(*, split: str, seq_len: int, kwargs: dict[str, Any]) -> Token
         items += frequent_words(int(kwargs.get("words", 5000)))
     # Every 20th item is held out: both kinds of item are in both splits.
     picked = [t for i, t in enumerate(items) if (i % 20 == 19) == (split == "eval")]
-    tokenizer_dir = resolve_tokenizer_dir(str(kwargs.get("tokenizer", "all-MiniLM-L6-v2")))
     ids, mask, vocab = tokenize(picked, tokenizer_dir=tokenizer_dir, seq_len=seq_len)
     return TokenDataset(ids, mask, vocab_size=vocab)

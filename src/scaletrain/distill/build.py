@@ -11,6 +11,7 @@ and loss: precision, DDP / FSDP, accumulation and checkpoints need nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,11 +19,12 @@ from torch import nn
 from scaletrain.config import Config
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sources import TaskSpec
+from scaletrain.distill.checks import encoder_loss_problem
 from scaletrain.distill.objective import Needs, Weights, distillation_loss, needs_of
 from scaletrain.distill.student import (Distilled, init_from_teacher, n_blocks,
                                         resolve_layer_map)
-from scaletrain.distill.teacher import (Teacher, load_teacher, set_precision, teacher_dtype,
-                                        teacher_kind, weights_sha256)
+from scaletrain.distill.teacher import (MINILM, Teacher, load_teacher, resolve_tokenizer_dir,
+                                        set_precision, teacher_dtype, teacher_sha256)
 from scaletrain.precision import Precision
 from scaletrain.loss import LossFn
 from scaletrain.user_code import UserCodeError
@@ -46,6 +48,7 @@ class Distillation:
     needs: Needs
     layer_map: list[int]
     initialised: list[str]  # student weights copied from the teacher
+    teacher_sha256: str | None = None  # of the teacher loaded here (None: none was loaded)
 
 
 def build_distillation(config: Config, student: nn.Module, *, task: TaskSpec, hard: LossFn | None,
@@ -66,6 +69,10 @@ def build_distillation(config: Config, student: nn.Module, *, task: TaskSpec, ha
         raise UserCodeError("distill.hidden_weight and distill.attention_weight need a Hugging "
                             "Face student and teacher (their hidden states and attention maps); "
                             f"model.name = {config.model.name!r} gives logits only")
+    problem = encoder_loss_problem(hidden=w.hidden, attention=w.attention, cosine=w.cosine,
+                                   cosine_on=w.cosine_on) if task.kind == "encode" else None
+    if problem:
+        raise UserCodeError(problem)
     if w.cosine > 0 and w.cosine_on == "pooled" and task.kind != "encode":
         raise UserCodeError(f"distill.cosine_on = 'pooled' compares an encoder's mean-pooled "
                             f"hidden states, but the data are {task.kind!r} (a classifier or LM "
@@ -95,6 +102,7 @@ def build_distillation(config: Config, student: nn.Module, *, task: TaskSpec, ha
     initialised = init_from_teacher(student, teacher.module, list(d.init_layers)) \
         if d.init_layers else []
     needs = needs_of(w, task_kind=task.kind, layer_map=layer_map)
+    sha = teacher.sha256 if teacher is not None else None
     if d.cache:
         teacher = None  # loaded only to copy its layers
     else:
@@ -108,7 +116,7 @@ def build_distillation(config: Config, student: nn.Module, *, task: TaskSpec, ha
     loss_fn = distillation_loss(hard, teacher=teacher, weights=w, needs=needs,
                                 layer_map=layer_map, task_kind=task.kind)
     return Distillation(model=model, loss_fn=loss_fn, teacher=teacher, needs=needs,
-                        layer_map=layer_map, initialised=initialised)
+                        layer_map=layer_map, initialised=initialised, teacher_sha256=sha)
 
 
 def run_teacher_dtype(config: Config, precision: Precision) -> torch.dtype:
@@ -119,20 +127,33 @@ def run_teacher_dtype(config: Config, precision: Precision) -> torch.dtype:
 def cached_splits(config: Config, kd: Distillation, *, precision: Precision,
                   splits: dict[str, Dataset]) -> dict[str, Dataset]:
     """Each split with its cached teacher outputs, once the cache is checked against the run:
-    its data, its teacher (when distill.teacher is given too), its dtype, the outputs needed."""
+    its data, its teacher, its dtype, the outputs needed.
+
+    The teacher is distill.teacher's weights (a run, a checkpoint, whose weights are exported
+    to hash them, or a Hugging Face directory), which must also match distill.teacher_sha256
+    when both are given; with the cache alone, distill.teacher_sha256 (when given) is the
+    cache's teacher."""
     from scaletrain.distill.cache import with_cache
 
     d = config.distill
-    sha = None
     if d.teacher:
-        kind, directory = teacher_kind(d.teacher)
-        files = ([directory / "model.safetensors"] if kind == "run"
-                 else sorted(directory.glob("*.safetensors")) if kind == "hf" else [])
-        sha = weights_sha256(files) if files else None
+        sha = kd.teacher_sha256 or teacher_sha256(d.teacher, expected_sha256=d.teacher_sha256)
+        key = "distill.teacher"
+    else:
+        sha, key = d.teacher_sha256 or None, "distill.teacher_sha256"
     dtype = str(run_teacher_dtype(config, precision)).removeprefix("torch.")
     return {split: with_cache(ds, d.cache, split=split, needs_keys=kd.needs.keys(),
-                              teacher_sha256=sha, teacher_dtype=dtype)
+                              teacher_sha256=sha, teacher_dtype=dtype, teacher_key=key)
             for split, ds in splits.items()}
+
+
+def sentence_tokenizer_dir(config: Config) -> Path | None:
+    """The tokenizer directory of data.source = 'sentences' (data.kwargs.tokenizer, default the
+    packaged teacher's), None for other data. Decided here, above the data layer, and handed
+    to it (data/sentences.py) and to the student's hf-model/ as a plain path."""
+    if config.data.source != "sentences":
+        return None
+    return resolve_tokenizer_dir(str(config.data.kwargs.get("tokenizer", MINILM)))
 
 
 def _is_hf(module: nn.Module) -> bool:

@@ -11,7 +11,8 @@ records what the outputs depend on:
   and the row count;
 - which outputs, their shapes, top_k, and the teacher's layer count and width.
 A run with distill.cache checks all of it before the first step: other data, another
-teacher (when distill.teacher is also given), another teacher dtype or an output the cache
+teacher (distill.teacher's weights, whatever kind of teacher it is, or distill.teacher_sha256
+when the cache is given alone), another teacher dtype or an output the cache
 lacks is refused with a message naming the difference; a cache is never silently reused.
 Then no teacher is loaded: each batch carries its rows' outputs (`Batch.teacher`).
 
@@ -58,7 +59,7 @@ def data_fingerprint(ds: Dataset) -> str:
 
 
 def write_cache(out_dir: Path, *, splits: dict[str, Dataset], targets_fn, info: dict,
-                top_k: int, report=print) -> dict:
+                top_k: int, report=print, advance=lambda rows: None) -> dict:
     """Write each split's teacher outputs and cache.json; returns the info written.
 
     Args:
@@ -67,7 +68,8 @@ def write_cache(out_dir: Path, *, splits: dict[str, Dataset], targets_fn, info: 
         targets_fn: batch -> dict of teacher outputs (objective.teacher_targets).
         info: the teacher's sha256, dtype, source, layers and width, and the needs.
         top_k: logits kept per example or token (0 = all).
-        report: progress lines.
+        report: one line per split written.
+        advance: called with each chunk's row count once it is written (a progress bar).
     """
     out_dir = Path(out_dir)
     if (out_dir / INFO).exists():
@@ -88,6 +90,7 @@ def write_cache(out_dir: Path, *, splits: dict[str, Dataset], targets_fn, info: 
                 part, rows_in_file = part + 1, 0
             writer.write_table(table)
             rows_in_file += table.num_rows
+            advance(table.num_rows)
         if writer is not None:
             writer.close()
         info["splits"][split] = {"rows": len(ds), "data_sha256": data_fingerprint(ds),
@@ -125,9 +128,18 @@ def read_info(cache_dir: str | Path) -> dict:
 
 
 def check_cache(info: dict, *, cache_dir: str, split: str, ds: Dataset, needs_keys: list[str],
-                teacher_sha256: str | None, teacher_dtype: str) -> None:
-    """Refuse a cache made for other data, another teacher or dtype, or lacking an output."""
+                teacher_sha256: str | None, teacher_dtype: str,
+                teacher_key: str = "distill.teacher") -> None:
+    """Refuse a cache made for other data, another teacher or dtype, or lacking an output.
+
+    Args:
+        teacher_sha256: the run's teacher (None: not known, not checked).
+        teacher_key: where that SHA-256 comes from, for the message ("distill.teacher" or
+            "distill.teacher_sha256").
+    """
     where = f"distill.cache = {cache_dir!r}"
+    check_cache_teacher(info, cache_dir=cache_dir, teacher_sha256=teacher_sha256,
+                        teacher_key=teacher_key)
     part = info["splits"].get(split)
     if part is None:
         raise CacheError(f"{where} has no {split!r} split")
@@ -135,10 +147,6 @@ def check_cache(info: dict, *, cache_dir: str, split: str, ds: Dataset, needs_ke
         raise CacheError(f"{where} was written for other {split} data ({part['rows']} rows, data "
                          f"SHA-256 {part['data_sha256'][:12]}...) than this run's ({len(ds)} rows): "
                          "the data changed since `scaletrain distill-cache`; write the cache again")
-    if teacher_sha256 is not None and teacher_sha256 != info["teacher_sha256"]:
-        raise CacheError(f"{where} holds the outputs of another teacher (weights SHA-256 "
-                         f"{info['teacher_sha256'][:12]}..., distill.teacher's is "
-                         f"{teacher_sha256[:12]}...): write the cache again for this teacher")
     if teacher_dtype != info["teacher_dtype"]:
         raise CacheError(f"{where} was computed with the teacher in {info['teacher_dtype']}, this "
                          f"run's distill.teacher_precision gives {teacher_dtype}")
@@ -147,6 +155,16 @@ def check_cache(info: dict, *, cache_dir: str, split: str, ds: Dataset, needs_ke
         raise CacheError(f"{where} lacks the teacher outputs {missing} this run's [distill] "
                          f"weights need (it holds {sorted(part['shapes'])}); write it with this "
                          "config")
+
+
+def check_cache_teacher(info: dict, *, cache_dir: str, teacher_sha256: str | None,
+                        teacher_key: str = "distill.teacher") -> None:
+    """Refuse a cache of another teacher than the run's (its weights' SHA-256)."""
+    if teacher_sha256 is None or teacher_sha256.lower() == info["teacher_sha256"]:
+        return
+    raise CacheError(f"distill.cache = {cache_dir!r} holds the outputs of another teacher "
+                     f"(weights SHA-256 {info['teacher_sha256'][:12]}..., {teacher_key} gives "
+                     f"{teacher_sha256.lower()[:12]}...): write the cache again for this teacher")
 
 
 class CachedDataset:
@@ -177,11 +195,13 @@ class CachedDataset:
 
 
 def with_cache(ds: Dataset, cache_dir: str, *, split: str, needs_keys: list[str] | None = None,
-               teacher_sha256: str | None = None, teacher_dtype: str | None = None) -> CachedDataset:
+               teacher_sha256: str | None = None, teacher_dtype: str | None = None,
+               teacher_key: str = "distill.teacher") -> CachedDataset:
     """`ds` with the cache's outputs for `split`, after `check_cache` (when the run's needs are given)."""
     info = read_info(cache_dir)
     if needs_keys is not None:
         check_cache(info, cache_dir=cache_dir, split=split, ds=ds, needs_keys=needs_keys,
-                    teacher_sha256=teacher_sha256, teacher_dtype=teacher_dtype or info["teacher_dtype"])
+                    teacher_sha256=teacher_sha256, teacher_dtype=teacher_dtype or info["teacher_dtype"],
+                    teacher_key=teacher_key)
     shapes = info["splits"][split]["shapes"]
     return CachedDataset(ds, Path(cache_dir).expanduser(), split=split, shapes=shapes)

@@ -41,15 +41,13 @@ def check_distill_config(config: Config, layout: ParallelLayout) -> None:
     if d.init_layers and not d.teacher:
         raise ConfigError(f"distill.init_layers = {d.init_layers} copies the teacher's layers: "
                           "it needs distill.teacher (a cache holds outputs, not weights)")
-    from scaletrain.distill.teacher import teacher_kind
-
+    if config.data.source == "sentences":
+        problem = encoder_loss_problem(hidden=d.hidden_weight, attention=d.attention_weight,
+                                       cosine=d.cosine_weight, cosine_on=d.cosine_on)
+        if problem:
+            raise ConfigError(problem)
     try:
-        if d.teacher:
-            teacher_kind(d.teacher)
-        if d.cache:
-            from scaletrain.distill.cache import read_info
-
-            read_info(d.cache)
+        _check_paths(config)
     except UserError as e:  # TeacherError, CacheError: one-line user mistakes
         raise ConfigError(str(e)) from None
     if d.cosine_weight and d.cosine_on == "pooled" and config.model.name in ("mlp", "cnn", "gpt"):
@@ -61,3 +59,45 @@ def check_distill_config(config: Config, layout: ParallelLayout) -> None:
         raise ConfigError(f"distill.hidden_weight / attention_weight need a Hugging Face "
                           f"student (model.name = 'hf'); model.name = {config.model.name!r} "
                           "gives logits only")
+
+
+def _check_paths(config) -> None:
+    """The teacher, the sentences' tokenizer and the cache exist and, with the cache alone,
+    distill.teacher_sha256 names the cache's teacher (a given teacher's own weights are
+    hashed in the launcher, where the cache is checked against the data: distill/build.py).
+
+    Raises:
+        TeacherError, CacheError: one-line user mistakes.
+    """
+    from scaletrain.distill.teacher import MINILM, resolve_tokenizer_dir, teacher_kind
+
+    d = config.distill
+    if d.teacher:
+        teacher_kind(d.teacher)
+    if config.data.source == "sentences":
+        resolve_tokenizer_dir(str(config.data.kwargs.get("tokenizer", MINILM)))
+    if d.cache:
+        from scaletrain.distill.cache import check_cache_teacher, read_info
+
+        check_cache_teacher(read_info(d.cache), cache_dir=d.cache,
+                            teacher_sha256=None if d.teacher else d.teacher_sha256 or None,
+                            teacher_key="distill.teacher_sha256")
+
+
+def encoder_loss_problem(*, hidden: float, attention: float, cosine: float,
+                         cosine_on: str) -> str | None:
+    """Why these [distill] weights give an encoder (data kind "encode": no labels, no logits)
+    no loss, or None. The KL (alpha) and a cosine on logits read logits, which an encoder
+    lacks; with no hidden, attention or pooled-cosine term the loss would be a constant zero
+    with no gradient, which the first backward rejects with a traceback. Called before
+    launch for data.source = 'sentences' and by distill/build.py for any encoder data."""
+    if cosine > 0 and cosine_on == "logits":
+        return ("distill.cosine_on = 'logits' compares logits, and a sentence encoder (data "
+                "kind 'encode') gives none: use distill.cosine_on = 'pooled'")
+    if hidden == 0 and attention == 0 and cosine == 0:
+        return ("a sentence encoder (data kind 'encode', e.g. data.source = 'sentences') has no "
+                "labels and gives no logits, so distill.alpha (the soft-target KL) has nothing to "
+                "compare; with distill.hidden_weight = 0.0, distill.attention_weight = 0.0 and "
+                "distill.cosine_weight = 0.0 the loss would be zero with no gradient: set at "
+                "least one of them > 0 (e.g. distill.cosine_weight = 1.0)")
+    return None

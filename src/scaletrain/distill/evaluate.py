@@ -78,7 +78,8 @@ def hf_encoder(
     """Wrap a Hugging Face encoder (a local directory or a module in memory) as an ``Encode``.
 
     Args:
-        model_dir_or_module: a local model directory, loaded with ``AutoModel`` offline, or an
+        model_dir_or_module: a local model directory, loaded with ``AutoModel`` offline from
+            its safetensors weights only (pickles are never opened), or an
             ``nn.Module`` called as ``model(input_ids=..., attention_mask=...)`` whose output has
             ``last_hidden_state`` (or is a tuple whose first element is it). A module is used
             on its own device and dtype; its train/eval mode is restored after each call.
@@ -96,7 +97,13 @@ def hf_encoder(
     if isinstance(model_dir_or_module, torch.nn.Module):
         model = model_dir_or_module
     else:
-        model = AutoModel.from_pretrained(str(model_dir_or_module), local_files_only=True, dtype=dtype)
+        if not any(Path(model_dir_or_module).glob("*.safetensors")):
+            raise ValueError(f"{str(model_dir_or_module)!r} has no *.safetensors weights: only "
+                             "safetensors are loaded (a pickle such as pytorch_model.bin can "
+                             "run code when loaded)")
+        # use_safetensors: never fall back to a pickle beside the safetensors.
+        model = AutoModel.from_pretrained(str(model_dir_or_module), local_files_only=True,
+                                          use_safetensors=True, dtype=dtype)
         model.eval()
 
     def encode(texts: list[str]) -> np.ndarray:

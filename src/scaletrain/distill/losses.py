@@ -18,8 +18,8 @@ the batch here would be divided twice and weighted per micro-batch.
   example averaged over heads and the unmasked query x key positions.
 - `cosine_loss`: DistilBERT's cosine embedding loss with target 1: 1 - cos(student, teacher)
   per example, on pooled embeddings or logits.
-Language-model logits (B, T, V) are per token: their KL sums over the unmasked tokens, which
-is what the step's count (target tokens) normalises.
+Language-model logits (B, T, V) are per token: their KL and cosine sum over the unmasked
+tokens (targets not -100), which is what the step's count (target tokens) normalises.
 """
 
 from __future__ import annotations
@@ -89,10 +89,20 @@ def attention_mse(student_attn: torch.Tensor, teacher_attn: torch.Tensor, *,
     return ((sq * pairs).sum((-2, -1)) / pairs.sum((-2, -1)).clamp_min(1)).sum()
 
 
-def cosine_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """Sum over examples of 1 - cos(student_i, teacher_i); inputs (B, D), or (B, T, D) per token."""
+def cosine_loss(student: torch.Tensor, teacher: torch.Tensor, *,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over examples of 1 - cos(student_i, teacher_i); inputs (B, D), or (B, T, D) per token.
+
+    Args:
+        student, teacher: (B, D) pooled embeddings or logits, or (B, T, V) per-token logits.
+        mask: (B, T) bool, the tokens that count (LM targets that are not -100), as the KL and
+            the hard loss count them; None = all.
+    """
     cos = F.cosine_similarity(_wide(student), _wide(teacher).to(_wide(student).dtype), dim=-1)
-    return (1 - cos).sum()
+    per_item = 1 - cos  # (B,) or (B, T)
+    if mask is not None:
+        per_item = per_item * mask
+    return per_item.sum()
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

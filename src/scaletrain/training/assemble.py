@@ -48,11 +48,14 @@ def brings_own_code(config: Config, code: UserCode = NO_CODE) -> bool:
 
 def build_data(config: Config, *, split: str, code: UserCode = NO_CODE) -> Dataset:
     """One split of the configured data source."""
+    from scaletrain.distill.build import sentence_tokenizer_dir
+
     d = config.data
     return load_dataset(d.source, split=split, path=d.path, seq_len=d.seq_len,
                         synthetic_examples=d.synthetic_examples, seed=config.train.seed,
                         shuffle_window=d.shuffle_window if split == "train" else None,
-                        kwargs=d.kwargs, fn=code.data)
+                        kwargs=d.kwargs, fn=code.data,
+                        tokenizer_dir=sentence_tokenizer_dir(config))
 
 
 def build_net(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) -> torch.nn.Module:

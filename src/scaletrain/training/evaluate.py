@@ -1,6 +1,7 @@
 """Held-out evaluation: the loss and the task's metric, each data-parallel share a part.
 
-`eval_totals` sums one share's loss, hits (or squared error) and count with no collective,
+`eval_totals` sums one share's loss, hits (or squared error), count and, for a loss with
+terms (distillation: `hard_loss`, `distill/kl`, ...), each term, with no collective;
 `eval_record` turns totals into the record; `evaluate` is the two with one all-reduce in
 between, as every collective layout runs it. The parameter-server strategy evaluates on one
 server with no collective (ps/run.py).
@@ -30,7 +31,10 @@ def eval_totals(net: torch.nn.Module, eval_ds: Dataset, *, limit: int, batch: in
                 dp_rank: int, dp_size: int, counts: bool, precision: Precision,
                 device: torch.device, loss_fn: LossFn,
                 pipeline: Pipeline | None = None) -> torch.Tensor:
-    """(loss sum, correct or squared error, count) over this share, in float64.
+    """(loss sum, correct or squared error, count, *terms) over this share, in float64.
+
+    The terms are a loss's parts (`loss_fn.terms`: under [distill] the hard loss and each
+    distillation term, unweighted), summed like the loss, in `term_names(loss_fn)` order.
 
     Args:
         net: the bare model (no DDP wrapper), or under pp > 1 this rank's stages.
@@ -44,7 +48,12 @@ def eval_totals(net: torch.nn.Module, eval_ds: Dataset, *, limit: int, batch: in
     """
     net.eval()
     kind = eval_ds.spec.kind
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct (or squared error), count
+    terms = getattr(loss_fn, "terms", None)  # a loss's parts (distill/objective.LossTerms)
+    names = term_names(loss_fn)
+    # loss sum, correct (or squared error), count, then each term's sum
+    totals = torch.zeros(3 + len(names), dtype=torch.float64)
+    if terms is not None:
+        terms.take()  # the sums start here: nothing a training call left counts
     for idx in eval_indices(len(eval_ds), limit=limit, dp_rank=dp_rank, dp_size=dp_size,
                             batch=batch):
         b = eval_ds.get(idx).to(device, non_blocking=True)
@@ -61,12 +70,29 @@ def eval_totals(net: torch.nn.Module, eval_ds: Dataset, *, limit: int, batch: in
         elif kind != "encode":  # sentences for an encoder have no labels: the loss alone
             totals[1] += float((output_logits(output).argmax(-1) == b.targets).sum())
         totals[2] += b.count
+    if terms is not None:
+        sums = terms.take()
+        totals[3:] = torch.tensor([sums[n] for n in names], dtype=torch.float64)
     net.train()
     return totals
 
 
-def eval_record(totals: torch.Tensor, *, kind: str, loss_name: str) -> dict:
-    """The evaluation's record from summed totals: loss and accuracy, mse or perplexity."""
+def term_names(loss_fn: LossFn) -> tuple[str, ...]:
+    """The names of the terms a loss records (`loss_fn.terms`), () for a loss without."""
+    terms = getattr(loss_fn, "terms", None)
+    return tuple(terms.names) if terms is not None else ()
+
+
+def eval_record(totals: torch.Tensor, *, kind: str, loss_name: str,
+                terms: tuple[str, ...] = ()) -> dict:
+    """The evaluation's record from summed totals: loss and accuracy, mse or perplexity, then
+    each of the loss's terms (`terms`, totals[3:]) over the same count as the loss."""
+    record = _metrics(totals, kind=kind, loss_name=loss_name)
+    count = max(float(totals[2]), 1.0)
+    return {**record, **{name: float(totals[3 + i]) / count for i, name in enumerate(terms)}}
+
+
+def _metrics(totals: torch.Tensor, *, kind: str, loss_name: str) -> dict:
     loss = float(totals[0] / totals[2])
     if kind == "regression":
         return {"loss": loss, "mse": float(totals[1] / totals[2])}
@@ -92,5 +118,6 @@ def evaluate(model: torch.nn.Module, eval_ds: Dataset, config: Config, penv: Pro
                          dp_size=layout.dp, counts=layout.reports_loss(penv.rank),
                          precision=precision, device=device, loss_fn=loss_fn,
                          pipeline=pipeline)
-    all_reduce_sum(totals)
-    return eval_record(totals, kind=eval_ds.spec.kind, loss_name=config.train.loss)
+    all_reduce_sum(totals)  # the terms with the loss: one sum over the data-parallel shares
+    return eval_record(totals, kind=eval_ds.spec.kind, loss_name=config.train.loss,
+                       terms=term_names(loss_fn))

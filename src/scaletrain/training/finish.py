@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file, save_model
 
 from scaletrain.config import Config
+from scaletrain.distill.build import sentence_tokenizer_dir
 from scaletrain.distill.student import student_weights
 from scaletrain.parallel.compose import unwrap
 from scaletrain.plan import Derived
@@ -44,7 +45,8 @@ def write_weights(run_dir: Path, *, model: torch.nn.Module,
     if config.model.name == "hf":  # also as a model directory: model.path can fine-tune it
         from scaletrain.models.hf import save_hf
 
-        save_hf(net, run_dir / "hf-model", state_dict=weights)
+        save_hf(net, run_dir / "hf-model", state_dict=weights,
+                tokenizer_dir=sentence_tokenizer_dir(config))  # sentences: a whole encoder
 
 
 def finish_run(run_dir: Path, *, model: torch.nn.Module,

@@ -17,6 +17,7 @@ The trainer's loop asks this module *what to say*, never keeps the arithmetic it
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -69,6 +70,7 @@ class Window:
 
     loss_sum: float = 0.0
     count: int = 0
+    terms: dict[str, float] = field(default_factory=dict)  # a loss's parts, summed like it
     steps: int = 0
     start: float = field(default_factory=time.perf_counter)
 
@@ -118,6 +120,7 @@ class RunProgress:
         w = self.window
         return {"bad_in_row": self.bad_in_row, "first_bad": self.first_bad or "",
                 "last_loss": self.last_loss, "window.loss_sum": w.loss_sum,
+                "window.terms": json.dumps(w.terms),
                 "window.count": w.count, "window.steps": w.steps,
                 "window.elapsed_s": time.perf_counter() - w.start,
                 "comm_seen": self.comm.seen if self.comm is not None else 0}
@@ -126,6 +129,7 @@ class RunProgress:
         self.bad_in_row, self.first_bad = int(state["bad_in_row"]), state["first_bad"] or None
         self.last_loss = float(state["last_loss"])
         self.window = Window(loss_sum=float(state["window.loss_sum"]),
+                             terms=json.loads(state.get("window.terms", "{}")),
                              count=int(state["window.count"]), steps=int(state["window.steps"]),
                              start=time.perf_counter() - float(state["window.elapsed_s"]))
         if self.comm is not None:
@@ -134,7 +138,7 @@ class RunProgress:
 
 def log_window(state, result: StepResult, micro: list[Batch], run: RunProgress, *,
                reports_loss: bool, logger: MetricsLogger, every: int, total_steps: int,
-               compiled: bool, dp: int) -> None:
+               compiled: bool, dp: int, terms: dict[str, float] | None = None) -> None:
     """Add the step to the window; every `every` steps (and at the last) write one record
     and start a new window.
 
@@ -147,11 +151,15 @@ def log_window(state, result: StepResult, micro: list[Batch], run: RunProgress, 
         every, total_steps: log.every and train.steps.
         compiled: train.compile (the record then says how many graphs dynamo captured).
         dp: the data-parallel degree (examples per record are global).
+        terms: this step's summed parts of the loss on this rank (under [distill]: the
+            hard loss and each distillation term), reduced and normalised like the loss.
     """
     window = run.window
     # Tensor-parallel peers hold the same loss and a pipeline's other stages none: one rank
     # per data-parallel share adds it, so the all-reduced sum counts every example once.
     window.loss_sum += float(result.loss_sum) if reports_loss else 0.0
+    for name, value in (terms or {}).items():
+        window.terms[name] = window.terms.get(name, 0.0) + (value if reports_loss else 0.0)
     window.count += result.count
     window.steps += 1
     if state.step % every and state.step != total_steps:
@@ -177,8 +185,12 @@ def log_window(state, result: StepResult, micro: list[Batch], run: RunProgress, 
 def train_record(step: int, result: StepResult, window: Window, micro: list[Batch], optimizer,
                  precision: Precision, *, skipped: int, dp: int) -> dict:
     """One metrics record for the window that ends at `step` (0-based)."""
-    # One all-reduce per record: the window's summed loss over every rank. Counts are global.
-    loss_sum = all_reduce_sum(torch.tensor([window.loss_sum], dtype=torch.float64))
+    # One all-reduce per record: the window's summed loss (and its terms, under [distill])
+    # over every rank. Counts are global.
+    names = sorted(window.terms)
+    sums = all_reduce_sum(torch.tensor([window.loss_sum, *(window.terms[n] for n in names)],
+                                       dtype=torch.float64))
+    loss_sum = sums[0]
     elapsed = time.perf_counter() - window.start
     examples = sum(len(mb.targets) for mb in micro) * dp * window.steps
     tokens = sum(mb.tokens for mb in micro) * dp * window.steps
@@ -195,6 +207,7 @@ def train_record(step: int, result: StepResult, window: Window, micro: list[Batc
         "peak_mem_bytes": lifetime_peak_bytes(),
         "skipped_steps": skipped,
     }
+    record.update({n: float(sums[1 + i]) / max(window.count, 1) for i, n in enumerate(names)})
     if precision.loss_scale is not None:
         record["loss_scale"] = precision.loss_scale
     return record

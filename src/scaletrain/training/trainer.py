@@ -50,6 +50,7 @@ from scaletrain.training import signals
 from scaletrain.training.finish import finish_run as _finish
 from scaletrain.training.optim import build_optimizer, build_scheduler
 from scaletrain.distill.build import cached_splits
+from scaletrain.distill.objective import take_terms
 from scaletrain.distill.teacher import describe_teacher, place_teacher
 from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, build_data,
                                          build_objective, build_net, check_fit, check_loss,
@@ -291,6 +292,7 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
     if not run.window.steps:  # no window restored: start its clock now, not at build time
         run.window = Window()
     indices = parts.sampler.micro_batches(state.step)
+    take_terms(parts.loss_fn)  # the set-up checks' calls are no step's
     for step in range(state.step, t.steps):
         micro, indices = _fetch(parts, indices, step=step, total_steps=t.steps)
         step_started = time.perf_counter()
@@ -306,6 +308,7 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
         state.step = step + 1
         _count_bad_steps(state, result, run, config=config)
         log_window(state, result, micro, run, reports_loss=parts.reports_loss, logger=logger,
+                   terms=take_terms(parts.loss_fn),  # [distill]: each term of the loss
                    every=config.log.every, total_steps=t.steps, compiled=config.train.compile,
                    dp=derived.layout.dp)
         if _checkpoint_or_stop(state, parts, logger=logger, config=config, run_dir=run_dir):
