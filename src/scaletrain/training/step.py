@@ -16,10 +16,10 @@ local count x n and no collective runs.
 The same step runs every layout. n is the data-parallel degree (dp_replicate x dp_shard):
 FSDP averages like DDP, tensor-parallel and pipeline peers read the same examples and
 average nothing, so a ragged count is summed over the data-parallel group alone (a sum over
-the world would count every example tp x pp times). Under pipeline parallelism one call of the schedule replaces a micro-
-batch's forward and backward (it splits the micro-batch into chunks and backpropagates
-each chunk's sum x the same weight), and the gradient norm is the whole model's, however it
-is split (training/grad_norm.py).
+the world would count every example tp x pp times). Under pipeline parallelism one call of
+the schedule replaces a micro-batch's forward and backward (it splits the micro-batch into
+chunks and backpropagates each chunk's sum x the same weight), and the gradient norm is the
+whole model's, however it is split (training/grad_norm.py).
 
 Its two halves are functions of their own: `accumulate_gradients` (the normalised forward
 and backward) and `clip_gradients` (the global norm and clipping), so that a parameter-
