@@ -198,9 +198,12 @@ def test_every_server_declares_the_same_workers_dead(faults: Faults) -> None:
         declared = sorted(set(re.findall(rf"parameter server {k}: worker (\d+) declared dead",
                                          log)))
         assert declared == ["1", "2", "3"], (k, log[-2000:])
-    # Server 1 keeps no lease of its own: it gives server 0's reason, word for word.
-    reasons = [dict(re.findall(rf"parameter server {k}: worker (\d+) declared dead \(([^)]*)",
-                               _log(faults.run_dir, k))) for k in range(SERVERS)]
+    # Server 1 keeps no lease of its own: server 0 decided, and it gives server 0's reason,
+    # word for word.
+    reasons = [dict(re.findall(rf"parameter server {k}: worker (\d+) declared dead{by} "
+                               r"\(([^)]*)", _log(faults.run_dir, k)))
+               for k, by in ((0, ""), (1, " by server 0"))]
+    assert sorted(reasons[1]) == ["1", "2", "3"], _log(faults.run_dir, 1)[-2000:]
     assert reasons[0] == reasons[1]
 
 

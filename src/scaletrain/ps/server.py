@@ -228,8 +228,9 @@ class ParameterServer:
                 self.clocks.left.add(worker)
             else:
                 self.clocks.dead[worker] = why
+                by = "" if self.authority else " by server 0"  # who decided: one authority
                 self.report(f"scaletrain: parameter server {self.index}: worker {worker} "
-                            f"declared dead ({why}); going on with {len(self.clocks.live)} "
+                            f"declared dead{by} ({why}); going on with {len(self.clocks.live)} "
                             "worker(s), its later messages refused")
             # Under sync its gradient for the step may be in here and not on another server
             # (stopped between its pushes): no server applies it.
