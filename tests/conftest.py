@@ -34,7 +34,7 @@ class Trained:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def __call__(self, cases: dict[str, Case], *, world_size: int, cwd: Path | None = None,
-                 timeout: float = 180.0) -> dict[str, CaseResult]:
+                 timeout: float = 300.0) -> dict[str, CaseResult]:
         keys = {name: self.key(case, world_size=world_size, cwd=cwd)
                 for name, case in cases.items()}
         missing: dict[str, Case] = {}

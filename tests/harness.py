@@ -234,7 +234,7 @@ class CaseResult:
     stderr: list[str] = field(default_factory=list)
 
 
-def run_job(cases: dict[str, Case], *, world_size: int, root: Path, timeout: float = 180.0,
+def run_job(cases: dict[str, Case], *, world_size: int, root: Path, timeout: float = 300.0,
             cwd: Path | None = None) -> dict[str, CaseResult]:
     """Train every case on `world_size` gloo ranks of one job; run directories root/<name>.
 
