@@ -51,7 +51,7 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
         [sys.executable, "-m", "scaletrain", "train", str(config), "--run-dir", str(run_dir),
          "parallel.timeout_s=20", *extra],
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 180  # start-up: imports, the agent, the first step
     while not (run_dir / "metrics.jsonl").exists() or not records(run_dir):
         if launcher.poll() is not None or time.monotonic() > deadline:
             launcher.kill()
