@@ -19,8 +19,9 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/scaletrain train configs/default.toml
 
+# --durations: the slowest tests are named in every run (budget: make test <= 12 min on 2 cores).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
