@@ -4,6 +4,14 @@
 torchrun would give them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID), without
 the elastic agent's start-up cost. A process still running at the deadline is killed and the
 test fails with every rank's output, so a hang cannot stall CI.
+
+`run_job` is the cheap way to run many trainings: N processes join one process group once
+and train case after case in it (`python harness.py JOB`, the `__main__` below), each case
+through the worker's own entry (`cli._run_worker`, as `scaletrain train` under an agent
+runs it), writing its usual run directory. Interpreter start-up, imports and rendezvous,
+which cost more than a small run's training on 2 cores, are paid once per world size
+instead of once per rank per run. `conftest.py`'s session fixture `trained` caches the runs,
+so files asking for the same run (a single-process reference) share it.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -154,3 +163,211 @@ def file_tree(root: Path) -> dict[str, bytes | None]:
     """Every path under root with its bytes (None for a directory): to see nothing changed."""
     return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
             for p in sorted(root.rglob("*"))}
+
+
+# ------------------------------------------------ many runs in one process group per world size
+
+# The parity matrix's runs, shared by test_dp_parity and test_accumulation (and open to
+# the model-parallel file): the same text and overrides make the same cached run, so the
+# single-process reference of each model is trained once per session.
+PARITY_COMMON = """
+[optim]
+name = "adamw"
+lr = 3e-3
+warmup_steps = 2
+grad_clip = 1.0
+[train]
+steps = 5
+seed = 7
+eval_examples = 64
+[log]
+every = 1
+quiet = true
+"""
+_MLP = '[model]\nname = "mlp"\nsize = "small"\n[data]\nsource = "digits"\n'
+PARITY_MODELS = {  # name -> (model and data, global batch, extra overrides)
+    "mlp": (_MLP, 64, ()),
+    # Adam and clipping are blind to the gradient's scale; plain SGD shows a wrong normaliser.
+    "mlp-sgd": (_MLP, 64, ("optim.name=sgd", "optim.grad_clip=0", "optim.lr=0.5")),
+    "gpt": ('[model]\nname = "gpt"\nsize = "tiny"\n[data]\nsource = "wikitext"\n'
+            'seq_len = 32\n', 16, ()),
+    # Padded paragraphs: target counts differ between micro-batches and ranks.
+    "gpt-ragged": ('[model]\nname = "gpt"\nsize = "tiny"\n[data]\n'
+                   'source = "wikitext-paragraphs"\nseq_len = 64\n', 16, ()),
+}
+
+
+def parity_case(model: str, *, dp: int = 1, acc: int = 1, precision: str = "fp64",
+                steps: int = 5, extra: tuple[str, ...] = ()) -> "Case":
+    """PARITY_MODELS[model] on dp ranks with `acc` micro-batches per rank per step."""
+    body, batch, model_extra = PARITY_MODELS[model]
+    return Case.of(body + PARITY_COMMON, f"train.global_batch={batch}",
+                   f"train.micro_batch={batch // (dp * acc)}", f"parallel.dp={dp}",
+                   f"precision.mode={precision}", f"train.steps={steps}", *model_extra, *extra)
+
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training run of a job: `config` (TOML text) with each leg's overrides run in turn
+    on the same run directory (a stopped run and its resume are two legs). A leg that is a
+    string "module:function" is called instead, on rank 0, with the run directory (e.g. to
+    damage a checkpoint between legs); every rank waits for it."""
+
+    config: str
+    legs: tuple[tuple[str, ...] | str, ...] = ((),)
+    expect_ok: bool = True  # every training leg must end with status 0
+
+    @staticmethod
+    def of(config: str, *overrides: str, expect_ok: bool = True) -> "Case":
+        """A one-leg case."""
+        return Case(config, (tuple(overrides),), expect_ok)
+
+
+@dataclass
+class CaseResult:
+    """What a case left: its run directory and, per leg, rank 0's status and output."""
+
+    run_dir: Path
+    codes: list[int] = field(default_factory=list)
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+
+
+def run_job(cases: dict[str, Case], *, world_size: int, root: Path, timeout: float = 300.0,
+            cwd: Path | None = None) -> dict[str, CaseResult]:
+    """Train every case on `world_size` gloo ranks of one job; run directories root/<name>.
+
+    A job that finishes no leg within `timeout` seconds (start-up included) is killed and
+    the test fails with every rank's output: a hang cannot stall CI, and a job of many
+    cases is not held to one deadline for all of them.
+
+    Cases run in the order given; a case whose training leg fails unexpectedly (expect_ok)
+    fails the test with that leg's output. A bug (an exception `_run_worker` re-raises)
+    ends the job: its traceback is in the failure message.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    spec = {"cases": {name: {"config": c.config, "legs": [list(leg) if not isinstance(leg, str)
+                                                         else leg for leg in c.legs]}
+                      for name, c in cases.items()},
+            "root": str(root), "cwd": str(cwd or root)}
+    job = root / f"job-{time.monotonic_ns()}.json"
+    job.write_text(json.dumps(spec))
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        threads = str(max(1, len(os.sched_getaffinity(0)) // world_size))  # as run_workers
+        env = cli_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="test",
+                      OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
+        with job.with_suffix(f".rank{rank}.log").open("w") as log:  # a file: never blocks
+            procs.append(subprocess.Popen([sys.executable, __file__, str(job)], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, cwd=cwd or root))
+    progress = job.with_suffix(".rank0.jsonl")
+    done_legs, deadline = -1, 0.0
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break  # a rank failed: the others would wait for it in a collective
+            legs = len(progress.read_text().splitlines()) if progress.exists() else 0
+            if legs != done_legs:  # a leg ended: the next one gets its own `timeout`
+                done_legs, deadline = legs, time.monotonic() + timeout
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(procs[0].args, timeout)
+            try:
+                procs[0].wait(timeout=0.5)  # or any rank: the loop checks them all
+            except subprocess.TimeoutExpired:
+                pass
+    except subprocess.TimeoutExpired:
+        for q in procs:
+            q.kill()
+            q.wait()
+        tails = [job.with_suffix(f".rank{r}.log").read_text()[-2000:] for r in range(world_size)]
+        raise AssertionError(f"the {world_size}-rank job finished no leg of its cases within "
+                             f"{timeout} s ({done_legs} done):\n" + "\n".join(tails)) from None
+    finally:  # pytest-timeout or Ctrl-C in the test: no rank outlives it
+        for q in procs:
+            q.kill()
+    for rank, p in enumerate(procs):
+        log = job.with_suffix(f".rank{rank}.log").read_text()
+        assert p.returncode == 0, f"job rank {rank} failed ({p.returncode}):\n{log[-5000:]}"
+    done = [json.loads(line) for line in job.with_suffix(".rank0.jsonl").read_text().splitlines()]
+    results = {name: CaseResult(run_dir=root / name) for name in cases}
+    for row in done:
+        r = results[row["case"]]
+        r.codes.append(row["code"])
+        r.stdout.append(row["stdout"])
+        r.stderr.append(row["stderr"])
+    for name, case in cases.items():
+        for leg, code in enumerate(results[name].codes):  # a call between legs must pass
+            if case.expect_ok or isinstance(case.legs[leg], str):
+                assert code == 0, (f"case {name!r}, leg {leg} {case.legs[leg]}: status {code}:"
+                                   f"\n{results[name].stderr[leg][-3000:]}")
+    return results
+
+
+def _job_main(job: Path) -> None:
+    """One rank of a job: join the group once, run every case's legs, record each outcome."""
+    import contextlib
+    import gc
+    import importlib
+    import io
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    spec = json.loads(job.read_text())
+    print(f"job rank {os.environ['RANK']}: started after imports", flush=True)
+    os.chdir(spec["cwd"])
+    sys.path.insert(0, spec["cwd"])  # a user's package, as the CLI imports it from the cwd
+    from scaletrain.cli import _run_worker
+    from scaletrain.config import load_config
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world > 1:  # the trainer joins no group when one exists: every case uses this one
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    out = job.with_suffix(f".rank{rank}.jsonl").open("w")
+    root = Path(spec["root"])
+    for name, case in spec["cases"].items():
+        run_dir = root / name
+        config_path = root / f"{name}.toml"
+        if rank == 0:
+            config_path.write_text(case["config"])
+        for leg in case["legs"]:
+            if world > 1:
+                dist.barrier()  # the config is written; the last leg is over on every rank
+            started = time.monotonic()
+            if isinstance(leg, str):
+                code, stdout, stderr = 0, "", ""
+                if rank == 0:
+                    module, function = leg.split(":")
+                    try:
+                        getattr(importlib.import_module(module), function)(run_dir)
+                    except Exception:  # a failed check between legs: that case fails
+                        code, stderr = 1, traceback.format_exc()
+            else:
+                stdout, stderr = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                    try:
+                        code = _run_worker(load_config(config_path, list(leg)), run_dir,
+                                           exit_process=False)
+                    except BaseException:  # a bug: show it and end the job
+                        print(f"case {name}, overrides {leg}:", file=sys.__stderr__)
+                        traceback.print_exc(file=sys.__stderr__)
+                        sys.__stderr__.write(stderr.getvalue()[-3000:])
+                        os._exit(1)
+                stdout, stderr = stdout.getvalue(), stderr.getvalue()
+                gc.collect()  # the last run's model and data go before the next is built
+            out.write(json.dumps({"case": name, "code": code, "stdout": stdout, "stderr": stderr,
+                                  "seconds": round(time.monotonic() - started, 2)}) + "\n")
+            out.flush()
+    out.close()
+    from scaletrain.runtime import exit_worker
+
+    exit_worker(0)  # destroy the group and leave without gloo's shutdown abort
+
+
+if __name__ == "__main__":
+    _job_main(Path(sys.argv[1]))

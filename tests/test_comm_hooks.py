@@ -1,5 +1,6 @@
 """Gradient compression on gloo, 2 processes: fp16 and bf16 hooks train within tolerance of
-the uncompressed run; both PowerSGD hooks run on CPU and send measurably fewer bytes."""
+the uncompressed run; both PowerSGD hooks run on CPU and send measurably fewer bytes.
+The five runs train in one 2-rank job (harness.run_job)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import load_weights, run_workers
+from harness import Case, load_weights
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +36,11 @@ quiet = true
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("hooks")
-    config = tmp / "cfg.toml"
-    config.write_text(CONFIG)
-    out = {}
-    for hook in ("none", "fp16", "bf16", "powersgd", "batched-powersgd"):
-        out[hook] = tmp / hook
-        run_workers(config, [f"parallel.comm_hook={hook}"], world_size=2, run_dir=out[hook])
-    return out
+def runs(trained) -> dict[str, Path]:
+    hooks = ("none", "fp16", "bf16", "powersgd", "batched-powersgd")
+    got = trained({hook: Case.of(CONFIG, f"parallel.comm_hook={hook}") for hook in hooks},
+                  world_size=2)
+    return {hook: got[hook].run_dir for hook in hooks}
 
 
 def _train(run_dir: Path) -> list[dict]:

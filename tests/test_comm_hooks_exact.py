@@ -1,7 +1,8 @@
 """Where a comm hook is exact, it is exact: PowerSGD's and batched PowerSGD's warm-up steps
 (plain all-reduce, before powersgd_start_iter) give the parameters of the hook-less run in
 float64 to 1e-9 on 2 gloo ranks; once compression starts, they leave that path (so the
-comparison would see a hook that compressed from the first step)."""
+comparison would see a hook that compressed from the first step). All five runs train in
+one 2-rank job (harness.run_job)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import load_weights, max_abs_diff, run_workers
+from harness import Case, load_weights, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
@@ -36,17 +37,24 @@ quiet = true
 """
 
 
-@pytest.mark.parametrize("hook", ["powersgd", "batched-powersgd"])
-def test_powersgd_warm_up_is_exact_and_compression_is_not(tmp_path: Path, hook: str) -> None:
-    config = tmp_path / "cfg.toml"
-    config.write_text(CONFIG)
+HOOKS = ("powersgd", "batched-powersgd")
 
-    def run(name: str, overrides: list[str]) -> dict:
-        run_workers(config, overrides, world_size=2, run_dir=tmp_path / name)
-        return load_weights(tmp_path / name)
 
-    plain = run("none", [])
-    warm_up = run("warm-up", [f"parallel.comm_hook={hook}", "parallel.powersgd_start_iter=10"])
+@pytest.fixture(scope="module")
+def runs(trained) -> dict[str, Path]:
+    cases = {"none": Case.of(CONFIG)}
+    for hook in HOOKS:
+        cases[f"{hook}-warm-up"] = Case.of(CONFIG, f"parallel.comm_hook={hook}",
+                                           "parallel.powersgd_start_iter=10")
+        cases[f"{hook}-compressed"] = Case.of(CONFIG, f"parallel.comm_hook={hook}",
+                                              "parallel.powersgd_start_iter=2")
+    return {name: result.run_dir for name, result in trained(cases, world_size=2).items()}
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_powersgd_warm_up_is_exact_and_compression_is_not(runs: dict, hook: str) -> None:
+    plain = load_weights(runs["none"])
+    warm_up = load_weights(runs[f"{hook}-warm-up"])
     assert max_abs_diff(warm_up, plain) < 1e-9
-    compressed = run("compressed", [f"parallel.comm_hook={hook}", "parallel.powersgd_start_iter=2"])
+    compressed = load_weights(runs[f"{hook}-compressed"])
     assert max_abs_diff(compressed, plain) > 1e-6

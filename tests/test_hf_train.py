@@ -8,6 +8,8 @@
   RUN_DIR/hf-model) fine-tunes from its weights.
 - A directory holding a pickle `.bin` instead of safetensors is refused by the launcher,
   naming the file, with no traceback.
+
+The trainings run in one job per world size (harness.run_job).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import load_weights, losses, max_abs_diff, records, run_cli
+from harness import Case, load_weights, losses, max_abs_diff, records, run_cli
 
 pytest.importorskip("transformers")
 
@@ -54,23 +56,30 @@ quiet = true
 """
 
 
-def _train(tmp_path: Path, name: str, *, nproc: int, micro_batch: int, extra=()) -> Path:
-    config = tmp_path / "hf.toml"
-    config.write_text(CONFIG)
-    run_dir = tmp_path / name
-    result = run_cli(["train", str(config), "--nproc", str(nproc), "--run-dir", str(run_dir),
-                      f"parallel.dp={nproc}", f"train.micro_batch={micro_batch}", *extra])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+SOURCES = ("wikitext", "wikitext-paragraphs")
+
+
+def _case(*, dp: int, micro_batch: int, extra=()) -> Case:
+    return Case.of(CONFIG, f"parallel.dp={dp}", f"train.micro_batch={micro_batch}", *extra)
+
+
+@pytest.fixture(scope="module")
+def runs(trained) -> dict[tuple[str, int], Path]:
+    """{(source, dp): run}: one process on the whole batch, and dp=2 x 2 micro-batches,
+    one job per world size."""
+    out = {}
+    for dp, micro in ((1, 8), (2, 2)):
+        got = trained({s: _case(dp=dp, micro_batch=micro, extra=[f"data.source={s}"])
+                       for s in SOURCES}, world_size=dp)
+        out |= {(s, dp): got[s].run_dir for s in SOURCES}
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["wikitext", "wikitext-paragraphs"])
-def test_llama_from_config_dp2_and_accumulation_match_one_process(tmp_path: Path,
+@pytest.mark.parametrize("source", SOURCES)
+def test_llama_from_config_dp2_and_accumulation_match_one_process(runs: dict,
                                                                    source: str) -> None:
-    extra = [f"data.source={source}"]
-    reference = _train(tmp_path, "dp1", nproc=1, micro_batch=8, extra=extra)
-    dp2_accum = _train(tmp_path, "dp2-accum", nproc=2, micro_batch=2, extra=extra)
+    reference, dp2_accum = runs[(source, 1)], runs[(source, 2)]
     ref = load_weights(reference)
     assert next(iter(ref.values())).dtype == torch.float64
     assert any(k.startswith("model.layers.1.") for k in ref)  # HF's own names, no wrapper
@@ -83,16 +92,15 @@ def test_llama_from_config_dp2_and_accumulation_match_one_process(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_saved_model_directory_fine_tunes_from_its_weights(tmp_path: Path) -> None:
-    first = _train(tmp_path, "scratch", nproc=1, micro_batch=8)
+def test_saved_model_directory_fine_tunes_from_its_weights(runs: dict, trained) -> None:
+    first = runs[("wikitext", 1)]
     saved = first / "hf-model"
     assert (saved / "config.json").is_file() and list(saved.glob("*.safetensors"))
     assert not [p for p in saved.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
     # A learning rate too small to move the weights: the run starts from the saved ones.
-    tuned = _train(tmp_path, "tuned", nproc=1, micro_batch=8,
-                   extra=[f"model.path={saved}", "model.hf_config=''", "model.kwargs={}",
-                          "optim.lr=1e-12",
-                          "optim.warmup_steps=0", "train.steps=1"])
+    tuned = trained({"tuned": _case(dp=1, micro_batch=8, extra=[
+        f"model.path={saved}", "model.hf_config=''", "model.kwargs={}", "optim.lr=1e-12",
+        "optim.warmup_steps=0", "train.steps=1"])}, world_size=1)["tuned"].run_dir
     start = load_weights(first)
     after = load_weights(tuned)
     assert max_abs_diff(start, after) < 1e-9

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import load_weights, losses, max_abs_diff, records, run_cli
+from harness import Case, load_weights, losses, max_abs_diff, records, run_cli
 
 CONFIG = """
 [model]
@@ -47,21 +47,23 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
-def _train(tmp_path: Path, shards: Path, name: str, *, steps: int, nproc: int = 1,
-           micro_batch: int = 32) -> Path:
-    config = tmp_path / "cfg.toml"
-    config.write_text(CONFIG.format(steps=steps))
-    run_dir = tmp_path / name
-    result = run_cli(["train", str(config), "--nproc", str(nproc), "--run-dir", str(run_dir),
-                      f"data.path={shards}", f"parallel.dp={nproc}",
-                      f"train.micro_batch={micro_batch}"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+def _case(shards: Path, *, steps: int, dp: int = 1, micro_batch: int = 32) -> Case:
+    return Case.of(CONFIG.format(steps=steps), f"data.path={shards}", f"parallel.dp={dp}",
+                   f"train.micro_batch={micro_batch}")
+
+
+@pytest.fixture(scope="module")
+def runs(trained, shards: Path) -> dict[str, Path]:
+    """The trainings, one job per world size (the `shard` command above is the CLI's)."""
+    one = trained({"long": _case(shards, steps=300), "dp1": _case(shards, steps=4)},
+                  world_size=1)
+    two = trained({"dp2": _case(shards, steps=4, dp=2, micro_batch=8)}, world_size=2)
+    return {name: r.run_dir for name, r in (one | two).items()}
 
 
 @pytest.mark.slow
-def test_regression_csv_trains_and_reports_mse(tmp_path: Path, shards: Path) -> None:
-    run = _train(tmp_path, shards, "long", steps=300)
+def test_regression_csv_trains_and_reports_mse(runs: dict) -> None:
+    run = runs["long"]
     final = records(run, "eval")[-1]
     assert set(final) >= {"loss", "mse"} and "accuracy" not in final
     assert final["mse"] == pytest.approx(final["loss"], rel=1e-12)  # loss "auto" is the MSE
@@ -71,9 +73,7 @@ def test_regression_csv_trains_and_reports_mse(tmp_path: Path, shards: Path) -> 
 
 
 @pytest.mark.slow
-def test_regression_dp2_with_accumulation_matches_one_process(tmp_path: Path,
-                                                              shards: Path) -> None:
-    reference = _train(tmp_path, shards, "dp1", steps=4)
-    dp2 = _train(tmp_path, shards, "dp2", steps=4, nproc=2, micro_batch=8)
+def test_regression_dp2_with_accumulation_matches_one_process(runs: dict) -> None:
+    reference, dp2 = runs["dp1"], runs["dp2"]
     assert max_abs_diff(load_weights(reference), load_weights(dp2)) < 1e-9
     assert losses(dp2) == pytest.approx(losses(reference), abs=1e-9)

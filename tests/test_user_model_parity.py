@@ -1,7 +1,7 @@
 """A user's own package (a small CNN with its own factory, dataset function and loss, written
 into the test's temporary directory) trains through the CLI, and its parallel layouts
-reproduce one process: dp=2 through the launcher, and dp=2 with accumulation, end with the
-same weights as a single process on the whole global batch, in float64 within 1e-9.
+reproduce one process: dp=2, and dp=2 with accumulation, end with the same weights as a
+single process on the whole global batch, in float64 within 1e-9.
 
 Also: a user loss returning (sum, count) gives the built-in loss's gradients exactly, and
 the example package in examples/own_model trains as the README says.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import load_weights, losses, max_abs_diff, run_cli
+from harness import Case, load_weights, losses, max_abs_diff
 
 TOL = 1e-9
 REPO = Path(__file__).resolve().parents[1]
@@ -120,28 +120,37 @@ def user_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _train(user_dir: Path, name: str, *, nproc: int, micro_batch: int, extra=()) -> Path:
-    run_dir = user_dir / name
-    result = run_cli(["train", "cfg.toml", "--nproc", str(nproc), "--run-dir", str(run_dir),
-                      f"parallel.dp={nproc}", f"train.micro_batch={micro_batch}", *extra],
-                     cwd=user_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+@pytest.fixture(scope="module")
+def package_dir(tmp_path_factory) -> Path:
+    """The user's package, written once for this file's runs (their working directory)."""
+    root = tmp_path_factory.mktemp("user-package")
+    write_package(root, PACKAGE)
+    return root
+
+
+def _case(*, dp: int, micro_batch: int, extra=()) -> Case:
+    return Case.of(CONFIG, f"parallel.dp={dp}", f"train.micro_batch={micro_batch}", *extra)
 
 
 @pytest.mark.slow
-def test_user_package_dp2_and_accumulation_match_one_process(user_dir: Path) -> None:
-    reference = _train(user_dir, "dp1", nproc=1, micro_batch=32)
-    dp2 = _train(user_dir, "dp2", nproc=2, micro_batch=16)
-    dp2_accum = _train(user_dir, "dp2-accum", nproc=2, micro_batch=4)  # 4 micro-batches each
+def test_user_package_dp2_and_accumulation_match_one_process(trained, package_dir: Path) -> None:
+    """The runs import the package from their working directory, as `scaletrain train` run
+    there does; one job per world size (test_example_package_trains_from_its_directory
+    takes the launcher's path)."""
+    one = trained({"dp1": _case(dp=1, micro_batch=32),
+                   "one-step": _case(dp=1, micro_batch=32, extra=["train.steps=1"])},
+                  world_size=1, cwd=package_dir)
+    two = trained({"dp2": _case(dp=2, micro_batch=16),
+                   "dp2-accum": _case(dp=2, micro_batch=4)},  # 4 micro-batches each
+                  world_size=2, cwd=package_dir)
+    reference = one["dp1"].run_dir
     ref = load_weights(reference)
     assert next(iter(ref.values())).dtype == torch.float64
-    for run in (dp2, dp2_accum):
+    for run in (two["dp2"].run_dir, two["dp2-accum"].run_dir):
         assert max_abs_diff(ref, load_weights(run)) < TOL, run.name
         assert losses(run) == pytest.approx(losses(reference), abs=TOL)
     # The steps moved the weights well beyond the tolerance: the comparison has teeth.
-    first = _train(user_dir, "one-step", nproc=1, micro_batch=32, extra=["train.steps=1"])
-    assert max_abs_diff(ref, load_weights(first)) > 1e-3
+    assert max_abs_diff(ref, load_weights(one["one-step"].run_dir)) > 1e-3
 
 
 def test_user_loss_gives_the_builtin_gradients(user_dir: Path) -> None:

@@ -1,0 +1,68 @@
+"""Session-wide fixtures shared by the test files.
+
+`trained`: trainings run through `harness.run_job` (one process group per world size, many
+cases in it), cached for the whole session by what they are (world size, config text,
+overrides, working directory). A file asking for a run another file already made gets the
+same run directory back: the single-process references of the dp, accumulation and
+model-parallel parity files are computed once per session. Cached run directories are
+shared: a test reads them and never writes into them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import Case, CaseResult, run_job
+
+
+class Trained:
+    """`trained(cases, world_size=N)` -> {name: CaseResult}; runs only what is not cached."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[str, CaseResult] = {}
+        self.jobs = 0
+
+    @staticmethod
+    def key(case: Case, *, world_size: int, cwd: Path | None) -> str:
+        text = json.dumps([world_size, case.config, case.legs, case.expect_ok,
+                           str(cwd) if cwd else None])
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def __call__(self, cases: dict[str, Case], *, world_size: int, cwd: Path | None = None,
+                 timeout: float = 300.0) -> dict[str, CaseResult]:
+        keys = {name: self.key(case, world_size=world_size, cwd=cwd)
+                for name, case in cases.items()}
+        missing: dict[str, Case] = {}
+        for name, case in cases.items():  # the same run asked for twice runs once
+            if keys[name] not in self.done and keys[name] not in {k[-12:] for k in missing}:
+                missing[f"{name}-{keys[name]}"] = case
+        if missing:
+            self.jobs += 1
+            got = run_job(missing, world_size=world_size, timeout=timeout, cwd=cwd,
+                          root=self.root / f"job{self.jobs}-w{world_size}")
+            for run_name, result in got.items():
+                self.done[run_name[-12:]] = result
+        return {name: self.done[key] for name, key in keys.items()}
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    return Trained(tmp_path_factory.mktemp("trained"))
+
+
+# A test that uses `trained` may be the one that pays for its module's jobs (each has its
+# own timeout in run_job, and every rank is killed with it); pytest-timeout's per-test
+# limit from pyproject.toml would count them all against one test.
+TRAINED_TIMEOUT_S = 1200
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "trained" in getattr(item, "fixturenames", ()) and \
+                item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TRAINED_TIMEOUT_S))
