@@ -32,9 +32,12 @@ def measure(policy: str) -> str:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(784, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 10))
+        torch.nn.Linear(784, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    )
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     x, y = torch.randn(BATCH, 784), torch.randint(0, 10, (BATCH,))
 
@@ -50,8 +53,10 @@ def measure(policy: str) -> str:
         step()
     ms = (time.perf_counter() - start) / TIMED * 1000
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return (f"{mode} {(usage.ru_minflt - faults) // TIMED} faults/step {ms:.1f} ms/step "
-            f"{usage.ru_maxrss // 1024} MiB")
+    return (
+        f"{mode} {(usage.ru_minflt - faults) // TIMED} faults/step {ms:.1f} ms/step "
+        f"{usage.ru_maxrss // 1024} MiB"
+    )
 
 
 def main() -> None:

@@ -13,11 +13,16 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from scaletrain.loss import cross_entropy
 from scaletrain.models.gpt import GPT, GPTShape
 from scaletrain.models.protocol import model_spec
-from scaletrain.parallel.pipeline import (build_pipeline, idle_fraction_theory, measure_idle,
-                                          split_model, stage_ids)
-from scaletrain.loss import cross_entropy
+from scaletrain.parallel.pipeline import (
+    build_pipeline,
+    idle_fraction_theory,
+    measure_idle,
+    split_model,
+    stage_ids,
+)
 
 SEQ, ROWS_PER_CHUNK = 64, 4
 
@@ -36,18 +41,30 @@ def main() -> None:
             y = torch.randint(0, 256, (ROWS_PER_CHUNK * m, SEQ))
             ids = stage_ids(pp_rank=rank, pp=pp, stages_per_rank=1, schedule=schedule)
             parts = split_model(model, spec, stage_ids=ids, num_stages=pp)
-            pipe = build_pipeline(parts, stage_ids=ids, num_stages=pp, group=dist.group.WORLD,
-                                  device=torch.device("cpu"), schedule=schedule,
-                                  microbatches=m, loss_fn=cross_entropy)
+            pipe = build_pipeline(
+                parts,
+                stage_ids=ids,
+                num_stages=pp,
+                group=dist.group.WORLD,
+                device=torch.device("cpu"),
+                schedule=schedule,
+                microbatches=m,
+                loss_fn=cross_entropy,
+            )
             idle = statistics.median(
                 measure_idle(pipe, x, y, loss_weight=1.0 / y.numel(), warmup=i == 0)
-                for i in range(3))
+                for i in range(3)
+            )
             theory = idle_fraction_theory(schedule, pp=pp, microbatches=m, stages_per_rank=1)
-            lines.append(f"{schedule:6} p={pp} m={m:2}  measured idle {idle:6.1%}   theory "
-                         f"(p-1)/(m+p-1) {theory:6.1%}   measured/theory {idle / theory:5.2f}")
+            lines.append(
+                f"{schedule:6} p={pp} m={m:2}  measured idle {idle:6.1%}   theory "
+                f"(p-1)/(m+p-1) {theory:6.1%}   measured/theory {idle / theory:5.2f}"
+            )
     if rank == 0:
-        print(f"pipeline bubble: GPT 8 x 256, chunks of {ROWS_PER_CHUNK} rows x {SEQ} tokens, "
-              "2 ranks x 1 thread, gloo")
+        print(
+            f"pipeline bubble: GPT 8 x 256, chunks of {ROWS_PER_CHUNK} rows x {SEQ} tokens, "
+            "2 ranks x 1 thread, gloo"
+        )
         print("\n".join(lines))
     dist.destroy_process_group()
 

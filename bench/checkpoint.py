@@ -48,8 +48,18 @@ quiet = true
 
 
 def dd_bandwidth(directory: Path) -> float:
-    out = subprocess.run(["dd", "if=/dev/zero", f"of={directory / 'dd.bin'}", "bs=1M",
-                          "count=512", "conv=fdatasync"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            "dd",
+            "if=/dev/zero",
+            f"of={directory / 'dd.bin'}",
+            "bs=1M",
+            "count=512",
+            "conv=fdatasync",
+        ],
+        capture_output=True,
+        text=True,
+    )
     (directory / "dd.bin").unlink()
     seconds = float(out.stderr.strip().splitlines()[-1].split(" s, ")[0].split(", ")[-1])
     return 512 * 2**20 / seconds
@@ -63,13 +73,18 @@ def _state():
     from scaletrain.training.optim import build_optimizer, build_scheduler
 
     model = build_model("gpt", size="base", task=TaskSpec("lm", (64,), 256))
-    opt = build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99),
-                          momentum=0.0)
+    opt = build_optimizer(
+        model, name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), momentum=0.0
+    )
     model(torch.randint(0, 256, (2, 64))).sum().backward()
     opt.step()  # materialise the AdamW moments
-    return TrainState(model, opt, build_scheduler(opt, warmup_steps=0, total_steps=10,
-                                                  schedule="constant", min_lr_ratio=1.0),
-                      make_precision("fp32", device_type="cpu"), step=1)
+    return TrainState(
+        model,
+        opt,
+        build_scheduler(opt, warmup_steps=0, total_steps=10, schedule="constant", min_lr_ratio=1.0),
+        make_precision("fp32", device_type="cpu"),
+        step=1,
+    )
 
 
 def save_throughput(directory: Path) -> tuple[float, float]:
@@ -89,8 +104,9 @@ def blocking(directory: Path, *, async_save: bool, reps: int = 5) -> float:
     from scaletrain.checkpoint import Checkpointer
 
     state = _state()
-    saver = Checkpointer(directory / f"block-{async_save}", keep=1, async_save=async_save,
-                         config_toml="")
+    saver = Checkpointer(
+        directory / f"block-{async_save}", keep=1, async_save=async_save, config_toml=""
+    )
     times = []
     for _ in range(reps + 1):
         state.step += 1
@@ -104,11 +120,16 @@ def blocking(directory: Path, *, async_save: bool, reps: int = 5) -> float:
 
 def stall(directory: Path, *, steps: int, every: int, async_save: bool) -> tuple[float, float]:
     cfg = directory / f"cfg-{async_save}.toml"
-    cfg.write_text(CONFIG.format(steps=steps, every=every,
-                                 async_save="true" if async_save else "false"))
+    cfg.write_text(
+        CONFIG.format(steps=steps, every=every, async_save="true" if async_save else "false")
+    )
     run_dir = directory / f"run-{async_save}"
-    subprocess.run([sys.executable, "-m", "scaletrain", "train", str(cfg), "--run-dir",
-                    str(run_dir)], check=True, capture_output=True, timeout=1800)
+    subprocess.run(
+        [sys.executable, "-m", "scaletrain", "train", str(cfg), "--run-dir", str(run_dir)],
+        check=True,
+        capture_output=True,
+        timeout=1800,
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["step_time_s"] for r in rows if r["kind"] == "train"}
     # The save after step s is timed in the window of step s + 1.
@@ -128,15 +149,21 @@ def main() -> None:
         disk = dd_bandwidth(tmp)
         rate, size = save_throughput(tmp)
         print(f"disk write bandwidth (dd, 512 MiB, fdatasync): {disk / 1e6:8.1f} MB/s")
-        print(f"checkpoint save ({size / 1e6:.1f} MB, GPT-base + AdamW): {rate / 1e6:8.1f} MB/s"
-              f"  ratio to dd: {rate / disk:.2f}")
+        print(
+            f"checkpoint save ({size / 1e6:.1f} MB, GPT-base + AdamW): {rate / 1e6:8.1f} MB/s"
+            f"  ratio to dd: {rate / disk:.2f}"
+        )
         for async_save in (False, True):
-            print(f"{'async' if async_save else 'sync '} save() blocks the training thread "
-                  f"{blocking(tmp, async_save=async_save) * 1e3:7.1f} ms (median of 5, idle CPU)")
+            print(
+                f"{'async' if async_save else 'sync '} save() blocks the training thread "
+                f"{blocking(tmp, async_save=async_save) * 1e3:7.1f} ms (median of 5, idle CPU)"
+            )
         for async_save in (False, True):
             extra, median = stall(tmp, steps=a.steps, every=a.every, async_save=async_save)
-            print(f"{'async' if async_save else 'sync '} save every {a.every} steps: stall "
-                  f"{extra * 1e3:7.1f} ms per saving step (median step {median * 1e3:.1f} ms)")
+            print(
+                f"{'async' if async_save else 'sync '} save every {a.every} steps: stall "
+                f"{extra * 1e3:7.1f} ms per saving step (median step {median * 1e3:.1f} ms)"
+            )
 
 
 if __name__ == "__main__":

@@ -94,16 +94,22 @@ def add_job_args(p: argparse.ArgumentParser, **defaults) -> argparse.ArgumentPar
     assert not unknown, f"not job flags: {unknown}"
     for key, (value, help_text) in JOB.items():
         value = defaults.get(key, value)
-        p.add_argument("--" + key.replace("_", "-"), type=type(value), default=value,
-                       help=f"{help_text} (default {value})")
+        p.add_argument(
+            "--" + key.replace("_", "-"),
+            type=type(value),
+            default=value,
+            help=f"{help_text} (default {value})",
+        )
     return p
 
 
 def check_job(p: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Namespace:
     """Refuse a job whose timed window does not end on a loss-logging step."""
     if a.steps % a.log_every or a.warmup % a.log_every:
-        p.error(f"--steps ({a.steps}) and --warmup ({a.warmup}) must be multiples of "
-                f"--log-every ({a.log_every}): the final loss is the window ending the timing")
+        p.error(
+            f"--steps ({a.steps}) and --warmup ({a.warmup}) must be multiples of "
+            f"--log-every ({a.log_every}): the final loss is the window ending the timing"
+        )
     if a.global_batch % (a.micro_batch * a.procs):
         p.error("--global-batch must be a multiple of --micro-batch x --procs")
     return a
@@ -118,10 +124,18 @@ def worker_args(doc: str) -> argparse.Namespace:
     """A contender script's command line: the job's flags, --out and two per-contender flags."""
     p = add_job_args(argparse.ArgumentParser(description=doc.split("\n")[0]))
     p.add_argument("--out", required=True, help="result JSON, written by rank 0")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="scaletrain only: one more config override")
-    p.add_argument("--match-scaletrain", action="store_true",
-                   help="hand-written loop only: over the DDP wrapper and optimizer scaletrain builds")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="scaletrain only: one more config override",
+    )
+    p.add_argument(
+        "--match-scaletrain",
+        action="store_true",
+        help="hand-written loop only: over the DDP wrapper and optimizer scaletrain builds",
+    )
     return check_job(p, p.parse_args())
 
 
@@ -133,16 +147,26 @@ def scaletrain_overrides(a: argparse.Namespace) -> list[str]:
         model.append(f"model.hf_config={m['hf_config']}")
     model += [f"model.kwargs.{k}={v}" for k, v in m["kwargs"].items()]
     return [
-        f"name=bench-{a.model}-{a.size}", *model,
-        f"data.source={a.source}", f"data.synthetic_examples={a.synthetic_examples}",
+        f"name=bench-{a.model}-{a.size}",
+        *model,
+        f"data.source={a.source}",
+        f"data.synthetic_examples={a.synthetic_examples}",
         f"data.seq_len={a.seq_len}",
-        "optim.name=adamw", f"optim.lr={a.lr}", f"optim.weight_decay={float(a.weight_decay)}",
-        "optim.schedule=constant", f"optim.grad_clip={float(a.grad_clip)}",
-        f"train.steps={a.warmup + a.steps + 1}", f"train.global_batch={a.global_batch}",
-        f"train.micro_batch={a.micro_batch}", f"train.seed={a.seed}",
-        f"train.threads={a.threads}", f"train.eval_examples={a.micro_batch * a.procs}",
-        f"parallel.dp={a.procs}", f"precision.mode={a.precision}",
-        f"log.every={a.log_every}", "log.quiet=true",
+        "optim.name=adamw",
+        f"optim.lr={a.lr}",
+        f"optim.weight_decay={float(a.weight_decay)}",
+        "optim.schedule=constant",
+        f"optim.grad_clip={float(a.grad_clip)}",
+        f"train.steps={a.warmup + a.steps + 1}",
+        f"train.global_batch={a.global_batch}",
+        f"train.micro_batch={a.micro_batch}",
+        f"train.seed={a.seed}",
+        f"train.threads={a.threads}",
+        f"train.eval_examples={a.micro_batch * a.procs}",
+        f"parallel.dp={a.procs}",
+        f"precision.mode={a.precision}",
+        f"log.every={a.log_every}",
+        "log.quiet=true",
     ]
 
 
@@ -157,14 +181,26 @@ def build_job(a: argparse.Namespace, *, rank: int, world: int):
     from scaletrain.data.sampler import GlobalBatchSampler
     from scaletrain.models import build_model
 
-    data = load_dataset(a.source, split="train", synthetic_examples=a.synthetic_examples,
-                        seq_len=a.seq_len, seed=a.seed)
+    data = load_dataset(
+        a.source,
+        split="train",
+        synthetic_examples=a.synthetic_examples,
+        seq_len=a.seq_len,
+        seed=a.seed,
+    )
     m = registry_model(a)
-    model = build_model(m["name"], size=a.size, task=data.spec, hf_config=m["hf_config"],
-                        kwargs=m["kwargs"])
-    sampler = GlobalBatchSampler(len(data), global_batch=a.global_batch,
-                                 micro_batch=a.micro_batch, dp_rank=rank, dp_size=world,
-                                 seed=a.seed, shard_rows=data.shard_rows)
+    model = build_model(
+        m["name"], size=a.size, task=data.spec, hf_config=m["hf_config"], kwargs=m["kwargs"]
+    )
+    sampler = GlobalBatchSampler(
+        len(data),
+        global_batch=a.global_batch,
+        micro_batch=a.micro_batch,
+        dp_rank=rank,
+        dp_size=world,
+        seed=a.seed,
+        shard_rows=data.shard_rows,
+    )
     return data, model, sampler
 
 
@@ -250,13 +286,15 @@ def describe_defaults(model, optimizer) -> dict[str, str]:
     facts = {"model wrapper": _chain(model, "_forward_module", "module")}
     ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
     if ddp is not None:
-        facts.update({
-            "DDP gradient_as_bucket_view": str(ddp.gradient_as_bucket_view),
-            "DDP bucket_cap_mb": f"{ddp.bucket_bytes_cap / 2**20:g}",
-            "DDP static_graph": str(ddp.static_graph),
-            "DDP find_unused_parameters": str(ddp.find_unused_parameters),
-            "DDP forward_sync_buffers": str(getattr(ddp, "forward_sync_buffers", "?")),
-        })
+        facts.update(
+            {
+                "DDP gradient_as_bucket_view": str(ddp.gradient_as_bucket_view),
+                "DDP bucket_cap_mb": f"{ddp.bucket_bytes_cap / 2**20:g}",
+                "DDP static_graph": str(ddp.static_graph),
+                "DDP find_unused_parameters": str(ddp.find_unused_parameters),
+                "DDP forward_sync_buffers": str(getattr(ddp, "forward_sync_buffers", "?")),
+            }
+        )
     facts["optimizer"] = _chain(optimizer, "optimizer")
     inner = optimizer
     while hasattr(inner, "optimizer"):
@@ -297,8 +335,11 @@ def _allocator() -> str:
     with open("/proc/self/maps") as f:
         maps = f.read()
     lib = next((n for n in ("jemalloc", "tcmalloc", "mimalloc") if n in maps), "glibc malloc")
-    tuning = sorted(f"{k}={v}" for k, v in os.environ.items()
-                    if k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")))
+    tuning = sorted(
+        f"{k}={v}"
+        for k, v in os.environ.items()
+        if k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))
+    )
     return " ".join([lib, *tuning])
 
 
@@ -306,26 +347,49 @@ def write_result(path: str, **fields) -> None:
     Path(path).write_text(json.dumps(fields, indent=1) + "\n")
 
 
-def write_peer_result(a: argparse.Namespace, clock: WallClock, logged: dict[int, float], *,
-                      library: str, world_size: int, model, optimizer, **extra) -> None:
+def write_peer_result(
+    a: argparse.Namespace,
+    clock: WallClock,
+    logged: dict[int, float],
+    *,
+    library: str,
+    world_size: int,
+    model,
+    optimizer,
+    **extra,
+) -> None:
     """Rank 0's result of a hand-built contender: the timing, the loss of the window that
     ends it (`logged`: {steps done: mean loss}), who ran and the defaults it ran with."""
     import torch
 
-    write_result(a.out, library=library, seconds=clock.seconds, steps=a.steps,
-                 final_loss=logged[clock.end], world_size=world_size,
-                 threads=torch.get_num_threads(), precision=a.precision,
-                 defaults={**describe_defaults(model, optimizer), **extra.pop("defaults", {})},
-                 **extra)
+    write_result(
+        a.out,
+        library=library,
+        seconds=clock.seconds,
+        steps=a.steps,
+        final_loss=logged[clock.end],
+        world_size=world_size,
+        threads=torch.get_num_threads(),
+        precision=a.precision,
+        defaults={**describe_defaults(model, optimizer), **extra.pop("defaults", {})},
+        **extra,
+    )
 
 
 # --------------------------------------------------------------------------- launching
 
+
 def torchrun(script: str, nproc: int) -> list[str]:
     # A fixed-size job need not wait for late joiners: last_call_timeout 1 s, not 30 s.
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "--rdzv-conf=last_call_timeout=1",
-            str(BENCH / script)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-conf=last_call_timeout=1",
+        str(BENCH / script),
+    ]
 
 
 def _launch(library: str, a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -342,10 +406,20 @@ def _launch(library: str, a: argparse.Namespace) -> tuple[list[str], dict[str, s
             return torchrun("peer_torch.py", a.procs) + ["--match-scaletrain"], {}
         case "accelerate":
             # Not `--cpu`: with it `accelerate launch` silently starts ONE process (PLATFORM-NOTES).
-            return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes",
-                    str(a.procs), "--num_machines", "1", "--mixed_precision",
-                    ACCELERATE_PRECISION[a.precision], "--dynamo_backend", "no",
-                    str(BENCH / "peer_accelerate.py")], {}
+            return [
+                str(BIN / "accelerate"),
+                "launch",
+                "--multi_gpu",
+                "--num_processes",
+                str(a.procs),
+                "--num_machines",
+                "1",
+                "--mixed_precision",
+                ACCELERATE_PRECISION[a.precision],
+                "--dynamo_backend",
+                "no",
+                str(BENCH / "peer_accelerate.py"),
+            ], {}
         case "fabric":  # it calls fabric.launch(), which starts the other ranks
             return [sys.executable, str(BENCH / "peer_fabric.py")], {}
     raise ValueError(f"unknown contender {library!r}")
@@ -353,16 +427,20 @@ def _launch(library: str, a: argparse.Namespace) -> tuple[list[str], dict[str, s
 
 def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 900) -> str:
     """Run a command; on failure exit with its output's tail. Returns its stdout."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
     if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}"
-                 f"\n{proc.stderr[-8000:]}")  # torchrun's own traceback comes last: keep more
+        sys.exit(
+            f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}"
+            f"\n{proc.stderr[-8000:]}"
+        )  # torchrun's own traceback comes last: keep more
     return proc.stdout
 
 
-def run_contender(library: str, a: argparse.Namespace, *, out_dir: Path, tag: str,
-                  extra: list[str] = ()) -> dict:
+def run_contender(
+    library: str, a: argparse.Namespace, *, out_dir: Path, tag: str, extra: list[str] = ()
+) -> dict:
     """One run of `library` on the job `a`; its result, checked for processes and threads."""
     out = Path(out_dir) / f"{tag}-{time.monotonic_ns()}.json"  # fresh per retry
     cmd, env = _launch(library, a)
@@ -399,8 +477,10 @@ def machine_busy_s() -> float:
 
 def own_cpu_s() -> float:
     """CPU seconds of this process and of its waited-for descendants (workers included)."""
-    return sum(r.ru_utime + r.ru_stime for r in
-               map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+    return sum(
+        r.ru_utime + r.ru_stime
+        for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
 
 
 def wait_for_quiet(*, limit_s: float = 180.0) -> float:
@@ -455,20 +535,24 @@ def interleave(jobs: dict, *, reps: int, retries: int, line) -> dict[str, list[d
             r, foreign, note = measured(jobs[name], retries=retries)
             r["foreign"], r["noisy"] = foreign, foreign > NOISY_CORES
             results[name].append(r)
-            print(f"  rep {rep} {line(rep, name, r)}  foreign load {foreign:.2f} cores{note}",
-                  flush=True)
+            print(
+                f"  rep {rep} {line(rep, name, r)}  foreign load {foreign:.2f} cores{note}",
+                flush=True,
+            )
     return results
 
 
 def base_parser(doc: str, *, reps: int = 3) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--reps", type=int, default=reps, help="interleaved repetitions")
-    p.add_argument("--retries", type=int, default=2,
-                   help="re-runs of a run disturbed by other processes")
+    p.add_argument(
+        "--retries", type=int, default=2, help="re-runs of a run disturbed by other processes"
+    )
     return p
 
 
 # --------------------------------------------------------------------------- tables
+
 
 def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
@@ -479,26 +563,39 @@ def per_rep(runs: list[dict], key: str, fmt: str) -> str:
     return " ".join(format(r[key], fmt) + ("~" if r["noisy"] else "") for r in runs)
 
 
-def print_ratio_table(results: dict[str, list[dict]], *, reference: str,
-                      targets: dict[str, float], key: str = "examples_per_s") -> None:
+def print_ratio_table(
+    results: dict[str, list[dict]],
+    *,
+    reference: str,
+    targets: dict[str, float],
+    key: str = "examples_per_s",
+) -> None:
     """Median `key` per contender, each rep, reference / contender, final loss; verdicts."""
     reps = max(len(runs) for runs in results.values())
     width = max(24, 9 * reps)
     ours = median(results[reference], key)
-    print(f"{'contender':<14} {key:>14}  {'per rep':<{width}} {reference + ' / it':>15} "
-          f"{'final loss':>11} {'procs':>5} {'threads':>7}")
+    print(
+        f"{'contender':<14} {key:>14}  {'per rep':<{width}} {reference + ' / it':>15} "
+        f"{'final loss':>11} {'procs':>5} {'threads':>7}"
+    )
     for name, runs in results.items():
         speed = median(runs, key)
         losses = {round(r["final_loss"], 6) for r in runs}  # deterministic: one value
         loss = f"{runs[0]['final_loss']:.5f}" + ("" if len(losses) == 1 else "*")
-        print(f"{name:<14} {speed:>14.1f}  {per_rep(runs, key, '.1f'):<{width}} "
-              f"{ours / speed:>15.3f} {loss:>11} {runs[0]['world_size']:>5} "
-              f"{runs[0]['threads']:>7}")
-    print(f"~ : still had > {NOISY_CORES} cores of foreign load after the retries;"
-          " * : the final loss differed between reps")
+        print(
+            f"{name:<14} {speed:>14.1f}  {per_rep(runs, key, '.1f'):<{width}} "
+            f"{ours / speed:>15.3f} {loss:>11} {runs[0]['world_size']:>5} "
+            f"{runs[0]['threads']:>7}"
+        )
+    print(
+        f"~ : still had > {NOISY_CORES} cores of foreign load after the retries;"
+        " * : the final loss differed between reps"
+    )
     for name, target in targets.items():
         ratio = ours / median(results[name], key)
-        state = "ok" if ratio >= target else "within noise (2%)" if ratio >= target - 0.02 else "BELOW"
+        state = (
+            "ok" if ratio >= target else "within noise (2%)" if ratio >= target - 0.02 else "BELOW"
+        )
         print(f"{reference} / {name:<13}: {ratio:.3f}  {state} (target >= {target:g})")
 
 

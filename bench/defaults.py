@@ -15,8 +15,14 @@ timing (`--warmup`, 10 steps by default), so this is the steady-state speed.
 import tempfile
 from functools import partial
 
-from common import (add_job_args, base_parser, check_job, interleave, print_ratio_table,
-                    run_contender)
+from common import (
+    add_job_args,
+    base_parser,
+    check_job,
+    interleave,
+    print_ratio_table,
+    run_contender,
+)
 
 VARIANTS = {  # name -> extra config overrides for the scaletrain worker
     "defaults": [],
@@ -29,16 +35,31 @@ VARIANTS = {  # name -> extra config overrides for the scaletrain worker
 def main() -> None:
     p = add_job_args(base_parser(__doc__))
     a = check_job(p, p.parse_args())
-    print(f"scaletrain's defaults: {a.model}-{a.size} on {a.source}, global batch {a.global_batch}, "
-          f"{a.procs} processes x {a.threads} thread(s), {a.precision}; {a.steps} timed steps "
-          f"after {a.warmup}")
+    print(
+        f"scaletrain's defaults: {a.model}-{a.size} on {a.source}, global batch {a.global_batch}, "
+        f"{a.procs} processes x {a.threads} thread(s), {a.precision}; {a.steps} timed steps "
+        f"after {a.warmup}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = {name: partial(run_contender, "scaletrain", a, out_dir=tmp, tag=name,
-                              extra=[arg for o in overrides for arg in ("--set", o)])
-                for name, overrides in VARIANTS.items()}
-        results = interleave(jobs, reps=a.reps, retries=a.retries,
-                             line=lambda rep, name, r: f"{name:<14} {r['examples_per_s']:8.1f} "
-                                                       f"examples/s loss {r['final_loss']:.5f}")
+        jobs = {
+            name: partial(
+                run_contender,
+                "scaletrain",
+                a,
+                out_dir=tmp,
+                tag=name,
+                extra=[arg for o in overrides for arg in ("--set", o)],
+            )
+            for name, overrides in VARIANTS.items()
+        }
+        results = interleave(
+            jobs,
+            reps=a.reps,
+            retries=a.retries,
+            line=lambda rep, name, r: (
+                f"{name:<14} {r['examples_per_s']:8.1f} examples/s loss {r['final_loss']:.5f}"
+            ),
+        )
         print()
         print_ratio_table(results, reference="defaults", targets={})
 

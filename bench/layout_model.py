@@ -7,5 +7,8 @@ from scaletrain.models.gpt import GPT, GPTShape
 
 
 def gpt(task, *, n_layer: int = 8, n_head: int = 8, n_embd: int = 448) -> GPT:
-    return GPT(vocab_size=task.num_classes, block_size=task.input_shape[0],
-               shape=GPTShape(n_layer=n_layer, n_head=n_head, n_embd=n_embd))
+    return GPT(
+        vocab_size=task.num_classes,
+        block_size=task.input_shape[0],
+        shape=GPTShape(n_layer=n_layer, n_head=n_head, n_embd=n_embd),
+    )

@@ -40,9 +40,9 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+from common import BIN, ROOT, run
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from common import BIN, ROOT, run
 from scaletrain.metrics import read_metrics
 
 BATCH = 128
@@ -89,9 +89,16 @@ def sharded_rate(split: Path, *, prefetch: int, steps: int, warmup: int, window:
     from scaletrain.data.shards import load_dataset
 
     with load_dataset(split.parent, split.name, prefetch=prefetch, shuffle_window=window) as ds:
-        sampler = GlobalBatchSampler(len(ds), global_batch=BATCH, micro_batch=BATCH, dp_rank=0,
-                                     dp_size=1, seed=0, shard_rows=ds.shard_rows,
-                                     shuffle_window=window)
+        sampler = GlobalBatchSampler(
+            len(ds),
+            global_batch=BATCH,
+            micro_batch=BATCH,
+            dp_rank=0,
+            dp_size=1,
+            seed=0,
+            shard_rows=ds.shard_rows,
+            shuffle_window=window,
+        )
         for step in range(warmup):
             ds.get(sampler.micro_batches(step)[0])
             ds.prefetch(sampler.micro_batches(step + 1)[0])
@@ -105,8 +112,11 @@ def sharded_rate(split: Path, *, prefetch: int, steps: int, warmup: int, window:
 
 
 def plain_rate(split: Path, *, workers: int, steps: int, warmup: int, window: int) -> float:
-    loader = DataLoader(ParquetBatches(sorted(split.glob("part-*.parquet")), window=window),
-                        batch_size=None, num_workers=workers)
+    loader = DataLoader(
+        ParquetBatches(sorted(split.glob("part-*.parquet")), window=window),
+        batch_size=None,
+        num_workers=workers,
+    )
     batches = iter(loader)
     for _ in range(warmup):
         next(batches)
@@ -121,10 +131,22 @@ def plain_rate(split: Path, *, workers: int, steps: int, warmup: int, window: in
 
 def trainer_rate(shards: Path, tmp: Path, *, steps: int) -> float:
     run_dir = tmp / "run"
-    run([str(BIN / "scaletrain"), "train", str(ROOT / "configs" / "default.toml"), "data.source=shards",
-         f"data.path={shards}", "data.shuffle_window=16384", f"train.steps={steps}",
-         "train.eval_every=0", "train.eval_examples=128", "log.quiet=true",
-         "--run-dir", str(run_dir)])
+    run(
+        [
+            str(BIN / "scaletrain"),
+            "train",
+            str(ROOT / "configs" / "default.toml"),
+            "data.source=shards",
+            f"data.path={shards}",
+            "data.shuffle_window=16384",
+            f"train.steps={steps}",
+            "train.eval_every=0",
+            "train.eval_examples=128",
+            "log.quiet=true",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
     rows = read_metrics(run_dir)
     timed = [r["examples_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 10]
     return sum(timed) / len(timed)
@@ -145,8 +167,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         shards = tmp / "mnist"
-        run([sys.executable, "-m", "scaletrain", "shard", "mnist", str(shards),
-             "--rows-per-shard", "8192"])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "scaletrain",
+                "shard",
+                "mnist",
+                str(shards),
+                "--rows-per-shard",
+                "8192",
+            ]
+        )
         kw = dict(steps=a.steps, warmup=a.warmup, window=a.window)
         sides = {  # (comparison, side): rate function
             ("a", "scaletrain"): partial(sharded_rate, shards / "train", prefetch=0, **kw),
@@ -160,24 +192,32 @@ def main() -> None:
             for side in order:
                 rates[side].append(sides[side]())
         consume = trainer_rate(shards, tmp, steps=a.consume_steps) if a.consume_steps else None
-    print(f"MNIST shards (8 x 8192 rows, row groups of 1024), batch {BATCH}, window {a.window}, "
-          f"{a.steps} timed batches after {a.warmup}, {a.reps} reps; examples/s (median)")
-    labels = {"a": "(a) no background work: prefetch=0 vs num_workers=0",
-              "b": f"(b) {threads} background readers: prefetch={threads} (threads) vs "
-                   f"num_workers={threads} (processes)"}
+    print(
+        f"MNIST shards (8 x 8192 rows, row groups of 1024), batch {BATCH}, window {a.window}, "
+        f"{a.steps} timed batches after {a.warmup}, {a.reps} reps; examples/s (median)"
+    )
+    labels = {
+        "a": "(a) no background work: prefetch=0 vs num_workers=0",
+        "b": f"(b) {threads} background readers: prefetch={threads} (threads) vs "
+        f"num_workers={threads} (processes)",
+    }
     for comparison, label in labels.items():
         ours = statistics.median(rates[(comparison, "scaletrain")])
         plain = statistics.median(rates[(comparison, "DataLoader")])
         print(label)
         for side in ("scaletrain", "DataLoader"):
             runs = rates[(comparison, side)]
-            print(f"    {side:<11} {statistics.median(runs):10.0f}   per rep "
-                  + " ".join(f"{r:.0f}" for r in runs))
+            print(
+                f"    {side:<11} {statistics.median(runs):10.0f}   per rep "
+                + " ".join(f"{r:.0f}" for r in runs)
+            )
         print(f"    ratio scaletrain / DataLoader: {ours / plain:.2f}")
     if consume:
         best = max(statistics.median(r) for r in rates.values())
-        print(f"(c) trainer consumption (CNN, 2 procs): {consume:10.0f} examples/s; fastest "
-              f"loader above: {best / consume:.1f}x that")
+        print(
+            f"(c) trainer consumption (CNN, 2 procs): {consume:10.0f} examples/s; fastest "
+            f"loader above: {best / consume:.1f}x that"
+        )
 
 
 if __name__ == "__main__":

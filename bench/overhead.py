@@ -17,12 +17,17 @@ from peers import compare
 
 
 def main() -> None:
-    p = add_job_args(base_parser(__doc__), model="cnn", size="small", global_batch=128,
-                     micro_batch=64, steps=200)
+    p = add_job_args(
+        base_parser(__doc__), model="cnn", size="small", global_batch=128, micro_batch=64, steps=200
+    )
     p.add_argument("--precisions", default="fp32", help="comma-separated: fp32,bf16-mixed")
     a = check_job(p, p.parse_args())
-    compare(a, libraries=("scaletrain", "torch-matched"), targets={"torch-matched": 0.98},
-            title="overhead, scaletrain vs the same parts in a hand-written loop")
+    compare(
+        a,
+        libraries=("scaletrain", "torch-matched"),
+        targets={"torch-matched": 0.98},
+        title="overhead, scaletrain vs the same parts in a hand-written loop",
+    )
 
 
 if __name__ == "__main__":

@@ -39,9 +39,8 @@ import time
 from functools import partial
 
 import torch
-from torch.utils.data import DataLoader, Dataset
-
 from common import NOISY_CORES, base_parser, interleave, median, per_rep
+from torch.utils.data import DataLoader, Dataset
 
 EXAMPLES, FEATURES, CLASSES, BATCH, WARMUP = 4096, 64, 10, 256, 5
 
@@ -72,16 +71,25 @@ class BatchedDataset(ItemDataset):
 def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Digits-like examples: 64 float features in [0, 1), a class id in 0..9."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand(EXAMPLES, FEATURES, generator=g),
-            torch.randint(CLASSES, (EXAMPLES,), generator=g))
+    return (
+        torch.rand(EXAMPLES, FEATURES, generator=g),
+        torch.randint(CLASSES, (EXAMPLES,), generator=g),
+    )
 
 
 def batch_order(batches: int) -> list[torch.Tensor]:
     """The first `batches` global batches of scaletrain's sampler: (256,) int64 each."""
     from scaletrain.data.sampler import GlobalBatchSampler
 
-    sampler = GlobalBatchSampler(EXAMPLES, global_batch=BATCH, micro_batch=BATCH, dp_rank=0,
-                                 dp_size=1, seed=0, shard_rows=(EXAMPLES,))
+    sampler = GlobalBatchSampler(
+        EXAMPLES,
+        global_batch=BATCH,
+        micro_batch=BATCH,
+        dp_rank=0,
+        dp_size=1,
+        seed=0,
+        shard_rows=(EXAMPLES,),
+    )
     return [sampler.micro_batches(step)[0] for step in range(batches)]
 
 
@@ -98,8 +106,10 @@ def readers(inputs: torch.Tensor, targets: torch.Tensor, order: list[torch.Tenso
         return lambda: ((b.inputs, b.targets) for b in map(ds.get, order))
 
     def loader(ds):
-        return lambda: ((b["inputs"], b["targets"])
-                        for b in DataLoader(ds, batch_size=BATCH, sampler=flat, num_workers=0))
+        return lambda: (
+            (b["inputs"], b["targets"])
+            for b in DataLoader(ds, batch_size=BATCH, sampler=flat, num_workers=0)
+        )
 
     return {
         "map-getitem": source(MapSource(plain, spec, label="own_data (__getitem__)")),
@@ -129,8 +139,9 @@ def time_reader(read, *, batches: int) -> dict:
     return {"ms": (time.perf_counter() - start) / batches * 1e3}
 
 
-def time_mlp_step(inputs: torch.Tensor, targets: torch.Tensor, order: list[torch.Tensor],
-                  *, batches: int) -> dict:
+def time_mlp_step(
+    inputs: torch.Tensor, targets: torch.Tensor, order: list[torch.Tensor], *, batches: int
+) -> dict:
     """ms per training step of MLP small on the batches (fetched outside the timing)."""
     import torch.nn.functional as F
 
@@ -164,17 +175,23 @@ def rep_ratio(runs: list[dict], others: list[dict]) -> float:
 def print_table(results: dict[str, list[dict]], *, reference: str, step: str) -> None:
     reps = max(len(r) for r in results.values())
     width = max(16, 8 * reps)
-    print(f"{'contender':<20} {'ms/batch':>9}  {'per rep':<{width}} {'examples/s':>11} "
-          f"{reference + ' / it':>16} {'it / mlp step':>14}")
+    print(
+        f"{'contender':<20} {'ms/batch':>9}  {'per rep':<{width}} {'examples/s':>11} "
+        f"{reference + ' / it':>16} {'it / mlp step':>14}"
+    )
     for name, runs in results.items():
         ms = median(runs, "ms")
         ratio = f"{rep_ratio(runs, results[reference]):16.2f}" if name != step else f"{'-':>16}"
         share = f"{1 / rep_ratio(runs, results[step]):14.2f}" if name != step else f"{'-':>14}"
-        print(f"{name:<20} {ms:9.3f}  {per_rep(runs, 'ms', '.3f'):<{width}} "
-              f"{BATCH / ms * 1e3:11.0f} {ratio} {share}")
-    print(f"~ : still had > {NOISY_CORES} cores of foreign load after the retries. Ratios are "
-          f"medians of each rep's ratio. {reference} / it > 1: faster than the DataLoader; "
-          "it / mlp step: the read's time as a fraction of one training step on the batch")
+        print(
+            f"{name:<20} {ms:9.3f}  {per_rep(runs, 'ms', '.3f'):<{width}} "
+            f"{BATCH / ms * 1e3:11.0f} {ratio} {share}"
+        )
+    print(
+        f"~ : still had > {NOISY_CORES} cores of foreign load after the retries. Ratios are "
+        f"medians of each rep's ratio. {reference} / it > 1: faster than the DataLoader; "
+        "it / mlp step: the read's time as a fraction of one training step on the batch"
+    )
 
 
 def main() -> None:
@@ -186,14 +203,21 @@ def main() -> None:
     order = batch_order(a.batches)
     contenders = readers(inputs, targets, order)
     check_same(contenders, order, inputs, targets)
-    jobs = {name: partial(time_reader, read, batches=a.batches)
-            for name, read in contenders.items()}
+    jobs = {
+        name: partial(time_reader, read, batches=a.batches) for name, read in contenders.items()
+    }
     jobs["mlp-step"] = partial(time_mlp_step, inputs, targets, order, batches=a.batches)
-    print(f"own data: {EXAMPLES} examples of ({FEATURES},) float32 + an int64 class, "
-          f"{a.batches} global batches of {BATCH} in GlobalBatchSampler's order, 1 process x "
-          f"{torch.get_num_threads()} thread, torch {torch.__version__}")
-    results = interleave(jobs, reps=a.reps, retries=a.retries,
-                         line=lambda rep, name, r: f"{name:<20} {r['ms']:8.3f} ms/batch")
+    print(
+        f"own data: {EXAMPLES} examples of ({FEATURES},) float32 + an int64 class, "
+        f"{a.batches} global batches of {BATCH} in GlobalBatchSampler's order, 1 process x "
+        f"{torch.get_num_threads()} thread, torch {torch.__version__}"
+    )
+    results = interleave(
+        jobs,
+        reps=a.reps,
+        retries=a.retries,
+        line=lambda rep, name, r: f"{name:<20} {r['ms']:8.3f} ms/batch",
+    )
     print()
     print_table(results, reference="dataloader", step="mlp-step")
 

@@ -19,23 +19,34 @@ import os
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-
-from common import (ACCELERATE_PRECISION, WallClock, build_job, docs_adamw, job_loss,
-                    worker_args, write_peer_result)
+from common import (
+    ACCELERATE_PRECISION,
+    WallClock,
+    build_job,
+    docs_adamw,
+    job_loss,
+    worker_args,
+    write_peer_result,
+)
 
 
 def main() -> None:
     a = worker_args(__doc__)
     torch.set_num_threads(a.threads)
     accum = a.global_batch // (a.micro_batch * a.procs)
-    accelerator = Accelerator(cpu=True, mixed_precision=ACCELERATE_PRECISION[a.precision],
-                              gradient_accumulation_steps=accum)
+    accelerator = Accelerator(
+        cpu=True,
+        mixed_precision=ACCELERATE_PRECISION[a.precision],
+        gradient_accumulation_steps=accum,
+    )
     assert accelerator.num_processes == a.procs, (
         f"expected {a.procs} processes, Accelerate runs {accelerator.num_processes} "
-        f"({accelerator.distributed_type})")
+        f"({accelerator.distributed_type})"
+    )
     set_seed(a.seed)
-    data, model, sampler = build_job(a, rank=accelerator.process_index,
-                                     world=accelerator.num_processes)
+    data, model, sampler = build_job(
+        a, rank=accelerator.process_index, world=accelerator.num_processes
+    )
     model, optimizer = accelerator.prepare(model, docs_adamw(model, a))
 
     clock, logged, window_loss = WallClock(warmup=a.warmup, steps=a.steps), {}, torch.zeros(())
@@ -57,9 +68,16 @@ def main() -> None:
             logged[step + 1], window_loss = float(mean), torch.zeros(())
 
     if accelerator.is_main_process:
-        write_peer_result(a, clock, logged, library="accelerate", model=model,
-                          optimizer=optimizer, world_size=accelerator.num_processes,
-                          distributed_type=str(accelerator.distributed_type))
+        write_peer_result(
+            a,
+            clock,
+            logged,
+            library="accelerate",
+            model=model,
+            optimizer=optimizer,
+            world_size=accelerator.num_processes,
+            distributed_type=str(accelerator.distributed_type),
+        )
     accelerator.end_training()  # destroys the process group
     os._exit(0)  # skip gloo's intermittent abort at interpreter shutdown (PLATFORM-NOTES)
 

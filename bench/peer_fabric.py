@@ -15,20 +15,28 @@ Writes one JSON object (rank 0), as every contender does (see bench/common.py).
 import os
 
 import torch
+from common import (
+    FABRIC_PRECISION,
+    WallClock,
+    build_job,
+    docs_adamw,
+    job_loss,
+    worker_args,
+    write_peer_result,
+)
 from lightning_fabric import Fabric
-
-from common import (FABRIC_PRECISION, WallClock, build_job, docs_adamw, job_loss,
-                    worker_args, write_peer_result)
 
 
 def main() -> None:
     a = worker_args(__doc__)
-    fabric = Fabric(accelerator="cpu", devices=a.procs, strategy="ddp",
-                    precision=FABRIC_PRECISION[a.precision])
+    fabric = Fabric(
+        accelerator="cpu", devices=a.procs, strategy="ddp", precision=FABRIC_PRECISION[a.precision]
+    )
     fabric.launch()
     torch.set_num_threads(a.threads)
     assert fabric.world_size == a.procs, (
-        f"expected {a.procs} processes, Fabric runs {fabric.world_size}")
+        f"expected {a.procs} processes, Fabric runs {fabric.world_size}"
+    )
     accum = a.global_batch // (a.micro_batch * fabric.world_size)
     fabric.seed_everything(a.seed)
     data, model, sampler = build_job(a, rank=fabric.global_rank, world=fabric.world_size)
@@ -53,8 +61,15 @@ def main() -> None:
             logged[step + 1], window_loss = float(mean), torch.zeros(())
 
     if fabric.is_global_zero:
-        write_peer_result(a, clock, logged, library="fabric", model=model, optimizer=optimizer,
-                          world_size=fabric.world_size)
+        write_peer_result(
+            a,
+            clock,
+            logged,
+            library="fabric",
+            model=model,
+            optimizer=optimizer,
+            world_size=fabric.world_size,
+        )
     fabric.barrier()
     torch.distributed.destroy_process_group()
     for child in getattr(fabric.strategy.launcher, "procs", []):  # rank 0 started the others:

@@ -20,15 +20,13 @@ import tomllib
 from pathlib import Path
 
 import torch
-
 from common import WallClock, describe_defaults, scaletrain_overrides, worker_args, write_result
 
 
 def main() -> None:
     a = worker_args(__doc__)
-    from scaletrain.config import load_config
+    from scaletrain.config import flatten_config, load_config
     from scaletrain.metrics import read_metrics
-    from scaletrain.config import flatten_config
     from scaletrain.runtime import exit_worker, read_env
     from scaletrain.training import trainer
 
@@ -55,18 +53,28 @@ def main() -> None:
     trainer.configure_allocator = recorded_configure
     run_dir = Path(a.out).with_suffix(".run")
     summary = trainer.train(config, run_dir=run_dir)
-    assert clock.seconds is not None, "the trainer no longer calls trainer.train_step: fix the clock"
+    assert clock.seconds is not None, (
+        "the trainer no longer calls trainer.train_step: fix the clock"
+    )
     if read_env().is_main:
         train = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]
         resolved = (run_dir / "config.toml").read_text()
         for key, value in flatten_config(tomllib.loads(resolved)).items():  # e.g. optim.impl
             if any(word in key for word in ("impl", "alloc", "fused", "foreach")):
                 found[f"config {key}"] = str(value)
-        write_result(a.out, library="scaletrain", seconds=clock.seconds, steps=a.steps,
-                     final_loss=next(r["loss"] for r in train if r["step"] == clock.end),
-                     peak_mem_bytes=max(r["peak_mem_bytes"] for r in train),
-                     world_size=summary["world_size"], threads=torch.get_num_threads(),
-                     precision=summary["precision"], defaults=found, config_toml=resolved)
+        write_result(
+            a.out,
+            library="scaletrain",
+            seconds=clock.seconds,
+            steps=a.steps,
+            final_loss=next(r["loss"] for r in train if r["step"] == clock.end),
+            peak_mem_bytes=max(r["peak_mem_bytes"] for r in train),
+            world_size=summary["world_size"],
+            threads=torch.get_num_threads(),
+            precision=summary["precision"],
+            defaults=found,
+            config_toml=resolved,
+        )
     exit_worker(0)  # destroy the group, skip gloo's abort at interpreter shutdown
 
 

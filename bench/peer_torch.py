@@ -21,10 +21,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import (
+    WallClock,
+    all_reduce_mean,
+    build_job,
+    docs_adamw,
+    job_loss,
+    scaletrain_overrides,
+    worker_args,
+    write_peer_result,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from common import (WallClock, all_reduce_mean, build_job, docs_adamw, job_loss,
-                    scaletrain_overrides, worker_args, write_peer_result)
 
 
 def scaletrain_parts(a, *, rank: int, world: int):
@@ -41,8 +48,9 @@ def scaletrain_parts(a, *, rank: int, world: int):
     # The heap policy trainer.train() sets before it builds.
     heap = {"heap policy (mallopt)": configure_allocator(config.train.allocator, device_type="cpu")}
     seed_everything(a.seed)
-    parts = trainer.build(config, derived, penv, device=torch.device("cpu"),
-                          run_dir=Path(a.out).with_suffix(".run"))
+    parts = trainer.build(
+        config, derived, penv, device=torch.device("cpu"), run_dir=Path(a.out).with_suffix(".run")
+    )
     return parts.train_ds, parts.state.model, parts.state.optimizer, parts.sampler, heap
 
 
@@ -59,8 +67,11 @@ def main() -> None:
         data, model, sampler = build_job(a, rank=rank, world=world)
         model = DDP(model)
         optimizer = docs_adamw(model, a)
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if a.precision == "bf16-mixed"
-                else contextlib.nullcontext())
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if a.precision == "bf16-mixed"
+        else contextlib.nullcontext()
+    )
     accum = sampler.accumulation
 
     clock, logged, window_loss = WallClock(warmup=a.warmup, steps=a.steps), {}, torch.zeros(())
@@ -83,9 +94,16 @@ def main() -> None:
             window_loss = torch.zeros(())
 
     if rank == 0:
-        write_peer_result(a, clock, logged, library="torch-matched" if a.match_scaletrain
-                          else "torch", model=model, optimizer=optimizer, world_size=world,
-                          defaults=heap)
+        write_peer_result(
+            a,
+            clock,
+            logged,
+            library="torch-matched" if a.match_scaletrain else "torch",
+            model=model,
+            optimizer=optimizer,
+            world_size=world,
+            defaults=heap,
+        )
     dist.destroy_process_group()
     os._exit(0)  # skip gloo's intermittent abort at interpreter shutdown (PLATFORM-NOTES)
 

@@ -43,16 +43,32 @@ import argparse
 import tempfile
 from functools import partial
 
-from common import (ACCELERATE_PRECISION, add_job_args, base_parser, check_job, interleave,
-                    print_defaults, print_ratio_table, run_contender)
+from common import (
+    ACCELERATE_PRECISION,
+    add_job_args,
+    base_parser,
+    check_job,
+    interleave,
+    print_defaults,
+    print_ratio_table,
+    run_contender,
+)
 
 LIBRARIES = ("scaletrain", "torch", "accelerate", "fabric")
 TARGETS = {"torch": 1.10, "accelerate": 1.15, "fabric": 1.15}  # scaletrain / it, examples/s
 # Named jobs besides the headline one: the job flags they change (explicit flags win).
 PRESETS = {
-    "hf-llama": {"model": "hf-llama", "size": "small", "source": "wikitext", "seq_len": 128,
-                 "global_batch": 32, "micro_batch": 16, "steps": 30, "warmup": 10,
-                 "log_every": 10},  # ~0.33 s a step, ~20 s start-up: 3 reps in 8-12 min
+    "hf-llama": {
+        "model": "hf-llama",
+        "size": "small",
+        "source": "wikitext",
+        "seq_len": 128,
+        "global_batch": 32,
+        "micro_batch": 16,
+        "steps": 30,
+        "warmup": 10,
+        "log_every": 10,
+    },  # ~0.33 s a step, ~20 s start-up: 3 reps in 8-12 min
 }
 TEXT_SOURCES = ("wikitext", "wikitext-paragraphs", "synthetic-text")
 
@@ -60,23 +76,33 @@ TEXT_SOURCES = ("wikitext", "wikitext-paragraphs", "synthetic-text")
 def compare(a, *, libraries, targets: dict[str, float], title: str) -> None:
     """Interleave `libraries` on the job `a` for each precision; print ratios and defaults."""
     tokens = f" ({a.seq_len} tokens an example)" if a.source in TEXT_SOURCES else ""
-    print(f"{title}: {a.model}-{a.size} on {a.source}{tokens}, global batch {a.global_batch} = "
-          f"{a.procs} ranks x {a.global_batch // a.procs} (micro-batch {a.micro_batch}), AdamW "
-          f"lr {a.lr} wd {a.weight_decay}, clip {a.grad_clip}, {a.procs} processes x "
-          f"{a.threads} thread(s); {a.steps} timed steps after {a.warmup}, seed {a.seed}")
+    print(
+        f"{title}: {a.model}-{a.size} on {a.source}{tokens}, global batch {a.global_batch} = "
+        f"{a.procs} ranks x {a.global_batch // a.procs} (micro-batch {a.micro_batch}), AdamW "
+        f"lr {a.lr} wd {a.weight_decay}, clip {a.grad_clip}, {a.procs} processes x "
+        f"{a.threads} thread(s); {a.steps} timed steps after {a.warmup}, seed {a.seed}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for precision in a.precisions.split(","):
             job = argparse.Namespace(**{**vars(a), "precision": precision})
             print(f"\n[{precision}]")
             results = interleave(
-                {lib: partial(run_contender, lib, job, out_dir=tmp, tag=f"{lib}-{precision}")
-                 for lib in libraries},
-                reps=a.reps, retries=a.retries,
-                line=lambda rep, name, r: f"{name:<13} {r['examples_per_s']:8.1f} examples/s "
-                                          f"loss {r['final_loss']:.5f}")
+                {
+                    lib: partial(run_contender, lib, job, out_dir=tmp, tag=f"{lib}-{precision}")
+                    for lib in libraries
+                },
+                reps=a.reps,
+                retries=a.retries,
+                line=lambda rep, name, r: (
+                    f"{name:<13} {r['examples_per_s']:8.1f} examples/s loss {r['final_loss']:.5f}"
+                ),
+            )
             print()
-            print_ratio_table(results, reference=libraries[0],
-                              targets={k: v for k, v in targets.items() if k in libraries})
+            print_ratio_table(
+                results,
+                reference=libraries[0],
+                targets={k: v for k, v in targets.items() if k in libraries},
+            )
             print("\ndifferences in defaults (as found on each contender's model and optimizer):")
             print_defaults(results)
 
@@ -86,20 +112,29 @@ def main() -> None:
     preset.add_argument("--preset", choices=sorted(PRESETS))
     job = PRESETS.get(preset.parse_known_args()[0].preset, {})
     p = add_job_args(base_parser(__doc__), **job)
-    flags = {name: " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
-             for name, values in PRESETS.items()}
-    p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="a named job, whose flags become the defaults: "
-                        + "; ".join(f"{name} = {f}" for name, f in flags.items()))
+    flags = {
+        name: " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+        for name, values in PRESETS.items()
+    }
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a named job, whose flags become the defaults: "
+        + "; ".join(f"{name} = {f}" for name, f in flags.items()),
+    )
     p.add_argument("--precisions", default="fp32", help="comma-separated: fp32,bf16-mixed")
-    p.add_argument("--libraries", default=",".join(LIBRARIES),
-                   help="comma-separated contenders; the first is the reference")
+    p.add_argument(
+        "--libraries",
+        default=",".join(LIBRARIES),
+        help="comma-separated contenders; the first is the reference",
+    )
     a = check_job(p, p.parse_args())
     for precision in a.precisions.split(","):
         if precision not in ACCELERATE_PRECISION:
             p.error(f"--precisions: {precision!r} is not one of {', '.join(ACCELERATE_PRECISION)}")
-    compare(a, libraries=a.libraries.split(","), targets=TARGETS,
-            title="peers, each at its defaults")
+    compare(
+        a, libraries=a.libraries.split(","), targets=TARGETS, title="peers, each at its defaults"
+    )
 
 
 if __name__ == "__main__":

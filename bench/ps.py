@@ -74,14 +74,34 @@ slow_factor = {slow_factor}
 WORKERS = 3
 CONTENDERS = {  # name: (--nproc, the strategy's overrides)
     "ddp": (WORKERS, ["parallel.strategy=collective", f"parallel.dp={WORKERS}"]),
-    "ps-sync": (WORKERS + 1, ["parallel.strategy=ps", f"parallel.dp={WORKERS}", "ps.servers=1",
-                              "ps.mode=sync"]),
-    "ps-ssp2": (WORKERS + 1, ["parallel.strategy=ps", f"parallel.dp={WORKERS}", "ps.servers=1",
-                              "ps.mode=ssp", "ps.staleness=2"]),
-    "ps-ssp8": (WORKERS + 1, ["parallel.strategy=ps", f"parallel.dp={WORKERS}", "ps.servers=1",
-                              "ps.mode=ssp", "ps.staleness=8"]),
-    "ps-async": (WORKERS + 1, ["parallel.strategy=ps", f"parallel.dp={WORKERS}", "ps.servers=1",
-                               "ps.mode=async"]),
+    "ps-sync": (
+        WORKERS + 1,
+        ["parallel.strategy=ps", f"parallel.dp={WORKERS}", "ps.servers=1", "ps.mode=sync"],
+    ),
+    "ps-ssp2": (
+        WORKERS + 1,
+        [
+            "parallel.strategy=ps",
+            f"parallel.dp={WORKERS}",
+            "ps.servers=1",
+            "ps.mode=ssp",
+            "ps.staleness=2",
+        ],
+    ),
+    "ps-ssp8": (
+        WORKERS + 1,
+        [
+            "parallel.strategy=ps",
+            f"parallel.dp={WORKERS}",
+            "ps.servers=1",
+            "ps.mode=ssp",
+            "ps.staleness=8",
+        ],
+    ),
+    "ps-async": (
+        WORKERS + 1,
+        ["parallel.strategy=ps", f"parallel.dp={WORKERS}", "ps.servers=1", "ps.mode=async"],
+    ),
 }
 GOAL_SPEED, GOAL_POINTS = 1.5, 0.5  # async >= 1.5x DDP's examples/s, accuracy within 0.5 pt
 # How the contenders differ beyond their config keys (read off the code; see BENCHMARKS.md).
@@ -110,13 +130,18 @@ DIFFERENCES = [
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--steps", type=int, default=400, help="train.steps (global steps)")
     p.add_argument("--slow-factor", type=float, default=3.0, help="ps.slow_factor of worker 0")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke version: MLP tiny on digits, 40 steps, target 0.8 (< 2 min)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke version: MLP tiny on digits, 40 steps, target 0.8 (< 2 min)",
+    )
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=", ".join(CONTENDERS))
     p.add_argument("--target", type=float, default=0.97, help="accuracy for the time-to column")
     p.add_argument("--model", default="cnn")
@@ -128,11 +153,19 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=50, help="optim.warmup_steps (global steps)")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--eval-examples", type=int, default=1000,
-                   help="held-out examples per mid-run evaluation (the final one: all)")
+    p.add_argument(
+        "--eval-examples",
+        type=int,
+        default=1000,
+        help="held-out examples per mid-run evaluation (the final one: all)",
+    )
     p.add_argument("--log-every", type=int, default=5)
-    p.add_argument("--retries", type=int, default=0,
-                   help="re-runs of a run disturbed by other processes (each ~2-3 min)")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="re-runs of a run disturbed by other processes (each ~2-3 min)",
+    )
     p.add_argument("--keep", type=Path, help="keep the run directories here")
     a = p.parse_args()
     if a.quick:
@@ -150,13 +183,23 @@ def train(name: str, a: argparse.Namespace, config: Path, root: Path) -> dict:
     """One contender through the CLI; its run directory's numbers."""
     nproc, overrides = CONTENDERS[name]
     run_dir = root / name
-    cmd = [str(BIN / "scaletrain"), "train", str(config), "--nproc", str(nproc), *overrides,
-           "--run-dir", str(run_dir)]
+    cmd = [
+        str(BIN / "scaletrain"),
+        "train",
+        str(config),
+        "--nproc",
+        str(nproc),
+        *overrides,
+        "--run-dir",
+        str(run_dir),
+    ]
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
-        raise SystemExit(f"{name}: {' '.join(cmd)} failed ({done.returncode}):\n"
-                         f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        raise SystemExit(
+            f"{name}: {' '.join(cmd)} failed ({done.returncode}):\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        )
     r = read_run(run_dir, a)
     r.update(name=name, run_dir=run_dir, cmd=cmd, total_s=time.perf_counter() - started)
     return r
@@ -184,19 +227,28 @@ def read_run(run_dir: Path, a: argparse.Namespace) -> dict:
         eval_s = [pause] * len(mid)
     reached = next((e for e in evals if e.get("accuracy", 0.0) >= a.target), None)
     half = max((s for s in clock if s <= a.steps // 2), default=None)
-    out = {"examples_per_s": summary["examples_per_s"], "wall_s": wall,
-           "examples_expected": a.steps * a.global_batch,
-           "examples_applied": round(summary["examples_per_s"] * wall),
-           "half_examples_per_s": half * a.global_batch / clock[half] if half else float("nan"),
-           "target_step": reached["step"] if reached else None,
-           "target_s": clock[reached["step"]] if reached else None,
-           "eval_s": sum(eval_s) / len(eval_s) if eval_s else 0.0, "evals": len(mid),
-           "last_eval_accuracy": evals[-1].get("accuracy") if evals else None}
+    out = {
+        "examples_per_s": summary["examples_per_s"],
+        "wall_s": wall,
+        "examples_expected": a.steps * a.global_batch,
+        "examples_applied": round(summary["examples_per_s"] * wall),
+        "half_examples_per_s": half * a.global_batch / clock[half] if half else float("nan"),
+        "target_step": reached["step"] if reached else None,
+        "target_s": clock[reached["step"]] if reached else None,
+        "eval_s": sum(eval_s) / len(eval_s) if eval_s else 0.0,
+        "evals": len(mid),
+        "last_eval_accuracy": evals[-1].get("accuracy") if evals else None,
+    }
     if "ps" in summary:
         hist = {int(k): n for k, n in summary["ps"]["staleness_histogram"].items()}
         delay = {int(k): n for k, n in summary["ps"]["delay_histogram"].items()}
-        out.update(staleness_max=max(hist), staleness_mean=_mean(hist), delay_mean=_mean(delay),
-                   updates=summary["ps"]["updates"], dead=summary["ps"]["dead_workers"])
+        out.update(
+            staleness_max=max(hist),
+            staleness_mean=_mean(hist),
+            delay_mean=_mean(delay),
+            updates=summary["ps"]["updates"],
+            dead=summary["ps"]["dead_workers"],
+        )
     return out
 
 
@@ -218,11 +270,21 @@ def final_accuracy(run_dir: Path) -> tuple[float, int]:
     eval_ds = build_data(config, split="eval")
     net = build_net(config, eval_ds)
     net.load_state_dict(load_file(str(run_dir / "model.safetensors")), strict=True)
-    totals = eval_totals(net, eval_ds, limit=len(eval_ds), batch=500, dp_rank=0, dp_size=1,
-                         counts=True, precision=make_precision("fp32", device_type="cpu"),
-                         device=torch.device("cpu"), loss_fn=build_loss(config, eval_ds))
-    return eval_record(totals, kind=eval_ds.spec.kind, loss_name=config.train.loss)["accuracy"], \
-        int(totals[2])
+    totals = eval_totals(
+        net,
+        eval_ds,
+        limit=len(eval_ds),
+        batch=500,
+        dp_rank=0,
+        dp_size=1,
+        counts=True,
+        precision=make_precision("fp32", device_type="cpu"),
+        device=torch.device("cpu"),
+        loss_fn=build_loss(config, eval_ds),
+    )
+    return eval_record(totals, kind=eval_ds.spec.kind, loss_name=config.train.loss)[
+        "accuracy"
+    ], int(totals[2])
 
 
 def config_differences(results: dict[str, dict]) -> dict[str, dict[str, str]]:
@@ -231,19 +293,26 @@ def config_differences(results: dict[str, dict]) -> dict[str, dict[str, str]]:
 
     from scaletrain.config import flatten_config
 
-    flat = {n: flatten_config(tomllib.loads((r["run_dir"] / "config.toml").read_text()))
-            for n, r in results.items()}
+    flat = {
+        n: flatten_config(tomllib.loads((r["run_dir"] / "config.toml").read_text()))
+        for n, r in results.items()
+    }
     keys = sorted({k for f in flat.values() for k in f})
-    return {k: {n: str(f.get(k, "-")) for n, f in flat.items()} for k in keys
-            if len({str(f.get(k, "-")) for f in flat.values()}) > 1}
+    return {
+        k: {n: str(f.get(k, "-")) for n, f in flat.items()}
+        for k in keys
+        if len({str(f.get(k, "-")) for f in flat.values()}) > 1
+    }
 
 
 def report(results: dict[str, dict], a: argparse.Namespace) -> None:
     ref = results.get("ddp")
     pct = lambda x: f"{100 * x:.2f}"  # noqa: E731
-    print(f"\n{'contender':<9} {'ex/s':>7} {'/DDP':>5} {'ex/s 1st half':>13} {'/DDP':>5} "
-          f"{'final acc %':>11} {'-DDP pt':>7} {f'step@{a.target:g}':>9} {'time s':>7} "
-          f"{'/DDP':>5} {'stale max':>9} {'mean':>5} {'delay mean':>10} {'foreign':>7}")
+    print(
+        f"\n{'contender':<9} {'ex/s':>7} {'/DDP':>5} {'ex/s 1st half':>13} {'/DDP':>5} "
+        f"{'final acc %':>11} {'-DDP pt':>7} {f'step@{a.target:g}':>9} {'time s':>7} "
+        f"{'/DDP':>5} {'stale max':>9} {'mean':>5} {'delay mean':>10} {'foreign':>7}"
+    )
     for name, r in results.items():
         ratio = r["examples_per_s"] / ref["examples_per_s"] if ref else float("nan")
         half = r["half_examples_per_s"] / ref["half_examples_per_s"] if ref else float("nan")
@@ -253,29 +322,41 @@ def report(results: dict[str, dict], a: argparse.Namespace) -> None:
             t = f"{r['target_s']:.1f}"
             if ref and ref["target_s"]:
                 tr = f"{r['target_s'] / ref['target_s']:.2f}"
-        stale = (f"{r['staleness_max']:>9} {r['staleness_mean']:>5.1f} {r['delay_mean']:>10.2f}"
-                 if "staleness_max" in r else f"{'-':>9} {'-':>5} {'-':>10}")
-        print(f"{name:<9} {r['examples_per_s']:>7.0f} {ratio:>5.2f} {r['half_examples_per_s']:>13.0f}"
-              f" {half:>5.2f} {pct(r['accuracy']):>11} {diff:>+7.2f} {r['target_step'] or '-':>9}"
-              f" {t:>7} {tr:>5} {stale} {r['foreign']:>7.2f}" + ("~" if r["foreign"] > NOISY_CORES
-                                                               else ""))
+        stale = (
+            f"{r['staleness_max']:>9} {r['staleness_mean']:>5.1f} {r['delay_mean']:>10.2f}"
+            if "staleness_max" in r
+            else f"{'-':>9} {'-':>5} {'-':>10}"
+        )
+        print(
+            f"{name:<9} {r['examples_per_s']:>7.0f} {ratio:>5.2f} {r['half_examples_per_s']:>13.0f}"
+            f" {half:>5.2f} {pct(r['accuracy']):>11} {diff:>+7.2f} {r['target_step'] or '-':>9}"
+            f" {t:>7} {tr:>5} {stale} {r['foreign']:>7.2f}"
+            + ("~" if r["foreign"] > NOISY_CORES else "")
+        )
     print(f"~ : > {NOISY_CORES} cores of foreign load during the run")
     for name, r in results.items():
-        where = (f"{r['eval_s']:.2f} s pause each" if name == "ddp" else
-                 "on server 0 beside training")
-        print(f"  {name}: {r['evals']} mid-run evals ({where}); "
-              f"wall {r['wall_s']:.1f} s, {r['examples_applied']} of {r['examples_expected']} "
-              f"examples; whole command {r['total_s']:.0f} s"
-              + (f"; dead workers {r['dead']}" if r.get("dead") else ""))
+        where = (
+            f"{r['eval_s']:.2f} s pause each" if name == "ddp" else "on server 0 beside training"
+        )
+        print(
+            f"  {name}: {r['evals']} mid-run evals ({where}); "
+            f"wall {r['wall_s']:.1f} s, {r['examples_applied']} of {r['examples_expected']} "
+            f"examples; whole command {r['total_s']:.0f} s"
+            + (f"; dead workers {r['dead']}" if r.get("dead") else "")
+        )
     if ref and "ps-async" in results:
         r = results["ps-async"]
         speed = r["examples_per_s"] / ref["examples_per_s"]
         points = abs(r["accuracy"] - ref["accuracy"]) * 100
         ok = speed >= GOAL_SPEED and points <= GOAL_POINTS
-        print(f"\ngoal async >= {GOAL_SPEED}x DDP examples/s at accuracy within {GOAL_POINTS} pt: "
-              f"{speed:.2f}x, {points:.2f} pt -> {'MET' if ok else 'NOT MET'}")
-    print("\ndifferences between the contenders' resolved configs (config.toml; ps.mode and "
-          "ps.staleness are not read under collective):")
+        print(
+            f"\ngoal async >= {GOAL_SPEED}x DDP examples/s at accuracy within {GOAL_POINTS} pt: "
+            f"{speed:.2f}x, {points:.2f} pt -> {'MET' if ok else 'NOT MET'}"
+        )
+    print(
+        "\ndifferences between the contenders' resolved configs (config.toml; ps.mode and "
+        "ps.staleness are not read under collective):"
+    )
     for key, values in config_differences(results).items():
         print(f"  {key}: " + ", ".join(f"{n}={v}" for n, v in values.items()))
     print("differences in what they do (read off the code):")
@@ -289,11 +370,14 @@ def main() -> None:
     unknown = set(names) - set(CONTENDERS)
     if unknown:
         raise SystemExit(f"unknown contenders {sorted(unknown)}; allowed: {', '.join(CONTENDERS)}")
-    print(f"{a.model} {a.size} on {a.source}, {a.steps} global steps of {a.global_batch} "
-          f"({WORKERS} x {a.global_batch // WORKERS}, micro-batch {a.micro_batch}), AdamW lr "
-          f"{a.lr:g} cosine, warmup {a.warmup}, clip {a.grad_clip:g}; worker/rank 0 slowed "
-          f"{a.slow_factor:g}x; 1 thread per process; evals every {a.eval_every} steps on "
-          f"{a.eval_examples} examples", flush=True)
+    print(
+        f"{a.model} {a.size} on {a.source}, {a.steps} global steps of {a.global_batch} "
+        f"({WORKERS} x {a.global_batch // WORKERS}, micro-batch {a.micro_batch}), AdamW lr "
+        f"{a.lr:g} cosine, warmup {a.warmup}, clip {a.grad_clip:g}; worker/rank 0 slowed "
+        f"{a.slow_factor:g}x; 1 thread per process; evals every {a.eval_every} steps on "
+        f"{a.eval_examples} examples",
+        flush=True,
+    )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = a.keep or Path(tmp)
@@ -302,18 +386,27 @@ def main() -> None:
         config.write_text(CONFIG.format(**vars(a)))
         results = {}
         for name in names:
-            r, foreign, note = measured(lambda: train(name, a, config, root), retries=a.retries)
+            r, foreign, note = measured(
+                lambda name=name: train(name, a, config, root), retries=a.retries
+            )
             r["foreign"] = foreign
             results[name] = r
-            print(f"  ran {name}: {r['examples_per_s']:.0f} examples/s, wall {r['wall_s']:.1f} s"
-                  f"{note}, foreign load {foreign:.2f} cores", flush=True)
+            print(
+                f"  ran {name}: {r['examples_per_s']:.0f} examples/s, wall {r['wall_s']:.1f} s"
+                f"{note}, foreign load {foreign:.2f} cores",
+                flush=True,
+            )
         for r in results.values():  # after every run: no contender's timing pays for it
             r["accuracy"], r["accuracy_examples"] = final_accuracy(r["run_dir"])
-        print(f"final accuracy on {next(iter(results.values()))['accuracy_examples']} held-out "
-              f"examples (model.safetensors of each run, scaletrain's eval code)")
+        print(
+            f"final accuracy on {next(iter(results.values()))['accuracy_examples']} held-out "
+            f"examples (model.safetensors of each run, scaletrain's eval code)"
+        )
         report(results, a)
-    print(f"\nbenchmark wall time: {time.perf_counter() - started:.0f} s; command: "
-          f"{' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(
+        f"\nbenchmark wall time: {time.perf_counter() - started:.0f} s; command: "
+        f"{' '.join([Path(sys.executable).name, *sys.argv])}"
+    )
 
 
 if __name__ == "__main__":

@@ -22,27 +22,46 @@ MODELS = {  # name: (model, size, source, what it shows)
 
 
 def main() -> None:
-    p = add_job_args(base_parser(__doc__), global_batch=256, steps=50,
-                     synthetic_examples=16384)
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    p = add_job_args(base_parser(__doc__), global_batch=256, steps=50, synthetic_examples=16384)
+    p.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS)
+    )
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.models.split(","):
             model, size, source, what = MODELS[name]
             jobs = {}
             for procs in (1, 2):
-                job = check_job(p, argparse.Namespace(**{
-                    **vars(a), "model": model, "size": size, "source": source, "procs": procs,
-                    "micro_batch": a.global_batch // procs}))
-                jobs[procs] = partial(run_contender, "scaletrain", job, out_dir=tmp,
-                                      tag=f"{name}-{procs}")
-            print(f"{name} on {source} ({what}), global batch {a.global_batch}, "
-                  f"{a.threads} thread(s) per process, {a.steps} timed steps after {a.warmup}")
-            res = interleave(jobs, reps=a.reps, retries=a.retries,
-                             line=lambda rep, procs, r: f"{procs} proc(s) "
-                                                        f"{r['examples_per_s']:8.0f} examples/s")
-            print(f"{'rep':>3} {'1 proc ex/s':>12} {'2 procs ex/s':>13} {'speed-up':>9} "
-                  f"{'efficiency':>11}")
+                job = check_job(
+                    p,
+                    argparse.Namespace(
+                        **{
+                            **vars(a),
+                            "model": model,
+                            "size": size,
+                            "source": source,
+                            "procs": procs,
+                            "micro_batch": a.global_batch // procs,
+                        }
+                    ),
+                )
+                jobs[procs] = partial(
+                    run_contender, "scaletrain", job, out_dir=tmp, tag=f"{name}-{procs}"
+                )
+            print(
+                f"{name} on {source} ({what}), global batch {a.global_batch}, "
+                f"{a.threads} thread(s) per process, {a.steps} timed steps after {a.warmup}"
+            )
+            res = interleave(
+                jobs,
+                reps=a.reps,
+                retries=a.retries,
+                line=lambda rep, procs, r: f"{procs} proc(s) {r['examples_per_s']:8.0f} examples/s",
+            )
+            print(
+                f"{'rep':>3} {'1 proc ex/s':>12} {'2 procs ex/s':>13} {'speed-up':>9} "
+                f"{'efficiency':>11}"
+            )
             effs = []
             for rep, (one, two) in enumerate(zip(res[1], res[2])):
                 one, two = one["examples_per_s"], two["examples_per_s"]

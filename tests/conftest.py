@@ -29,22 +29,35 @@ class Trained:
 
     @staticmethod
     def key(case: Case, *, world_size: int, cwd: Path | None) -> str:
-        text = json.dumps([world_size, case.config, case.legs, case.expect_ok,
-                           str(cwd) if cwd else None])
+        text = json.dumps(
+            [world_size, case.config, case.legs, case.expect_ok, str(cwd) if cwd else None]
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
-    def __call__(self, cases: dict[str, Case], *, world_size: int, cwd: Path | None = None,
-                 timeout: float = 300.0) -> dict[str, CaseResult]:
-        keys = {name: self.key(case, world_size=world_size, cwd=cwd)
-                for name, case in cases.items()}
+    def __call__(
+        self,
+        cases: dict[str, Case],
+        *,
+        world_size: int,
+        cwd: Path | None = None,
+        timeout: float = 300.0,
+    ) -> dict[str, CaseResult]:
+        keys = {
+            name: self.key(case, world_size=world_size, cwd=cwd) for name, case in cases.items()
+        }
         missing: dict[str, Case] = {}
         for name, case in cases.items():  # the same run asked for twice runs once
             if keys[name] not in self.done and keys[name] not in {k[-12:] for k in missing}:
                 missing[f"{name}-{keys[name]}"] = case
         if missing:
             self.jobs += 1
-            got = run_job(missing, world_size=world_size, timeout=timeout, cwd=cwd,
-                          root=self.root / f"job{self.jobs}-w{world_size}")
+            got = run_job(
+                missing,
+                world_size=world_size,
+                timeout=timeout,
+                cwd=cwd,
+                root=self.root / f"job{self.jobs}-w{world_size}",
+            )
             for run_name, result in got.items():
                 self.done[run_name[-12:]] = result
         return {name: self.done[key] for name, key in keys.items()}
@@ -63,6 +76,8 @@ TRAINED_TIMEOUT_S = 1200
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "trained" in getattr(item, "fixturenames", ()) and \
-                item.get_closest_marker("timeout") is None:
+        if (
+            "trained" in getattr(item, "fixturenames", ())
+            and item.get_closest_marker("timeout") is None
+        ):
             item.add_marker(pytest.mark.timeout(TRAINED_TIMEOUT_S))

@@ -37,16 +37,36 @@ def free_port() -> int:
 
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment for a scaletrain subprocess: no torchrun or SLURM variables leak in."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_", "RANK", "WORLD_SIZE",
-                                "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            (
+                "SLURM_",
+                "TORCHELASTIC_",
+                "MASTER_",
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "GROUP_RANK",
+            )
+        )
+    }
     env.update(extra)
     return env
 
 
-def run_workers(config: Path, overrides: list[str], *, world_size: int, run_dir: Path,
-                timeout: float = 120.0, expect_ok: bool = True,
-                cwd: Path | None = None) -> list[subprocess.CompletedProcess]:
+def run_workers(
+    config: Path,
+    overrides: list[str],
+    *,
+    world_size: int,
+    run_dir: Path,
+    timeout: float = 120.0,
+    expect_ok: bool = True,
+    cwd: Path | None = None,
+) -> list[subprocess.CompletedProcess]:
     """Start `world_size` ranks of `scaletrain train CONFIG overrides --run-dir RUN_DIR`
     (in `cwd`, where a user's own package would be imported from)."""
     port = free_port()
@@ -55,14 +75,31 @@ def run_workers(config: Path, overrides: list[str], *, world_size: int, run_dir:
         # OMP_NUM_THREADS as the launcher sets it: some kernels (stock PowerSGD's QR) pick
         # their thread count at start-up from it and are not reproducible without it.
         threads = str(max(1, len(os.sched_getaffinity(0)) // world_size))
-        env = cli_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="test",
-                      OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
-        cmd = [sys.executable, "-m", "scaletrain", "train", str(config), *overrides,
-               "--run-dir", str(run_dir)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, cwd=cwd))
+        env = cli_env(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RUN_ID="test",
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "train",
+            str(config),
+            *overrides,
+            "--run-dir",
+            str(run_dir),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
+            )
+        )
     deadline = time.monotonic() + timeout
     results = []
     for p in procs:
@@ -79,15 +116,24 @@ def run_workers(config: Path, overrides: list[str], *, world_size: int, run_dir:
     return results
 
 
-def run_cli(args: list[str], *, timeout: float = 180.0, cwd: Path | None = None,
-            **env: str) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], *, timeout: float = 180.0, cwd: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
     """`scaletrain ARGS` as a user runs it (launcher included), with a timeout, in `cwd`."""
     try:
-        return subprocess.run([sys.executable, "-m", "scaletrain", *args], env=cli_env(**env),
-                              capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        return subprocess.run(
+            [sys.executable, "-m", "scaletrain", *args],
+            env=cli_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+        )
     except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"scaletrain {' '.join(args)} did not finish in {timeout} s:\n"
-                             f"{(e.stderr or b'')[-3000:]}") from None
+        raise AssertionError(
+            f"scaletrain {' '.join(args)} did not finish in {timeout} s:\n"
+            f"{(e.stderr or b'')[-3000:]}"
+        ) from None
 
 
 def records(run_dir: Path, kind: str = "train") -> list[dict]:
@@ -161,8 +207,10 @@ def cli_main(argv: list[str]) -> int:
 
 def file_tree(root: Path) -> dict[str, bytes | None]:
     """Every path under root with its bytes (None for a directory): to see nothing changed."""
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
 
 
 # ------------------------------------------------ many runs in one process group per world size
@@ -189,22 +237,42 @@ PARITY_MODELS = {  # name -> (model and data, global batch, extra overrides)
     "mlp": (_MLP, 64, ()),
     # Adam and clipping are blind to the gradient's scale; plain SGD shows a wrong normaliser.
     "mlp-sgd": (_MLP, 64, ("optim.name=sgd", "optim.grad_clip=0", "optim.lr=0.5")),
-    "gpt": ('[model]\nname = "gpt"\nsize = "tiny"\n[data]\nsource = "wikitext"\n'
-            'seq_len = 32\n', 16, ()),
+    "gpt": (
+        '[model]\nname = "gpt"\nsize = "tiny"\n[data]\nsource = "wikitext"\nseq_len = 32\n',
+        16,
+        (),
+    ),
     # Padded paragraphs: target counts differ between micro-batches and ranks.
-    "gpt-ragged": ('[model]\nname = "gpt"\nsize = "tiny"\n[data]\n'
-                   'source = "wikitext-paragraphs"\nseq_len = 64\n', 16, ()),
+    "gpt-ragged": (
+        '[model]\nname = "gpt"\nsize = "tiny"\n[data]\n'
+        'source = "wikitext-paragraphs"\nseq_len = 64\n',
+        16,
+        (),
+    ),
 }
 
 
-def parity_case(model: str, *, dp: int = 1, acc: int = 1, precision: str = "fp64",
-                steps: int = 5, extra: tuple[str, ...] = ()) -> "Case":
+def parity_case(
+    model: str,
+    *,
+    dp: int = 1,
+    acc: int = 1,
+    precision: str = "fp64",
+    steps: int = 5,
+    extra: tuple[str, ...] = (),
+) -> Case:
     """PARITY_MODELS[model] on dp ranks with `acc` micro-batches per rank per step."""
     body, batch, model_extra = PARITY_MODELS[model]
-    return Case.of(body + PARITY_COMMON, f"train.global_batch={batch}",
-                   f"train.micro_batch={batch // (dp * acc)}", f"parallel.dp={dp}",
-                   f"precision.mode={precision}", f"train.steps={steps}", *model_extra, *extra)
-
+    return Case.of(
+        body + PARITY_COMMON,
+        f"train.global_batch={batch}",
+        f"train.micro_batch={batch // (dp * acc)}",
+        f"parallel.dp={dp}",
+        f"precision.mode={precision}",
+        f"train.steps={steps}",
+        *model_extra,
+        *extra,
+    )
 
 
 @dataclass(frozen=True)
@@ -219,7 +287,7 @@ class Case:
     expect_ok: bool = True  # every training leg must end with status 0
 
     @staticmethod
-    def of(config: str, *overrides: str, expect_ok: bool = True) -> "Case":
+    def of(config: str, *overrides: str, expect_ok: bool = True) -> Case:
         """A one-leg case."""
         return Case(config, (tuple(overrides),), expect_ok)
 
@@ -234,8 +302,14 @@ class CaseResult:
     stderr: list[str] = field(default_factory=list)
 
 
-def run_job(cases: dict[str, Case], *, world_size: int, root: Path, timeout: float = 300.0,
-            cwd: Path | None = None) -> dict[str, CaseResult]:
+def run_job(
+    cases: dict[str, Case],
+    *,
+    world_size: int,
+    root: Path,
+    timeout: float = 300.0,
+    cwd: Path | None = None,
+) -> dict[str, CaseResult]:
     """Train every case on `world_size` gloo ranks of one job; run directories root/<name>.
 
     A job that finishes no leg within `timeout` seconds (start-up included) is killed and
@@ -247,23 +321,43 @@ def run_job(cases: dict[str, Case], *, world_size: int, root: Path, timeout: flo
     ends the job: its traceback is in the failure message.
     """
     root.mkdir(parents=True, exist_ok=True)
-    spec = {"cases": {name: {"config": c.config, "legs": [list(leg) if not isinstance(leg, str)
-                                                         else leg for leg in c.legs]}
-                      for name, c in cases.items()},
-            "root": str(root), "cwd": str(cwd or root)}
+    spec = {
+        "cases": {
+            name: {
+                "config": c.config,
+                "legs": [list(leg) if not isinstance(leg, str) else leg for leg in c.legs],
+            }
+            for name, c in cases.items()
+        },
+        "root": str(root),
+        "cwd": str(cwd or root),
+    }
     job = root / f"job-{time.monotonic_ns()}.json"
     job.write_text(json.dumps(spec))
     port = free_port()
     procs = []
     for rank in range(world_size):
         threads = str(max(1, len(os.sched_getaffinity(0)) // world_size))  # as run_workers
-        env = cli_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="test",
-                      OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
+        env = cli_env(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RUN_ID="test",
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
+        )
         with job.with_suffix(f".rank{rank}.log").open("w") as log:  # a file: never blocks
-            procs.append(subprocess.Popen([sys.executable, __file__, str(job)], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT, cwd=cwd or root))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, str(job)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=cwd or root,
+                )
+            )
     progress = job.with_suffix(".rank0.jsonl")
     done_legs, deadline = -1, 0.0
     try:
@@ -284,8 +378,10 @@ def run_job(cases: dict[str, Case], *, world_size: int, root: Path, timeout: flo
             q.kill()
             q.wait()
         tails = [job.with_suffix(f".rank{r}.log").read_text()[-2000:] for r in range(world_size)]
-        raise AssertionError(f"the {world_size}-rank job finished no leg of its cases within "
-                             f"{timeout} s ({done_legs} done):\n" + "\n".join(tails)) from None
+        raise AssertionError(
+            f"the {world_size}-rank job finished no leg of its cases within "
+            f"{timeout} s ({done_legs} done):\n" + "\n".join(tails)
+        ) from None
     finally:  # pytest-timeout or Ctrl-C in the test: no rank outlives it
         for q in procs:
             q.kill()
@@ -302,8 +398,10 @@ def run_job(cases: dict[str, Case], *, world_size: int, root: Path, timeout: flo
     for name, case in cases.items():
         for leg, code in enumerate(results[name].codes):  # a call between legs must pass
             if case.expect_ok or isinstance(case.legs[leg], str):
-                assert code == 0, (f"case {name!r}, leg {leg} {case.legs[leg]}: status {code}:"
-                                   f"\n{results[name].stderr[leg][-3000:]}")
+                assert code == 0, (
+                    f"case {name!r}, leg {leg} {case.legs[leg]}: status {code}:"
+                    f"\n{results[name].stderr[leg][-3000:]}"
+                )
     return results
 
 
@@ -351,8 +449,9 @@ def _job_main(job: Path) -> None:
                 stdout, stderr = io.StringIO(), io.StringIO()
                 with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
                     try:
-                        code = _run_worker(load_config(config_path, list(leg)), run_dir,
-                                           exit_process=False)
+                        code = _run_worker(
+                            load_config(config_path, list(leg)), run_dir, exit_process=False
+                        )
                     except BaseException:  # a bug: show it and end the job
                         print(f"case {name}, overrides {leg}:", file=sys.__stderr__)
                         traceback.print_exc(file=sys.__stderr__)
@@ -360,8 +459,18 @@ def _job_main(job: Path) -> None:
                         os._exit(1)
                 stdout, stderr = stdout.getvalue(), stderr.getvalue()
                 gc.collect()  # the last run's model and data go before the next is built
-            out.write(json.dumps({"case": name, "code": code, "stdout": stdout, "stderr": stderr,
-                                  "seconds": round(time.monotonic() - started, 2)}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "case": name,
+                        "code": code,
+                        "stdout": stdout,
+                        "stderr": stderr,
+                        "seconds": round(time.monotonic() - started, 2),
+                    }
+                )
+                + "\n"
+            )
             out.flush()
     out.close()
     from scaletrain.runtime import exit_worker

@@ -42,8 +42,15 @@ print(min(per_step))
 
 def _faults(*modes: str) -> list[int]:
     """Faults per step of each mode, the probes run side by side (one thread each)."""
-    procs = [subprocess.Popen([sys.executable, "-c", PROBE, mode], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for mode in modes]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PROBE, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mode in modes
+    ]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:

@@ -35,15 +35,16 @@ import pytest
 import torch
 
 import scaletrain
-from harness import cli_env, load_weights, losses, max_abs_diff, run_cli
 from scaletrain.api import train as api_train  # = scaletrain.train
+
+from harness import cli_env, load_weights, losses, max_abs_diff, run_cli
 
 TOL = 1e-9
 PKG = "apipkg"
 
 FILES = {
     "apipkg/__init__.py": "",
-    "apipkg/model.py": '''
+    "apipkg/model.py": """
         import math
 
         from torch import nn
@@ -52,7 +53,7 @@ FILES = {
         def build(task, *, width=8):
             return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(task.input_shape), width),
                                  nn.Tanh(), nn.Linear(width, task.num_classes))
-    ''',
+    """,
     "apipkg/data.py": '''
         import torch
 
@@ -77,7 +78,7 @@ FILES = {
             task = {"kind": "classification", "input_shape": (dim,), "num_classes": 3}
             return Blobs(n, dim, 3, seed=0 if split == "train" else 1), task
     ''',
-    "apipkg/loss.py": '''
+    "apipkg/loss.py": """
         import torch.nn.functional as F
 
 
@@ -87,7 +88,7 @@ FILES = {
 
         def mean(output, batch):
             return F.cross_entropy(output, batch.targets, reduction="mean"), batch.targets.shape[0]
-    ''',
+    """,
 }
 
 # The run, without the three names (the callables give them). global_batch 8 = 2 micro-
@@ -96,14 +97,23 @@ CONFIG = {
     "name": "api-test",
     "model": {"kwargs": {"width": 8}},
     "data": {"kwargs": {"n": 48}},
-    "train": {"steps": 5, "global_batch": 8, "micro_batch": 4, "seed": 1,
-              "eval_examples": 16, "allocator": "system"},
+    "train": {
+        "steps": 5,
+        "global_batch": 8,
+        "micro_batch": 4,
+        "seed": 1,
+        "eval_examples": 16,
+        "allocator": "system",
+    },
     "optim": {"name": "sgd", "lr": 0.3, "warmup_steps": 0},
     "precision": {"mode": "fp64"},
     "log": {"every": 1, "quiet": True},
 }
-NAMES = {"model": {"name": "apipkg.model:build"}, "data": {"source": "apipkg.data:blobs"},
-         "train": {"loss": "apipkg.loss:summed"}}
+NAMES = {
+    "model": {"name": "apipkg.model:build"},
+    "data": {"source": "apipkg.data:blobs"},
+    "train": {"loss": "apipkg.loss:summed"},
+}
 
 
 def with_names(config: dict) -> dict:
@@ -132,10 +142,12 @@ def pkg(tmp_path_factory: pytest.TempPathFactory):
     importlib.invalidate_caches()
     try:
         yield SimpleNamespace(
-            root=root, build=importlib.import_module("apipkg.model").build,
+            root=root,
+            build=importlib.import_module("apipkg.model").build,
             blobs=importlib.import_module("apipkg.data").blobs,
             summed=importlib.import_module("apipkg.loss").summed,
-            mean=importlib.import_module("apipkg.loss").mean)
+            mean=importlib.import_module("apipkg.loss").mean,
+        )
     finally:
         sys.path.remove(str(root))
         for name in [m for m in sys.modules if m == PKG or m.startswith(PKG + ".")]:
@@ -170,6 +182,7 @@ def reference(pkg, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # --------------------------------------------------------------------------- one process
 
+
 def test_scaletrain_train_stays_the_function() -> None:
     """The trainer's package is scaletrain.training: importing it leaves scaletrain.train
     the API's function (a subpackage named `train` would replace it as an attribute)."""
@@ -188,9 +201,16 @@ def test_scaletrain_train_can_be_called_twice_in_a_fresh_interpreter(tmp_path: P
         "    try:\n"
         "        scaletrain.train({'train': {'steps': 0}})\n"
         "    except Exception as e:\n"
-        "        print(type(e).__name__)\n")
-    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=cli_env(),
-                       capture_output=True, text=True, timeout=120)
+        "        print(type(e).__name__)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["ConfigError", "ConfigError"], r.stdout
 
@@ -213,8 +233,11 @@ def test_in_process_run_writes_what_the_cli_writes(pkg, reference: Path, tmp_pat
     # The same job through the CLI, with the import paths written in the TOML.
     (pkg.root / "cli.toml").write_text(to_toml(with_names(CONFIG)))
     cli_dir = tmp_path / "cli"
-    r = run_cli(["train", "cli.toml", "--run-dir", str(cli_dir), "train.eval_examples=12"],
-                cwd=pkg.root, timeout=120)
+    r = run_cli(
+        ["train", "cli.toml", "--run-dir", str(cli_dir), "train.eval_examples=12"],
+        cwd=pkg.root,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     api_files = {p.name for p in run_dir.iterdir()}
     cli_files = {p.name for p in cli_dir.iterdir()}
@@ -226,8 +249,9 @@ def test_in_process_run_writes_what_the_cli_writes(pkg, reference: Path, tmp_pat
     assert losses(cli_dir) == pytest.approx(losses(run_dir), abs=TOL)
 
 
-def test_config_as_path_dict_or_config_object_trains_the_same(pkg, reference: Path,
-                                                              tmp_path: Path) -> None:
+def test_config_as_path_dict_or_config_object_trains_the_same(
+    pkg, reference: Path, tmp_path: Path
+) -> None:
     from scaletrain.config import load_config
 
     snapshot = json.dumps(CONFIG, sort_keys=True)
@@ -240,8 +264,11 @@ def test_config_as_path_dict_or_config_object_trains_the_same(pkg, reference: Pa
         assert max_abs_diff(ref, load_weights(tmp_path / form)) < 1e-12, form
         assert summary["run_dir"] == str(tmp_path / form)
     # Import paths as strings instead of callables: the same run again.
-    strings = {"model": "apipkg.model:build", "data": "apipkg.data:blobs",
-               "loss": "apipkg.loss:summed"}
+    strings = {
+        "model": "apipkg.model:build",
+        "data": "apipkg.data:blobs",
+        "loss": "apipkg.loss:summed",
+    }
     train_here(pkg, tmp_path / "strings", **strings)
     assert max_abs_diff(ref, load_weights(tmp_path / "strings")) < 1e-12
     assert json.dumps(CONFIG, sort_keys=True) == snapshot  # the caller's dict is not changed
@@ -283,7 +310,7 @@ def test_a_finished_run_directory_is_not_overwritten(pkg, reference: Path) -> No
 
 # --------------------------------------------------------------------------- two processes
 
-DRIVER = '''
+DRIVER = """
 import json
 import sys
 
@@ -310,20 +337,26 @@ except scaletrain.UserCodeError as e:
     print("ERROR " + json.dumps({{"type": type(e).__name__, "message": str(e)}}), flush=True)
     sys.exit(3)
 print("SUMMARY " + json.dumps(summary), flush=True)
-'''
+"""
 
 
-def run_driver(pkg, tmp_path: Path, mode: str,
-               config: dict) -> tuple[subprocess.CompletedProcess, dict]:
+def run_driver(
+    pkg, tmp_path: Path, mode: str, config: dict
+) -> tuple[subprocess.CompletedProcess, dict]:
     """Run the driver in tmp_path (not the package's directory: the workers find the package
     only through the PYTHONPATH the API gives them); return its last tagged line."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(root=str(pkg.root)))
     config_file = tmp_path / f"{mode}.json"
     config_file.write_text(json.dumps(config))
-    r = subprocess.run([sys.executable, str(driver), mode, str(config_file),
-                        str(tmp_path / mode)], cwd=tmp_path, env=cli_env(),
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, str(driver), mode, str(config_file), str(tmp_path / mode)],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     tagged = [line for line in r.stdout.splitlines() if line.startswith(("SUMMARY ", "ERROR "))]
     assert tagged, f"exit {r.returncode}\nstdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-3000:]}"
     tag, body = tagged[-1].split(" ", 1)
@@ -331,27 +364,35 @@ def run_driver(pkg, tmp_path: Path, mode: str,
 
 
 @pytest.mark.slow
-def test_two_processes_through_the_elastic_agent_match_one(pkg, reference: Path,
-                                                           tmp_path: Path) -> None:
+def test_two_processes_through_the_elastic_agent_match_one(
+    pkg, reference: Path, tmp_path: Path
+) -> None:
     r, out = run_driver(pkg, tmp_path, "module", CONFIG)
     assert r.returncode == 0 and out["tag"] == "SUMMARY", r.stderr[-3000:]
     run_dir = tmp_path / "module"
     assert out["run_dir"] == str(run_dir)
     assert (run_dir / "logs").is_dir()  # it went through the launcher: one log per rank
-    assert sorted(p.name for p in (run_dir / "logs").glob("rank-*.log")) == ["rank-0.log",
-                                                                             "rank-1.log"]
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank-*.log")) == [
+        "rank-0.log",
+        "rank-1.log",
+    ]
     assert out["final_loss"] == pytest.approx(
-        json.loads((reference / "summary.json").read_text())["final_loss"], abs=TOL)
+        json.loads((reference / "summary.json").read_text())["final_loss"], abs=TOL
+    )
     assert max_abs_diff(load_weights(reference), load_weights(run_dir)) < TOL
-    assert tomllib.loads((run_dir / "config.toml").read_text())["model"]["name"] == \
-        "apipkg.model:build"
+    assert (
+        tomllib.loads((run_dir / "config.toml").read_text())["model"]["name"]
+        == "apipkg.model:build"
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, expect", [("main", "main_build is defined in __main__"),
-                                          ("lambda", "a lambda")])
+@pytest.mark.parametrize(
+    "mode, expect", [("main", "main_build is defined in __main__"), ("lambda", "a lambda")]
+)
 def test_a_callable_workers_cannot_import_is_refused_before_they_start(
-        pkg, tmp_path: Path, mode: str, expect: str) -> None:
+    pkg, tmp_path: Path, mode: str, expect: str
+) -> None:
     # "main" asks for nproc=2; "lambda" for parallel.dp=2 (the API infers nproc from it).
     config = copy.deepcopy(CONFIG)
     if mode == "lambda":
@@ -370,7 +411,7 @@ def test_a_callable_workers_cannot_import_is_refused_before_they_start(
 
 # --------------------------------------------------------------------------- torchrun
 
-TORCHRUN_DRIVER = '''
+TORCHRUN_DRIVER = """
 import json
 import math
 import os
@@ -419,7 +460,7 @@ summary = scaletrain.train(json.loads(open(config_file).read()), model=build, da
 # A file per rank: the ranks share torchrun's stdout, where their lines could interleave.
 with open(os.path.join(out_dir, f"summary-{os.environ['RANK']}.json"), "w") as f:
     json.dump(summary, f)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -428,17 +469,34 @@ def test_every_rank_calls_it_under_torchrun(reference: Path, tmp_path: Path) -> 
     driver.write_text(TORCHRUN_DRIVER)
     (tmp_path / "cfg.json").write_text(json.dumps(CONFIG))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "t",
-           str(driver), str(tmp_path / "cfg.json"), str(run_dir), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        "--rdzv-id",
+        "t",
+        str(driver),
+        str(tmp_path / "cfg.json"),
+        str(run_dir),
+        str(tmp_path),
+    ]
     try:
-        r = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                           timeout=240)
+        r = subprocess.run(
+            cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=240
+        )
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"torchrun did not finish:\n{(e.stderr or b'')[-3000:]}") from None
     assert r.returncode == 0, r.stderr[-3000:]
-    summaries = {int(p.stem.split("-")[1]): json.loads(p.read_text())
-                 for p in tmp_path.glob("summary-*.json")}
+    summaries = {
+        int(p.stem.split("-")[1]): json.loads(p.read_text())
+        for p in tmp_path.glob("summary-*.json")
+    }
     assert sorted(summaries) == [0, 1], r.stderr[-3000:]
     assert summaries[0] == summaries[1]  # every rank gets rank 0's summary
     assert summaries[0]["run_dir"] == str(run_dir)

@@ -54,29 +54,37 @@ def _run_dir_with_checkpoint(tmp_path: Path, overrides: list[str] = ()) -> tuple
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.toml").write_text(config_toml)
     model = build_model("mlp", size="tiny", task=TaskSpec("classification", (1, 8, 8), 10))
-    opt = build_optimizer(model, name="adamw", lr=3e-3, weight_decay=0.0, betas=(0.9, 0.999),
-                          momentum=0.0)
-    sched = build_scheduler(opt, warmup_steps=0, total_steps=4, schedule="cosine",
-                            min_lr_ratio=0.1)
+    opt = build_optimizer(
+        model, name="adamw", lr=3e-3, weight_decay=0.0, betas=(0.9, 0.999), momentum=0.0
+    )
+    sched = build_scheduler(opt, warmup_steps=0, total_steps=4, schedule="cosine", min_lr_ratio=0.1)
     state = TrainState(model, opt, sched, make_precision("fp32", device_type="cpu"), step=2)
-    Checkpointer(run_dir / "checkpoints", keep=2, async_save=False,
-                 config_toml=config_toml).save(state)
+    Checkpointer(run_dir / "checkpoints", keep=2, async_save=False, config_toml=config_toml).save(
+        state
+    )
     return cfg, run_dir
 
 
-@pytest.mark.parametrize("overrides, keys", [
-    (["model.size=small"], ["model.size ('tiny' -> 'small')"]),
-    (["optim.lr=0.001", "train.seed=3"], ["optim.lr (0.003 -> 0.001)", "train.seed (0 -> 3)"]),
-    (["data.source=synthetic-images", "train.steps=8"], ["data.source ('digits' -> "
-                                                          "'synthetic-images')",
-                                                          "train.steps (4 -> 8)"]),
-    (["precision.mode=bf16-mixed"], ["precision.mode ('fp32' -> 'bf16-mixed')"]),
-    (["parallel.comm_hook=powersgd"], ["parallel.comm_hook ('none' -> 'powersgd')"]),
-    (["optim.warmup_steps=1", "train.global_batch=32"], ["optim.warmup_steps (0 -> 1)",
-                                                          "train.global_batch (16 -> 32)"]),
-])
+@pytest.mark.parametrize(
+    "overrides, keys",
+    [
+        (["model.size=small"], ["model.size ('tiny' -> 'small')"]),
+        (["optim.lr=0.001", "train.seed=3"], ["optim.lr (0.003 -> 0.001)", "train.seed (0 -> 3)"]),
+        (
+            ["data.source=synthetic-images", "train.steps=8"],
+            ["data.source ('digits' -> 'synthetic-images')", "train.steps (4 -> 8)"],
+        ),
+        (["precision.mode=bf16-mixed"], ["precision.mode ('fp32' -> 'bf16-mixed')"]),
+        (["parallel.comm_hook=powersgd"], ["parallel.comm_hook ('none' -> 'powersgd')"]),
+        (
+            ["optim.warmup_steps=1", "train.global_batch=32"],
+            ["optim.warmup_steps (0 -> 1)", "train.global_batch (16 -> 32)"],
+        ),
+    ],
+)
 def test_a_change_that_breaks_exact_resume_is_refused_naming_the_keys(
-        tmp_path: Path, overrides: list[str], keys: list[str]) -> None:
+    tmp_path: Path, overrides: list[str], keys: list[str]
+) -> None:
     cfg, run_dir = _run_dir_with_checkpoint(tmp_path)
     with pytest.raises(ConfigError) as e:
         check_resumable(run_dir, load_config(cfg, overrides))
@@ -88,11 +96,17 @@ def test_a_change_that_breaks_exact_resume_is_refused_naming_the_keys(
     assert "will not match an uninterrupted one" in warnings[0]
 
 
-@pytest.mark.parametrize("overrides", [
-    [], ["log.every=1", "log.tensorboard=true"], ["checkpoint.keep=5", "checkpoint.every=1"],
-    ["train.eval_every=2", "train.eval_examples=8"], ["parallel.dp=2", "train.micro_batch=4"],
-    ["parallel.bucket_cap_mb=1.0", "train.threads=1", "name=again"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["log.every=1", "log.tensorboard=true"],
+        ["checkpoint.keep=5", "checkpoint.every=1"],
+        ["train.eval_every=2", "train.eval_examples=8"],
+        ["parallel.dp=2", "train.micro_batch=4"],
+        ["parallel.bucket_cap_mb=1.0", "train.threads=1", "name=again"],
+    ],
+)
 def test_changes_that_keep_the_trajectory_pass(tmp_path: Path, overrides: list[str]) -> None:
     cfg, run_dir = _run_dir_with_checkpoint(tmp_path)
     assert check_resumable(run_dir, load_config(cfg, overrides)) == []
@@ -101,8 +115,9 @@ def test_changes_that_keep_the_trajectory_pass(tmp_path: Path, overrides: list[s
 def test_bucket_size_matters_only_with_a_powersgd_hook(tmp_path: Path) -> None:
     cfg, run_dir = _run_dir_with_checkpoint(tmp_path, ["parallel.comm_hook=powersgd"])
     with pytest.raises(ConfigError, match=r"parallel.bucket_cap_mb \(25.0 -> 1.0\)"):
-        check_resumable(run_dir, load_config(cfg, ["parallel.comm_hook=powersgd",
-                                                   "parallel.bucket_cap_mb=1.0"]))
+        check_resumable(
+            run_dir, load_config(cfg, ["parallel.comm_hook=powersgd", "parallel.bucket_cap_mb=1.0"])
+        )
 
 
 def test_no_valid_checkpoint_is_refused_with_the_damage(tmp_path: Path) -> None:
@@ -138,11 +153,20 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def test_cli_refuses_before_anything_starts_and_keeps_config_toml(
-        tmp_path: Path, launches: list, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, launches: list, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg, run_dir = _run_dir_with_checkpoint(tmp_path)
     before = (run_dir / "config.toml").read_bytes()
-    argv = ["train", str(cfg), "--nproc", "2", "--run-dir", str(run_dir), "--resume",
-            "model.size=small"]
+    argv = [
+        "train",
+        str(cfg),
+        "--nproc",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "model.size=small",
+    ]
     assert scaletrain.cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("scaletrain: error: --resume:")
@@ -151,20 +175,31 @@ def test_cli_refuses_before_anything_starts_and_keeps_config_toml(
 
     assert scaletrain.cli.main([*argv, "--allow-config-change"]) == 0
     err = capsys.readouterr().err
-    assert "scaletrain: warning: --allow-config-change: resuming step-00000002 with " \
-           "model.size ('tiny' -> 'small')" in err
+    assert (
+        "scaletrain: warning: --allow-config-change: resuming step-00000002 with "
+        "model.size ('tiny' -> 'small')" in err
+    )
     assert len(launches) == 1
 
 
 @pytest.mark.slow
-def test_a_checkpoint_that_does_not_fit_fails_cleanly_and_keeps_config_toml(
-        tmp_path: Path) -> None:
+def test_a_checkpoint_that_does_not_fit_fails_cleanly_and_keeps_config_toml(tmp_path: Path) -> None:
     # The checkpoint is saved in this process (what a run stopped at step 2 leaves); only the
     # refused resume goes through the real CLI, launcher and worker.
     cfg, run_dir = _run_dir_with_checkpoint(tmp_path)
     before = (run_dir / "config.toml").read_bytes()
-    r = run_cli(["train", str(cfg), "--run-dir", str(run_dir), "--resume",
-                 "--allow-config-change", "model.size=small", "optim.name=sgd"])
+    r = run_cli(
+        [
+            "train",
+            str(cfg),
+            "--run-dir",
+            str(run_dir),
+            "--resume",
+            "--allow-config-change",
+            "model.size=small",
+            "optim.name=sgd",
+        ]
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     assert "scaletrain: warning: --allow-config-change" in r.stderr
     error = [line for line in r.stderr.splitlines() if line.startswith("scaletrain: error:")]

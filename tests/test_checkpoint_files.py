@@ -23,10 +23,12 @@ from scaletrain.training.optim import build_optimizer, build_scheduler
 def _state() -> TrainState:
     torch.manual_seed(0)
     model = build_model("mlp", size="tiny", task=TaskSpec("classification", (1, 8, 8), 10))
-    opt = build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
-                          momentum=0.0)
-    sched = build_scheduler(opt, warmup_steps=0, total_steps=10, schedule="constant",
-                            min_lr_ratio=1.0)
+    opt = build_optimizer(
+        model, name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), momentum=0.0
+    )
+    sched = build_scheduler(
+        opt, warmup_steps=0, total_steps=10, schedule="constant", min_lr_ratio=1.0
+    )
     return TrainState(model, opt, sched, make_precision("fp32", device_type="cpu"))
 
 
@@ -37,8 +39,7 @@ def _save(saver: Checkpointer, state: TrainState, step: int) -> None:
 
 def test_a_damaged_checkpoint_is_moved_aside_and_its_step_saved_again(tmp_path: Path) -> None:
     state, messages = _state(), []
-    saver = Checkpointer(tmp_path, keep=2, async_save=False, config_toml="",
-                         report=messages.append)
+    saver = Checkpointer(tmp_path, keep=2, async_save=False, config_toml="", report=messages.append)
     _save(saver, state, 2)
     _save(saver, state, 4)
     data = next((tmp_path / "step-00000004").glob("*.distcp"))
@@ -70,9 +71,9 @@ def test_skipping_without_quarantine_moves_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_a_checkpoint_that_cannot_be_pruned_is_reported(tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch,
-                                                        async_save: bool) -> None:
+def test_a_checkpoint_that_cannot_be_pruned_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
     real_rmtree = shutil.rmtree
 
     def refuse(path, *args, **kwargs):  # e.g. a file another user owns
@@ -81,8 +82,9 @@ def test_a_checkpoint_that_cannot_be_pruned_is_reported(tmp_path: Path,
         raise PermissionError(13, "Permission denied", str(path))
 
     state, messages = _state(), []
-    saver = Checkpointer(tmp_path, keep=1, async_save=async_save, config_toml="",
-                         report=messages.append)
+    saver = Checkpointer(
+        tmp_path, keep=1, async_save=async_save, config_toml="", report=messages.append
+    )
     _save(saver, state, 1)
     monkeypatch.setattr(checkpoint_files.shutil, "rmtree", refuse)
     _save(saver, state, 2)
@@ -93,8 +95,7 @@ def test_a_checkpoint_that_cannot_be_pruned_is_reported(tmp_path: Path,
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001", "step-00000002"]
 
 
-def test_export_writes_the_model_under_its_own_names_or_a_rename_from_above(
-        tmp_path: Path) -> None:
+def test_export_writes_the_model_under_its_own_names_or_a_rename_from_above(tmp_path: Path) -> None:
     """export_weights knows no distillation: a distilled run's caller hands it the student's
     `strip_wrapper` (cli export, distill/teacher.py), a plain export keeps every name."""
     from safetensors.torch import load_file
@@ -102,16 +103,19 @@ def test_export_writes_the_model_under_its_own_names_or_a_rename_from_above(
     from scaletrain.distill.student import strip_wrapper
 
     state = _state()
-    saver = Checkpointer(tmp_path / "ckpt", keep=1, async_save=False, config_toml="",
-                         report=print)
+    saver = Checkpointer(tmp_path / "ckpt", keep=1, async_save=False, config_toml="", report=print)
     _save(saver, state, 1)
     step = tmp_path / "ckpt" / "step-00000001"
     plain = load_file(checkpoint_files.export_weights(step, tmp_path / "plain.safetensors"))
     expected = state.model.state_dict()
     assert plain.keys() == expected.keys()
     assert all(torch.equal(plain[k], expected[k]) for k in expected)
-    renamed = load_file(checkpoint_files.export_weights(
-        step, tmp_path / "renamed.safetensors",
-        rename=lambda w: {f"student.{k}": v for k, v in w.items()}))
+    renamed = load_file(
+        checkpoint_files.export_weights(
+            step,
+            tmp_path / "renamed.safetensors",
+            rename=lambda w: {f"student.{k}": v for k, v in w.items()},
+        )
+    )
     assert renamed.keys() == {f"student.{k}" for k in expected}
     assert strip_wrapper(renamed).keys() == expected.keys()  # what a distilled run exports

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import Case, CaseResult, load_weights, records
 from scaletrain.checkpoint_files import list_checkpoints
+
+from harness import Case, CaseResult, load_weights, records
 
 pytestmark = pytest.mark.slow
 
@@ -43,30 +44,68 @@ quiet = true
 """
 
 # Every number a step record holds that a resume must reproduce (not times or memory).
-SAME_IN_RECORDS = ("loss", "lr", "grad_norm", "examples", "tokens", "examples_seen",
-                   "tokens_seen", "skipped_steps", "loss_scale", "comm_bytes_per_step")
+SAME_IN_RECORDS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "examples",
+    "tokens",
+    "examples_seen",
+    "tokens_seen",
+    "skipped_steps",
+    "loss_scale",
+    "comm_bytes_per_step",
+)
 
 HOOKS = ("fp16", "bf16", "powersgd", "batched-powersgd")
 # name -> (world size, overrides, stop after, leg run between the stop and the resume)
 SCENARIOS = {
     # Compression from step 3 on, so the stop (after 4) falls inside it; a window of 3
     # steps around it checks comm_bytes_per_step too.
-    **{f"hook-{hook}": (2, ("parallel.dp=2", f"parallel.comm_hook={hook}",
-                            "parallel.powersgd_start_iter=2"), 4, None) for hook in HOOKS},
+    **{
+        f"hook-{hook}": (
+            2,
+            ("parallel.dp=2", f"parallel.comm_hook={hook}", "parallel.powersgd_start_iter=2"),
+            4,
+            None,
+        )
+        for hook in HOOKS
+    },
     # 2**22 overflows: steps 1-4 are skipped as the scale halves, then it grows every 2
     # clean steps. The stop after 3 falls inside the overflow streak.
-    "fp16-scale": (1, ("precision.mode=fp16-mixed", "precision.init_scale=4194304.0",
-                       "precision.growth_interval=2", "train.max_bad_steps=8", "log.every=1"),
-                   3, None),
+    "fp16-scale": (
+        1,
+        (
+            "precision.mode=fp16-mixed",
+            "precision.init_scale=4194304.0",
+            "precision.growth_interval=2",
+            "train.max_bad_steps=8",
+            "log.every=1",
+        ),
+        3,
+        None,
+    ),
     "async": (1, ("checkpoint.async_save=true", "checkpoint.every=2"), 4, None),
-    "shards": (2, ("data.source=shards", "data.path={shards}", "data.shuffle_window=256",
-                   "parallel.dp=2"), 4, None),
-    "truncated": (1, ("checkpoint.every=2", "checkpoint.keep=3"), 6,
-                  "test_checkpoint_resume_exact:truncate_newest"),
+    "shards": (
+        2,
+        ("data.source=shards", "data.path={shards}", "data.shuffle_window=256", "parallel.dp=2"),
+        4,
+        None,
+    ),
+    "truncated": (
+        1,
+        ("checkpoint.every=2", "checkpoint.keep=3"),
+        6,
+        "test_checkpoint_resume_exact:truncate_newest",
+    ),
 }
 # The scale never gets low enough: every step overflows, max_bad_steps = 5 ends the run.
-STREAK = ("precision.mode=fp16-mixed", "precision.init_scale=1e30", "train.max_bad_steps=5",
-          "log.every=1")
+STREAK = (
+    "precision.mode=fp16-mixed",
+    "precision.init_scale=1e30",
+    "train.max_bad_steps=5",
+    "log.every=1",
+)
 
 
 def no_final_weights(run_dir: Path) -> None:
@@ -95,12 +134,18 @@ def runs(trained, tmp_path_factory) -> dict[tuple[str, str], CaseResult]:
     for name, (world, overrides, stop, between) in SCENARIOS.items():
         overrides = tuple(o.format(shards=shards) for o in overrides)
         cases[world][f"{name}-reference"] = Case.of(CONFIG, *overrides)
-        cases[world][f"{name}-resumed"] = Case(CONFIG, (
-            (*overrides, f"train.stop_after={stop}"),
-            between or "test_checkpoint_resume_exact:no_final_weights", overrides))
+        cases[world][f"{name}-resumed"] = Case(
+            CONFIG,
+            (
+                (*overrides, f"train.stop_after={stop}"),
+                between or "test_checkpoint_resume_exact:no_final_weights",
+                overrides,
+            ),
+        )
     cases[1]["streak-reference"] = Case.of(CONFIG, *STREAK, expect_ok=False)
-    cases[1]["streak-resumed"] = Case(CONFIG, ((*STREAK, "train.stop_after=3"), STREAK),
-                                      expect_ok=False)
+    cases[1]["streak-resumed"] = Case(
+        CONFIG, ((*STREAK, "train.stop_after=3"), STREAK), expect_ok=False
+    )
     out = {}
     for world, asked in cases.items():
         for name, result in trained(asked, world_size=world).items():
@@ -168,8 +213,11 @@ def test_an_overflow_streak_across_the_stop_ends_the_run_at_the_same_step(runs: 
 
     def diverged(code: int, stderr: str) -> str:
         assert code == 1, stderr[-2000:]
-        return next(line for line in stderr.splitlines()
-                    if line.startswith("scaletrain: error: training stopped"))
+        return next(
+            line
+            for line in stderr.splitlines()
+            if line.startswith("scaletrain: error: training stopped")
+        )
 
     message = diverged(reference.codes[0], reference.stderr[0])
     assert "at step 5" in message and "5 consecutive steps" in message

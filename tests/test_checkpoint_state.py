@@ -36,8 +36,9 @@ class FakeCuda:
 
     def __init__(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.states = [torch.randint(0, 256, (16,), dtype=torch.uint8, generator=g)
-                       for _ in range(2)]
+        self.states = [
+            torch.randint(0, 256, (16,), dtype=torch.uint8, generator=g) for _ in range(2)
+        ]
 
     def is_available(self) -> bool:
         return True
@@ -54,9 +55,13 @@ class FakeCuda:
 
 def _powersgd_hook_state(seed: int) -> HookState:
     g = torch.Generator().manual_seed(seed)
-    ps = stock_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                      start_powerSGD_iter=2, min_compression_rate=1,
-                                      random_seed=seed)
+    ps = stock_powersgd.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=1,
+        start_powerSGD_iter=2,
+        min_compression_rate=1,
+        random_seed=seed,
+    )
     state = HookState(process_group=None, name="powersgd", powersgd=ps)
     if seed == 0:  # the one that ran: state the fresh one (seed 1) must take over
         ps.rng.randint(1_000_000_000, size=3)  # moved: the next Q initialisation differs
@@ -86,27 +91,48 @@ def _batched_hook_state(seed: int) -> HookState:
 def _state(seed: int, hook: HookState) -> tuple[TrainState, CommCounter]:
     torch.manual_seed(seed)
     model = build_model("mlp", size="tiny", task=TASK, dropout=0.2)
-    opt = build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
-                          momentum=0.0)
-    sched = build_scheduler(opt, warmup_steps=2, total_steps=10, schedule="cosine",
-                            min_lr_ratio=0.1)
+    opt = build_optimizer(
+        model, name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), momentum=0.0
+    )
+    sched = build_scheduler(
+        opt, warmup_steps=2, total_steps=10, schedule="cosine", min_lr_ratio=0.1
+    )
     # A scale this large overflows fp16 gradients: the scaler halves it, steps are skipped.
-    precision = make_precision("fp16-mixed", device_type="cpu", init_scale=2.0**40,
-                               growth_interval=2)
+    precision = make_precision(
+        "fp16-mixed", device_type="cpu", init_scale=2.0**40, growth_interval=2
+    )
     comm = CommCounter(model, hook, ddp=False)
-    state = TrainState(model, opt, sched, precision, hook=hook,
-                       loop=RunProgress(first_step=0, comm=comm), tokens_per_example=0)
+    state = TrainState(
+        model,
+        opt,
+        sched,
+        precision,
+        hook=hook,
+        loop=RunProgress(first_step=0, comm=comm),
+        tokens_per_example=0,
+    )
     return state, comm
 
 
 def _run_steps(state: TrainState, steps: int) -> None:
     g = torch.Generator().manual_seed(state.step)
     for _ in range(steps):
-        batch = Batch(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g),
-                      count=8, tokens=0)
-        result = train_step(state.model, [batch], optimizer=state.optimizer,
-                            scheduler=state.scheduler, precision=state.precision, grad_clip=1.0,
-                            dp_size=1, ragged_counts=False)
+        batch = Batch(
+            torch.randn(8, 1, 8, 8, generator=g),
+            torch.randint(0, 10, (8,), generator=g),
+            count=8,
+            tokens=0,
+        )
+        result = train_step(
+            state.model,
+            [batch],
+            optimizer=state.optimizer,
+            scheduler=state.scheduler,
+            precision=state.precision,
+            grad_clip=1.0,
+            dp_size=1,
+            ragged_counts=False,
+        )
         state.step += 1
         state.skipped_steps += not result.stepped
         state.examples_seen += 8
@@ -117,8 +143,9 @@ def _draws() -> tuple:
 
 
 @pytest.mark.parametrize("make_hook", [_powersgd_hook_state, _batched_hook_state])
-def test_round_trip_restores_every_piece(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                         make_hook) -> None:
+def test_round_trip_restores_every_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_hook
+) -> None:
     monkeypatch.setattr(checkpoint._RNG, "cuda", FakeCuda(seed=0))
     state, comm = _state(0, make_hook(0))
     _run_steps(state, 6)
@@ -144,13 +171,18 @@ def test_round_trip_restores_every_piece(tmp_path: Path, monkeypatch: pytest.Mon
         assert torch.equal(a, b), k
     sa, sb = state.optimizer.state_dict()["state"], other.optimizer.state_dict()["state"]
     assert sa.keys() == sb.keys() and all(
-        torch.equal(sa[i][k], sb[i][k]) for i in sa for k in ("exp_avg", "exp_avg_sq", "step"))
+        torch.equal(sa[i][k], sb[i][k]) for i in sa for k in ("exp_avg", "exp_avg_sq", "step")
+    )
     assert other.scheduler.last_epoch == state.scheduler.last_epoch == 6
     assert other.optimizer.param_groups[0]["lr"] == state.optimizer.param_groups[0]["lr"]
     assert other.precision.scaler.state_dict() == scaler  # scale and growth tracker
     assert other.precision.overflow_steps == state.precision.overflow_steps
     assert (other.step, other.skipped_steps, other.examples_seen, other.tokens_seen) == (
-        6, state.skipped_steps, 48, 12345)
+        6,
+        state.skipped_steps,
+        48,
+        12345,
+    )
     got = other.loop
     assert (got.bad_in_row, got.first_bad, got.last_loss) == (2, "net.3.weight", 1.25)
     assert (got.window.loss_sum, got.window.count, got.window.steps) == (7.5, 48, 3)
@@ -160,8 +192,11 @@ def test_round_trip_restores_every_piece(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def _assert_same_hook_state(got: HookState, want: HookState) -> None:
-    assert (got.iteration, got.bytes_sent, got.layout) == (want.iteration, want.bytes_sent,
-                                                           want.layout)
+    assert (got.iteration, got.bytes_sent, got.layout) == (
+        want.iteration,
+        want.bytes_sent,
+        want.layout,
+    )
     assert got.unchecked == set(want.layout)  # checked against DDP's buckets on first use
     for name in ("error", "q_memory", "p_memory"):
         a, b = getattr(got, name), getattr(want, name)
@@ -172,14 +207,19 @@ def _assert_same_hook_state(got: HookState, want: HookState) -> None:
     for slot in ("error_dict", "p_memory_dict", "q_memory_dict"):
         x, y = getattr(a, slot), getattr(b, slot)
         assert x.keys() == y.keys() and all(torch.equal(x[i], y[i]) for i in x), slot
-    for slot in ("iter", "total_numel_before_compression", "total_numel_after_compression",
-                 "next_stats_report"):
+    for slot in (
+        "iter",
+        "total_numel_before_compression",
+        "total_numel_after_compression",
+        "next_stats_report",
+    ):
         assert getattr(a, slot) == getattr(b, slot), slot
     assert a.rng.randint(1_000_000_000) == b.rng.randint(1_000_000_000)  # its Q seeds
 
 
-def test_per_rank_pieces_start_fresh_on_another_world_size(tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_per_rank_pieces_start_fresh_on_another_world_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state, _ = _state(0, _batched_hook_state(0))
     _run_steps(state, 1)
     state.loop.bad_in_row = 2
@@ -187,29 +227,36 @@ def test_per_rank_pieces_start_fresh_on_another_world_size(tmp_path: Path,
     monkeypatch.setattr(checkpoint, "_world_size", lambda: 2)  # saved by 1 rank, loaded by 2
     other, _ = _state(1, _batched_hook_state(1))
     load(latest_valid(tmp_path), other)
-    assert other.step == 1 and torch.equal(next(iter(other.model.parameters())),
-                                           next(iter(state.model.parameters())))
+    assert other.step == 1 and torch.equal(
+        next(iter(other.model.parameters())), next(iter(state.model.parameters()))
+    )
     assert other.hook.iteration == 0 and not other.hook.error  # every rank alike: fresh
     assert other.loop.bad_in_row == 0
 
 
-@pytest.mark.parametrize("hidden, optimizer, needle", [
-    ((64, 64), "adamw", "this run needs model.net.7.bias"),  # a layer more
-    ((32,), "adamw", "cannot be loaded into this run"),  # same names, other shapes
-    ((64,), "sgd", "this run needs optim."),  # AdamW's entries saved, SGD's here
-])
-def test_a_checkpoint_that_does_not_fit_is_refused_by_name(tmp_path: Path, hidden: tuple,
-                                                           optimizer: str, needle: str) -> None:
+@pytest.mark.parametrize(
+    "hidden, optimizer, needle",
+    [
+        ((64, 64), "adamw", "this run needs model.net.7.bias"),  # a layer more
+        ((32,), "adamw", "cannot be loaded into this run"),  # same names, other shapes
+        ((64,), "sgd", "this run needs optim."),  # AdamW's entries saved, SGD's here
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_is_refused_by_name(
+    tmp_path: Path, hidden: tuple, optimizer: str, needle: str
+) -> None:
     from scaletrain.models.mlp import MLP
 
     state, _ = _state(0, _batched_hook_state(0))  # MLP tiny: one hidden layer of 64
     _run_steps(state, 1)
     Checkpointer(tmp_path, keep=1, async_save=False, config_toml="").save(state)
     model = MLP(input_shape=TASK.input_shape, num_classes=10, hidden=hidden)
-    opt = build_optimizer(model, name=optimizer, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
-                          momentum=0.9)
-    sched = build_scheduler(opt, warmup_steps=2, total_steps=10, schedule="cosine",
-                            min_lr_ratio=0.1)
+    opt = build_optimizer(
+        model, name=optimizer, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), momentum=0.9
+    )
+    sched = build_scheduler(
+        opt, warmup_steps=2, total_steps=10, schedule="cosine", min_lr_ratio=0.1
+    )
     other = TrainState(model, opt, sched, make_precision("fp16-mixed", device_type="cpu"))
     with pytest.raises(CheckpointError, match=needle) as e:
         load(latest_valid(tmp_path), other)
@@ -233,10 +280,17 @@ def test_restored_hook_state_is_used_only_under_the_bucket_layout_it_was_saved_i
     from scaletrain.parallel.comm_hooks import _record_layout
 
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
-    saved = {"iteration": 5, "bytes_sent": 0, "error.0": torch.ones(6),
-             "layout.0": torch.tensor([2, 1, 0])}  # gradient-ready order: a rebuilt bucket
-    state = HookState(process_group=None, name="batched-powersgd",
-                      positions={id(p): i for i, p in enumerate(params)})
+    saved = {
+        "iteration": 5,
+        "bytes_sent": 0,
+        "error.0": torch.ones(6),
+        "layout.0": torch.tensor([2, 1, 0]),
+    }  # gradient-ready order: a rebuilt bucket
+    state = HookState(
+        process_group=None,
+        name="batched-powersgd",
+        positions={id(p): i for i, p in enumerate(params)},
+    )
     state.load_state_dict(saved)
     _record_layout(state, _Bucket(0, params[::-1]))
     assert 0 in state.error and not state.unchecked

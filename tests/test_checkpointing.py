@@ -14,7 +14,9 @@ from scaletrain.parallel.checkpointing import apply_activation_checkpointing
 
 def _model() -> GPT:
     torch.manual_seed(0)
-    return GPT(vocab_size=256, block_size=32, shape=GPTShape(n_layer=4, n_head=2, n_embd=64)).double()
+    return GPT(
+        vocab_size=256, block_size=32, shape=GPTShape(n_layer=4, n_head=2, n_embd=64)
+    ).double()
 
 
 def _saved_bytes_and_grads(model: GPT, x: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
@@ -26,17 +28,22 @@ def _saved_bytes_and_grads(model: GPT, x: torch.Tensor) -> tuple[int, dict[str, 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten(), reduction="sum")
+        loss = torch.nn.functional.cross_entropy(
+            model(x).flatten(0, 1), x.flatten(), reduction="sum"
+        )
     loss.backward()
-    return saved[0], {n.replace("_checkpoint_wrapped_module.", ""): p.grad
-                      for n, p in model.named_parameters()}
+    return saved[0], {
+        n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("mode, wrapped", [("full", 4), ("selective", 2)])
 def test_checkpointing_saves_less_and_changes_no_gradient(mode: str, wrapped: int) -> None:
     x = torch.randint(0, 256, (4, 32))
-    plain, checkpointed = _model(), apply_activation_checkpointing(_model(), blocks_path="blocks",
-                                                                   mode=mode)
+    plain, checkpointed = (
+        _model(),
+        apply_activation_checkpointing(_model(), blocks_path="blocks", mode=mode),
+    )
     kinds = [type(b).__name__ for b in checkpointed.blocks.values()]
     assert kinds.count("CheckpointWrapper") == wrapped
     plain_bytes, plain_grads = _saved_bytes_and_grads(plain, x)
@@ -50,8 +57,9 @@ def test_checkpointing_saves_less_and_changes_no_gradient(mode: str, wrapped: in
 
 def test_checkpointing_keeps_state_dict_names() -> None:
     plain = _model()
-    checkpointed = apply_activation_checkpointing(copy.deepcopy(plain), blocks_path="blocks",
-                                                  mode="full")
+    checkpointed = apply_activation_checkpointing(
+        copy.deepcopy(plain), blocks_path="blocks", mode="full"
+    )
     assert list(checkpointed.state_dict()) == list(plain.state_dict())
 
 

@@ -38,8 +38,9 @@ quiet = true
 @pytest.fixture(scope="module")
 def runs(trained) -> dict[str, Path]:
     hooks = ("none", "fp16", "bf16", "powersgd", "batched-powersgd")
-    got = trained({hook: Case.of(CONFIG, f"parallel.comm_hook={hook}") for hook in hooks},
-                  world_size=2)
+    got = trained(
+        {hook: Case.of(CONFIG, f"parallel.comm_hook={hook}") for hook in hooks}, world_size=2
+    )
     return {hook: got[hook].run_dir for hook in hooks}
 
 

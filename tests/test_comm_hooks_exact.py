@@ -44,10 +44,12 @@ HOOKS = ("powersgd", "batched-powersgd")
 def runs(trained) -> dict[str, Path]:
     cases = {"none": Case.of(CONFIG)}
     for hook in HOOKS:
-        cases[f"{hook}-warm-up"] = Case.of(CONFIG, f"parallel.comm_hook={hook}",
-                                           "parallel.powersgd_start_iter=10")
-        cases[f"{hook}-compressed"] = Case.of(CONFIG, f"parallel.comm_hook={hook}",
-                                              "parallel.powersgd_start_iter=2")
+        cases[f"{hook}-warm-up"] = Case.of(
+            CONFIG, f"parallel.comm_hook={hook}", "parallel.powersgd_start_iter=10"
+        )
+        cases[f"{hook}-compressed"] = Case.of(
+            CONFIG, f"parallel.comm_hook={hook}", "parallel.powersgd_start_iter=2"
+        )
     return {name: result.run_dir for name, result in trained(cases, world_size=2).items()}
 
 

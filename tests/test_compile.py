@@ -37,8 +37,13 @@ def test_compiled_ddp_matches_eager_single_process(tmp_path: Path) -> None:
     eager = tmp_path / "eager"
     run_workers(config, ["parallel.dp=1", "train.micro_batch=32"], world_size=1, run_dir=eager)
     compiled = tmp_path / "compiled"
-    run_workers(config, ["parallel.dp=2", "train.micro_batch=16", "train.compile=true"],
-                world_size=2, run_dir=compiled, timeout=300)
+    run_workers(
+        config,
+        ["parallel.dp=2", "train.micro_batch=16", "train.compile=true"],
+        world_size=2,
+        run_dir=compiled,
+        timeout=300,
+    )
     assert records(compiled)[-1]["compiled_graphs"] >= 1  # dynamo captured the forward
     assert "compiled_graphs" not in records(eager)[-1]
     diff = max_abs_diff(load_weights(compiled), load_weights(eager))
@@ -53,9 +58,13 @@ def test_compile_mistakes_are_refused_before_launch(monkeypatch: pytest.MonkeyPa
     from scaletrain.config import ConfigError, validate_config
     from scaletrain.plan import resolve
 
-    config = validate_config({"model": {"name": "mlp"}, "data": {"source": "digits"},
-                              "train": {"compile": True, "global_batch": 32,
-                                        "micro_batch": 16}})
+    config = validate_config(
+        {
+            "model": {"name": "mlp"},
+            "data": {"source": "digits"},
+            "train": {"compile": True, "global_batch": 32, "micro_batch": 16},
+        }
+    )
     resolve(config, world_size=2)  # the defaults are fine
     small = validate_config({**config.model_dump(), "parallel": {"bucket_cap_mb": 0.5}})
     with pytest.raises(ConfigError, match=r"parallel.bucket_cap_mb = 0.5 .* at least 1 MiB"):

@@ -35,8 +35,11 @@ def test_a_csv_with_one_bad_cell_is_refused_naming_file_row_and_column(tmp_path,
     rows = _rows(200)
     rows[56][3] = cell  # data row 57, line 58 (the header is line 1), column f2
     _write_csv(tmp_path / "t.csv", rows)
-    with pytest.raises(SourceError, match=rf"t\.csv, row 57 \(line 58\), column `f2`: {shown}; "
-                                          r"every column besides `label` is a feature"):
+    with pytest.raises(
+        SourceError,
+        match=rf"t\.csv, row 57 \(line 58\), column `f2`: {shown}; "
+        r"every column besides `label` is a feature",
+    ):
         write_shards(tmp_path / "t.csv", tmp_path / "out", rows_per_shard=64)
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
@@ -45,8 +48,11 @@ def test_a_bad_cell_past_arrows_type_inference_block_is_found(tmp_path):
     rows = _rows(30_000)  # ~3.8 MB: Arrow types the columns from the first 1 MB block
     rows[29_000][20] = "n/a"
     _write_csv(tmp_path / "big.csv", rows)
-    with pytest.raises(SourceError, match=r"big\.csv, row 29001 \(line 29002\), column `f19`: "
-                                          r"'n/a' is not a number"):
+    with pytest.raises(
+        SourceError,
+        match=r"big\.csv, row 29001 \(line 29002\), column `f19`: "
+        r"'n/a' is not a number",
+    ):
         write_shards(tmp_path / "big.csv", tmp_path / "out", rows_per_shard=10_000)
 
 
@@ -54,8 +60,11 @@ def test_a_bad_label_is_refused_by_row(tmp_path):
     rows = _rows(50)
     rows[9][0] = "cat"
     _write_csv(tmp_path / "t.csv", rows)
-    with pytest.raises(SourceError, match=r"row 10 \(line 11\), column `label`: 'cat' is not an "
-                                          r"integer class id; `label` must hold an integer"):
+    with pytest.raises(
+        SourceError,
+        match=r"row 10 \(line 11\), column `label`: 'cat' is not an "
+        r"integer class id; `label` must hold an integer",
+    ):
         write_shards(tmp_path / "t.csv", tmp_path / "out", rows_per_shard=64)
 
 
@@ -63,20 +72,31 @@ def test_jsonl_and_parquet_feature_columns_must_be_numbers(tmp_path):
     objs = [{"label": i % 2, "a": float(i), "b": 1.0} for i in range(40)]
     objs[12]["b"] = "high"
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(o) + "\n" for o in objs))
-    with pytest.raises(SourceError, match=r"t\.jsonl, row 13 \(line 13\), column `b`: 'high' "
-                                          r"is not a number"):
+    with pytest.raises(
+        SourceError,
+        match=r"t\.jsonl, row 13 \(line 13\), column `b`: 'high' "
+        r"is not a number",
+    ):
         write_shards(tmp_path / "t.jsonl", tmp_path / "j", rows_per_shard=64)
     names = pa.array([f"n{i}" for i in range(40)])  # a text column is no feature either
-    pq.write_table(pa.table({"label": np.arange(40) % 2, "x": np.ones(40), "name": names}),
-                   tmp_path / "t.parquet")
-    with pytest.raises(SourceError, match=r"t\.parquet, row 1, column `name`: 'n0' is not a "
-                                          r"number"):
+    pq.write_table(
+        pa.table({"label": np.arange(40) % 2, "x": np.ones(40), "name": names}),
+        tmp_path / "t.parquet",
+    )
+    with pytest.raises(
+        SourceError,
+        match=r"t\.parquet, row 1, column `name`: 'n0' is not a "
+        r"number",
+    ):
         write_shards(tmp_path / "t.parquet", tmp_path / "p", rows_per_shard=64)
     lists = [{"label": 0, "features": [1.0, 2.0]} for _ in range(30)]
     lists[4]["features"] = [1.0, None]
     (tmp_path / "l.jsonl").write_text("".join(json.dumps(o) + "\n" for o in lists))
-    with pytest.raises(SourceError, match=r"l\.jsonl, row 5 \(line 5\), column `features`: "
-                                          r"empty; `features` must hold a list of numbers"):
+    with pytest.raises(
+        SourceError,
+        match=r"l\.jsonl, row 5 \(line 5\), column `features`: "
+        r"empty; `features` must hold a list of numbers",
+    ):
         write_shards(tmp_path / "l.jsonl", tmp_path / "l", rows_per_shard=64)
 
 
@@ -90,16 +110,17 @@ def test_files_of_one_source_need_the_same_columns(tmp_path):
 
 def test_shard_prints_what_it_understood(tmp_path, capsys):
     _write_csv(tmp_path / "t.csv", _rows(200))
-    assert main(["shard", str(tmp_path / "t.csv"), str(tmp_path / "out"),
-                 "--rows-per-shard", "100"]) == 0
+    assert (
+        main(["shard", str(tmp_path / "t.csv"), str(tmp_path / "out"), "--rows-per-shard", "100"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "label column `label`, 4 classes, 20 features (f0, f1," in out
     assert "rows: 190 train, 10 eval (eval: 1 row in 20 of the source" in out
     assert "seed 0" in out and f"wrote 2 train + 1 eval shards to {tmp_path / 'out'}" in out
     docs = [{"text": f"document {i} " * 5} for i in range(60)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    assert main(["shard", str(tmp_path / "d.jsonl"), str(tmp_path / "lm"), "--seq-len",
-                 "16"]) == 0
+    assert main(["shard", str(tmp_path / "d.jsonl"), str(tmp_path / "lm"), "--seq-len", "16"]) == 0
     out = capsys.readouterr().out
     assert "text column `text`, seq_len 16 (rows of 17 tokens)" in out
     assert "rows: " in out and " train, " in out and "1 train + 1 eval shards" in out
@@ -123,22 +144,31 @@ def test_shard_shows_a_bad_cell_and_a_missing_class_as_messages(tmp_path, capsys
 
 def test_label_and_target_together_or_no_task_column_are_refused(tmp_path):
     (tmp_path / "both.csv").write_text("label,target,x\n" + "1,0.5,2\n" * 30)
-    with pytest.raises(SourceError, match=r"both\.csv: has both a `label` column "
-                                          r"\(classification\) and a `target` column "
-                                          r"\(regression\); keep the one to train on and drop "
-                                          r"or rename the other"):
+    with pytest.raises(
+        SourceError,
+        match=r"both\.csv: has both a `label` column "
+        r"\(classification\) and a `target` column "
+        r"\(regression\); keep the one to train on and drop "
+        r"or rename the other",
+    ):
         write_shards(tmp_path / "both.csv", tmp_path / "b", rows_per_shard=64)
     (tmp_path / "both.jsonl").write_text(json.dumps({"label": 1, "target": 0.5, "x": 1}) + "\n")
     with pytest.raises(SourceError, match=r"both\.jsonl: has both a `label`"):
         write_shards(tmp_path / "both.jsonl", tmp_path / "bj", rows_per_shard=64)
     (tmp_path / "none.csv").write_text("x1,x2,y\n" + "1,2,3\n" * 30)
-    with pytest.raises(SourceError, match=r"none\.csv: needs a column that names the task: "
-                                          r"`label` \(classification: integer class ids\), "
-                                          r"`target` \(regression: numbers\) or `text` "
-                                          r"\(language modelling\); columns are \['x1', 'x2', "
-                                          r"'y'\]"):
+    with pytest.raises(
+        SourceError,
+        match=r"none\.csv: needs a column that names the task: "
+        r"`label` \(classification: integer class ids\), "
+        r"`target` \(regression: numbers\) or `text` "
+        r"\(language modelling\); columns are \['x1', 'x2', "
+        r"'y'\]",
+    ):
         write_shards(tmp_path / "none.csv", tmp_path / "n", rows_per_shard=64)
     (tmp_path / "only.csv").write_text("target\n" + "1.5\n" * 30)
-    with pytest.raises(SourceError, match=r"no `features` list column and no columns besides "
-                                          r"`target`"):
+    with pytest.raises(
+        SourceError,
+        match=r"no `features` list column and no columns besides "
+        r"`target`",
+    ):
         write_shards(tmp_path / "only.csv", tmp_path / "o", rows_per_shard=64)

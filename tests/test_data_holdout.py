@@ -12,8 +12,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from scaletrain.data.holdout import (EVAL_EVERY, HeldOutSplit, eval_count, eval_ids, eval_mask,
-                                     missing_classes, rows_before, train_ids)
+from scaletrain.data.holdout import (
+    EVAL_EVERY,
+    HeldOutSplit,
+    eval_count,
+    eval_ids,
+    eval_mask,
+    missing_classes,
+    rows_before,
+    train_ids,
+)
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.shard_writer import write_shards
 from scaletrain.data.shards import ShardedDataset
@@ -74,13 +82,18 @@ def test_a_split_missing_a_class_is_reported(tmp_path):
     labels = np.r_[np.zeros(100, dtype=int), [7]]  # class 7 has one row: train or eval lacks it
     _csv(tmp_path / "rare.csv", labels)
     side = "eval" if not eval_mask(101)[100] else "train"
-    with pytest.warns(UserWarning, match=rf"rare.csv: the {side} split has no rows of 1 class"
-                                         rf"\(es\) present in \w+: 7;"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"rare.csv: the {side} split has no rows of 1 class"
+        rf"\(es\) present in \w+: 7;",
+    ):
         write_shards(tmp_path / "rare.csv", tmp_path / "out", rows_per_shard=64)
     counts = {"train": np.array([5, 0, 2]), "eval": np.array([1, 1, 0])}
-    assert missing_classes(counts) == ("the eval split has no rows of 1 class(es) present in "
-                                       "train: 2; the train split has no rows of 1 class(es) "
-                                       "present in eval: 1")
+    assert missing_classes(counts) == (
+        "the eval split has no rows of 1 class(es) present in "
+        "train: 2; the train split has no rows of 1 class(es) "
+        "present in eval: 1"
+    )
     assert missing_classes({"train": np.ones(3), "eval": np.ones(3)}) is None
 
 
@@ -88,20 +101,36 @@ def test_held_out_splits_partition_a_directory_for_the_sampler(tmp_path):
     (tmp_path / "d").mkdir()
     ids = np.arange(2000)
     for k, part in enumerate(np.array_split(ids, 3)):  # shards of 667, 667, 666 rows
-        pq.write_table(pa.table({"features": [[float(i)] for i in part], "label": part % 3}),
-                       tmp_path / "d" / f"part-{k:05d}.parquet", row_group_size=100)
+        pq.write_table(
+            pa.table({"features": [[float(i)] for i in part], "label": part % 3}),
+            tmp_path / "d" / f"part-{k:05d}.parquet",
+            row_group_size=100,
+        )
     base = ShardedDataset(tmp_path / "d", prefetch=0)
     train, ev = HeldOutSplit(base, "train"), HeldOutSplit(base, "eval")
     assert (len(train), len(ev)) == (1900, 100)
     assert [a + b for a, b in zip(train.shard_rows, ev.shard_rows)] == list(base.shard_rows)
-    sampler = GlobalBatchSampler(len(train), global_batch=100, micro_batch=50, dp_rank=0,
-                                 dp_size=1, seed=3, shard_rows=train.shard_rows,
-                                 shuffle_window=200)
-    seen = torch.cat([train.get(idx).inputs[:, 0].long() for step in range(19)
-                      for idx in sampler.micro_batches(step)])
+    sampler = GlobalBatchSampler(
+        len(train),
+        global_batch=100,
+        micro_batch=50,
+        dp_rank=0,
+        dp_size=1,
+        seed=3,
+        shard_rows=train.shard_rows,
+        shuffle_window=200,
+    )
+    seen = torch.cat(
+        [
+            train.get(idx).inputs[:, 0].long()
+            for step in range(19)
+            for idx in sampler.micro_batches(step)
+        ]
+    )
     held = ev.get(torch.arange(100)).inputs[:, 0].long()
     assert torch.equal(seen.sort().values, torch.from_numpy(np.flatnonzero(~eval_mask(2000))))
     assert not set(seen.tolist()) & set(held.tolist())
+
     # A window of 10 eval rows spans 200 rows of the directory: the cache holds those.
     def fresh() -> ShardedDataset:
         return ShardedDataset(tmp_path / "d", prefetch=0, cache_row_groups=1)

@@ -16,10 +16,26 @@ from scaletrain.data.shard_writer import write_shards
 from scaletrain.data.sources import load_source
 
 
-@pytest.mark.parametrize("name", ["ShardError", "MANIFEST", "Manifest", "ShardInfo",
-                                  "read_manifest", "write_manifest", "describe_shard",
-                                  "part_files", "sha256_file", "schema_pairs", "open_shard",
-                                  "task_columns", "infer_manifest", "image_shape", "FORMAT"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ShardError",
+        "MANIFEST",
+        "Manifest",
+        "ShardInfo",
+        "read_manifest",
+        "write_manifest",
+        "describe_shard",
+        "part_files",
+        "sha256_file",
+        "schema_pairs",
+        "open_shard",
+        "task_columns",
+        "infer_manifest",
+        "image_shape",
+        "FORMAT",
+    ],
+)
 def test_the_format_lives_in_manifest_and_stays_importable_from_shards(name):
     assert getattr(shards, name) is getattr(manifest, name)
     assert name in shards.__all__
@@ -41,11 +57,14 @@ def test_a_manifest_without_the_provenance_fields_still_loads(tmp_path):
 
 def test_summary_lines_say_what_was_written(tmp_path):
     train = write_shards("digits", tmp_path, rows_per_shard=500)
-    lines = manifest.summary_lines(train, manifest.read_manifest(tmp_path / "eval"),
-                                   out_dir=tmp_path)
-    assert lines == ["source digits: its own labels, 10 classes, 64 features (shape (1, 8, 8))",
-                     "rows: 1438 train, 359 eval (the source's own eval split)",
-                     f"wrote 3 train + 1 eval shards to {tmp_path}"]
+    lines = manifest.summary_lines(
+        train, manifest.read_manifest(tmp_path / "eval"), out_dir=tmp_path
+    )
+    assert lines == [
+        "source digits: its own labels, 10 classes, 64 features (shape (1, 8, 8))",
+        "rows: 1438 train, 359 eval (the source's own eval split)",
+        f"wrote 3 train + 1 eval shards to {tmp_path}",
+    ]
 
 
 def test_a_regression_manifest_records_the_target_and_loads_without_it(tmp_path):
@@ -57,15 +76,18 @@ def test_a_regression_manifest_records_the_target_and_loads_without_it(tmp_path)
     data = json.loads(path.read_text())
     assert data["label_counts"] is None and data["label_column"] == "target"
     seen = y[~eval_mask(100)]
-    assert data["target_stats"] == pytest.approx({"min": seen.min(), "mean": seen.mean(),
-                                                  "max": seen.max()})
+    assert data["target_stats"] == pytest.approx(
+        {"min": seen.min(), "mean": seen.mean(), "max": seen.max()}
+    )
     assert train.target_stats == tuple(data["target_stats"][k] for k in ("min", "mean", "max"))
     assert manifest.summary_lines(train, ev, out_dir=tmp_path)[0] == (
         f"source {tmp_path / 'r.csv'}: target column `target` (min -3, mean {y.mean():.4g}, "
-        f"max 46.5), 1 features (x)")  # over both splits' rows
+        f"max 46.5), 1 features (x)"
+    )  # over both splits' rows
     del data["target_stats"]  # a manifest from before the field: loads, summary without it
     path.write_text(json.dumps(data))
     old = manifest.read_manifest(tmp_path / "out" / "train")
     assert old.target_stats is None and old.task.kind == "regression"
     assert manifest.summary_lines(old, ev, out_dir=tmp_path)[0].endswith(
-        "target column `target`, 1 features (x)")
+        "target column `target`, 1 features (x)"
+    )

@@ -22,19 +22,24 @@ from scaletrain.errors import UserError
 def shards(tmp_path_factory):
     root = tmp_path_factory.mktemp("preflight")
     write_shards("digits", root / "digits", rows_per_shard=1000)
-    write_shards("synthetic-text", root / "text", rows_per_shard=100, seq_len=32,
-                 synthetic_examples=200)
+    write_shards(
+        "synthetic-text", root / "text", rows_per_shard=100, seq_len=32, synthetic_examples=200
+    )
     (root / "flat").mkdir()  # a Spark-like directory without a manifest: 20 flat features
-    pq.write_table(pa.table({"features": [[0.5] * 20] * 50, "label": np.arange(50) % 3}),
-                   root / "flat" / "part-00000.parquet")
+    pq.write_table(
+        pa.table({"features": [[0.5] * 20] * 50, "label": np.arange(50) % 3}),
+        root / "flat" / "part-00000.parquet",
+    )
     (root / "spark-text").mkdir()
     pq.write_table(pa.table({"tokens": [[1] * 65] * 10}), root / "spark-text" / "part-0.parquet")
     rows = "".join(f"{i},{i % 5},{i * 0.5},{i * 0.25 - 3}\n" for i in range(60))
     (root / "reg.csv").write_text("a,b,c,target\n" + rows)  # a numeric target: regression
     write_shards(root / "reg.csv", root / "reg", rows_per_shard=100)
     (root / "spark-reg").mkdir()  # the same without a manifest: a Spark job's `target`
-    pq.write_table(pa.table({"features": [[0.5] * 3] * 40, "target": np.arange(40) * 0.5}),
-                   root / "spark-reg" / "part-00000.parquet")
+    pq.write_table(
+        pa.table({"features": [[0.5] * 3] * 40, "target": np.arange(40) * 0.5}),
+        root / "spark-reg" / "part-00000.parquet",
+    )
     return root
 
 
@@ -56,55 +61,85 @@ def test_fitting_data_pass_and_builtin_sources_are_not_checked(shards):
 def test_regression_shards_train_the_mlp_and_no_other_model(shards, data):
     note = _check(shards / data, model="mlp")
     assert (note is None) == (data == "reg")  # a note only for the directory without manifest
-    for model, needs in (("cnn", "classification data (task kind 'classification')"),
-                         ("gpt", "text (task kind 'lm')"), ("hf", "text (task kind 'lm')")):
-        with pytest.raises(DataCheckError, match=rf"model.name = '{model}' needs "
-                                                 rf"{re.escape(needs)}, but the shards at "
-                                                 rf"data.path = '.*{data}' hold regression "
-                                                 rf"data \(task kind 'regression', examples of "
-                                                 rf"shape \(3,\)\); models for this data: "
-                                                 rf"'mlp'$"):
+    for model, needs in (
+        ("cnn", "classification data (task kind 'classification')"),
+        ("gpt", "text (task kind 'lm')"),
+        ("hf", "text (task kind 'lm')"),
+    ):
+        with pytest.raises(
+            DataCheckError,
+            match=rf"model.name = '{model}' needs "
+            rf"{re.escape(needs)}, but the shards at "
+            rf"data.path = '.*{data}' hold regression "
+            rf"data \(task kind 'regression', examples of "
+            rf"shape \(3,\)\); models for this data: "
+            rf"'mlp'$",
+        ):
             _check(shards / data, model=model, seq_len=32)
 
 
 def test_a_missing_or_empty_path_is_refused(shards, tmp_path):
-    with pytest.raises(DataCheckError, match=r"data.path = '.*nowhere' does not exist; it must "
-                                             r"be the directory `scaletrain shard"):
+    with pytest.raises(
+        DataCheckError,
+        match=r"data.path = '.*nowhere' does not exist; it must "
+        r"be the directory `scaletrain shard",
+    ):
         _check(shards / "nowhere")
     (tmp_path / "afile").write_text("x")
     with pytest.raises(DataCheckError, match=r"data.path = '.*afile' is a file; it must be"):
         _check(tmp_path / "afile")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("hi")
-    with pytest.raises(DataCheckError, match=r"is not a shard directory: neither it nor "
-                                             r".*train' holds manifest.json or part-\*.parquet"):
+    with pytest.raises(
+        DataCheckError,
+        match=r"is not a shard directory: neither it nor "
+        r".*train' holds manifest.json or part-\*.parquet",
+    ):
         _check(tmp_path / "empty")
     shutil.copytree(shards / "digits" / "train", tmp_path / "half" / "train")
     with pytest.raises(DataCheckError, match="has a train split .* but no eval split"):
         _check(tmp_path / "half")
 
 
-@pytest.mark.parametrize("data, model, words", [
-    ("digits", "gpt", r"model.name = 'gpt' needs text \(task kind 'lm'\), but the shards at "
-                      r"data.path = '.*digits' hold classification data \(task kind "
-                      r"'classification', examples of shape \(1, 8, 8\)\); models for this "
-                      r"data: 'mlp', 'cnn'$"),
-    ("text", "mlp", r"model.name = 'mlp' needs classification data or regression data \(task "
-                    r"kind 'classification' or 'regression'\), but .* hold text \(task kind "
-                    r"'lm', .*; models for this data: 'gpt', 'hf'$"),
-    ("spark-text", "cnn", r"'cnn' needs classification data"),  # read from the Parquet schema
-    ("flat", "cnn", r"model.name = 'cnn' needs images \(C, H, W\) of at least 8x8, but .* "
-                    r"shape \(20,\)\); use model.name='mlp'"),
-])
+@pytest.mark.parametrize(
+    "data, model, words",
+    [
+        (
+            "digits",
+            "gpt",
+            r"model.name = 'gpt' needs text \(task kind 'lm'\), but the shards at "
+            r"data.path = '.*digits' hold classification data \(task kind "
+            r"'classification', examples of shape \(1, 8, 8\)\); models for this "
+            r"data: 'mlp', 'cnn'$",
+        ),
+        (
+            "text",
+            "mlp",
+            r"model.name = 'mlp' needs classification data or regression data \(task "
+            r"kind 'classification' or 'regression'\), but .* hold text \(task kind "
+            r"'lm', .*; models for this data: 'gpt', 'hf'$",
+        ),
+        ("spark-text", "cnn", r"'cnn' needs classification data"),  # read from the Parquet schema
+        (
+            "flat",
+            "cnn",
+            r"model.name = 'cnn' needs images \(C, H, W\) of at least 8x8, but .* "
+            r"shape \(20,\)\); use model.name='mlp'",
+        ),
+    ],
+)
 def test_a_model_that_does_not_fit_the_data_is_refused(shards, data, model, words):
     with pytest.raises(DataCheckError, match=words):
         _check(shards / data, model=model, seq_len=32)
 
 
 def test_a_seq_len_other_than_the_shards_is_refused_naming_both(shards):
-    with pytest.raises(DataCheckError, match=r"data.seq_len = 128 differs from the seq_len the "
-                                             r"text shards at data.path = .* were written at "
-                                             r"\(32\); set data.seq_len=32"):
+    with pytest.raises(
+        DataCheckError,
+        match=r"data.seq_len = 128 differs from the seq_len the "
+        r"text shards at data.path = .* were written at "
+        r"\(32\); set data.seq_len=32",
+    ):
         _check(shards / "text", model="gpt", seq_len=128)
     with pytest.raises(DataCheckError, match=r"data.seq_len = 32 .* \(64\); set data.seq_len=64"):
         _check(shards / "spark-text", model="gpt", seq_len=32)  # no manifest: from the rows
@@ -140,7 +175,8 @@ def test_the_model_table_stays_in_step_with_the_registry():
         return {entry[0]} if isinstance(entry[0], str) else set(entry[0])
 
     assert {name: kinds(entry) for name, entry in _REGISTRY.items()} == {
-        name: set(MODEL_KINDS[name]) for name in _REGISTRY}
+        name: set(MODEL_KINDS[name]) for name in _REGISTRY
+    }
     assert set(MODEL_KINDS["mlp"]) == {"classification", "regression"}
     assert set(MODEL_KINDS) == set(_REGISTRY) | {"hf"}  # hf: models/hf.py, not the registry
     assert CNN_MIN_SIDE == MIN_SIDE

@@ -31,9 +31,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from test_distill_parity import (
+    BERT_STUDENT,
+    MLP_STUDENT,
+    assert_same_run,
+    save_bert_teacher,
+    train_mlp_teacher,
+)
+
 from harness import file_tree, load_weights, max_abs_diff, records, run_cli, run_workers
-from test_distill_parity import (BERT_STUDENT, MLP_STUDENT, assert_same_run,
-                                 save_bert_teacher, train_mlp_teacher)
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -42,8 +48,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # The BERT runs here: 12 AdamW steps with dropout, a checkpoint every 5 (to resume from), a
 # record every 2 steps (so the checkpoint at step 5 holds an open metrics window).
-BERT_RUN = ["train.steps=12", "checkpoint.every=5", "optim.name=adamw", "optim.lr=3e-3",
-            "model.kwargs.hidden_dropout_prob=0.1", "log.every=2"]
+BERT_RUN = [
+    "train.steps=12",
+    "checkpoint.every=5",
+    "optim.name=adamw",
+    "optim.lr=3e-3",
+    "model.kwargs.hidden_dropout_prob=0.1",
+    "log.every=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +90,21 @@ def write_cache(config: Path, out_dir: Path, overrides: list[str]) -> Path:
     return out_dir
 
 
-def train(config: Path, run_dir: Path, overrides: list[str], *, global_batch: int,
-          dp: int = 2) -> Path:
+def train(
+    config: Path, run_dir: Path, overrides: list[str], *, global_batch: int, dp: int = 2
+) -> Path:
     """dp ranks, 2 micro-batches each."""
-    run_workers(config, [f"parallel.dp={dp}", f"train.global_batch={global_batch}",
-                         f"train.micro_batch={global_batch // (2 * dp)}", *overrides],
-                world_size=dp, run_dir=run_dir)
+    run_workers(
+        config,
+        [
+            f"parallel.dp={dp}",
+            f"train.global_batch={global_batch}",
+            f"train.micro_batch={global_batch // (2 * dp)}",
+            *overrides,
+        ],
+        world_size=dp,
+        run_dir=run_dir,
+    )
     return run_dir
 
 
@@ -94,8 +115,12 @@ def mlp_cache(work: Path, configs: dict[str, Path], mlp_teacher: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def mlp_cached_run(work: Path, configs: dict[str, Path], mlp_cache: Path) -> Path:
-    return train(configs["mlp"], work / "mlp-cached",
-                 [f"distill.cache={mlp_cache}", "model.dropout=0.1"], global_batch=32)
+    return train(
+        configs["mlp"],
+        work / "mlp-cached",
+        [f"distill.cache={mlp_cache}", "model.dropout=0.1"],
+        global_batch=32,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,41 +129,58 @@ def bert_cache(work: Path, configs: dict[str, Path], bert_teacher: Path) -> Path
 
 
 @pytest.fixture(scope="module")
-def bert_cached_run(work: Path, configs: dict[str, Path], bert_teacher: Path,
-                    bert_cache: Path) -> Path:
+def bert_cached_run(
+    work: Path, configs: dict[str, Path], bert_teacher: Path, bert_cache: Path
+) -> Path:
     """12 uninterrupted steps from the cache (the teacher is read for init_layers only)."""
-    return train(configs["bert"], work / "bert-cached",
-                 [f"distill.teacher={bert_teacher}", f"distill.cache={bert_cache}", *BERT_RUN],
-                 global_batch=16)
+    return train(
+        configs["bert"],
+        work / "bert-cached",
+        [f"distill.teacher={bert_teacher}", f"distill.cache={bert_cache}", *BERT_RUN],
+        global_batch=16,
+    )
 
 
-def test_mlp_run_from_the_cache_is_the_online_run(work: Path, configs: dict[str, Path],
-                                                 mlp_teacher: Path, mlp_cache: Path,
-                                                 mlp_cached_run: Path) -> None:
+def test_mlp_run_from_the_cache_is_the_online_run(
+    work: Path, configs: dict[str, Path], mlp_teacher: Path, mlp_cache: Path, mlp_cached_run: Path
+) -> None:
     info = json.loads((mlp_cache / "cache.json").read_text())
     assert info["outputs"] == ["logits"] and info["teacher_dtype"] == "float64"
-    online = train(configs["mlp"], work / "mlp-online",
-                   [f"distill.teacher={mlp_teacher}", "model.dropout=0.1"], global_batch=32)
+    online = train(
+        configs["mlp"],
+        work / "mlp-online",
+        [f"distill.teacher={mlp_teacher}", "model.dropout=0.1"],
+        global_batch=32,
+    )
     assert_same_run(online, mlp_cached_run)
 
 
-def test_bert_run_from_the_cache_is_the_online_run(work: Path, configs: dict[str, Path],
-                                                  bert_teacher: Path, bert_cache: Path,
-                                                  bert_cached_run: Path) -> None:
+def test_bert_run_from_the_cache_is_the_online_run(
+    work: Path,
+    configs: dict[str, Path],
+    bert_teacher: Path,
+    bert_cache: Path,
+    bert_cached_run: Path,
+) -> None:
     info = json.loads((bert_cache / "cache.json").read_text())
     # attention_weight > 0 is cached too: each mapped block's (H, T, T) maps.
     assert info["outputs"] == ["pooled", "hidden.0", "hidden.2", "hidden.4", "attn.2", "attn.4"]
     assert info["splits"]["train"]["shapes"]["attn.2"]["shape"] == [2, 16, 16]
-    online = train(configs["bert"], work / "bert-online",
-                   [f"distill.teacher={bert_teacher}", *BERT_RUN, "checkpoint.every=0"],
-                   global_batch=16)
+    online = train(
+        configs["bert"],
+        work / "bert-online",
+        [f"distill.teacher={bert_teacher}", *BERT_RUN, "checkpoint.every=0"],
+        global_batch=16,
+    )
     assert_same_run(online, bert_cached_run, steps=6)
 
 
-def test_a_top_k_cache_trains_another_loss(work: Path, configs: dict[str, Path],
-                                           mlp_teacher: Path, mlp_cached_run: Path) -> None:
-    cache = write_cache(configs["mlp"], work / "top3-cache",
-                        [f"distill.teacher={mlp_teacher}", "distill.top_k=3"])
+def test_a_top_k_cache_trains_another_loss(
+    work: Path, configs: dict[str, Path], mlp_teacher: Path, mlp_cached_run: Path
+) -> None:
+    cache = write_cache(
+        configs["mlp"], work / "top3-cache", [f"distill.teacher={mlp_teacher}", "distill.top_k=3"]
+    )
     shapes = json.loads((cache / "cache.json").read_text())["splits"]["train"]["shapes"]
     assert shapes["logits"]["shape"] == [3] and shapes["logits_index"]["dtype"] == "int64"
     top3 = train(configs["mlp"], work / "top3", [f"distill.cache={cache}"], global_batch=32)
@@ -158,8 +200,18 @@ def _perturbed_copy(teacher: Path, out: Path) -> Path:
 
 
 def _refused(config: Path, overrides: list[str], run_dir: Path) -> str:
-    result = run_cli(["train", str(config), "--nproc", "2", "parallel.dp=2", *overrides,
-                      "--run-dir", str(run_dir)])
+    result = run_cli(
+        [
+            "train",
+            str(config),
+            "--nproc",
+            "2",
+            "parallel.dp=2",
+            *overrides,
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("scaletrain: error: "), result.stderr
@@ -168,47 +220,81 @@ def _refused(config: Path, overrides: list[str], run_dir: Path) -> str:
 
 
 def test_a_cache_that_does_not_fit_the_run_is_refused(
-        work: Path, configs: dict[str, Path], mlp_teacher: Path, mlp_cache: Path,
-        bert_teacher: Path, bert_cache: Path) -> None:
+    work: Path,
+    configs: dict[str, Path],
+    mlp_teacher: Path,
+    mlp_cache: Path,
+    bert_teacher: Path,
+    bert_cache: Path,
+) -> None:
     before = file_tree(work / "mlp-cache"), file_tree(work / "bert-cache")
     other = _perturbed_copy(mlp_teacher, work / "other-teacher")
-    line = _refused(configs["mlp"], [f"distill.teacher={other}", f"distill.cache={mlp_cache}"],
-                    work / "refused-teacher")
+    line = _refused(
+        configs["mlp"],
+        [f"distill.teacher={other}", f"distill.cache={mlp_cache}"],
+        work / "refused-teacher",
+    )
     assert "another teacher" in line
     # A checkpoint teacher is hashed too (its weights exported): step 20 is not the final
     # weights the cache was written from.
     step20 = mlp_teacher / "checkpoints" / "step-00000020"
-    line = _refused(configs["mlp"], [f"distill.teacher={step20}", f"distill.cache={mlp_cache}"],
-                    work / "refused-checkpoint")
+    line = _refused(
+        configs["mlp"],
+        [f"distill.teacher={step20}", f"distill.cache={mlp_cache}"],
+        work / "refused-checkpoint",
+    )
     assert "another teacher" in line and "distill.teacher gives" in line
-    line = _refused(configs["mlp"], [f"distill.cache={mlp_cache}",
-                                     "distill.teacher_precision=fp32"], work / "refused-dtype")
+    line = _refused(
+        configs["mlp"],
+        [f"distill.cache={mlp_cache}", "distill.teacher_precision=fp32"],
+        work / "refused-dtype",
+    )
     assert "float64" in line and "float32" in line
     bert = [f"distill.teacher={bert_teacher}", f"distill.cache={bert_cache}"]
     # The same words, tokenized to 12 tokens instead of 16: as many rows, other data.
     line = _refused(configs["bert"], [*bert, "data.seq_len=12"], work / "refused-data")
     assert "other train data" in line
     # Teacher state 1 (and block 1's attention) were not cached: layer map [0, 1, 4].
-    line = _refused(configs["bert"], [*bert, "distill.layer_map=[0, 1, 4]"],
-                    work / "refused-output")
+    line = _refused(
+        configs["bert"], [*bert, "distill.layer_map=[0, 1, 4]"], work / "refused-output"
+    )
     assert "lacks the teacher outputs" in line and "hidden.1" in line
     assert (file_tree(work / "mlp-cache"), file_tree(work / "bert-cache")) == before
 
 
 # Every number a step record holds that a resume must reproduce (not times or memory),
 # the distillation terms included.
-SAME_IN_RECORDS = ("loss", "lr", "grad_norm", "examples", "tokens", "examples_seen",
-                   "tokens_seen", "distill/hidden", "distill/attention", "distill/cosine")
+SAME_IN_RECORDS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "examples",
+    "tokens",
+    "examples_seen",
+    "tokens_seen",
+    "distill/hidden",
+    "distill/attention",
+    "distill/cosine",
+)
 
 
-def test_a_cached_bert_run_resumes_bit_identically(work: Path, configs: dict[str, Path],
-                                                   bert_teacher: Path, bert_cache: Path,
-                                                   bert_cached_run: Path) -> None:
-    overrides = [f"distill.teacher={bert_teacher}", f"distill.cache={bert_cache}", *BERT_RUN,
-                 "parallel.dp=2", "train.global_batch=16", "train.micro_batch=4"]
+def test_a_cached_bert_run_resumes_bit_identically(
+    work: Path,
+    configs: dict[str, Path],
+    bert_teacher: Path,
+    bert_cache: Path,
+    bert_cached_run: Path,
+) -> None:
+    overrides = [
+        f"distill.teacher={bert_teacher}",
+        f"distill.cache={bert_cache}",
+        *BERT_RUN,
+        "parallel.dp=2",
+        "train.global_batch=16",
+        "train.micro_batch=4",
+    ]
     resumed = work / "bert-resumed"
-    run_workers(configs["bert"], [*overrides, "train.stop_after=5"], world_size=2,
-                run_dir=resumed)
+    run_workers(configs["bert"], [*overrides, "train.stop_after=5"], world_size=2, run_dir=resumed)
     assert not (resumed / "model.safetensors").exists()
     # The projections (trained away from their identity start) and their Adam state are
     # in the checkpoint the run resumes from.
@@ -216,10 +302,23 @@ def test_a_cached_bert_run_resumes_bit_identically(work: Path, configs: dict[str
 
     saved = FileSystemReader(str(resumed / "checkpoints" / "step-00000005")).read_metadata()
     names = set(saved.state_dict_metadata)
-    assert {"model.proj.0.weight", "model.proj.2.bias",
-            "optim.state.proj.1.weight.exp_avg"} <= names
-    result = run_cli(["train", str(configs["bert"]), "--nproc", "2", "--resume", *overrides,
-                      "--run-dir", str(resumed)])
+    assert {
+        "model.proj.0.weight",
+        "model.proj.2.bias",
+        "optim.state.proj.1.weight.exp_avg",
+    } <= names
+    result = run_cli(
+        [
+            "train",
+            str(configs["bert"]),
+            "--nproc",
+            "2",
+            "--resume",
+            *overrides,
+            "--run-dir",
+            str(resumed),
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = load_weights(bert_cached_run), load_weights(resumed)
     assert a.keys() == b.keys()

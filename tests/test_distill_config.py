@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import scaletrain.cli
+
 from harness import cli_main, file_tree, forbid_starting, refuse_start
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,8 +48,9 @@ global_batch = 8
 micro_batch = 4
 """
 
-SYNTHETIC_TOML = GOOD_TOML.replace('source = "digits"',
-                                   'source = "synthetic-images"\nsynthetic_examples = 64')
+SYNTHETIC_TOML = GOOD_TOML.replace(
+    'source = "digits"', 'source = "synthetic-images"\nsynthetic_examples = 64'
+)
 SENTENCES_TOML = GOOD_TOML.replace('source = "digits"', 'source = "sentences"')
 
 
@@ -60,14 +62,16 @@ def _write_teacher(run: Path, *, source: str, seed: int, input_shape: tuple[int,
     from scaletrain.data.sources import TaskSpec
     from scaletrain.models import build_model
 
-    config = Config.model_validate({"model": {"name": "mlp", "size": "tiny"},
-                                    "data": {"source": source}})
+    config = Config.model_validate(
+        {"model": {"name": "mlp", "size": "tiny"}, "data": {"source": source}}
+    )
     torch.manual_seed(seed)
     model = build_model("mlp", size="tiny", task=TaskSpec("classification", input_shape, 10))
     run.mkdir(parents=True)
     (run / "config.toml").write_text(config_to_toml(config))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(run / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(run / "model.safetensors")
+    )
     return run
 
 
@@ -77,8 +81,9 @@ def _distill_cache(toml: str, out: Path, teacher: Path, work: Path, *overrides: 
     cfg.write_text(toml)
     threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     try:
-        code = cli_main(["distill-cache", str(cfg), str(out), f"distill.teacher={teacher}",
-                         *overrides])
+        code = cli_main(
+            ["distill-cache", str(cfg), str(out), f"distill.teacher={teacher}", *overrides]
+        )
     finally:  # distill-cache takes every core for its one process; give the rest back
         torch.set_num_threads(threads)
         if omp is None:
@@ -95,12 +100,13 @@ def kd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
 
     root = tmp_path_factory.mktemp("kd")
     paths = {
-        "teacher": _write_teacher(root / "teacher", source="digits", seed=1,
-                                  input_shape=(1, 8, 8)),
-        "teacher2": _write_teacher(root / "teacher2", source="digits", seed=2,
-                                   input_shape=(1, 8, 8)),
-        "teacher_synthetic": _write_teacher(root / "teacher-synthetic", source="synthetic-images",
-                                            seed=1, input_shape=(1, 28, 28)),
+        "teacher": _write_teacher(root / "teacher", source="digits", seed=1, input_shape=(1, 8, 8)),
+        "teacher2": _write_teacher(
+            root / "teacher2", source="digits", seed=2, input_shape=(1, 8, 8)
+        ),
+        "teacher_synthetic": _write_teacher(
+            root / "teacher-synthetic", source="synthetic-images", seed=1, input_shape=(1, 28, 28)
+        ),
     }
     paths["teacher_sha16"] = weights_sha256([paths["teacher"] / "model.safetensors"])[:16]
     paths["cache"] = root / "cache"
@@ -112,8 +118,9 @@ def kd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
     return paths
 
 
-def case(id: str, argv: str, *expect: str, toml: str = GOOD_TOML,
-         files: dict[str, str] | None = None):
+def case(
+    id: str, argv: str, *expect: str, toml: str = GOOD_TOML, files: dict[str, str] | None = None
+):
     """One refusal: `argv` ({cfg}, {tmp} and the fixture's names are filled in), the
     substrings its one message line must hold, the config body, files to create first."""
     return pytest.param(argv, expect, toml, files or {}, id=id)
@@ -123,93 +130,226 @@ SHA_ZERO = "0" * 64
 
 CASES = [
     # [distill] keys do nothing without a teacher or a cache
-    case("distill-key-without-teacher", "train {cfg} distill.temperature=4.0",
-         "distill.temperature = 4.0", "distill.teacher", "distill.cache"),
-    case("distill-section-without-teacher", "train {cfg}", "distill.alpha = 0.9",
-         "distill.teacher", toml=GOOD_TOML + "\n[distill]\nalpha = 0.9\n"),
+    case(
+        "distill-key-without-teacher",
+        "train {cfg} distill.temperature=4.0",
+        "distill.temperature = 4.0",
+        "distill.teacher",
+        "distill.cache",
+    ),
+    case(
+        "distill-section-without-teacher",
+        "train {cfg}",
+        "distill.alpha = 0.9",
+        "distill.teacher",
+        toml=GOOD_TOML + "\n[distill]\nalpha = 0.9\n",
+    ),
     case("top-k-without-teacher", "train {cfg} distill.top_k=3", "distill.top_k = 3"),
-    case("sentences-without-teacher", "train {cfg}", "data.source = 'sentences'",
-         "distill.teacher", toml=SENTENCES_TOML),
+    case(
+        "sentences-without-teacher",
+        "train {cfg}",
+        "data.source = 'sentences'",
+        "distill.teacher",
+        toml=SENTENCES_TOML,
+    ),
     # sentences: an encoder has no logits, so alpha (the defaults) alone gives a zero loss
-    case("sentences-with-the-default-weights", "train {cfg} distill.teacher=all-MiniLM-L6-v2",
-         "distill.hidden_weight = 0.0", "distill.cosine_weight = 0.0", "no gradient",
-         toml=SENTENCES_TOML),
-    case("sentences-cosine-on-logits", "train {cfg} distill.teacher=all-MiniLM-L6-v2 "
-         "distill.cosine_weight=1.0 distill.cosine_on=logits", "distill.cosine_on = 'logits'",
-         "distill.cosine_on = 'pooled'", toml=SENTENCES_TOML),
-    case("sentences-tokenizer-not-a-directory", "train {cfg} distill.teacher=all-MiniLM-L6-v2 "
-         "distill.cosine_weight=1.0 data.kwargs.tokenizer={tmp}/nowhere",
-         "data.kwargs.tokenizer = '{tmp}/nowhere'", "not a tokenizer directory",
-         toml=SENTENCES_TOML),
+    case(
+        "sentences-with-the-default-weights",
+        "train {cfg} distill.teacher=all-MiniLM-L6-v2",
+        "distill.hidden_weight = 0.0",
+        "distill.cosine_weight = 0.0",
+        "no gradient",
+        toml=SENTENCES_TOML,
+    ),
+    case(
+        "sentences-cosine-on-logits",
+        "train {cfg} distill.teacher=all-MiniLM-L6-v2 "
+        "distill.cosine_weight=1.0 distill.cosine_on=logits",
+        "distill.cosine_on = 'logits'",
+        "distill.cosine_on = 'pooled'",
+        toml=SENTENCES_TOML,
+    ),
+    case(
+        "sentences-tokenizer-not-a-directory",
+        "train {cfg} distill.teacher=all-MiniLM-L6-v2 "
+        "distill.cosine_weight=1.0 data.kwargs.tokenizer={tmp}/nowhere",
+        "data.kwargs.tokenizer = '{tmp}/nowhere'",
+        "not a tokenizer directory",
+        toml=SENTENCES_TOML,
+    ),
     # the teacher itself
-    case("teacher-missing", "train {cfg} distill.teacher={tmp}/nowhere",
-         "distill.teacher = '{tmp}/nowhere'", "no such directory"),
-    case("teacher-not-a-teacher", "train {cfg} distill.teacher={tmp}/notes",
-         "distill.teacher = '{tmp}/notes'", "is not a teacher", "config.toml",
-         files={"notes/readme.txt": "not a model"}),
-    case("teacher-sha256-not-hex", "train {cfg} distill.teacher={teacher} "
-         "distill.teacher_sha256=abc123", "distill.teacher_sha256 = 'abc123'",
-         "64 hexadecimal digits"),
-    case("teacher-sha256-bad-digit", "train {cfg} distill.teacher={teacher} "
-         f"distill.teacher_sha256={'g' * 64}", "distill.teacher_sha256 = 'ggg",
-         "64 hexadecimal digits"),
-    case("teacher-sha256-mismatch", "train {cfg} --nproc 2 distill.teacher={teacher} "
-         f"distill.teacher_sha256={SHA_ZERO}", "distill.teacher = '{teacher}'",
-         "{teacher_sha16}", "0000000000000000", "refusing"),
-    case("packaged-teacher-sha256-mismatch", "train {cfg} --nproc 2 "
-         f"distill.teacher=all-MiniLM-L6-v2 distill.teacher_sha256={SHA_ZERO}",
-         "distill.teacher = 'all-MiniLM-L6-v2'", "53aa51172d142c89", "0000000000000000",
-         "refusing"),
+    case(
+        "teacher-missing",
+        "train {cfg} distill.teacher={tmp}/nowhere",
+        "distill.teacher = '{tmp}/nowhere'",
+        "no such directory",
+    ),
+    case(
+        "teacher-not-a-teacher",
+        "train {cfg} distill.teacher={tmp}/notes",
+        "distill.teacher = '{tmp}/notes'",
+        "is not a teacher",
+        "config.toml",
+        files={"notes/readme.txt": "not a model"},
+    ),
+    case(
+        "teacher-sha256-not-hex",
+        "train {cfg} distill.teacher={teacher} distill.teacher_sha256=abc123",
+        "distill.teacher_sha256 = 'abc123'",
+        "64 hexadecimal digits",
+    ),
+    case(
+        "teacher-sha256-bad-digit",
+        f"train {{cfg}} distill.teacher={{teacher}} distill.teacher_sha256={'g' * 64}",
+        "distill.teacher_sha256 = 'ggg",
+        "64 hexadecimal digits",
+    ),
+    case(
+        "teacher-sha256-mismatch",
+        f"train {{cfg}} --nproc 2 distill.teacher={{teacher}} distill.teacher_sha256={SHA_ZERO}",
+        "distill.teacher = '{teacher}'",
+        "{teacher_sha16}",
+        "0000000000000000",
+        "refusing",
+    ),
+    case(
+        "packaged-teacher-sha256-mismatch",
+        "train {cfg} --nproc 2 "
+        f"distill.teacher=all-MiniLM-L6-v2 distill.teacher_sha256={SHA_ZERO}",
+        "distill.teacher = 'all-MiniLM-L6-v2'",
+        "53aa51172d142c89",
+        "0000000000000000",
+        "refusing",
+    ),
     # layouts distillation does not run under
-    case("tp-with-teacher", "train {cfg} --nproc 2 parallel.tp=2 distill.teacher={teacher}",
-         "parallel.tp = 2", "distillation", "dp"),
-    case("pp-with-teacher", "train {cfg} --nproc 2 parallel.pp=2 distill.teacher={teacher}",
-         "parallel.pp = 2", "distillation"),
-    case("ps-with-teacher", "train {cfg} --nproc 3 parallel.strategy=ps parallel.dp=2 "
-         "distill.teacher={teacher}", "parallel.strategy = 'collective'", "parameter-server"),
+    case(
+        "tp-with-teacher",
+        "train {cfg} --nproc 2 parallel.tp=2 distill.teacher={teacher}",
+        "parallel.tp = 2",
+        "distillation",
+        "dp",
+    ),
+    case(
+        "pp-with-teacher",
+        "train {cfg} --nproc 2 parallel.pp=2 distill.teacher={teacher}",
+        "parallel.pp = 2",
+        "distillation",
+    ),
+    case(
+        "ps-with-teacher",
+        "train {cfg} --nproc 3 parallel.strategy=ps parallel.dp=2 distill.teacher={teacher}",
+        "parallel.strategy = 'collective'",
+        "parameter-server",
+    ),
     # what a logits-only student cannot be compared on
-    case("cosine-pooled-with-builtin-model", "train {cfg} distill.teacher={teacher} "
-         "distill.cosine_weight=1.0", "distill.cosine_on = 'pooled'", "model.name = 'mlp'",
-         "distill.cosine_on = 'logits'"),
-    case("cosine-logits-with-top-k-cache", "train {cfg} --nproc 2 distill.cache={cache_top_k} "
-         "distill.cosine_weight=1.0 distill.cosine_on=logits", "distill.cosine_on = 'logits'",
-         "distill.top_k"),
+    case(
+        "cosine-pooled-with-builtin-model",
+        "train {cfg} distill.teacher={teacher} distill.cosine_weight=1.0",
+        "distill.cosine_on = 'pooled'",
+        "model.name = 'mlp'",
+        "distill.cosine_on = 'logits'",
+    ),
+    case(
+        "cosine-logits-with-top-k-cache",
+        "train {cfg} --nproc 2 distill.cache={cache_top_k} "
+        "distill.cosine_weight=1.0 distill.cosine_on=logits",
+        "distill.cosine_on = 'logits'",
+        "distill.top_k",
+    ),
     # hidden states and attention maps need a Hugging Face student
-    case("hidden-weight-with-builtin-model", "train {cfg} distill.teacher={teacher} "
-         "distill.hidden_weight=1.0", "distill.hidden_weight", "model.name = 'mlp'"),
-    case("attention-weight-with-builtin-model", "train {cfg} distill.teacher={teacher} "
-         "distill.attention_weight=0.5", "attention_weight", "model.name = 'mlp'"),
+    case(
+        "hidden-weight-with-builtin-model",
+        "train {cfg} distill.teacher={teacher} distill.hidden_weight=1.0",
+        "distill.hidden_weight",
+        "model.name = 'mlp'",
+    ),
+    case(
+        "attention-weight-with-builtin-model",
+        "train {cfg} distill.teacher={teacher} distill.attention_weight=0.5",
+        "attention_weight",
+        "model.name = 'mlp'",
+    ),
     # the cache
-    case("init-layers-with-cache-no-teacher", "train {cfg} distill.cache={cache} "
-         "distill.init_layers=[0]", "distill.init_layers = [0]", "distill.teacher"),
-    case("cache-without-cache-json", "train {cfg} distill.cache={tmp}/outputs",
-         "distill.cache = '{tmp}/outputs'", "no cache.json", "scaletrain distill-cache",
-         files={"outputs/train/part-00000.parquet": "not parquet"}),
-    case("cache-missing", "train {cfg} distill.cache={tmp}/nowhere",
-         "distill.cache = '{tmp}/nowhere'", "no cache.json"),
-    case("cache-for-other-data", "train {cfg} --nproc 2 distill.cache={cache} data.source=mnist",
-         "distill.cache = '{cache}'", "other train data", "1438 rows", "60000 rows",
-         "the data changed"),
-    case("cache-for-other-seed", "train {cfg} --nproc 2 distill.cache={cache_synthetic} "
-         "train.seed=1", "distill.cache = '{cache_synthetic}'", "the data changed",
-         toml=SYNTHETIC_TOML),
-    case("cache-of-another-teacher", "train {cfg} --nproc 2 distill.cache={cache} "
-         "distill.teacher={teacher2}", "distill.cache = '{cache}'", "another teacher"),
+    case(
+        "init-layers-with-cache-no-teacher",
+        "train {cfg} distill.cache={cache} distill.init_layers=[0]",
+        "distill.init_layers = [0]",
+        "distill.teacher",
+    ),
+    case(
+        "cache-without-cache-json",
+        "train {cfg} distill.cache={tmp}/outputs",
+        "distill.cache = '{tmp}/outputs'",
+        "no cache.json",
+        "scaletrain distill-cache",
+        files={"outputs/train/part-00000.parquet": "not parquet"},
+    ),
+    case(
+        "cache-missing",
+        "train {cfg} distill.cache={tmp}/nowhere",
+        "distill.cache = '{tmp}/nowhere'",
+        "no cache.json",
+    ),
+    case(
+        "cache-for-other-data",
+        "train {cfg} --nproc 2 distill.cache={cache} data.source=mnist",
+        "distill.cache = '{cache}'",
+        "other train data",
+        "1438 rows",
+        "60000 rows",
+        "the data changed",
+    ),
+    case(
+        "cache-for-other-seed",
+        "train {cfg} --nproc 2 distill.cache={cache_synthetic} train.seed=1",
+        "distill.cache = '{cache_synthetic}'",
+        "the data changed",
+        toml=SYNTHETIC_TOML,
+    ),
+    case(
+        "cache-of-another-teacher",
+        "train {cfg} --nproc 2 distill.cache={cache} distill.teacher={teacher2}",
+        "distill.cache = '{cache}'",
+        "another teacher",
+    ),
     # distill.teacher_sha256 is the cache's teacher when only the cache is given
-    case("cache-of-another-teacher-sha256", "train {cfg} distill.cache={cache} "
-         f"distill.teacher_sha256={SHA_ZERO}", "distill.cache = '{cache}'", "another teacher",
-         "distill.teacher_sha256 gives 000000000000"),
+    case(
+        "cache-of-another-teacher-sha256",
+        f"train {{cfg}} distill.cache={{cache}} distill.teacher_sha256={SHA_ZERO}",
+        "distill.cache = '{cache}'",
+        "another teacher",
+        "distill.teacher_sha256 gives 000000000000",
+    ),
     # ... and the teacher's when both are: checked although the cache replaces the teacher
-    case("cache-with-a-teacher-of-another-sha256", "train {cfg} --nproc 2 distill.cache={cache} "
-         f"distill.teacher={{teacher}} distill.teacher_sha256={SHA_ZERO}",
-         "distill.teacher = '{teacher}'", "{teacher_sha16}", "0000000000000000", "refusing"),
-    case("cache-of-another-teacher-dtype", "train {cfg} --nproc 2 distill.cache={cache} "
-         "distill.teacher_precision=fp64", "distill.cache = '{cache}'", "float32", "float64"),
+    case(
+        "cache-with-a-teacher-of-another-sha256",
+        "train {cfg} --nproc 2 distill.cache={cache} "
+        f"distill.teacher={{teacher}} distill.teacher_sha256={SHA_ZERO}",
+        "distill.teacher = '{teacher}'",
+        "{teacher_sha16}",
+        "0000000000000000",
+        "refusing",
+    ),
+    case(
+        "cache-of-another-teacher-dtype",
+        "train {cfg} --nproc 2 distill.cache={cache} distill.teacher_precision=fp64",
+        "distill.cache = '{cache}'",
+        "float32",
+        "float64",
+    ),
     # scaletrain distill-cache
-    case("distill-cache-into-an-existing-cache", "distill-cache {cfg} {cache} "
-         "distill.teacher={teacher}", "'{cache}'", "already holds a cache"),
-    case("distill-cache-without-teacher", "distill-cache {cfg} {tmp}/out",
-         "distill-cache", "distill.teacher"),
+    case(
+        "distill-cache-into-an-existing-cache",
+        "distill-cache {cfg} {cache} distill.teacher={teacher}",
+        "'{cache}'",
+        "already holds a cache",
+    ),
+    case(
+        "distill-cache-without-teacher",
+        "distill-cache {cfg} {tmp}/out",
+        "distill-cache",
+        "distill.teacher",
+    ),
 ]
 
 
@@ -228,9 +368,15 @@ def _one_error_line(err: str) -> str:
 
 @pytest.mark.parametrize("argv, expect, toml, files", CASES)
 def test_distill_mistake_is_refused_before_anything_starts(
-        argv: str, expect: tuple[str, ...], toml: str, files: dict[str, str],
-        kd: dict[str, Path | str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    argv: str,
+    expect: tuple[str, ...],
+    toml: str,
+    files: dict[str, str],
+    kd: dict[str, Path | str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     forbid_starting(monkeypatch, tmp_path)
     cfg = tmp_path / "config.toml"
     cfg.write_text(toml)
@@ -258,29 +404,36 @@ def test_table_ids_are_unique() -> None:
     assert len({p.id for p in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("argv", [
-    "train {cfg} --nproc 2 distill.teacher={teacher} distill.temperature=4.0",
-    "train {cfg} --nproc 2 distill.teacher={teacher} distill.teacher_sha256={sha}",
-    "train {cfg} --nproc 2 distill.cache={cache} distill.alpha=1.0",
-    "train {cfg} --nproc 2 distill.cache={cache} distill.teacher={teacher}",
-])
-def test_good_distill_configs_reach_the_launcher(argv: str, kd: dict[str, Path | str], tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "train {cfg} --nproc 2 distill.teacher={teacher} distill.temperature=4.0",
+        "train {cfg} --nproc 2 distill.teacher={teacher} distill.teacher_sha256={sha}",
+        "train {cfg} --nproc 2 distill.cache={cache} distill.alpha=1.0",
+        "train {cfg} --nproc 2 distill.cache={cache} distill.teacher={teacher}",
+    ],
+)
+def test_good_distill_configs_reach_the_launcher(
+    argv: str,
+    kd: dict[str, Path | str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """The table cannot pass by refusing everything: these pass every check and launch."""
     from scaletrain.distill.teacher import weights_sha256
 
     launched = []
-    monkeypatch.setattr(scaletrain.cli, "launch",
-                        lambda spec, args, **kw: launched.append(spec) or 0)
+    monkeypatch.setattr(
+        scaletrain.cli, "launch", lambda spec, args, **kw: launched.append(spec) or 0
+    )
     monkeypatch.setattr(scaletrain.cli, "_run_worker", refuse_start)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "config.toml"
     cfg.write_text(GOOD_TOML)
     sha = weights_sha256([kd["teacher"] / "model.safetensors"])
-    args = [_fill(a, cfg=cfg, tmp=tmp_path, kd=kd).replace("{sha}", sha)
-            for a in shlex.split(argv)]
+    args = [_fill(a, cfg=cfg, tmp=tmp_path, kd=kd).replace("{sha}", sha) for a in shlex.split(argv)]
 
     code = cli_main([*args, "--run-dir", str(tmp_path / "run")])
 
@@ -297,8 +450,7 @@ def test_the_cache_holds_what_distill_cache_reported(kd: dict[str, Path | str]) 
 
     info = json.loads((kd["cache"] / "cache.json").read_text())
     assert info["teacher_sha256"] == weights_sha256([kd["teacher"] / "model.safetensors"])
-    assert {s: info["splits"][s]["rows"] for s in ("train", "eval")} == {"train": 1438,
-                                                                          "eval": 359}
+    assert {s: info["splits"][s]["rows"] for s in ("train", "eval")} == {"train": 1438, "eval": 359}
     assert info["splits"]["train"]["shapes"]["logits"]["shape"] == [10]
 
 
@@ -311,8 +463,13 @@ class _Terminal(io.StringIO):
 
 @pytest.mark.parametrize("terminal, quiet", [(True, False), (False, False), (True, True)])
 def test_distill_cache_shows_a_progress_bar_on_a_terminal(
-        terminal: bool, quiet: bool, kd: dict[str, Path | str], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    terminal: bool,
+    quiet: bool,
+    kd: dict[str, Path | str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """`scaletrain distill-cache` ran minutes silent: a rows bar on stderr on a terminal; in
     a log (stderr not a tty) or with log.quiet no bar, a line per split and one at the start."""
     err = _Terminal()
@@ -327,12 +484,17 @@ def test_distill_cache_shows_a_progress_bar_on_a_terminal(
     lines = out.out.splitlines()
     assert lines[0].startswith("scaletrain: distill-cache: teacher") and "1797 rows" in lines[0]
     assert [line.split(" rows")[0] for line in lines[1:3]] == [
-        "scaletrain: cached 1438 train", "scaletrain: cached 359 eval"], lines
+        "scaletrain: cached 1438 train",
+        "scaletrain: cached 359 eval",
+    ], lines
 
 
 def test_packaged_teacher_is_pinned_without_teacher_sha256(
-        kd: dict[str, Path | str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    kd: dict[str, Path | str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """With no distill.teacher_sha256 the packaged teacher's published SHA-256 is checked all
     the same: here the pin is changed, as a corrupted or swapped file would change the hash."""
     import scaletrain.distill.teacher as teacher
@@ -342,8 +504,17 @@ def test_packaged_teacher_is_pinned_without_teacher_sha256(
     cfg = tmp_path / "config.toml"
     cfg.write_text(GOOD_TOML)
 
-    code = cli_main(["train", str(cfg), "--nproc", "2", "distill.teacher=all-MiniLM-L6-v2",
-                     "--run-dir", str(tmp_path / "run")])
+    code = cli_main(
+        [
+            "train",
+            str(cfg),
+            "--nproc",
+            "2",
+            "distill.teacher=all-MiniLM-L6-v2",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
 
     err = capsys.readouterr().err
     assert code == 2, err

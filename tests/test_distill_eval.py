@@ -68,8 +68,12 @@ def _word_oracle(name: str) -> tuple[ev.Encode, float]:
 
 def _hashed_random(dim: int = 64) -> ev.Encode:
     """An encoder that knows nothing: a fixed random vector per text."""
+
     def encode(texts: list[str]) -> np.ndarray:
-        return np.stack([np.random.default_rng(zlib.crc32(t.encode())).normal(size=dim) for t in texts])
+        return np.stack(
+            [np.random.default_rng(zlib.crc32(t.encode())).normal(size=dim) for t in texts]
+        )
+
     return encode
 
 
@@ -77,8 +81,13 @@ def _hashed_random(dim: int = 64) -> ev.Encode:
 def tiny_bert() -> torch.nn.Module:
     tok = transformers.AutoTokenizer.from_pretrained(TEACHER_DIR, local_files_only=True)
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=37, vocab_size=tok.vocab_size)
+    cfg = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        vocab_size=tok.vocab_size,
+    )
     return transformers.BertModel(cfg)
 
 
@@ -108,10 +117,16 @@ def test_parsing_counts_pairs_documents_and_sentences():
 def test_sentence_split_keeps_abbreviations():
     text = "Dr. Smith met U.S. officials today in Sydney. 20 people came. Why? They said so."
     assert ev._split_sentences(text) == [
-        "Dr. Smith met U.S. officials today in Sydney.", "20 people came.", "Why?", "They said so."]
+        "Dr. Smith met U.S. officials today in Sydney.",
+        "20 people came.",
+        "Why?",
+        "They said so.",
+    ]
 
 
-@pytest.mark.parametrize("name,fn", [("wordsim353.tsv", ev.wordsim353), ("simlex999.txt", ev.simlex999)])
+@pytest.mark.parametrize(
+    "name,fn", [("wordsim353.tsv", ev.wordsim353), ("simlex999.txt", ev.simlex999)]
+)
 def test_word_benchmark_oracle_reaches_best_possible(name, fn):
     encode, best = _word_oracle(name)
     result = fn(encode)
@@ -142,8 +157,12 @@ def test_mean_cosine_self_is_one_and_opposite_is_minus_one(tiny_encode):
 
 
 def test_hf_encoder_is_order_and_batch_independent(tiny_bert, tiny_encode):
-    texts = ["a much longer sentence about bushfires near Sydney and the Hume Highway", "short",
-             "a middling sentence here", "x"]
+    texts = [
+        "a much longer sentence about bushfires near Sydney and the Hume Highway",
+        "short",
+        "a middling sentence here",
+        "x",
+    ]
     together = tiny_encode(texts)
     assert together.shape == (4, 32) and together.dtype == np.float64
     one_by_one = np.concatenate([tiny_encode([t]) for t in texts])  # no padding at all
@@ -196,15 +215,16 @@ def test_encode_speed_takes_the_best_repeat():
 
 def test_teacher_scores_reproduce():
     teacher = ev.hf_encoder(TEACHER_DIR, tokenizer_dir=TEACHER_DIR)
-    got = {"lee_pearson": ev.lee_pearson(teacher)["pearson"],
-           "wordsim353": ev.wordsim353(teacher)["spearman"],
-           "simlex999": ev.simlex999(teacher)["spearman"]}
+    got = {
+        "lee_pearson": ev.lee_pearson(teacher)["pearson"],
+        "wordsim353": ev.wordsim353(teacher)["spearman"],
+        "simlex999": ev.simlex999(teacher)["spearman"],
+    }
     assert got == pytest.approx(TEACHER_SCORES, abs=0.01)
     assert ev.polarity_probe(teacher)["accuracy"] > 0.65  # chance is 0.5
 
 
-def test_eval_refuses_pickle_weights_and_never_unpickles(tiny_bert, tmp_path, monkeypatch,
-                                                         capsys):
+def test_eval_refuses_pickle_weights_and_never_unpickles(tiny_bert, tmp_path, monkeypatch, capsys):
     """`scaletrain eval DIR` of a directory whose weights are pytorch_model.bin: refused with
     one line, torch.load never called (unpickling can run code); the README promises
     safetensors only. hf_encoder refuses it as well."""

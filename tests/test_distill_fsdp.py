@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import load_weights, losses, max_abs_diff, run_workers
 from test_distill_parity import BERT_STUDENT, TOL, save_bert_teacher
+
+from harness import load_weights, losses, max_abs_diff, run_workers
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
@@ -26,17 +27,25 @@ def test_fsdp_shards_the_teacher_and_matches_one_process(tmp_path: Path) -> None
     teacher = save_bert_teacher(tmp_path / "bert-teacher")
     config = tmp_path / "bert.toml"
     config.write_text(BERT_STUDENT)
-    common = [f"distill.teacher={teacher}", "train.global_batch=16", "train.micro_batch=4",
-              "log.quiet=false"]  # the teacher's line is a message
+    common = [
+        f"distill.teacher={teacher}",
+        "train.global_batch=16",
+        "train.micro_batch=4",
+        "log.quiet=false",
+    ]  # the teacher's line is a message
     one = run_workers(config, [*common, "parallel.dp=1"], world_size=1, run_dir=tmp_path / "one")
-    fsdp = run_workers(config, [*common, "parallel.dp=1", "parallel.dp_shard=2"], world_size=2,
-                       run_dir=tmp_path / "fsdp")
+    fsdp = run_workers(
+        config,
+        [*common, "parallel.dp=1", "parallel.dp_shard=2"],
+        world_size=2,
+        run_dir=tmp_path / "fsdp",
+    )
     diff = max_abs_diff(load_weights(tmp_path / "one"), load_weights(tmp_path / "fsdp"))
     print(f"dp_shard=2 vs 1 process: max |difference| {diff:.3g}")
     assert diff < TOL
     assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), abs=TOL, rel=TOL)
-    (whole_mib, whole_kind), = TEACHER_LINE.findall(one[0].stdout + one[0].stderr)
-    (shard_mib, shard_kind), = TEACHER_LINE.findall(fsdp[0].stdout + fsdp[0].stderr)
+    ((whole_mib, whole_kind),) = TEACHER_LINE.findall(one[0].stdout + one[0].stderr)
+    ((shard_mib, shard_kind),) = TEACHER_LINE.findall(fsdp[0].stdout + fsdp[0].stderr)
     assert (whole_kind, shard_kind) == ("replicated", "sharded")
     # Half of every sharded parameter, rounded up per tensor (dim 0 split in 2).
     assert float(shard_mib) == pytest.approx(float(whole_mib) / 2, rel=0.05)

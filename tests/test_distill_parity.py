@@ -80,16 +80,25 @@ DISTILL_KEYS = """[distill]
 alpha = 0.7
 temperature = 3.0
 """
-MLP_STUDENT = """
+MLP_STUDENT = (
+    """
 [model]
 name = "mlp"
 size = "tiny"
 [data]
 source = "digits"
-""" + DISTILL_KEYS + COMMON
+"""
+    + DISTILL_KEYS
+    + COMMON
+)
 
-BERT_WIDTHS = dict(hidden_size=32, num_attention_heads=2, intermediate_size=37,
-                   vocab_size=30522, max_position_embeddings=64)
+BERT_WIDTHS = dict(
+    hidden_size=32,
+    num_attention_heads=2,
+    intermediate_size=37,
+    vocab_size=30522,
+    max_position_embeddings=64,
+)
 
 BERT_STUDENT = """
 [model]
@@ -164,15 +173,24 @@ def bert_teacher(work: Path) -> Path:
     return save_bert_teacher(work / "bert-teacher")
 
 
-def _student(work: Path, body: str, name: str, *, dp: int, global_batch: int,
-             overrides: list[str] = ()) -> Path:
+def _student(
+    work: Path, body: str, name: str, *, dp: int, global_batch: int, overrides: list[str] = ()
+) -> Path:
     """A student run with `dp` ranks, 2 micro-batches per rank (global = 2 x micro x dp)."""
     config = work / f"{name}.toml"
     config.write_text(body)
     run_dir = work / f"{name}-dp{dp}"
-    run_workers(config, [f"parallel.dp={dp}", f"train.global_batch={global_batch}",
-                         f"train.micro_batch={global_batch // (2 * dp)}", *overrides],
-                world_size=dp, run_dir=run_dir)
+    run_workers(
+        config,
+        [
+            f"parallel.dp={dp}",
+            f"train.global_batch={global_batch}",
+            f"train.micro_batch={global_batch // (2 * dp)}",
+            *overrides,
+        ],
+        world_size=dp,
+        run_dir=run_dir,
+    )
     return run_dir
 
 
@@ -185,8 +203,10 @@ def mlp_teacher_files(mlp_teacher: Path) -> dict:
 @pytest.fixture(scope="module")
 def mlp_runs(work: Path, mlp_teacher: Path, mlp_teacher_files: dict) -> dict[int, Path]:
     teacher = [f"distill.teacher={mlp_teacher}"]
-    return {dp: _student(work, MLP_STUDENT, "mlp", dp=dp, global_batch=32, overrides=teacher)
-            for dp in (1, 2)}
+    return {
+        dp: _student(work, MLP_STUDENT, "mlp", dp=dp, global_batch=32, overrides=teacher)
+        for dp in (1, 2)
+    }
 
 
 def assert_same_run(a: Path, b: Path, *, steps: int = 4) -> None:
@@ -209,9 +229,11 @@ def assert_same_terms(a: Path, b: Path, weights: dict[str, float]) -> None:
         for r, g in zip(ref, got):
             assert sorted(k for k in g if k in weights) == sorted(weights), (kind, g)
             assert {k: g[k] for k in weights} == pytest.approx(
-                {k: r[k] for k in weights}, abs=TOL, rel=TOL), (kind, r["step"])
-            assert g["loss"] == pytest.approx(sum(w * g[k] for k, w in weights.items()),
-                                              rel=1e-12), (kind, g)
+                {k: r[k] for k in weights}, abs=TOL, rel=TOL
+            ), (kind, r["step"])
+            assert g["loss"] == pytest.approx(
+                sum(w * g[k] for k, w in weights.items()), rel=1e-12
+            ), (kind, g)
 
 
 def test_mlp_distillation_dp2_matches_one_process(mlp_runs: dict[int, Path]) -> None:
@@ -231,51 +253,75 @@ def bert_teacher_files(bert_teacher: Path) -> dict:
 @pytest.fixture(scope="module")
 def bert_runs(work: Path, bert_teacher: Path, bert_teacher_files: dict) -> dict[int, Path]:
     teacher = [f"distill.teacher={bert_teacher}"]
-    return {dp: _student(work, BERT_STUDENT, "bert", dp=dp, global_batch=16, overrides=teacher)
-            for dp in (1, 2)}
+    return {
+        dp: _student(work, BERT_STUDENT, "bert", dp=dp, global_batch=16, overrides=teacher)
+        for dp in (1, 2)
+    }
 
 
-def test_bert_distillation_dp2_matches_one_process(bert_runs: dict[int, Path],
-                                                   bert_teacher: Path) -> None:
+def test_bert_distillation_dp2_matches_one_process(
+    bert_runs: dict[int, Path], bert_teacher: Path
+) -> None:
     assert_same_run(bert_runs[1], bert_runs[2])
-    assert_same_terms(bert_runs[1], bert_runs[2], {"distill/hidden": 1.0,
-                                                   "distill/attention": 1.0,
-                                                   "distill/cosine": 1.0})
+    assert_same_terms(
+        bert_runs[1],
+        bert_runs[2],
+        {"distill/hidden": 1.0, "distill/attention": 1.0, "distill/cosine": 1.0},
+    )
     # The check can fail: the 4 steps moved the student far beyond the tolerance from where
     # it started, teacher blocks 1 and 3.
     teacher = load_file(str(bert_teacher / "model.safetensors"))
     got = load_weights(bert_runs[1])
-    moved = max(float((got[f"encoder.layer.{i}.{w}"].double()
-                       - teacher[f"encoder.layer.{t}.{w}"].double()).abs().max())
-                for i, t in enumerate((1, 3)) for w in ("attention.self.query.weight",
-                                                        "output.dense.weight"))
+    moved = max(
+        float(
+            (got[f"encoder.layer.{i}.{w}"].double() - teacher[f"encoder.layer.{t}.{w}"].double())
+            .abs()
+            .max()
+        )
+        for i, t in enumerate((1, 3))
+        for w in ("attention.self.query.weight", "output.dense.weight")
+    )
     assert moved > 1e6 * TOL
 
 
-def test_a_per_batch_mean_kl_breaks_the_parity(work: Path, mlp_teacher: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_per_batch_mean_kl_breaks_the_parity(
+    work: Path, mlp_teacher: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The negative control of the MLP parity: the workers' KL divided by its micro-batch."""
     inject = work / "mean-kl"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(MEAN_KL)
     monkeypatch.setenv("PYTHONPATH", str(inject))
     teacher = [f"distill.teacher={mlp_teacher}"]
-    runs = {dp: _student(work, MLP_STUDENT, "mean-kl", dp=dp, global_batch=32, overrides=teacher)
-            for dp in (1, 2)}
+    runs = {
+        dp: _student(work, MLP_STUDENT, "mean-kl", dp=dp, global_batch=32, overrides=teacher)
+        for dp in (1, 2)
+    }
     diff = max_abs_diff(load_weights(runs[1]), load_weights(runs[2]))
     print(f"mean KL: dp=2 vs dp=1 max |difference| {diff:.3g}")
     assert diff > 1e-6, f"a per-batch mean KL still matched one process ({diff:.3g})"
 
 
 def test_distilling_changes_the_student_and_not_the_teacher(
-        work: Path, mlp_teacher: Path, mlp_teacher_files: dict, mlp_runs: dict[int, Path],
-        bert_teacher: Path,
-        bert_teacher_files: dict, bert_runs: dict[int, Path]) -> None:
+    work: Path,
+    mlp_teacher: Path,
+    mlp_teacher_files: dict,
+    mlp_runs: dict[int, Path],
+    bert_teacher: Path,
+    bert_teacher_files: dict,
+    bert_runs: dict[int, Path],
+) -> None:
     from scaletrain.data.loader import load_dataset
     from scaletrain.models import build_model
 
-    alone = _student(work, MLP_STUDENT, "alone", dp=1, global_batch=32,
-                     overrides=[f"distill.teacher={mlp_teacher}", "distill.alpha=0.0"])
+    alone = _student(
+        work,
+        MLP_STUDENT,
+        "alone",
+        dp=1,
+        global_batch=32,
+        overrides=[f"distill.teacher={mlp_teacher}", "distill.alpha=0.0"],
+    )
     assert file_tree(mlp_teacher) == mlp_teacher_files  # frozen: not a byte changed
     distilled = load_weights(mlp_runs[1])
     assert max_abs_diff(distilled, load_weights(alone)) > 1e-4
@@ -307,8 +353,9 @@ def test_the_students_hf_model_is_a_whole_encoder(bert_runs: dict[int, Path]) ->
 
     hf_dir, texts = bert_runs[1] / "hf-model", ["hello world", "students learn", "x"]
     tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
-    data_tok = transformers.AutoTokenizer.from_pretrained(str(packaged_minilm_dir()),
-                                                          local_files_only=True)
+    data_tok = transformers.AutoTokenizer.from_pretrained(
+        str(packaged_minilm_dir()), local_files_only=True
+    )
     assert len(tok) == len(data_tok) == 30522
     model = transformers.AutoModel.from_pretrained(str(hf_dir), local_files_only=True).eval()
     enc = tok(texts, padding=True, return_tensors="pt")
@@ -318,8 +365,13 @@ def test_the_students_hf_model_is_a_whole_encoder(bert_runs: dict[int, Path]) ->
     plain = (hidden * m).sum(1) / m.sum(1)  # mean pooling, by hand
     # scaletrain in process: the data's own tokens (seq_len 16), the student from its weights
     ids, mask, _ = tokenize(texts, tokenizer_dir=packaged_minilm_dir(), seq_len=16)
-    student = transformers.BertModel(transformers.BertConfig(num_hidden_layers=2, **BERT_WIDTHS),
-                                     add_pooling_layer=False).double().eval()
+    student = (
+        transformers.BertModel(
+            transformers.BertConfig(num_hidden_layers=2, **BERT_WIDTHS), add_pooling_layer=False
+        )
+        .double()
+        .eval()
+    )
     student.load_state_dict(load_weights(bert_runs[1]))
     with torch.no_grad():
         ours = mean_pool(student(ids, attention_mask=mask).last_hidden_state, mask)

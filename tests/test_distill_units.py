@@ -25,12 +25,22 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from scaletrain.data.sources import IGNORE_INDEX, ArrayDataset, Batch, TaskSpec  # noqa: E402
 from scaletrain.distill import cache as kd_cache  # noqa: E402
-from scaletrain.distill.losses import (attention_mse, cosine_loss, hidden_mse,  # noqa: E402
-                                       mean_pool, soft_target_kl, uniform_layer_map)
-from scaletrain.distill.objective import (Needs, Weights, distillation_loss,  # noqa: E402
-                                          take_terms)
-from scaletrain.distill.student import (Distilled, StudentOutput,  # noqa: E402
-                                        init_from_teacher, resolve_layer_map, student_weights)
+from scaletrain.distill.losses import (  # noqa: E402
+    attention_mse,
+    cosine_loss,
+    hidden_mse,
+    mean_pool,
+    soft_target_kl,
+    uniform_layer_map,
+)
+from scaletrain.distill.objective import Needs, Weights, distillation_loss, take_terms  # noqa: E402
+from scaletrain.distill.student import (  # noqa: E402
+    Distilled,
+    StudentOutput,
+    init_from_teacher,
+    resolve_layer_map,
+    student_weights,
+)
 from scaletrain.distill.teacher import TeacherError, load_teacher, weights_sha256  # noqa: E402
 from scaletrain.loss import cross_entropy  # noqa: E402
 from scaletrain.user_code import UserCodeError  # noqa: E402
@@ -54,8 +64,9 @@ def _log_softmax(row: list[float], temperature: float = 1.0) -> list[float]:
     return [v - lse for v in z]
 
 
-def _kl(student: list[float], teacher: list[float], temperature: float,
-        index: list[int] | None = None) -> float:
+def _kl(
+    student: list[float], teacher: list[float], temperature: float, index: list[int] | None = None
+) -> float:
     """KL(teacher_T || student_T) of one row, without the T^2 factor; with `index`, the
     teacher row holds its top-k values and the student is read at those classes."""
     log_s = _log_softmax(student, temperature)
@@ -70,8 +81,9 @@ def _hidden_mse(s, t, mask) -> float:
     total = 0.0
     for b in range(len(s)):
         tokens = [i for i in range(len(s[b])) if mask is None or mask[b][i]]
-        per_token = [sum((x - y) ** 2 for x, y in zip(s[b][i], t[b][i])) / len(s[b][i])
-                     for i in tokens]
+        per_token = [
+            sum((x - y) ** 2 for x, y in zip(s[b][i], t[b][i])) / len(s[b][i]) for i in tokens
+        ]
         total += sum(per_token) / max(len(tokens), 1)
     return total
 
@@ -81,11 +93,17 @@ def _attention_mse(s, t, mask) -> float:
     total = 0.0
     for b in range(len(s)):
         n = len(s[b][0])
-        pairs = [(q, k) for q in range(n) for k in range(n)
-                 if mask is None or (mask[b][q] and mask[b][k])]
+        pairs = [
+            (q, k)
+            for q in range(n)
+            for k in range(n)
+            if mask is None or (mask[b][q] and mask[b][k])
+        ]
         heads = len(s[b])
-        total += sum(sum((s[b][h][q][k] - t[b][h][q][k]) ** 2 for h in range(heads)) / heads
-                     for q, k in pairs) / max(len(pairs), 1)
+        total += sum(
+            sum((s[b][h][q][k] - t[b][h][q][k]) ** 2 for h in range(heads)) / heads
+            for q, k in pairs
+        ) / max(len(pairs), 1)
     return total
 
 
@@ -110,8 +128,11 @@ def test_kl_of_two_examples_is_the_hand_value() -> None:
     # Example 1: uniform teacher, student probabilities (1/4, 1/4, 1/2).
     student = _t([[0.0, 0.0, 0.0], [0.0, 0.0, math.log(2)]])
     teacher = _t([[0.0, math.log(2), 0.0], [5.0, 5.0, 5.0]])
-    by_hand = (0.25 * math.log(0.25 / (1 / 3)) * 2 + 0.5 * math.log(0.5 / (1 / 3))
-               + (1 / 3) * (2 * math.log((1 / 3) / 0.25) + math.log((1 / 3) / 0.5)))
+    by_hand = (
+        0.25 * math.log(0.25 / (1 / 3)) * 2
+        + 0.5 * math.log(0.5 / (1 / 3))
+        + (1 / 3) * (2 * math.log((1 / 3) / 0.25) + math.log((1 / 3) / 0.5))
+    )
 
     got = soft_target_kl(student, teacher, temperature=1.0)
 
@@ -125,11 +146,13 @@ def test_kl_temperature_softens_and_scales_by_t_squared() -> None:
     for t in (1.0, 2.0):
         by_hand = t * t * sum(_kl(s, q, t) for s, q in zip(student.tolist(), teacher.tolist()))
         assert float(soft_target_kl(student, teacher, temperature=t)) == pytest.approx(
-            by_hand, rel=1e-12), f"T = {t}"
+            by_hand, rel=1e-12
+        ), f"T = {t}"
     # Logits doubled at T = 2 soften to the T = 1 distributions: only T^2 = 4 remains.
     plain = float(soft_target_kl(student, teacher, temperature=1.0))
     assert float(soft_target_kl(2 * student, 2 * teacher, temperature=2.0)) == pytest.approx(
-        4 * plain, rel=1e-12)
+        4 * plain, rel=1e-12
+    )
 
 
 def test_kl_top_k_renormalises_the_teacher_and_reads_the_student_there() -> None:
@@ -143,16 +166,19 @@ def test_kl_top_k_renormalises_the_teacher_and_reads_the_student_there() -> None
 
     assert float(got) == pytest.approx(by_hand, rel=1e-12)
     at_t2 = soft_target_kl(student, values, temperature=2.0, teacher_index=index)
-    assert float(at_t2) == pytest.approx(4 * _kl(student[0].tolist(), [2.0, 1.0], 2.0, [2, 0]),
-                                         rel=1e-12)
+    assert float(at_t2) == pytest.approx(
+        4 * _kl(student[0].tolist(), [2.0, 1.0], 2.0, [2, 0]), rel=1e-12
+    )
 
 
 def test_kl_of_a_language_model_sums_the_unmasked_tokens() -> None:
     student = _t([[[1.0, 0.0, 0.0], [0.0, 2.0, 1.0]], [[0.5, 0.5, 0.0], [3.0, 1.0, 0.0]]])
     teacher = _t([[[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]], [[2.0, 0.0, 1.0], [0.0, 0.0, 4.0]]])
     mask = torch.tensor([[True, False], [True, True]])  # token (0, 1) is padding
-    by_hand = 4 * sum(_kl(student[b, i].tolist(), teacher[b, i].tolist(), 2.0)
-                      for b, i in [(0, 0), (1, 0), (1, 1)])
+    by_hand = 4 * sum(
+        _kl(student[b, i].tolist(), teacher[b, i].tolist(), 2.0)
+        for b, i in [(0, 0), (1, 0), (1, 1)]
+    )
 
     got = soft_target_kl(student, teacher, temperature=2.0, mask=mask)
 
@@ -160,7 +186,8 @@ def test_kl_of_a_language_model_sums_the_unmasked_tokens() -> None:
     garbage = teacher.clone()
     garbage[0, 1] = _t([50.0, -50.0, 0.0])  # what a masked token's teacher says does not count
     assert float(soft_target_kl(student, garbage, temperature=2.0, mask=mask)) == pytest.approx(
-        by_hand, rel=1e-12)
+        by_hand, rel=1e-12
+    )
 
 
 def test_kl_of_bf16_logits_is_computed_in_fp32() -> None:
@@ -178,8 +205,9 @@ def test_kl_of_bf16_logits_is_computed_in_fp32() -> None:
 
 
 def test_hidden_mse_averages_each_example_over_its_real_tokens_then_sums() -> None:
-    student = _t([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]],
-                  [[2.0, 0.0], [100.0, 100.0], [100.0, 100.0]]])
+    student = _t(
+        [[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]], [[2.0, 0.0], [100.0, 100.0], [100.0, 100.0]]]
+    )
     teacher = torch.zeros_like(student)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     # Example 0: tokens (1 + 4) / 2 = 2.5 and (9 + 16) / 2 = 12.5, mean 7.5; example 1: 2.
@@ -194,8 +222,12 @@ def test_attention_mse_counts_pairs_of_real_tokens_only() -> None:
     # Example 0: both tokens real; heads differ from the zero teacher by 1 on 2 pairs each:
     # mean over heads 0.5 on every pair, mean over 4 pairs 0.5.
     # Example 1: token 1 is padding, only pair (0, 0) counts: (0.5^2 + 0.25^2) / 2 = 0.15625.
-    student = _t([[[[1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [1.0, 0.0]]],
-                  [[[0.5, 9.0], [9.0, 9.0]], [[0.25, 9.0], [9.0, 9.0]]]])  # (B, H, T, T)
+    student = _t(
+        [
+            [[[1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [1.0, 0.0]]],
+            [[[0.5, 9.0], [9.0, 9.0]], [[0.25, 9.0], [9.0, 9.0]]],
+        ]
+    )  # (B, H, T, T)
     teacher = torch.zeros_like(student)
     mask = torch.tensor([[1, 1], [1, 0]])
 
@@ -209,15 +241,18 @@ def test_cosine_loss_is_one_minus_cos_summed() -> None:
     teacher = _t([[3.0, 3.0], [-2.0, 1.0]])  # 45 degrees, then orthogonal
     assert float(cosine_loss(student, teacher)) == pytest.approx(2 - 1 / math.sqrt(2), rel=1e-12)
     assert float(cosine_loss(7 * student, 0.1 * teacher)) == pytest.approx(
-        2 - 1 / math.sqrt(2), rel=1e-12), "the scale of either side does not matter"
+        2 - 1 / math.sqrt(2), rel=1e-12
+    ), "the scale of either side does not matter"
     per_token = student.reshape(1, 2, 2)  # (B, T, D): summed over tokens too
     assert float(cosine_loss(per_token, teacher.reshape(1, 2, 2))) == pytest.approx(
-        2 - 1 / math.sqrt(2), rel=1e-12)
+        2 - 1 / math.sqrt(2), rel=1e-12
+    )
 
 
 def test_mean_pool_averages_the_real_tokens() -> None:
-    hidden = _t([[[1.0, 2.0], [3.0, 6.0], [100.0, 100.0]],
-                 [[4.0, -4.0], [100.0, 100.0], [100.0, 100.0]]])
+    hidden = _t(
+        [[[1.0, 2.0], [3.0, 6.0], [100.0, 100.0]], [[4.0, -4.0], [100.0, 100.0], [100.0, 100.0]]]
+    )
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
 
     assert mean_pool(hidden, mask).tolist() == [[2.0, 4.0], [4.0, -4.0]]
@@ -239,14 +274,20 @@ def _random_inputs(seed: int):
 
 ADDITIVE = {
     "kl": lambda r, m, i: lambda sl: soft_target_kl(r(4, 5)[sl], r(4, 5)[sl], temperature=3.0),
-    "kl-top-k": lambda r, m, i: lambda sl: soft_target_kl(
-        r(4, 5)[sl], r(4, 3)[sl], temperature=2.0, teacher_index=i[sl]),
-    "kl-lm-mask": lambda r, m, i: lambda sl: soft_target_kl(
-        r(4, 4, 5)[sl], r(4, 4, 5)[sl], temperature=2.0, mask=m[sl].bool()),
-    "hidden-mse-mask": lambda r, m, i: lambda sl: hidden_mse(r(4, 4, 3)[sl], r(4, 4, 3)[sl],
-                                                             mask=m[sl]),
-    "attention-mse-mask": lambda r, m, i: lambda sl: attention_mse(
-        r(4, 2, 4, 4)[sl], r(4, 2, 4, 4)[sl], mask=m[sl]),
+    "kl-top-k": lambda r, m, i: (
+        lambda sl: soft_target_kl(r(4, 5)[sl], r(4, 3)[sl], temperature=2.0, teacher_index=i[sl])
+    ),
+    "kl-lm-mask": lambda r, m, i: (
+        lambda sl: soft_target_kl(
+            r(4, 4, 5)[sl], r(4, 4, 5)[sl], temperature=2.0, mask=m[sl].bool()
+        )
+    ),
+    "hidden-mse-mask": lambda r, m, i: (
+        lambda sl: hidden_mse(r(4, 4, 3)[sl], r(4, 4, 3)[sl], mask=m[sl])
+    ),
+    "attention-mse-mask": lambda r, m, i: (
+        lambda sl: attention_mse(r(4, 2, 4, 4)[sl], r(4, 2, 4, 4)[sl], mask=m[sl])
+    ),
     "cosine": lambda r, m, i: lambda sl: cosine_loss(r(4, 3)[sl], r(4, 3)[sl]),
 }
 
@@ -254,6 +295,7 @@ ADDITIVE = {
 @pytest.mark.parametrize("name", list(ADDITIVE))
 def test_every_loss_is_a_sum_over_examples(name: str) -> None:
     """loss(first half) + loss(second half) == loss(whole), in fp64: the train step's contract."""
+
     def on(rows: slice) -> float:
         r, mask, index = _random_inputs(0)  # the same tensors each call
         return float(ADDITIVE[name](r, mask, index)(rows))
@@ -267,9 +309,16 @@ def test_every_loss_is_a_sum_over_examples(name: str) -> None:
 # --------------------------------------------------------------------------- layer maps
 
 
-@pytest.mark.parametrize("teacher, student, expected", [(6, 2, [0, 3, 6]), (4, 2, [0, 2, 4]),
-                                                        (12, 4, [0, 3, 6, 9, 12]),
-                                                        (4, 1, [0, 4]), (3, 3, [0, 1, 2, 3])])
+@pytest.mark.parametrize(
+    "teacher, student, expected",
+    [
+        (6, 2, [0, 3, 6]),
+        (4, 2, [0, 2, 4]),
+        (12, 4, [0, 3, 6, 9, 12]),
+        (4, 1, [0, 4]),
+        (3, 3, [0, 1, 2, 3]),
+    ],
+)
 def test_uniform_layer_map_divisible(teacher: int, student: int, expected: list[int]) -> None:
     assert uniform_layer_map(student, teacher) == expected
 
@@ -286,8 +335,7 @@ def test_uniform_layer_map_not_divisible_stays_uniform(teacher: int, student: in
 
 
 @pytest.mark.parametrize("teacher, student", [(2, 4), (1, 3), (3, 5)])
-def test_uniform_layer_map_never_maps_a_layer_to_the_embeddings(teacher: int,
-                                                                student: int) -> None:
+def test_uniform_layer_map_never_maps_a_layer_to_the_embeddings(teacher: int, student: int) -> None:
     """More student layers than teacher layers: a layer still learns a teacher layer (1..N),
     never the embeddings' state 0, which has no attention map."""
     mapping = uniform_layer_map(student, teacher)
@@ -302,12 +350,15 @@ def test_resolve_layer_map_defaults_to_uniform_and_keeps_a_valid_map() -> None:
     assert resolve_layer_map([0, 1, 5], student_layers=2, teacher_layers=6) == [0, 1, 5]
 
 
-@pytest.mark.parametrize("layer_map, expect", [
-    ([0, 6], ("distill.layer_map = [0, 6]", "2 entries", "2 layers", "needs 3")),
-    ([0, 2, 4, 6], ("4 entries", "needs 3")),
-    ([0, 3, 7], ("entries [7]", "0..6")),
-    ([-1, 3, 6], ("entries [-1]", "0..6")),
-])
+@pytest.mark.parametrize(
+    "layer_map, expect",
+    [
+        ([0, 6], ("distill.layer_map = [0, 6]", "2 entries", "2 layers", "needs 3")),
+        ([0, 2, 4, 6], ("4 entries", "needs 3")),
+        ([0, 3, 7], ("entries [7]", "0..6")),
+        ([-1, 3, 6], ("entries [-1]", "0..6")),
+    ],
+)
 def test_resolve_layer_map_refusals(layer_map: list[int], expect: tuple[str, ...]) -> None:
     with pytest.raises(UserCodeError) as e:
         resolve_layer_map(layer_map, student_layers=2, teacher_layers=6)
@@ -321,8 +372,10 @@ def test_resolve_layer_map_refuses_a_layer_on_the_embeddings_under_the_attention
         resolve_layer_map([0, 0, 6], student_layers=2, teacher_layers=6, attention=True)
     for want in ("distill.layer_map = [0, 0, 6]", "embeddings (0)", "no attention map", "1..6"):
         assert want in str(e.value), f"{want!r} not in: {e.value}"
-    assert resolve_layer_map([], student_layers=4, teacher_layers=2, attention=True)[1:] == \
-        uniform_layer_map(4, 2)[1:]
+    assert (
+        resolve_layer_map([], student_layers=4, teacher_layers=2, attention=True)[1:]
+        == uniform_layer_map(4, 2)[1:]
+    )
 
 
 # ------------------------------------------------------------------- init_from_teacher
@@ -330,9 +383,14 @@ def test_resolve_layer_map_refuses_a_layer_on_the_embeddings_under_the_attention
 
 def _bert(layers: int, *, hidden: int = 32, intermediate: int = 37, seed: int = 0):
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(hidden_size=hidden, num_hidden_layers=layers,
-                                  num_attention_heads=2, intermediate_size=intermediate,
-                                  vocab_size=50, max_position_embeddings=16)
+    cfg = transformers.BertConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=intermediate,
+        vocab_size=50,
+        max_position_embeddings=16,
+    )
     return transformers.BertModel(cfg).eval()
 
 
@@ -345,7 +403,7 @@ def test_init_from_teacher_copies_the_named_blocks_and_the_embeddings() -> None:
     s_state = student.state_dict()
     for name, value in s_state.items():
         if name.startswith("encoder.layer."):
-            block, rest = name[len("encoder.layer."):].split(".", 1)
+            block, rest = name[len("encoder.layer.") :].split(".", 1)
             source = f"encoder.layer.{[1, 3][int(block)]}.{rest}"
         else:
             source = name
@@ -353,16 +411,20 @@ def test_init_from_teacher_copies_the_named_blocks_and_the_embeddings() -> None:
     assert "embeddings.word_embeddings.weight" in copied
     assert "encoder.layer.1.output.dense.weight" in copied
     # copies, not shared storage: the teacher stays frozen while the student trains
-    assert s_state["encoder.layer.0.output.dense.weight"].data_ptr() != \
-        t_state["encoder.layer.1.output.dense.weight"].data_ptr()
+    assert (
+        s_state["encoder.layer.0.output.dense.weight"].data_ptr()
+        != t_state["encoder.layer.1.output.dense.weight"].data_ptr()
+    )
 
 
-@pytest.mark.parametrize("widths, name", [
-    (dict(intermediate=40), "encoder.layer.0.intermediate.dense.weight"),
-    (dict(hidden=16), "embeddings.word_embeddings.weight"),
-])
-def test_init_from_teacher_refuses_other_widths_and_copies_nothing(widths: dict,
-                                                                   name: str) -> None:
+@pytest.mark.parametrize(
+    "widths, name",
+    [
+        (dict(intermediate=40), "encoder.layer.0.intermediate.dense.weight"),
+        (dict(hidden=16), "embeddings.word_embeddings.weight"),
+    ],
+)
+def test_init_from_teacher_refuses_other_widths_and_copies_nothing(widths: dict, name: str) -> None:
     teacher, student = _bert(4, seed=0), _bert(2, seed=1, **widths)
     before = {k: v.clone() for k, v in student.state_dict().items()}
 
@@ -386,15 +448,21 @@ def test_init_from_teacher_refuses_the_wrong_count_or_a_missing_block(layers: li
 
 
 def _w(**kw) -> Weights:
-    base = dict(alpha=0.0, temperature=1.0, hidden=0.0, attention=0.0, cosine=0.0,
-                cosine_on="pooled")
+    base = dict(
+        alpha=0.0, temperature=1.0, hidden=0.0, attention=0.0, cosine=0.0, cosine_on="pooled"
+    )
     return Weights(**{**base, **kw})
 
 
 def _loss(kind: str, w: Weights, layer_map=(), hard=cross_entropy):
-    return distillation_loss(hard if kind != "encode" else None, teacher=None, weights=w,
-                             needs=Needs(False, False, (), ()), layer_map=list(layer_map),
-                             task_kind=kind)
+    return distillation_loss(
+        hard if kind != "encode" else None,
+        teacher=None,
+        weights=w,
+        needs=Needs(False, False, (), ()),
+        layer_map=list(layer_map),
+        task_kind=kind,
+    )
 
 
 def _ce(logits: list[float], label: int) -> float:
@@ -405,8 +473,9 @@ def test_classification_loss_is_one_minus_alpha_ce_plus_alpha_t2_kl() -> None:
     s = _t([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]])
     t = _t([[3.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     labels = torch.tensor([0, 2])
-    batch = Batch(inputs=torch.zeros(2, 4), targets=labels, count=2, tokens=0,
-                  teacher={"logits": t})
+    batch = Batch(
+        inputs=torch.zeros(2, 4), targets=labels, count=2, tokens=0, teacher={"logits": t}
+    )
     out = StudentOutput(logits=s, last_hidden=None)
     ce = _ce(s[0].tolist(), 0) + _ce(s[1].tolist(), 2)
     kl = _kl(s[0].tolist(), t[0].tolist(), 2.0) + _kl(s[1].tolist(), t[1].tolist(), 2.0)
@@ -422,18 +491,29 @@ def test_alpha_one_never_reads_the_labels() -> None:
         raise AssertionError("alpha = 1 computed the hard loss")
 
     s, t = _t([[1.0, 0.0, -1.0]]), _t([[0.0, 2.0, 0.0]])
-    batch = Batch(inputs=torch.zeros(1, 4), targets=torch.tensor([1]), count=1, tokens=0,
-                  teacher={"logits": t})
+    batch = Batch(
+        inputs=torch.zeros(1, 4),
+        targets=torch.tensor([1]),
+        count=1,
+        tokens=0,
+        teacher={"logits": t},
+    )
     total, _ = _loss("classification", _w(alpha=1.0, temperature=3.0), hard=no_hard)(
-        StudentOutput(logits=s, last_hidden=None), batch)
+        StudentOutput(logits=s, last_hidden=None), batch
+    )
     assert float(total) == pytest.approx(9 * _kl(s[0].tolist(), t[0].tolist(), 3.0), rel=1e-12)
 
 
 def test_cached_top_k_logits_and_cosine_on_logits() -> None:
     s = _t([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]])
     values, index = _t([[3.0, 1.0], [1.0, 0.0]]), torch.tensor([[0, 1], [2, 0]])
-    batch = Batch(inputs=torch.zeros(2, 4), targets=torch.tensor([0, 2]), count=2, tokens=0,
-                  teacher={"logits": values, "logits_index": index})
+    batch = Batch(
+        inputs=torch.zeros(2, 4),
+        targets=torch.tensor([0, 2]),
+        count=2,
+        tokens=0,
+        teacher={"logits": values, "logits_index": index},
+    )
     out = StudentOutput(logits=s, last_hidden=None)
     kl = sum(_kl(s[b].tolist(), values[b].tolist(), 2.0, index[b].tolist()) for b in range(2))
 
@@ -441,8 +521,13 @@ def test_cached_top_k_logits_and_cosine_on_logits() -> None:
     assert float(total) == pytest.approx(4 * kl, rel=1e-12)
 
     full = _t([[3.0, 3.0, 0.0], [-2.0, 1.0, 0.0]])
-    batch = Batch(inputs=torch.zeros(2, 4), targets=torch.tensor([0, 2]), count=2, tokens=0,
-                  teacher={"logits": full})
+    batch = Batch(
+        inputs=torch.zeros(2, 4),
+        targets=torch.tensor([0, 2]),
+        count=2,
+        tokens=0,
+        teacher={"logits": full},
+    )
     total, _ = _loss("classification", _w(alpha=0.0, cosine=0.5, cosine_on="logits"))(out, batch)
     cos = sum(1 - _cosine(s[b].tolist(), full[b].tolist()) for b in range(2))
     ce = _ce(s[0].tolist(), 0) + _ce(s[1].tolist(), 2)
@@ -453,14 +538,20 @@ def test_language_model_loss_skips_ignored_tokens_in_both_terms() -> None:
     s = _t([[[1.0, 0.0, 0.0], [0.0, 2.0, 1.0]], [[0.5, 0.5, 0.0], [3.0, 1.0, 0.0]]])
     t = _t([[[0.0, 1.0, 0.0], [9.0, -9.0, 1.0]], [[2.0, 0.0, 1.0], [0.0, 0.0, 4.0]]])
     targets = torch.tensor([[2, IGNORE_INDEX], [0, 1]])
-    batch = Batch(inputs=torch.zeros(2, 2, dtype=torch.long), targets=targets, count=3,
-                  tokens=4, teacher={"logits": t})
+    batch = Batch(
+        inputs=torch.zeros(2, 2, dtype=torch.long),
+        targets=targets,
+        count=3,
+        tokens=4,
+        teacher={"logits": t},
+    )
     real = [(0, 0, 2), (1, 0, 0), (1, 1, 1)]
     ce = sum(_ce(s[b, i].tolist(), y) for b, i, y in real)
     kl = sum(_kl(s[b, i].tolist(), t[b, i].tolist(), 2.0) for b, i, _ in real)
 
     total, count = _loss("lm", _w(alpha=0.25, temperature=2.0))(
-        StudentOutput(logits=s, last_hidden=None), batch)
+        StudentOutput(logits=s, last_hidden=None), batch
+    )
 
     assert count == 3
     assert float(total) == pytest.approx(0.75 * ce + 0.25 * 4 * kl, rel=1e-12)
@@ -473,14 +564,20 @@ def test_language_model_cosine_on_logits_skips_ignored_tokens() -> None:
     s = _t([[[1.0, 0.0, 0.0], [0.0, 2.0, 1.0]], [[0.5, 0.5, 0.0], [3.0, 1.0, 0.0]]])
     t = _t([[[0.0, 1.0, 0.0], [0.0, -2.0, -1.0]], [[2.0, 0.0, 1.0], [0.0, 0.0, 4.0]]])
     targets = torch.tensor([[2, IGNORE_INDEX], [0, 1]])
-    batch = Batch(inputs=torch.zeros(2, 2, dtype=torch.long), targets=targets, count=3,
-                  tokens=4, teacher={"logits": t})
+    batch = Batch(
+        inputs=torch.zeros(2, 2, dtype=torch.long),
+        targets=targets,
+        count=3,
+        tokens=4,
+        teacher={"logits": t},
+    )
     real = [(0, 0, 2), (1, 0, 0), (1, 1, 1)]
     ce = sum(_ce(s[b, i].tolist(), y) for b, i, y in real)
     cos = sum(1 - _cosine(s[b, i].tolist(), t[b, i].tolist()) for b, i, _ in real)
 
     total, count = _loss("lm", _w(alpha=0.0, cosine=0.5, cosine_on="logits"))(
-        StudentOutput(logits=s, last_hidden=None), batch)
+        StudentOutput(logits=s, last_hidden=None), batch
+    )
 
     assert count == 3
     assert float(total) == pytest.approx(ce + 0.5 * cos, rel=1e-12)
@@ -491,8 +588,13 @@ def test_loss_terms_are_the_unweighted_parts_of_the_loss() -> None:
     and eval records log as hard_loss and distill/* (divided by the loss's count)."""
     s = _t([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]])
     t = _t([[3.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
-    batch = Batch(inputs=torch.zeros(2, 4), targets=torch.tensor([0, 2]), count=2, tokens=0,
-                  teacher={"logits": t})
+    batch = Batch(
+        inputs=torch.zeros(2, 4),
+        targets=torch.tensor([0, 2]),
+        count=2,
+        tokens=0,
+        teacher={"logits": t},
+    )
     out = StudentOutput(logits=s, last_hidden=None)
     ce = _ce(s[0].tolist(), 0) + _ce(s[1].tolist(), 2)
     kl = 4 * (_kl(s[0].tolist(), t[0].tolist(), 2.0) + _kl(s[1].tolist(), t[1].tolist(), 2.0))
@@ -503,21 +605,28 @@ def test_loss_terms_are_the_unweighted_parts_of_the_loss() -> None:
     total = sum(float(fn(out, batch)[0]) for _ in range(2))  # two calls: the sums add
     terms = take_terms(fn)
 
-    assert terms == pytest.approx({"hard_loss": 2 * ce, "distill/kl": 2 * kl,
-                                   "distill/cosine": 2 * cos}, rel=1e-12)
-    assert total == pytest.approx(0.7 * terms["hard_loss"] + 0.3 * terms["distill/kl"]
-                                  + 0.5 * terms["distill/cosine"], rel=1e-12)
+    assert terms == pytest.approx(
+        {"hard_loss": 2 * ce, "distill/kl": 2 * kl, "distill/cosine": 2 * cos}, rel=1e-12
+    )
+    assert total == pytest.approx(
+        0.7 * terms["hard_loss"] + 0.3 * terms["distill/kl"] + 0.5 * terms["distill/cosine"],
+        rel=1e-12,
+    )
     assert take_terms(fn) == {"hard_loss": 0.0, "distill/kl": 0.0, "distill/cosine": 0.0}
     assert take_terms(cross_entropy) == {}  # a loss without terms
-    encoder = _loss("encode", _w(alpha=0.5, hidden=2.0, attention=3.0, cosine=0.5),
-                    layer_map=[0, 2, 4])
+    encoder = _loss(
+        "encode", _w(alpha=0.5, hidden=2.0, attention=3.0, cosine=0.5), layer_map=[0, 2, 4]
+    )
     assert encoder.terms.names == ("distill/hidden", "distill/attention", "distill/cosine")
 
 
-@pytest.mark.parametrize("weights, expect", [
-    (dict(), "distill.cosine_weight = 0.0"),  # the defaults: alpha alone, no encoder term
-    (dict(cosine=1.0, cosine_on="logits"), "distill.cosine_on = 'pooled'"),
-])
+@pytest.mark.parametrize(
+    "weights, expect",
+    [
+        (dict(), "distill.cosine_weight = 0.0"),  # the defaults: alpha alone, no encoder term
+        (dict(cosine=1.0, cosine_on="logits"), "distill.cosine_on = 'pooled'"),
+    ],
+)
 def test_encoder_weights_that_give_no_loss_are_refused(weights: dict, expect: str) -> None:
     """Sentence data with the default [distill] weights: the loss would be a constant zero
     with no gradient (the first backward raised a traceback); build_distillation refuses it
@@ -527,14 +636,21 @@ def test_encoder_weights_that_give_no_loss_are_refused(weights: dict, expect: st
     from scaletrain.distill.checks import encoder_loss_problem
 
     cosine, cosine_on = weights.get("cosine", 0.0), weights.get("cosine_on", "pooled")
-    assert expect in encoder_loss_problem(hidden=0.0, attention=0.0, cosine=cosine,
-                                          cosine_on=cosine_on)
+    assert expect in encoder_loss_problem(
+        hidden=0.0, attention=0.0, cosine=cosine, cosine_on=cosine_on
+    )
     assert encoder_loss_problem(hidden=0.0, attention=0.0, cosine=1.0, cosine_on="pooled") is None
-    config = Config.model_validate({"distill": {"teacher": "unread", "cosine_weight": cosine,
-                                                "cosine_on": cosine_on}})
+    config = Config.model_validate(
+        {"distill": {"teacher": "unread", "cosine_weight": cosine, "cosine_on": cosine_on}}
+    )
     with pytest.raises(UserCodeError, match=re.escape(expect)):
-        build_distillation(config, _bert(2, seed=1), task=TaskSpec("encode", (4,), 30522),
-                           hard=None, precision=None)
+        build_distillation(
+            config,
+            _bert(2, seed=1),
+            task=TaskSpec("encode", (4,), 30522),
+            hard=None,
+            precision=None,
+        )
 
 
 def _encode_case(seed: int = 0):
@@ -542,33 +658,54 @@ def _encode_case(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=F64)  # noqa: E731
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    out = StudentOutput(logits=None, last_hidden=r(2, 3, 4),
-                        hidden={m: r(2, 3, 4) for m in range(3)},
-                        attentions={m: r(2, 2, 3, 3).softmax(-1) for m in (1, 2)})
-    teacher = {"pooled": r(2, 4), **{f"hidden.{i}": r(2, 3, 4) for i in (0, 1, 2, 3, 4)},
-               **{f"attn.{i}": r(2, 2, 3, 3).softmax(-1) for i in (1, 2, 3, 4)}}
-    batch = Batch(inputs=torch.zeros(2, 3, dtype=torch.long), targets=torch.zeros(2, dtype=torch.long),
-                  count=2, tokens=0, extras={"attention_mask": mask}, teacher=teacher)
+    out = StudentOutput(
+        logits=None,
+        last_hidden=r(2, 3, 4),
+        hidden={m: r(2, 3, 4) for m in range(3)},
+        attentions={m: r(2, 2, 3, 3).softmax(-1) for m in (1, 2)},
+    )
+    teacher = {
+        "pooled": r(2, 4),
+        **{f"hidden.{i}": r(2, 3, 4) for i in (0, 1, 2, 3, 4)},
+        **{f"attn.{i}": r(2, 2, 3, 3).softmax(-1) for i in (1, 2, 3, 4)},
+    }
+    batch = Batch(
+        inputs=torch.zeros(2, 3, dtype=torch.long),
+        targets=torch.zeros(2, dtype=torch.long),
+        count=2,
+        tokens=0,
+        extras={"attention_mask": mask},
+        teacher=teacher,
+    )
     return out, batch, mask
 
 
 def test_encoder_loss_adds_cosine_hidden_and_attention_with_their_weights() -> None:
     out, batch, mask = _encode_case()
     tl, m = batch.teacher, mask.tolist()
-    cos = sum(1 - _cosine(p, q) for p, q in zip(_mean_pool(out.last_hidden.tolist(), m),
-                                                 tl["pooled"].tolist()))
-    hid = sum(_hidden_mse(out.hidden[k].tolist(), tl[f"hidden.{g}"].tolist(), m)
-              for k, g in enumerate([0, 2, 4]))
-    att = sum(_attention_mse(out.attentions[k].tolist(), tl[f"attn.{g}"].tolist(), m)
-              for k, g in [(1, 2), (2, 4)])
+    cos = sum(
+        1 - _cosine(p, q)
+        for p, q in zip(_mean_pool(out.last_hidden.tolist(), m), tl["pooled"].tolist())
+    )
+    hid = sum(
+        _hidden_mse(out.hidden[k].tolist(), tl[f"hidden.{g}"].tolist(), m)
+        for k, g in enumerate([0, 2, 4])
+    )
+    att = sum(
+        _attention_mse(out.attentions[k].tolist(), tl[f"attn.{g}"].tolist(), m)
+        for k, g in [(1, 2), (2, 4)]
+    )
     w = _w(alpha=0.5, hidden=2.0, attention=3.0, cosine=0.5)
 
     total, count = _loss("encode", w, layer_map=[0, 2, 4])(out, batch)
 
     assert count == 2
     assert float(total) == pytest.approx(0.5 * cos + 2.0 * hid + 3.0 * att, rel=1e-12)
-    for only, value in [(dict(cosine=1.0), cos), (dict(hidden=1.0), hid),
-                        (dict(attention=1.0), att)]:
+    for only, value in [
+        (dict(cosine=1.0), cos),
+        (dict(hidden=1.0), hid),
+        (dict(attention=1.0), att),
+    ]:
         got, _ = _loss("encode", _w(**only), layer_map=[0, 2, 4])(out, batch)
         assert float(got) == pytest.approx(value, rel=1e-12), only
 
@@ -578,16 +715,25 @@ def test_encoder_loss_is_additive_over_examples() -> None:
     fn = _loss("encode", _w(hidden=2.0, attention=3.0, cosine=0.5), layer_map=[0, 2, 4])
 
     def half(rows: slice) -> float:
-        part = StudentOutput(logits=None, last_hidden=out.last_hidden[rows],
-                             hidden={k: v[rows] for k, v in out.hidden.items()},
-                             attentions={k: v[rows] for k, v in out.attentions.items()})
-        b = Batch(inputs=batch.inputs[rows], targets=batch.targets[rows], count=1, tokens=0,
-                  extras={k: v[rows] for k, v in batch.extras.items()},
-                  teacher={k: v[rows] for k, v in batch.teacher.items()})
+        part = StudentOutput(
+            logits=None,
+            last_hidden=out.last_hidden[rows],
+            hidden={k: v[rows] for k, v in out.hidden.items()},
+            attentions={k: v[rows] for k, v in out.attentions.items()},
+        )
+        b = Batch(
+            inputs=batch.inputs[rows],
+            targets=batch.targets[rows],
+            count=1,
+            tokens=0,
+            extras={k: v[rows] for k, v in batch.extras.items()},
+            teacher={k: v[rows] for k, v in batch.teacher.items()},
+        )
         return float(fn(part, b)[0])
 
-    assert half(slice(0, 1)) + half(slice(1, 2)) == pytest.approx(float(fn(out, batch)[0]),
-                                                                   rel=1e-12)
+    assert half(slice(0, 1)) + half(slice(1, 2)) == pytest.approx(
+        float(fn(out, batch)[0]), rel=1e-12
+    )
 
 
 # ---------------------------------------------------------------------------- Distilled
@@ -596,8 +742,14 @@ def test_encoder_loss_is_additive_over_examples() -> None:
 def test_projections_are_the_identity_when_the_widths_are_equal() -> None:
     student = _bert(2, seed=1)
     student.set_attn_implementation("eager")  # sdpa returns no attention maps
-    net = Distilled(student, layer_map=[0, 2, 4], teacher_width=32, hidden=True,
-                    attentions=True, hugging_face=True)
+    net = Distilled(
+        student,
+        layer_map=[0, 2, 4],
+        teacher_width=32,
+        hidden=True,
+        attentions=True,
+        hugging_face=True,
+    )
     ids = torch.tensor([[3, 7, 9, 1], [4, 4, 2, 0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
 
@@ -606,8 +758,7 @@ def test_projections_are_the_identity_when_the_widths_are_equal() -> None:
         assert torch.equal(proj.weight, torch.eye(32)) and not proj.bias.any()
     with torch.no_grad():
         out = net(ids, attention_mask=mask)
-        own = student(ids, attention_mask=mask, output_hidden_states=True,
-                      output_attentions=True)
+        own = student(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
     assert sorted(out.hidden) == [0, 1, 2] and sorted(out.attentions) == [1, 2]
     for m in range(3):
         assert torch.equal(out.hidden[m], own.hidden_states[m]), m
@@ -617,8 +768,14 @@ def test_projections_are_the_identity_when_the_widths_are_equal() -> None:
 
 def test_distilled_parameters_include_the_projections() -> None:
     student = _bert(2, seed=1)
-    net = Distilled(student, layer_map=[0, 2, 4], teacher_width=48, hidden=True,
-                    attentions=False, hugging_face=True)
+    net = Distilled(
+        student,
+        layer_map=[0, 2, 4],
+        teacher_width=48,
+        hidden=True,
+        attentions=False,
+        hugging_face=True,
+    )
     params = {id(p) for p in net.parameters()}
 
     assert all(p.shape == (48, 32) for p in (proj.weight for proj in net.proj))
@@ -629,8 +786,9 @@ def test_distilled_parameters_include_the_projections() -> None:
     # the run's model.safetensors holds the student alone
     bare, weights = student_weights(net, dict(net.state_dict()))
     assert bare is student and weights.keys() == student.state_dict().keys()
-    without = Distilled(student, layer_map=[], teacher_width=0, hidden=False, attentions=False,
-                        hugging_face=True)
+    without = Distilled(
+        student, layer_map=[], teacher_width=0, hidden=False, attentions=False, hugging_face=True
+    )
     assert sum(p.numel() for p in without.parameters()) == n_student
 
 
@@ -674,14 +832,30 @@ def test_cache_round_trip_and_its_refusals(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     ds = _dataset(torch.randn(6, 2, generator=g), torch.tensor([0, 1, 2, 0, 1, 2]))
     teacher_logits = torch.randn(6, 3, generator=g, dtype=F64)
-    targets_fn = lambda b: {"logits": teacher_logits[:len(b.targets)] + b.inputs[:, :1]}  # noqa
-    info = {"teacher_sha256": "ab" * 32, "teacher_dtype": "float64", "teacher_layers": 0,
-            "teacher_width": 0}
-    kd_cache.write_cache(tmp_path / "c", splits={"train": ds}, targets_fn=targets_fn, info=info,
-                         top_k=0, report=lambda line: None)
+    targets_fn = lambda b: {"logits": teacher_logits[: len(b.targets)] + b.inputs[:, :1]}  # noqa
+    info = {
+        "teacher_sha256": "ab" * 32,
+        "teacher_dtype": "float64",
+        "teacher_layers": 0,
+        "teacher_width": 0,
+    }
+    kd_cache.write_cache(
+        tmp_path / "c",
+        splits={"train": ds},
+        targets_fn=targets_fn,
+        info=info,
+        top_k=0,
+        report=lambda line: None,
+    )
 
-    cached = kd_cache.with_cache(ds, str(tmp_path / "c"), split="train", needs_keys=["logits"],
-                                 teacher_sha256="ab" * 32, teacher_dtype="float64")
+    cached = kd_cache.with_cache(
+        ds,
+        str(tmp_path / "c"),
+        split="train",
+        needs_keys=["logits"],
+        teacher_sha256="ab" * 32,
+        teacher_dtype="float64",
+    )
     rows = torch.tensor([4, 1])
     got = cached.get(rows)
     assert torch.equal(got.teacher["logits"], targets_fn(ds.get(torch.arange(6)))["logits"][rows])
@@ -696,13 +870,28 @@ def test_cache_round_trip_and_its_refusals(tmp_path: Path) -> None:
         (dict(split="eval"), "no 'eval' split"),
     ]
     for change, want in refusals:
-        kw = {**dict(cache_dir=str(tmp_path / "c"), split="train", ds=ds, needs_keys=["logits"],
-                     teacher_sha256="ab" * 32, teacher_dtype="float64"), **change}
+        kw = {
+            **dict(
+                cache_dir=str(tmp_path / "c"),
+                split="train",
+                ds=ds,
+                needs_keys=["logits"],
+                teacher_sha256="ab" * 32,
+                teacher_dtype="float64",
+            ),
+            **change,
+        }
         with pytest.raises(kd_cache.CacheError, match=want.replace("[", r"\[")):
             kd_cache.check_cache(kd_cache.read_info(tmp_path / "c"), **kw)
     with pytest.raises(kd_cache.CacheError, match="already holds a cache"):
-        kd_cache.write_cache(tmp_path / "c", splits={"train": ds}, targets_fn=targets_fn,
-                             info=info, top_k=0, report=lambda line: None)
+        kd_cache.write_cache(
+            tmp_path / "c",
+            splits={"train": ds},
+            targets_fn=targets_fn,
+            info=info,
+            top_k=0,
+            report=lambda line: None,
+        )
 
 
 # ------------------------------------------------------------------------------ teacher
@@ -730,15 +919,17 @@ def mlp_run_dir(tmp_path: Path):
     from scaletrain.models import build_model
 
     task = TaskSpec("classification", (1, 8, 8), 10)
-    config = Config.model_validate({"model": {"name": "mlp", "size": "tiny"},
-                                    "data": {"source": "digits"}})
+    config = Config.model_validate(
+        {"model": {"name": "mlp", "size": "tiny"}, "data": {"source": "digits"}}
+    )
     torch.manual_seed(5)
     model = build_model("mlp", size="tiny", task=task)
     run = tmp_path / "teacher"
     run.mkdir()
     (run / "config.toml").write_text(config_to_toml(config))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(run / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(run / "model.safetensors")
+    )
     return run, task, model
 
 
@@ -759,8 +950,9 @@ def test_load_teacher_with_its_sha256_is_the_frozen_run(mlp_run_dir) -> None:
     run, task, model = mlp_run_dir
     sha = weights_sha256([run / "model.safetensors"])
 
-    teacher = load_teacher(str(run), task=task, expected_sha256=sha.upper(),
-                           load_dtype=torch.float64)
+    teacher = load_teacher(
+        str(run), task=task, expected_sha256=sha.upper(), load_dtype=torch.float64
+    )
 
     assert teacher.sha256 == sha and teacher.dtype == F64 and not teacher.module.training
     state = teacher.module.state_dict()
@@ -781,5 +973,7 @@ def test_sentences_data_import_nothing_from_distill_or_models() -> None:
     tree = ast.parse(Path(sentences.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    upward = sorted(m for m in imported if m.startswith(("scaletrain.distill", "scaletrain.models")))
+    upward = sorted(
+        m for m in imported if m.startswith(("scaletrain.distill", "scaletrain.models"))
+    )
     assert not upward, f"data/sentences.py imports {upward}"

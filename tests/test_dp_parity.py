@@ -31,9 +31,13 @@ def runs(trained) -> dict:
     out = {}
     for world in (1, *DPS):
         keys = sorted(k for k in wanted if k[1] == world)
-        got = trained({"-".join(map(str, k)): parity_case(k[0], dp=k[1], precision=k[2],
-                                                           steps=k[3]) for k in keys},
-                      world_size=world)
+        got = trained(
+            {
+                "-".join(map(str, k)): parity_case(k[0], dp=k[1], precision=k[2], steps=k[3])
+                for k in keys
+            },
+            world_size=world,
+        )
         out |= {k: got["-".join(map(str, k))].run_dir for k in keys}
     return out
 

@@ -47,8 +47,6 @@ def config(tmp_path: Path) -> Path:
     return path
 
 
-
-
 def test_train_two_processes_writes_the_whole_run_directory(tmp_path: Path, config: Path) -> None:
     run_dir = tmp_path / "run"
     r = run_cli(["train", str(config), "--nproc", "2", "--run-dir", str(run_dir)])
@@ -56,11 +54,21 @@ def test_train_two_processes_writes_the_whole_run_directory(tmp_path: Path, conf
     assert f"run directory {run_dir}" in r.stdout
     for name in ("config.toml", "metrics.jsonl", "model.safetensors", "summary.json", "report.png"):
         assert (run_dir / name).is_file(), name
-    assert 'global_batch = 32' in (run_dir / "config.toml").read_text()
+    assert "global_batch = 32" in (run_dir / "config.toml").read_text()
     train = records(run_dir)
     assert [r["step"] for r in train] == list(range(5, 41, 5))
-    for field in ("step", "loss", "lr", "grad_norm", "examples", "tokens", "examples_per_s",
-                  "tokens_per_s", "step_time_s", "peak_mem_bytes"):
+    for field in (
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "examples",
+        "tokens",
+        "examples_per_s",
+        "tokens_per_s",
+        "step_time_s",
+        "peak_mem_bytes",
+    ):
         assert field in train[0], field
     assert train[0]["examples"] == 5 * 32
     assert train[-1]["loss"] < train[0]["loss"]
@@ -80,12 +88,33 @@ def test_train_two_processes_writes_the_whole_run_directory(tmp_path: Path, conf
 def test_two_nodes_meet_through_c10d_rendezvous(tmp_path: Path, config: Path) -> None:
     """Two launcher processes, one worker each, on loopback: one world of 2 that trains."""
     run_dir, port = tmp_path / "run", free_port()
-    common = ["train", str(config), "--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-              "--run-dir", str(run_dir), "train.steps=20"]
-    nodes = [subprocess.Popen([sys.executable, "-m", "scaletrain", *common, "--node-rank", str(i)],
-                              env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
+    common = [
+        "train",
+        str(config),
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "two-nodes",
+        "--run-dir",
+        str(run_dir),
+        "train.steps=20",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "scaletrain", *common, "--node-rank", str(i)],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         outs = [n.communicate(timeout=150) for n in nodes]
     finally:
@@ -97,8 +126,6 @@ def test_two_nodes_meet_through_c10d_rendezvous(tmp_path: Path, config: Path) ->
     assert summary["world_size"] == 2 and summary["steps"] == 20
     train = records(run_dir)
     assert train[-1]["examples"] == 5 * 32 and train[-1]["loss"] < train[0]["loss"]
-
-
 
 
 def _wait_for(predicate, timeout: float) -> None:
@@ -117,9 +144,25 @@ def test_killed_rank_ends_the_run_naming_it(tmp_path: Path, config: Path, victim
     page of C++ frames, which must stay in rank 1's log."""
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain", "train", str(config), "--nproc", "2", "--run-dir",
-         str(run_dir), "train.steps=100000", "log.every=1", "parallel.timeout_s=20"],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "train",
+            str(config),
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "train.steps=100000",
+            "log.every=1",
+            "parallel.timeout_s=20",
+        ],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), timeout=90)
         pids = worker_pids(launcher.pid)
@@ -134,23 +177,42 @@ def test_killed_rank_ends_the_run_naming_it(tmp_path: Path, config: Path, victim
     paragraph = [line for line in err.splitlines() if line.startswith("scaletrain: error:")]
     assert len(paragraph) == 1, err[-3000:]
     log = run_dir / "logs" / f"rank-{victim}.log"
-    assert f"rank {victim} (pid {pids[victim]}, local rank {victim}) was killed by SIGKILL" in \
-        paragraph[0] and f"its output is in {log}" in paragraph[0], paragraph[0]
+    assert (
+        f"rank {victim} (pid {pids[victim]}, local rank {victim}) was killed by SIGKILL"
+        in paragraph[0]
+        and f"its output is in {log}" in paragraph[0]
+    ), paragraph[0]
     for rank in (0, 1):  # each rank's own output is kept, from its first line on
         text = (run_dir / "logs" / f"rank-{rank}.log").read_text()
         assert text.startswith(f"# scaletrain worker: rank {rank} of 2"), text[:300]
 
 
 def test_one_process_prints_evals_labels_throughput_and_writes_readable_weights(
-        tmp_path: Path, config: Path) -> None:
+    tmp_path: Path, config: Path
+) -> None:
     run_dir = tmp_path / "run"
-    r = run_cli(["train", str(config), "--run-dir", str(run_dir), "train.steps=20",
-                 "train.eval_every=10", "log.quiet=false", "checkpoint.every=10"])
+    r = run_cli(
+        [
+            "train",
+            str(config),
+            "--run-dir",
+            str(run_dir),
+            "train.steps=20",
+            "train.eval_every=10",
+            "log.quiet=false",
+            "checkpoint.every=10",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert re.search(r"^scaletrain: eval at step 10: loss \d\S*, accuracy \d", r.stdout, re.M), r.stdout
+    assert re.search(r"^scaletrain: eval at step 10: loss \d\S*, accuracy \d", r.stdout, re.M), (
+        r.stdout
+    )
     done = next(line for line in r.stdout.splitlines() if line.startswith("scaletrain: done"))
-    assert re.search(r"; \d+ examples/s in training steps \(as the bar\), \d+ examples/s over "
-                     r"the wall time \(evals included\)$", done), done
+    assert re.search(
+        r"; \d+ examples/s in training steps \(as the bar\), \d+ examples/s over "
+        r"the wall time \(evals included\)$",
+        done,
+    ), done
     umask = os.umask(0)
     os.umask(umask)
     assert (run_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
@@ -160,18 +222,42 @@ def test_one_process_prints_evals_labels_throughput_and_writes_readable_weights(
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
-def test_hung_rank_times_out_naming_the_collective_and_the_rank(tmp_path: Path,
-                                                                config: Path) -> None:
+def test_hung_rank_times_out_naming_the_collective_and_the_rank(
+    tmp_path: Path, config: Path
+) -> None:
     """Rank 1 is stopped (SIGSTOP): rank 0's gradient all-reduce times out and says who."""
     run_dir, port = tmp_path / "run", free_port()
     procs = []
     for rank in range(2):
-        env = cli_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="hang")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "scaletrain", "train", str(config), "--run-dir", str(run_dir),
-             "train.steps=100000", "log.every=1", "parallel.timeout_s=4"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = cli_env(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RUN_ID="hang",
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "scaletrain",
+                    "train",
+                    str(config),
+                    "--run-dir",
+                    str(run_dir),
+                    "train.steps=100000",
+                    "log.every=1",
+                    "parallel.timeout_s=4",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), timeout=90)
         os.kill(procs[1].pid, signal.SIGSTOP)

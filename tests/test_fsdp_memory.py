@@ -64,13 +64,23 @@ mode = "fp64"
 # name -> (world size, dp_shard, tp, sequence parallel, overrides)
 LAYOUTS = {
     "dp_shard2": (2, 2, 1, False, ["parallel.dp_shard=2"]),
-    "dp_shard2-zero2": (2, 2, 1, False, ["parallel.dp_shard=2",
-                                         "parallel.reshard_after_forward=false"]),
+    "dp_shard2-zero2": (
+        2,
+        2,
+        1,
+        False,
+        ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"],
+    ),
     # Plain Megatron TP: the head stays whole on every tensor-parallel rank.
     "tp2-no_sp": (2, 1, 2, False, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
     # With sequence parallelism the head is split by columns (vocabulary) too.
-    "dp_shard2xtp2-sp": (4, 2, 2, True, ["parallel.dp_shard=2", "parallel.tp=2",
-                                         "parallel.sequence_parallel=true"]),
+    "dp_shard2xtp2-sp": (
+        4,
+        2,
+        2,
+        True,
+        ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    ),
 }
 
 
@@ -119,10 +129,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     config = root / "cfg.toml"
     config.write_text(CONFIG)
     out = {}
-    for name, (world_size, *_, overrides) in {"one-process": (1, []),
-                                               **LAYOUTS}.items():
-        run_workers(config, overrides, world_size=world_size, run_dir=root / name,
-                    timeout=TIMEOUT)
+    for name, (world_size, *_, overrides) in {"one-process": (1, []), **LAYOUTS}.items():
+        run_workers(config, overrides, world_size=world_size, run_dir=root / name, timeout=TIMEOUT)
         (out[name],) = records(root / name)
     return out
 
@@ -144,10 +152,13 @@ def test_rank_holds_its_share(runs: dict[str, dict], name: str) -> None:
     steps = ref["optim_state_bytes"] - 2 * full
     assert 0 < steps <= 8 * len(list(_gpt("meta").parameters())), steps
 
-    local = expected_local_numel(dp_shard=dp_shard, tp=tp,
-                                 sequence_parallel=sequence_parallel) * F64
-    print(f"{name}: rank 0 holds {_held(got)} of {_held(ref)} bytes "
-          f"({_held(got) / _held(ref):.4f}; params {got['param_bytes'] / full:.4f})")
+    local = (
+        expected_local_numel(dp_shard=dp_shard, tp=tp, sequence_parallel=sequence_parallel) * F64
+    )
+    print(
+        f"{name}: rank 0 holds {_held(got)} of {_held(ref)} bytes "
+        f"({_held(got) / _held(ref):.4f}; params {got['param_bytes'] / full:.4f})"
+    )
     assert got["param_bytes"] == local, (got["param_bytes"], local)
     assert got["grad_bytes"] == local, (got["grad_bytes"], local)
     assert got["optim_state_bytes"] == 2 * local + steps, (got["optim_state_bytes"], local)
@@ -176,18 +187,31 @@ def _probe(reshard_after_forward: bool) -> dict:
     full_bytes = local_bytes(blocks[0].parameters())  # every block has the same shapes
     full_q = list(blocks[0].attn.q.weight.shape)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
-    apply_fsdp(model, mesh, blocks=blocks, mp_policy=MixedPrecisionPolicy(),
-               reshard_after_forward=reshard_after_forward, offload=False)
+    apply_fsdp(
+        model,
+        mesh,
+        blocks=blocks,
+        mp_policy=MixedPrecisionPolicy(),
+        reshard_after_forward=reshard_after_forward,
+        offload=False,
+    )
 
     def look() -> list[dict]:
-        return [{"q_type": type(b.attn.q.weight).__name__,
-                 "q_shape": list(b.attn.q.weight.shape),  # global shape for a DTensor
-                 "q_local_shape": list(b.attn.q.weight.to_local().shape
-                                       if isinstance(b.attn.q.weight, DTensor)
-                                       else b.attn.q.weight.shape),
-                 "any_dtensor": any(isinstance(p, DTensor) for p in b.parameters()),
-                 "all_dtensor": all(isinstance(p, DTensor) for p in b.parameters()),
-                 "local_bytes": local_bytes(b.parameters())} for b in blocks]
+        return [
+            {
+                "q_type": type(b.attn.q.weight).__name__,
+                "q_shape": list(b.attn.q.weight.shape),  # global shape for a DTensor
+                "q_local_shape": list(
+                    b.attn.q.weight.to_local().shape
+                    if isinstance(b.attn.q.weight, DTensor)
+                    else b.attn.q.weight.shape
+                ),
+                "any_dtensor": any(isinstance(p, DTensor) for p in b.parameters()),
+                "all_dtensor": all(isinstance(p, DTensor) for p in b.parameters()),
+                "local_bytes": local_bytes(b.parameters()),
+            }
+            for b in blocks
+        ]
 
     seen = {"full_bytes": full_bytes, "full_q": full_q, "init": look()}
     x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -218,29 +242,54 @@ def _gather_probe(mesh) -> dict:
     layers = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(24)))
     full_bytes = local_bytes(layers.parameters())
     expected = {k: v.clone() for k, v in layers.state_dict().items()}
-    apply_fsdp(layers, mesh, blocks=list(layers), mp_policy=MixedPrecisionPolicy(),
-               reshard_after_forward=True, offload=False)
+    apply_fsdp(
+        layers,
+        mesh,
+        blocks=list(layers),
+        mp_policy=MixedPrecisionPolicy(),
+        reshard_after_forward=True,
+        offload=False,
+    )
     gc.collect()
     dist.barrier()
     window = WindowPeak.start()  # baseline: now; peak: from now
     state = full_state_dict(layers, layout=ParallelLayout(dp_shard=2).resolve(2))
     peak_above = window.record()["window_peak_above_baseline_bytes"]
-    exact = (state.keys() == expected.keys()
-             and all(torch.equal(state[k], expected[k]) for k in state)) if state else None
-    return {"full_bytes": full_bytes, "peak_above": peak_above,
-            "resettable": window.window_resettable, "keys": len(state), "exact": exact,
-            "on_cpu": all(v.device.type == "cpu" for v in state.values())}
+    exact = (
+        (state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state))
+        if state
+        else None
+    )
+    return {
+        "full_bytes": full_bytes,
+        "peak_above": peak_above,
+        "resettable": window.window_resettable,
+        "keys": len(state),
+        "exact": exact,
+        "on_cpu": all(v.device.type == "cpu" for v in state.values()),
+    }
 
 
 def _run_probe(reshard_after_forward: bool) -> list[dict]:
     """Both ranks of the probe, as subprocesses with torchrun's environment and a timeout."""
     port, world_size = str(free_port()), 2
-    procs = [subprocess.Popen(
-        [sys.executable, str(Path(__file__)), str(int(reshard_after_forward))],
-        env=cli_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in range(world_size)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__)), str(int(reshard_after_forward))],
+            env=cli_env(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                OMP_NUM_THREADS="1",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
     outs = []
     try:
         for rank, p in enumerate(procs):
@@ -274,8 +323,10 @@ def test_reshard_after_forward(probes: dict[int, list[dict]], zero: int) -> None
     for rank, seen in enumerate(probes[zero]):
         full, full_q = seen["full_bytes"], seen["full_q"]
         half_q = [full_q[0] // 2, *full_q[1:]]
-        print(f"ZeRO-{zero} rank {rank}: block bytes after forward "
-              f"{[b['local_bytes'] for b in seen['after_forward']]} of {full} each")
+        print(
+            f"ZeRO-{zero} rank {rank}: block bytes after forward "
+            f"{[b['local_bytes'] for b in seen['after_forward']]} of {full} each"
+        )
         for when in ("init", "after_backward"):  # between uses: 1/2 shards either way
             for i, b in enumerate(seen[when]):
                 assert b["all_dtensor"] and b["q_local_shape"] == half_q, (when, i, b)
@@ -296,8 +347,10 @@ def test_reshard_after_forward(probes: dict[int, list[dict]], zero: int) -> None
 def test_final_gather_puts_the_whole_model_on_rank_0_only(probes: dict[int, list[dict]]) -> None:
     rank0, rank1 = (seen["gather"] for seen in probes[3])
     full = rank0["full_bytes"]
-    print(f"final gather: peak above baseline rank 0 {rank0['peak_above']}, rank 1 "
-          f"{rank1['peak_above']} bytes; the model {full}")
+    print(
+        f"final gather: peak above baseline rank 0 {rank0['peak_above']}, rank 1 "
+        f"{rank1['peak_above']} bytes; the model {full}"
+    )
     assert rank0["keys"] == 24 and rank0["exact"] and rank0["on_cpu"], rank0
     assert rank1["keys"] == 0, rank1  # rank 1 gets an empty dict
     if not rank1["resettable"]:

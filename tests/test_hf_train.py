@@ -69,16 +69,17 @@ def runs(trained) -> dict[tuple[str, int], Path]:
     one job per world size."""
     out = {}
     for dp, micro in ((1, 8), (2, 2)):
-        got = trained({s: _case(dp=dp, micro_batch=micro, extra=[f"data.source={s}"])
-                       for s in SOURCES}, world_size=dp)
+        got = trained(
+            {s: _case(dp=dp, micro_batch=micro, extra=[f"data.source={s}"]) for s in SOURCES},
+            world_size=dp,
+        )
         out |= {(s, dp): got[s].run_dir for s in SOURCES}
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
-def test_llama_from_config_dp2_and_accumulation_match_one_process(runs: dict,
-                                                                   source: str) -> None:
+def test_llama_from_config_dp2_and_accumulation_match_one_process(runs: dict, source: str) -> None:
     reference, dp2_accum = runs[(source, 1)], runs[(source, 2)]
     ref = load_weights(reference)
     assert next(iter(ref.values())).dtype == torch.float64
@@ -86,7 +87,8 @@ def test_llama_from_config_dp2_and_accumulation_match_one_process(runs: dict,
     assert max_abs_diff(ref, load_weights(dp2_accum)) < TOL
     assert losses(dp2_accum) == pytest.approx(losses(reference), abs=TOL)
     assert records(dp2_accum, "eval")[-1]["perplexity"] == pytest.approx(
-        records(reference, "eval")[-1]["perplexity"], rel=1e-9)
+        records(reference, "eval")[-1]["perplexity"], rel=1e-9
+    )
     if source == "wikitext":  # packed windows: every target counts
         assert records(reference)[0]["tokens"] == 8 * 32
 
@@ -98,9 +100,23 @@ def test_saved_model_directory_fine_tunes_from_its_weights(runs: dict, trained) 
     assert (saved / "config.json").is_file() and list(saved.glob("*.safetensors"))
     assert not [p for p in saved.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
     # A learning rate too small to move the weights: the run starts from the saved ones.
-    tuned = trained({"tuned": _case(dp=1, micro_batch=8, extra=[
-        f"model.path={saved}", "model.hf_config=''", "model.kwargs={}", "optim.lr=1e-12",
-        "optim.warmup_steps=0", "train.steps=1"])}, world_size=1)["tuned"].run_dir
+    tuned = trained(
+        {
+            "tuned": _case(
+                dp=1,
+                micro_batch=8,
+                extra=[
+                    f"model.path={saved}",
+                    "model.hf_config=''",
+                    "model.kwargs={}",
+                    "optim.lr=1e-12",
+                    "optim.warmup_steps=0",
+                    "train.steps=1",
+                ],
+            )
+        },
+        world_size=1,
+    )["tuned"].run_dir
     start = load_weights(first)
     after = load_weights(tuned)
     assert max_abs_diff(start, after) < 1e-9
@@ -115,9 +131,21 @@ def test_directory_with_a_pickle_file_is_refused(tmp_path: Path) -> None:
     torch.save({"w": torch.zeros(1)}, model_dir / "pytorch_model.bin")
     config = tmp_path / "hf.toml"
     config.write_text(CONFIG)
-    result = run_cli(["train", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
-                      "parallel.dp=2", "train.micro_batch=4", f"model.path={model_dir}",
-                      "model.hf_config=''", "model.kwargs={}"])
+    result = run_cli(
+        [
+            "train",
+            str(config),
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "parallel.dp=2",
+            "train.micro_batch=4",
+            f"model.path={model_dir}",
+            "model.hf_config=''",
+            "model.kwargs={}",
+        ]
+    )
     assert result.returncode == 2, result.stderr
     assert "pytorch_model.bin" in result.stderr and "pickle" in result.stderr
     assert "Traceback" not in result.stderr

@@ -12,8 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 from scaletrain.launch import LaunchError, LaunchSpec, torchrun_argv
-from scaletrain.launch_output import (OutputFilter, describe_child_failure, describe_interrupt,
-                                      last_error_line, run_dir_logs)
+from scaletrain.launch_output import (
+    OutputFilter,
+    describe_child_failure,
+    describe_interrupt,
+    last_error_line,
+    run_dir_logs,
+)
 
 # What rank 1 printed when rank 0 (the store's host) was killed: c10d's C++ warning glued
 # onto the progress bar's line, its stack frames, then our own error line.
@@ -49,24 +54,33 @@ TRACEBACK = (
 def _shown(text: str, *, chunk: int = 7) -> str:
     """Feed the filter in small pieces, as a growing log file arrives."""
     f = OutputFilter()
-    out = "".join(f.feed(text[i:i + chunk]) for i in range(0, len(text), chunk))
+    out = "".join(f.feed(text[i : i + chunk]) for i in range(0, len(text), chunk))
     return out + f.flush()
 
 
 def test_filter_drops_cpp_frames_and_keeps_the_bar() -> None:
     shown = _shown(CPP_NOISE)
-    for noise in ("TCPStore", "sendBytes", "frame #", "omitting", "Exception raised from",
-                  "scaletrain: error:"):
+    for noise in (
+        "TCPStore",
+        "sendBytes",
+        "frame #",
+        "omitting",
+        "Exception raised from",
+        "scaletrain: error:",
+    ):
         assert noise not in shown, shown
     assert "124/100000" in shown  # the bar's text before the glued C++ line survives
     assert shown.strip("\r\n ").endswith("loss=0.0558]"), repr(shown)
 
 
 def test_filter_drops_chained_tracebacks_and_keeps_messages() -> None:
-    text = ("# scaletrain worker: rank 0 of 2 (local rank 0), pid 1\n"
-            "scaletrain: eval at step 10: loss 0.5\n" + TRACEBACK
-            + "scaletrain: resumed from x at step 3\n"
-            + "W1201 09:27:44.440000 4518 torch/distributed/api.py:1028] Sending process 4525\n")
+    text = (
+        "# scaletrain worker: rank 0 of 2 (local rank 0), pid 1\n"
+        "scaletrain: eval at step 10: loss 0.5\n"
+        + TRACEBACK
+        + "scaletrain: resumed from x at step 3\n"
+        + "W1201 09:27:44.440000 4518 torch/distributed/api.py:1028] Sending process 4525\n"
+    )
     shown = _shown(text)
     assert shown == "scaletrain: eval at step 10: loss 0.5\nscaletrain: resumed from x at step 3\n"
 
@@ -88,14 +102,20 @@ def test_failure_paragraph_names_the_cause_first_and_quotes_the_error(tmp_path: 
     logs[1].write_text(CPP_NOISE)
     logs[2].write_text("")
     # The agent lists the ranks it stopped (SIGTERM) after the one that failed.
-    error = SimpleNamespace(failures={2: _failure(12, 0, -signal.SIGKILL),
-                                      1: _failure(11, 1, 1),
-                                      0: _failure(10, 0, -signal.SIGTERM)})
+    error = SimpleNamespace(
+        failures={
+            2: _failure(12, 0, -signal.SIGKILL),
+            1: _failure(11, 1, 1),
+            0: _failure(10, 0, -signal.SIGTERM),
+        }
+    )
 
     text = describe_child_failure(error, logs=logs)
 
-    assert text.startswith("scaletrain: error: the run failed: rank 1 (pid 11, local rank 1) "
-                           "exited with code 1: collective 'gradient all-reduce"), text
+    assert text.startswith(
+        "scaletrain: error: the run failed: rank 1 (pid 11, local rank 1) "
+        "exited with code 1: collective 'gradient all-reduce"
+    ), text
     assert "rank 2 (pid 12, local rank 0) was killed by SIGKILL" in text
     assert "rank 0 (pid 10, local rank 0) was stopped by the launcher after rank 2 failed" in text
     for r in (0, 1, 2):
@@ -117,7 +137,10 @@ def test_each_rank_gets_its_own_log_and_none_is_overwritten(tmp_path: Path) -> N
         return dest, envs
 
     dest, envs = reify("0")  # node 1 of 2: global ranks 4 and 5
-    assert dest.stderrs == {0: str(tmp_path / "logs/rank-4.log"), 1: str(tmp_path / "logs/rank-5.log")}
+    assert dest.stderrs == {
+        0: str(tmp_path / "logs/rank-4.log"),
+        1: str(tmp_path / "logs/rank-5.log"),
+    }
     assert dest.stdouts == {0: "", 1: ""}  # stdout joins stderr inside the worker
     assert envs[0]["TORCHELASTIC_ERROR_FILE"].endswith("rank-4.error.json")
     assert seen == [tmp_path / "logs/rank-4.log"]
@@ -128,20 +151,25 @@ def test_each_rank_gets_its_own_log_and_none_is_overwritten(tmp_path: Path) -> N
 
 
 def test_interrupt_line_names_step_checkpoint_and_how_to_continue(tmp_path: Path) -> None:
-    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 41}\n'
-                                            '{"kind": "eval", "step": 40}\n{"kind": "tr')
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"kind": "train", "step": 41}\n{"kind": "eval", "step": 40}\n{"kind": "tr'
+    )
     assert describe_interrupt(tmp_path, signum=signal.SIGINT) == (
         "scaletrain: interrupted (SIGINT) at step 41; no checkpoint to continue from "
         "(checkpoint.every = 0, or none was reached); set checkpoint.every to make a run "
-        "resumable")
+        "resumable"
+    )
     (tmp_path / "checkpoints/step-00000043").mkdir(parents=True)
     (tmp_path / "checkpoints/.tmp-step-00000050").mkdir()
     assert describe_interrupt(tmp_path, signum=signal.SIGTERM) == (
         f"scaletrain: interrupted (SIGTERM) at step 43; last checkpoint step-00000043; "
-        f"continue with: scaletrain train ... --run-dir {tmp_path} --resume")
+        f"continue with: scaletrain train ... --run-dir {tmp_path} --resume"
+    )
 
 
-def test_torchrun_flags_keep_logs_and_grace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchrun_flags_keep_logs_and_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("SCALETRAIN_SIGTERM_GRACE_S", raising=False)
     argv = torchrun_argv(LaunchSpec(nproc=2), ["train", "c.toml"], log_dir=tmp_path)
     assert f"--log-dir={tmp_path}" in argv and "--redirects=2" in argv and "--tee=0" in argv

@@ -48,9 +48,22 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain", "train", str(config), "--run-dir", str(run_dir),
-         "parallel.timeout_s=20", *extra],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "train",
+            str(config),
+            "--run-dir",
+            str(run_dir),
+            "parallel.timeout_s=20",
+            *extra,
+        ],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 180  # start-up: imports, the agent, the first step
     while not (run_dir / "metrics.jsonl").exists() or not records(run_dir):
         if launcher.poll() is not None or time.monotonic() > deadline:
@@ -64,8 +77,10 @@ def _stop(launcher: subprocess.Popen, signum: int) -> tuple[str, list[str]]:
     """Send `signum` to the launcher, still running; return its stdout and its stderr lines."""
     try:
         if launcher.poll() is not None:
-            raise AssertionError(f"the run ended (status {launcher.returncode}) before the "
-                                 f"signal:\n{launcher.communicate()[1][-3000:]}")
+            raise AssertionError(
+                f"the run ended (status {launcher.returncode}) before the "
+                f"signal:\n{launcher.communicate()[1][-3000:]}"
+            )
         launcher.send_signal(signum)
         out, err = launcher.communicate(timeout=90)
     finally:
@@ -109,13 +124,27 @@ def test_sigterm_saves_the_current_step_and_the_run_resumes(tmp_path: Path) -> N
     assert len(saved) == 1 and saved[0].startswith("step-"), saved
     step = int(saved[0].removeprefix("step-"))
     assert step > 0
-    assert line == (f"scaletrain: interrupted (SIGTERM) at step {step}; last checkpoint "
-                    f"{saved[0]}; continue with: scaletrain train ... --run-dir {run_dir} --resume")
+    assert line == (
+        f"scaletrain: interrupted (SIGTERM) at step {step}; last checkpoint "
+        f"{saved[0]}; continue with: scaletrain train ... --run-dir {run_dir} --resume"
+    )
 
     # The resume runs two steps past the saved one and stops there (train.stop_after may
     # change on resume), saving step + 2.
-    r = run_cli(["train", str(tmp_path / "cfg.toml"), "--run-dir", str(run_dir), "--nproc", "2",
-                 "parallel.timeout_s=20", every, f"train.stop_after={step + 2}", "--resume"])
+    r = run_cli(
+        [
+            "train",
+            str(tmp_path / "cfg.toml"),
+            "--run-dir",
+            str(run_dir),
+            "--nproc",
+            "2",
+            "parallel.timeout_s=20",
+            every,
+            f"train.stop_after={step + 2}",
+            "--resume",
+        ]
+    )
 
     assert r.returncode == 0, r.stderr[-3000:]
     resumed = [rec["step"] for rec in records(run_dir)]

@@ -32,6 +32,7 @@ def two_ranks(monkeypatch: pytest.MonkeyPatch):
 
     def use(store: _Store) -> None:
         monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+
     return use
 
 
@@ -52,13 +53,16 @@ def test_missing_ranks_tells_unreachable_from_other_store_failures(two_ranks) ->
 
 def test_failure_message_names_the_store_failure_it_saw(two_ranks) -> None:
     two_ranks(_Store(dist.DistStoreError("wait timeout after 300000ms")))
-    text = runtime.describe_collective_failure(RuntimeError("Gloo read error"),
-                                               operation="metrics all-reduce", step=7)
+    text = runtime.describe_collective_failure(
+        RuntimeError("Gloo read error"), operation="metrics all-reduce", step=7
+    )
     assert "rank 0" not in text and "unreachable" not in text, text
     assert "DistStoreError: wait timeout after 300000ms" in text and "Gloo read error" in text
     two_ranks(_Store(dist.DistNetworkError("Broken pipe")))
-    assert "rank 0 (which hosts the rendezvous store) is unreachable" in \
-        runtime.describe_collective_failure(RuntimeError("Gloo"), operation="x", step=1)
+    assert (
+        "rank 0 (which hosts the rendezvous store) is unreachable"
+        in runtime.describe_collective_failure(RuntimeError("Gloo"), operation="x", step=1)
+    )
 
 
 def test_collective_failure_keeps_the_backend_error_as_its_cause(two_ranks) -> None:
@@ -76,8 +80,8 @@ def test_collective_failure_keeps_the_backend_error_as_its_cause(two_ranks) -> N
 
 @pytest.mark.parametrize("code, said", [(0, True), (1, False)])
 def test_exit_worker_says_when_destroy_fails_after_a_clean_run(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], code: int,
-        said: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], code: int, said: bool
+) -> None:
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
 
     def destroy() -> None:
@@ -92,13 +96,15 @@ def test_exit_worker_says_when_destroy_fails_after_a_clean_run(
         runtime.exit_worker(code)
     assert left.value.code == code
     err = capsys.readouterr().err
-    assert ("destroy_process_group failed after a clean run: Connection closed by peer" in err) == said
+    assert (
+        "destroy_process_group failed after a clean run: Connection closed by peer" in err
+    ) == said
 
 
 @pytest.mark.parametrize("mistake", [False, True], ids=["our-bug", "user-mistake"])
 def test_worker_tells_our_bugs_from_user_mistakes(
-        mistake: bool, monkeypatch: pytest.MonkeyPatch, tmp_path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    mistake: bool, monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """One rank's real error path (cli._run_worker over trainer.train, world size 1): a
     ValueError from our code inside the build is a traceback and status 1; a user mistake
     raised at the same place is one `scaletrain: error:` paragraph and status 2."""
@@ -119,8 +125,13 @@ def test_worker_tells_our_bugs_from_user_mistakes(
     monkeypatch.setattr(runtime, "exit_worker", leave)
     for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    config = validate_config({"model": {"name": "mlp"}, "data": {"source": "digits"},
-                              "train": {"steps": 1, "global_batch": 4, "micro_batch": 4}})
+    config = validate_config(
+        {
+            "model": {"name": "mlp"},
+            "data": {"source": "digits"},
+            "train": {"steps": 1, "global_batch": 4, "micro_batch": 4},
+        }
+    )
 
     with pytest.raises(SystemExit) as left:
         cli._run_worker(config, tmp_path / "run", exit_process=True)

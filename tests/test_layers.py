@@ -25,27 +25,33 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "scaletrain"
 
 # Bottom floor first. Rooms on one floor do not import each other.
-LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(rooms)) for name, rooms in (
-    # leaves: the user-mistake errors below the user's code, process and memory plumbing
-    ("errors", {"errors", "version"}),  # the user-mistake base classes: import nothing
-    ("leaves", {"user_code", "memory", "allocator", "runtime"}),
-    ("data", {"data"}),  # sources, shards, sampler: know nothing of models
-    ("models", {"models"}),  # built-in models and the ModelSpec protocol; take a TaskSpec
-    # the techniques and the loss protocol: each takes plain values, owns its checks
-    ("techniques", {"parallel", "precision", "loss"}),
-    ("schema", {"config"}),  # the typed [sections], loading, overrides: no checks of others
-    ("records", {"checkpoint_files", "metrics"}),  # what a run writes, readable without torch.distributed
-    ("run files", {"checkpoint", "rundir", "launch_output", "report"}),
-    ("launcher", {"launch"}),  # the elastic agent; workers only ask it under_elastic_agent()
-    ("distill", {"distill"}),  # teacher, student, objective, its cache and its checks
-    ("plan", {"plan"}),  # config + world -> Derived; calls every room's checks once
-    ("training", {"training"}),  # builds from the config and runs the loop
-    ("ps", {"ps"}),  # the parameter-server strategy reuses training's pieces
-    ("pre-launch", {"prelaunch"}),  # checks that build the model before any worker starts
-    ("commands", {"api", "cli_distill"}),  # the Python API; the distillation subcommands
-    ("cli", {"cli"}),
-    ("entry", {"__main__", PACKAGE}),  # `python -m scaletrain`; the package's lazy exports
-))
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
+    (name, frozenset(rooms))
+    for name, rooms in (
+        # leaves: the user-mistake errors below the user's code, process and memory plumbing
+        ("errors", {"errors", "version"}),  # the user-mistake base classes: import nothing
+        ("leaves", {"user_code", "memory", "allocator", "runtime"}),
+        ("data", {"data"}),  # sources, shards, sampler: know nothing of models
+        ("models", {"models"}),  # built-in models and the ModelSpec protocol; take a TaskSpec
+        # the techniques and the loss protocol: each takes plain values, owns its checks
+        ("techniques", {"parallel", "precision", "loss"}),
+        ("schema", {"config"}),  # the typed [sections], loading, overrides: no checks of others
+        (
+            "records",
+            {"checkpoint_files", "metrics"},
+        ),  # what a run writes, readable without torch.distributed
+        ("run files", {"checkpoint", "rundir", "launch_output", "report"}),
+        ("launcher", {"launch"}),  # the elastic agent; workers only ask it under_elastic_agent()
+        ("distill", {"distill"}),  # teacher, student, objective, its cache and its checks
+        ("plan", {"plan"}),  # config + world -> Derived; calls every room's checks once
+        ("training", {"training"}),  # builds from the config and runs the loop
+        ("ps", {"ps"}),  # the parameter-server strategy reuses training's pieces
+        ("pre-launch", {"prelaunch"}),  # checks that build the model before any worker starts
+        ("commands", {"api", "cli_distill"}),  # the Python API; the distillation subcommands
+        ("cli", {"cli"}),
+        ("entry", {"__main__", PACKAGE}),  # `python -m scaletrain`; the package's lazy exports
+    )
+)
 FLOOR = {room: i for i, (_, rooms) in enumerate(LAYERS) for room in rooms}
 
 
@@ -94,8 +100,10 @@ def room_of(module: str) -> str:
 @functools.cache
 def edges() -> dict[str, set[str]]:
     """Module -> the scaletrain modules it imports (read once per session)."""
-    return {m: imports_of(m, p.read_text(), is_package=p.name == "__init__.py")
-            for m, p in MODULES.items()}
+    return {
+        m: imports_of(m, p.read_text(), is_package=p.name == "__init__.py")
+        for m, p in MODULES.items()
+    }
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -155,8 +163,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_module_has_a_floor():
     unplaced = sorted({room_of(m) for m in MODULES} - set(FLOOR))
-    assert not unplaced, (f"rooms without a floor in tests/test_layers.py LAYERS: {unplaced}; "
-                          "add each where what it imports sits below it")
+    assert not unplaced, (
+        f"rooms without a floor in tests/test_layers.py LAYERS: {unplaced}; "
+        "add each where what it imports sits below it"
+    )
 
 
 def test_imports_go_down_only():
@@ -167,7 +177,8 @@ def test_imports_go_down_only():
 def test_no_import_cycles():
     found = cycles(edges())
     assert not found, "import cycles (function-level imports count):\n  " + "\n  ".join(
-        " <-> ".join(c) for c in found)
+        " <-> ".join(c) for c in found
+    )
 
 
 def test_techniques_import_nothing_from_above():
@@ -175,26 +186,36 @@ def test_techniques_import_nothing_from_above():
     training, distill, ps, cli, api (a redundant, readable check of the table)."""
     above = {"config", "training", "distill", "ps", "cli", "api", "plan", "prelaunch"}
     graph = edges()
-    bad = [f"{a} -> {b}" for a, targets in graph.items() for b in targets
-           if room_of(a) in {"models", "data", "parallel", "precision"} and room_of(b) in above]
+    bad = [
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if room_of(a) in {"models", "data", "parallel", "precision"} and room_of(b) in above
+    ]
     assert not bad, "\n".join(sorted(bad))
 
 
 def test_the_table_reads_what_it_means():
     """The scanner itself: relative and function-level imports are found, a module named
     by `from package import module` counts as that module, and an upward import is caught."""
-    source = ("from __future__ import annotations\n"
-              "from . import sources\n"
-              "def f():\n"
-              "    from scaletrain.cli import main\n"
-              "    import scaletrain.training.trainer\n")
+    source = (
+        "from __future__ import annotations\n"
+        "from . import sources\n"
+        "def f():\n"
+        "    from scaletrain.cli import main\n"
+        "    import scaletrain.training.trainer\n"
+    )
     tree_imports = imports_of("scaletrain.data._probe", source)
-    assert tree_imports == {"scaletrain.data.sources", "scaletrain.cli",
-                            "scaletrain.training.trainer"}
+    assert tree_imports == {
+        "scaletrain.data.sources",
+        "scaletrain.cli",
+        "scaletrain.training.trainer",
+    }
     graph = {"scaletrain.data._probe": tree_imports, **{m: set() for m in tree_imports}}
     assert upward_imports(graph) == [
         "scaletrain.data._probe (data) -> scaletrain.cli (cli)",
-        "scaletrain.data._probe (data) -> scaletrain.training.trainer (training)"]
+        "scaletrain.data._probe (data) -> scaletrain.training.trainer (training)",
+    ]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -215,19 +236,40 @@ def test_a_room_checks_plain_values_without_the_config():
         layout_of(dp=3, dp_replicate=-1, dp_shard=1, tp=1, pp=1, world_size=2)
     assert layout_of(dp=-1, dp_replicate=-1, dp_shard=1, tp=2, pp=1, world_size=4).dp_shard == 2
     layout = ParallelLayout(pp=2).resolve(2)
-    shape = pipeline_shape(layout, schedule="interleaved-1f1b", microbatches=0,
-                           stages_per_rank=0, micro_batch=8, n_blocks=4)
+    shape = pipeline_shape(
+        layout,
+        schedule="interleaved-1f1b",
+        microbatches=0,
+        stages_per_rank=0,
+        micro_batch=8,
+        n_blocks=4,
+    )
     assert (shape.microbatches, shape.stages_per_rank) == (4, 2)  # the defaults filled in
     with pytest.raises(ConfigError, match="train.micro_batch = 6"):
-        pipeline_shape(layout, schedule="1f1b", microbatches=4, stages_per_rank=1,
-                       micro_batch=6, n_blocks=None)
+        pipeline_shape(
+            layout, schedule="1f1b", microbatches=4, stages_per_rank=1, micro_batch=6, n_blocks=None
+        )
     with pytest.raises(ConfigError, match="comm_hook"):
-        check_collective(ParallelLayout(dp_shard=2).resolve(2), comm_hook="fp16", compile=False,
-                         precision="fp32", optim_impl="auto", sequence_parallel=True,
-                         seq_len=None)
-    _, roles = ps_layout(servers=1, world_size=3, dp=-1, dp_replicate=-1,
-                         degrees={"dp_shard": 1, "tp": 1, "pp": 1}, comm_hook="none",
-                         compile=False, precision="fp32", slow_worker=-1)
+        check_collective(
+            ParallelLayout(dp_shard=2).resolve(2),
+            comm_hook="fp16",
+            compile=False,
+            precision="fp32",
+            optim_impl="auto",
+            sequence_parallel=True,
+            seq_len=None,
+        )
+    _, roles = ps_layout(
+        servers=1,
+        world_size=3,
+        dp=-1,
+        dp_replicate=-1,
+        degrees={"dp_shard": 1, "tp": 1, "pp": 1},
+        comm_hook="none",
+        compile=False,
+        precision="fp32",
+        slow_worker=-1,
+    )
     assert (roles.workers, roles.role(0), roles.role(2)) == (2, ("server", 0), ("worker", 1))
 
 

@@ -22,10 +22,11 @@ import pytest
 
 import scaletrain.cli
 import scaletrain.launch
-from harness import run_cli
 from scaletrain.config import ConfigError, load_config
 from scaletrain.parallel.layout import MESH_DIMS, LayoutError, ParallelLayout
 from scaletrain.plan import resolve
+
+from harness import run_cli
 
 # GPT tiny: 2 blocks, 2 heads of 32. micro_batch 4 splits into 1, 2 or 4 pipeline chunks.
 GPT_TOML = """\
@@ -57,23 +58,27 @@ def gpt_toml(tmp_path: Path) -> Path:
 # ---------------------------------------------------------------------------- ParallelLayout
 
 
-@pytest.mark.parametrize("layout, world, expect", [
-    # dp_replicate's default -1 takes what the other degrees leave over
-    (ParallelLayout(), 4, (4, 1, 1, 1)),
-    (ParallelLayout(dp_shard=2, pp=2), 8, (2, 2, 1, 2)),
-    # ... except next to tp or pp, which DDP does not compose with: dp_shard takes it
-    (ParallelLayout(tp=2), 8, (1, 4, 2, 1)),
-    (ParallelLayout(pp=2), 4, (1, 2, 1, 2)),
-    (ParallelLayout(tp=2), 2, (1, 1, 2, 1)),
-    # dp_shard = -1 takes it instead; an unset dp_replicate then means 1 (sharded, not replicated)
-    (ParallelLayout(dp_shard=-1), 4, (1, 4, 1, 1)),
-    (ParallelLayout(dp_shard=-1, tp=2), 8, (1, 4, 2, 1)),
-    (ParallelLayout(dp_replicate=2, dp_shard=-1), 8, (2, 4, 1, 1)),  # HSDP, shard inferred
-    (ParallelLayout(dp_replicate=2, dp_shard=2, tp=2), 8, (2, 2, 2, 1)),  # nothing to infer
-    (ParallelLayout(), 1, (1, 1, 1, 1)),
-])
-def test_resolve_infers_the_minus_one_degree(layout: ParallelLayout, world: int,
-                                             expect: tuple[int, int, int, int]) -> None:
+@pytest.mark.parametrize(
+    "layout, world, expect",
+    [
+        # dp_replicate's default -1 takes what the other degrees leave over
+        (ParallelLayout(), 4, (4, 1, 1, 1)),
+        (ParallelLayout(dp_shard=2, pp=2), 8, (2, 2, 1, 2)),
+        # ... except next to tp or pp, which DDP does not compose with: dp_shard takes it
+        (ParallelLayout(tp=2), 8, (1, 4, 2, 1)),
+        (ParallelLayout(pp=2), 4, (1, 2, 1, 2)),
+        (ParallelLayout(tp=2), 2, (1, 1, 2, 1)),
+        # dp_shard = -1 takes it instead; an unset dp_replicate then means 1 (sharded, not replicated)
+        (ParallelLayout(dp_shard=-1), 4, (1, 4, 1, 1)),
+        (ParallelLayout(dp_shard=-1, tp=2), 8, (1, 4, 2, 1)),
+        (ParallelLayout(dp_replicate=2, dp_shard=-1), 8, (2, 4, 1, 1)),  # HSDP, shard inferred
+        (ParallelLayout(dp_replicate=2, dp_shard=2, tp=2), 8, (2, 2, 2, 1)),  # nothing to infer
+        (ParallelLayout(), 1, (1, 1, 1, 1)),
+    ],
+)
+def test_resolve_infers_the_minus_one_degree(
+    layout: ParallelLayout, world: int, expect: tuple[int, int, int, int]
+) -> None:
     got = layout.resolve(world)
     assert (got.dp_replicate, got.dp_shard, got.tp, got.pp) == expect
     assert got.world_size == world
@@ -111,14 +116,17 @@ def test_resolve_refuses_a_world_the_fixed_degrees_do_not_divide() -> None:
     assert "does not divide the world size 6" in message and "multiple of 4" in message
 
 
-@pytest.mark.parametrize("kwargs, key, value", [
-    (dict(dp_replicate=0), "dp_replicate", 0),
-    (dict(dp_replicate=-2), "dp_replicate", -2),
-    (dict(dp_shard=0), "dp_shard", 0),
-    (dict(tp=0), "tp", 0),
-    (dict(tp=-1), "tp", -1),  # only the data-parallel degrees can be inferred
-    (dict(pp=-1), "pp", -1),
-])
+@pytest.mark.parametrize(
+    "kwargs, key, value",
+    [
+        (dict(dp_replicate=0), "dp_replicate", 0),
+        (dict(dp_replicate=-2), "dp_replicate", -2),
+        (dict(dp_shard=0), "dp_shard", 0),
+        (dict(tp=0), "tp", 0),
+        (dict(tp=-1), "tp", -1),  # only the data-parallel degrees can be inferred
+        (dict(pp=-1), "pp", -1),
+    ],
+)
 def test_resolve_refuses_invalid_degrees(kwargs: dict, key: str, value: int) -> None:
     with pytest.raises(LayoutError, match=re.escape(f"parallel.{key} = {value} is invalid")):
         ParallelLayout(**kwargs).resolve(4)
@@ -138,8 +146,14 @@ def test_layout_is_a_frozen_value() -> None:
 
 # rank -> (pp, dp_shard, tp), written out by hand: tp varies fastest, pp slowest.
 BY_HAND_PP_SHARD_TP = {
-    0: (0, 0, 0), 1: (0, 0, 1), 2: (0, 1, 0), 3: (0, 1, 1),
-    4: (1, 0, 0), 5: (1, 0, 1), 6: (1, 1, 0), 7: (1, 1, 1),
+    0: (0, 0, 0),
+    1: (0, 0, 1),
+    2: (0, 1, 0),
+    3: (0, 1, 1),
+    4: (1, 0, 0),
+    5: (1, 0, 1),
+    6: (1, 1, 0),
+    7: (1, 1, 1),
 }
 
 
@@ -147,8 +161,9 @@ def test_coords_are_row_major_pp_dp_shard_tp_by_hand() -> None:
     layout = ParallelLayout(pp=2, dp_shard=2, tp=2).resolve(8)
     assert layout.dp_replicate == 1
     for rank, (pp, shard, tp) in BY_HAND_PP_SHARD_TP.items():
-        assert layout.coords(rank) == {"pp": pp, "dp_replicate": 0, "dp_shard": shard,
-                                       "tp": tp}, rank
+        assert layout.coords(rank) == {"pp": pp, "dp_replicate": 0, "dp_shard": shard, "tp": tp}, (
+            rank
+        )
     assert list(layout.coords(5)) == list(MESH_DIMS) == ["pp", "dp_replicate", "dp_shard", "tp"]
     # The batch share is the dp_shard coordinate: tp and pp peers read the same examples.
     assert [layout.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
@@ -159,12 +174,19 @@ def test_coords_are_row_major_pp_dp_shard_tp_by_hand() -> None:
 def test_coords_of_hsdp_times_tp_by_hand() -> None:
     layout = ParallelLayout(dp_replicate=2, dp_shard=2, tp=2).resolve(8)
     by_hand = {  # rank -> (dp_replicate, dp_shard, tp)
-        0: (0, 0, 0), 1: (0, 0, 1), 2: (0, 1, 0), 3: (0, 1, 1),
-        4: (1, 0, 0), 5: (1, 0, 1), 6: (1, 1, 0), 7: (1, 1, 1),
+        0: (0, 0, 0),
+        1: (0, 0, 1),
+        2: (0, 1, 0),
+        3: (0, 1, 1),
+        4: (1, 0, 0),
+        5: (1, 0, 1),
+        6: (1, 1, 0),
+        7: (1, 1, 1),
     }
     for rank, (rep, shard, tp) in by_hand.items():
-        assert layout.coords(rank) == {"pp": 0, "dp_replicate": rep, "dp_shard": shard,
-                                       "tp": tp}, rank
+        assert layout.coords(rank) == {"pp": 0, "dp_replicate": rep, "dp_shard": shard, "tp": tp}, (
+            rank
+        )
     # dp_rank = dp_replicate x dp_shard + dp_shard: four shares, each read by a tp pair.
     assert [layout.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [r for r in range(8) if layout.reports_loss(r)] == [0, 2, 4, 6]  # pp = 1: last stage
@@ -199,8 +221,10 @@ def test_describe() -> None:
     assert ParallelLayout().resolve(1).describe() == "1 process"
     assert ParallelLayout().resolve(2).describe() == "dp_replicate=2 (2 ranks)"
     assert ParallelLayout(pp=2, dp_shard=2).resolve(4).describe() == "pp=2 x dp_shard=2 (4 ranks)"
-    assert (ParallelLayout(dp_shard=2, tp=2, pp=2).resolve(8).describe()
-            == "pp=2 x dp_shard=2 x tp=2 (8 ranks)")
+    assert (
+        ParallelLayout(dp_shard=2, tp=2, pp=2).resolve(8).describe()
+        == "pp=2 x dp_shard=2 x tp=2 (8 ranks)"
+    )
 
 
 def test_one_process_builds_no_mesh() -> None:
@@ -214,17 +238,21 @@ class _NamedMesh:
         return type("Sub", (), {"get_group": lambda _self: name})()
 
 
-@pytest.mark.parametrize("layout, world, group", [
-    (ParallelLayout(), 2, "dp_replicate"),  # DDP: the whole world
-    (ParallelLayout(dp_shard=2), 2, "dp_shard"),
-    (ParallelLayout(dp_shard=2, tp=2), 4, "dp_shard"),  # not the world: tp peers share data
-    (ParallelLayout(dp_shard=2, pp=2), 4, "dp_shard"),
-    (ParallelLayout(dp_replicate=2, dp_shard=2, tp=2), 8, "dp"),  # HSDP: the flattened pair
-    (ParallelLayout(tp=2), 2, None),  # one data-parallel share: nothing to sum over
-    (ParallelLayout(pp=2, tp=2), 4, None),
-])
-def test_dp_group_is_the_data_parallel_ranks_only(layout: ParallelLayout, world: int,
-                                                  group: str | None) -> None:
+@pytest.mark.parametrize(
+    "layout, world, group",
+    [
+        (ParallelLayout(), 2, "dp_replicate"),  # DDP: the whole world
+        (ParallelLayout(dp_shard=2), 2, "dp_shard"),
+        (ParallelLayout(dp_shard=2, tp=2), 4, "dp_shard"),  # not the world: tp peers share data
+        (ParallelLayout(dp_shard=2, pp=2), 4, "dp_shard"),
+        (ParallelLayout(dp_replicate=2, dp_shard=2, tp=2), 8, "dp"),  # HSDP: the flattened pair
+        (ParallelLayout(tp=2), 2, None),  # one data-parallel share: nothing to sum over
+        (ParallelLayout(pp=2, tp=2), 4, None),
+    ],
+)
+def test_dp_group_is_the_data_parallel_ranks_only(
+    layout: ParallelLayout, world: int, group: str | None
+) -> None:
     assert layout.resolve(world).dp_group(_NamedMesh()) == group
     assert ParallelLayout().resolve(1).dp_group(None) is None
 
@@ -236,78 +264,195 @@ def _resolve(path: Path, overrides: list[str], world: int):
     return resolve(load_config(path, overrides), world_size=world)
 
 
-@pytest.mark.parametrize("overrides, world, expect", [
-    pytest.param(["parallel.dp=2", "parallel.dp_replicate=4"], 4,
-                 ("parallel.dp = 2", "parallel.dp_replicate = 4", "disagree"), id="dp-vs-dp_replicate"),
-    pytest.param(["parallel.dp_replicate=2", "parallel.tp=2"], 4,
-                 (("dp_replicate", 2), ("tp", 2), "DDP", ("dp_shard", 2)), id="ddp-with-tp"),
-    pytest.param(["parallel.dp=2", "parallel.pp=2"], 4,
-                 (("dp_replicate", 2), ("pp", 2), "DDP"), id="ddp-with-pp"),
-    pytest.param(["parallel.dp_shard=2", "parallel.comm_hook=fp16"], 2,
-                 ("parallel.comm_hook = 'fp16'", ("dp_shard", 2)), id="comm-hook-with-fsdp"),
-    pytest.param(["parallel.dp_shard=2", "train.compile=true"], 2,
-                 ("train.compile = true", ("dp_shard", 2), "train.compile=false"), id="compile-with-fsdp"),
-    pytest.param(["parallel.tp=2", "train.compile=true"], 2,
-                 ("train.compile = true", ("tp", 2)), id="compile-with-tp"),
-    pytest.param(["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=3"], 2,
-                 ("train.micro_batch = 4", "parallel.pp_microbatches = 3", "divisible"),
-                 id="micro-batch-not-divisible-by-chunks"),
-    pytest.param(["parallel.pp=2", "parallel.pp_stages_per_rank=2"], 2,
-                 ("parallel.pp_schedule = '1f1b'", "parallel.pp_stages_per_rank = 2",
-                  "one stage per rank"), id="1f1b-two-stages-per-rank"),
-    pytest.param(["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"],
-                 2, ("'gpipe'", "parallel.pp_stages_per_rank = 2", "one stage per rank"),
-                 id="gpipe-two-stages-per-rank"),
-    pytest.param(["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b",
-                  "parallel.pp_stages_per_rank=1", "model.size=small"], 2,
-                 ("'interleaved-1f1b'", "parallel.pp_stages_per_rank = 1", ">= 2"),
-                 id="interleaved-one-stage-per-rank"),
-    pytest.param(["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b"], 2,
-                 ("parallel.pp = 2", "parallel.pp_stages_per_rank = 2", "4 stages",
-                  "2 blocks"), id="interleaved-more-stages-than-blocks"),
-    pytest.param(["parallel.pp=4"], 4,
-                 ("parallel.pp = 4", "4 stages", "2 blocks"), id="pp-above-blocks"),
-    pytest.param(["parallel.pp=2", "parallel.pp_microbatches=1"], 2,
-                 ("parallel.pp_microbatches = 1", "1f1b needs parallel.pp_microbatches >= "
-                  "parallel.pp = 2"), id="1f1b-fewer-chunks-than-stages"),
-    pytest.param(["parallel.pp=2", "parallel.pp_schedule=zero-bubble", "model.size=small",
-                  "train.micro_batch=5", "train.global_batch=20", "parallel.pp_microbatches=5"],
-                 2, ("'zero-bubble'", "parallel.pp_microbatches = 5", "2 rounds",
-                     "multiple of that", "1, 2, 3, 4, 6, 8"), id="zero-bubble-chunks-not-rounds"),
-    pytest.param(["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.size=small",
-                  "train.micro_batch=5", "train.global_batch=20", "parallel.pp_microbatches=5"],
-                 2, ("'interleaved-1f1b'", "parallel.pp_microbatches = 5", "2 rounds"),
-                 id="interleaved-chunks-not-rounds"),
-    pytest.param(["parallel.dp_replicate=1", "parallel.dp_shard=2"], 4,
-                 (("dp_replicate", 1), ("dp_shard", 2), ("pp", 1), ("tp", 1), "= 2 do not match the world size 4"),
-                 id="product-vs-world"),
-    pytest.param(["parallel.tp=0"], 1, ("parallel.tp = 0",), id="tp-zero"),
-    pytest.param(["parallel.dp_shard=-2"], 1, ("parallel.dp_shard = -2",), id="dp-shard-below-minus-one"),
-])
-def test_config_refuses_layouts_that_cannot_work(gpt_toml: Path, overrides: list[str],
-                                                 world: int, expect: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "overrides, world, expect",
+    [
+        pytest.param(
+            ["parallel.dp=2", "parallel.dp_replicate=4"],
+            4,
+            ("parallel.dp = 2", "parallel.dp_replicate = 4", "disagree"),
+            id="dp-vs-dp_replicate",
+        ),
+        pytest.param(
+            ["parallel.dp_replicate=2", "parallel.tp=2"],
+            4,
+            (("dp_replicate", 2), ("tp", 2), "DDP", ("dp_shard", 2)),
+            id="ddp-with-tp",
+        ),
+        pytest.param(
+            ["parallel.dp=2", "parallel.pp=2"],
+            4,
+            (("dp_replicate", 2), ("pp", 2), "DDP"),
+            id="ddp-with-pp",
+        ),
+        pytest.param(
+            ["parallel.dp_shard=2", "parallel.comm_hook=fp16"],
+            2,
+            ("parallel.comm_hook = 'fp16'", ("dp_shard", 2)),
+            id="comm-hook-with-fsdp",
+        ),
+        pytest.param(
+            ["parallel.dp_shard=2", "train.compile=true"],
+            2,
+            ("train.compile = true", ("dp_shard", 2), "train.compile=false"),
+            id="compile-with-fsdp",
+        ),
+        pytest.param(
+            ["parallel.tp=2", "train.compile=true"],
+            2,
+            ("train.compile = true", ("tp", 2)),
+            id="compile-with-tp",
+        ),
+        pytest.param(
+            ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=3"],
+            2,
+            ("train.micro_batch = 4", "parallel.pp_microbatches = 3", "divisible"),
+            id="micro-batch-not-divisible-by-chunks",
+        ),
+        pytest.param(
+            ["parallel.pp=2", "parallel.pp_stages_per_rank=2"],
+            2,
+            (
+                "parallel.pp_schedule = '1f1b'",
+                "parallel.pp_stages_per_rank = 2",
+                "one stage per rank",
+            ),
+            id="1f1b-two-stages-per-rank",
+        ),
+        pytest.param(
+            ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"],
+            2,
+            ("'gpipe'", "parallel.pp_stages_per_rank = 2", "one stage per rank"),
+            id="gpipe-two-stages-per-rank",
+        ),
+        pytest.param(
+            [
+                "parallel.pp=2",
+                "parallel.pp_schedule=interleaved-1f1b",
+                "parallel.pp_stages_per_rank=1",
+                "model.size=small",
+            ],
+            2,
+            ("'interleaved-1f1b'", "parallel.pp_stages_per_rank = 1", ">= 2"),
+            id="interleaved-one-stage-per-rank",
+        ),
+        pytest.param(
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b"],
+            2,
+            ("parallel.pp = 2", "parallel.pp_stages_per_rank = 2", "4 stages", "2 blocks"),
+            id="interleaved-more-stages-than-blocks",
+        ),
+        pytest.param(
+            ["parallel.pp=4"], 4, ("parallel.pp = 4", "4 stages", "2 blocks"), id="pp-above-blocks"
+        ),
+        pytest.param(
+            ["parallel.pp=2", "parallel.pp_microbatches=1"],
+            2,
+            (
+                "parallel.pp_microbatches = 1",
+                "1f1b needs parallel.pp_microbatches >= parallel.pp = 2",
+            ),
+            id="1f1b-fewer-chunks-than-stages",
+        ),
+        pytest.param(
+            [
+                "parallel.pp=2",
+                "parallel.pp_schedule=zero-bubble",
+                "model.size=small",
+                "train.micro_batch=5",
+                "train.global_batch=20",
+                "parallel.pp_microbatches=5",
+            ],
+            2,
+            (
+                "'zero-bubble'",
+                "parallel.pp_microbatches = 5",
+                "2 rounds",
+                "multiple of that",
+                "1, 2, 3, 4, 6, 8",
+            ),
+            id="zero-bubble-chunks-not-rounds",
+        ),
+        pytest.param(
+            [
+                "parallel.pp=2",
+                "parallel.pp_schedule=interleaved-1f1b",
+                "model.size=small",
+                "train.micro_batch=5",
+                "train.global_batch=20",
+                "parallel.pp_microbatches=5",
+            ],
+            2,
+            ("'interleaved-1f1b'", "parallel.pp_microbatches = 5", "2 rounds"),
+            id="interleaved-chunks-not-rounds",
+        ),
+        pytest.param(
+            ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
+            4,
+            (
+                ("dp_replicate", 1),
+                ("dp_shard", 2),
+                ("pp", 1),
+                ("tp", 1),
+                "= 2 do not match the world size 4",
+            ),
+            id="product-vs-world",
+        ),
+        pytest.param(["parallel.tp=0"], 1, ("parallel.tp = 0",), id="tp-zero"),
+        pytest.param(
+            ["parallel.dp_shard=-2"], 1, ("parallel.dp_shard = -2",), id="dp-shard-below-minus-one"
+        ),
+    ],
+)
+def test_config_refuses_layouts_that_cannot_work(
+    gpt_toml: Path, overrides: list[str], world: int, expect: tuple[str, ...]
+) -> None:
     with pytest.raises(ConfigError) as e:
         _resolve(gpt_toml, overrides, world)
     says(str(e.value), expect)
 
 
-@pytest.mark.parametrize("overrides, world, layout, chunks", [
-    (["parallel.dp_shard=2", "parallel.tp=2"], 4, (1, 2, 2, 1), None),
-    (["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2"], 8, (2, 2, 2, 1), None),
-    (["parallel.dp=2"], 2, (2, 1, 1, 1), None),
-    (["parallel.dp=2", "parallel.dp_replicate=2"], 2, (2, 1, 1, 1), None),  # agreeing: fine
-    (["parallel.pp=2"], 2, (1, 1, 1, 2), 2),  # 1f1b: chunks default to pp
-    (["parallel.pp=2", "parallel.dp_shard=2"], 4, (1, 2, 1, 2), 2),
-    (["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=1"], 2,
-     (1, 1, 1, 2), 1),  # gpipe takes any number of chunks
-    (["parallel.pp=2", "parallel.pp_schedule=zero-bubble", "parallel.pp_stages_per_rank=1"], 2,
-     (1, 1, 1, 2), 2),  # ZB-H1: one stage per rank is allowed
-    (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.size=small"], 2,
-     (1, 1, 1, 2), 4),  # 2 stages per rank by default: chunks default to 4
-])
-def test_config_accepts_layouts_that_work(gpt_toml: Path, overrides: list[str], world: int,
-                                          layout: tuple[int, int, int, int],
-                                          chunks: int | None) -> None:
+@pytest.mark.parametrize(
+    "overrides, world, layout, chunks",
+    [
+        (["parallel.dp_shard=2", "parallel.tp=2"], 4, (1, 2, 2, 1), None),
+        (
+            ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2"],
+            8,
+            (2, 2, 2, 1),
+            None,
+        ),
+        (["parallel.dp=2"], 2, (2, 1, 1, 1), None),
+        (["parallel.dp=2", "parallel.dp_replicate=2"], 2, (2, 1, 1, 1), None),  # agreeing: fine
+        (["parallel.pp=2"], 2, (1, 1, 1, 2), 2),  # 1f1b: chunks default to pp
+        (["parallel.pp=2", "parallel.dp_shard=2"], 4, (1, 2, 1, 2), 2),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=1"],
+            2,
+            (1, 1, 1, 2),
+            1,
+        ),  # gpipe takes any number of chunks
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=zero-bubble", "parallel.pp_stages_per_rank=1"],
+            2,
+            (1, 1, 1, 2),
+            2,
+        ),  # ZB-H1: one stage per rank is allowed
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.size=small"],
+            2,
+            (1, 1, 1, 2),
+            4,
+        ),  # 2 stages per rank by default: chunks default to 4
+    ],
+)
+def test_config_accepts_layouts_that_work(
+    gpt_toml: Path,
+    overrides: list[str],
+    world: int,
+    layout: tuple[int, int, int, int],
+    chunks: int | None,
+) -> None:
     d = _resolve(gpt_toml, overrides, world)
     assert (d.layout.dp_replicate, d.layout.dp_shard, d.layout.tp, d.layout.pp) == layout
     assert (d.pipeline.microbatches if d.pipeline else None) == chunks
@@ -325,30 +470,59 @@ def _assert_refused(r, expect: tuple) -> None:
     says(lines[0], expect)
 
 
-@pytest.mark.parametrize("argv, expect", [
-    pytest.param(["--nproc", "2", "parallel.dp_replicate=1", "parallel.dp_shard=2",
-                  "parallel.tp=2"],
-                 (("pp", 1), ("dp_replicate", 1), ("dp_shard", 2), ("tp", 2), "= 4 do not match the world size 2",
-                  "--nproc 4"),
-                 id="degrees-vs-nproc"),
-    pytest.param(["--nproc", "3", "parallel.dp_shard=2"],
-                 (("dp_shard", 2), "does not divide the world size 3"), id="nproc-not-a-multiple"),
-    pytest.param(["--nproc", "4", "parallel.tp=4"],
-                 ("parallel.tp = 4 does not divide the 2 heads", "model.name = 'gpt'"),
-                 id="tp-vs-heads"),
-    pytest.param(["--nproc", "4", "parallel.pp=4"],
-                 ("parallel.pp = 4", "4 stages", "the model has 2 blocks"), id="pp-vs-blocks"),
-    pytest.param(["--nproc", "2", "model.name=mlp", "data.source=digits", "parallel.tp=2"],
-                 ("model.name = 'mlp' declares no tensor-parallel plan", "tp"),
-                 id="mlp-has-no-tp-plan"),
-    pytest.param(["--nproc", "2", "model.name=cnn", "data.source=digits", "parallel.pp=2"],
-                 ("model.name = 'cnn' declares no pipeline split",), id="cnn-has-no-pp-split"),
-    pytest.param(["--nproc", "2", "parallel.pp=2", "parallel.pp_microbatches=1"],
-                 ("parallel.pp_microbatches = 1", "1f1b needs parallel.pp_microbatches >= "
-                  "parallel.pp = 2"), id="1f1b-chunks-below-pp"),
-])
-def test_train_refuses_a_layout_before_launch(gpt_toml: Path, tmp_path: Path, argv: list[str],
-                                              expect: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        pytest.param(
+            ["--nproc", "2", "parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.tp=2"],
+            (
+                ("pp", 1),
+                ("dp_replicate", 1),
+                ("dp_shard", 2),
+                ("tp", 2),
+                "= 4 do not match the world size 2",
+                "--nproc 4",
+            ),
+            id="degrees-vs-nproc",
+        ),
+        pytest.param(
+            ["--nproc", "3", "parallel.dp_shard=2"],
+            (("dp_shard", 2), "does not divide the world size 3"),
+            id="nproc-not-a-multiple",
+        ),
+        pytest.param(
+            ["--nproc", "4", "parallel.tp=4"],
+            ("parallel.tp = 4 does not divide the 2 heads", "model.name = 'gpt'"),
+            id="tp-vs-heads",
+        ),
+        pytest.param(
+            ["--nproc", "4", "parallel.pp=4"],
+            ("parallel.pp = 4", "4 stages", "the model has 2 blocks"),
+            id="pp-vs-blocks",
+        ),
+        pytest.param(
+            ["--nproc", "2", "model.name=mlp", "data.source=digits", "parallel.tp=2"],
+            ("model.name = 'mlp' declares no tensor-parallel plan", "tp"),
+            id="mlp-has-no-tp-plan",
+        ),
+        pytest.param(
+            ["--nproc", "2", "model.name=cnn", "data.source=digits", "parallel.pp=2"],
+            ("model.name = 'cnn' declares no pipeline split",),
+            id="cnn-has-no-pp-split",
+        ),
+        pytest.param(
+            ["--nproc", "2", "parallel.pp=2", "parallel.pp_microbatches=1"],
+            (
+                "parallel.pp_microbatches = 1",
+                "1f1b needs parallel.pp_microbatches >= parallel.pp = 2",
+            ),
+            id="1f1b-chunks-below-pp",
+        ),
+    ],
+)
+def test_train_refuses_a_layout_before_launch(
+    gpt_toml: Path, tmp_path: Path, argv: list[str], expect: tuple[str, ...]
+) -> None:
     run_dir = tmp_path / "run"
     r = run_cli(["train", str(gpt_toml), *argv, "--run-dir", str(run_dir)], timeout=CLI_TIMEOUT)
     _assert_refused(r, expect)
@@ -385,7 +559,7 @@ def _table(out: str, title: str) -> list[list[str]]:
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if title in line and "│" not in line)
     rows = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith(("└", "╰")):
             break
         if "│" in line or "┃" in line:
@@ -420,16 +594,28 @@ def test_explain_prints_the_pipeline_arithmetic(explain, gpt_toml: Path) -> None
     assert derived["parallel layout (mesh)"] == "pp=2 (2 ranks)"
     assert derived["pipeline"] == "1f1b: 2 stages, 1 per rank"
     # micro-batch 4 -> pp = 2 chunks of 2; dp 1: 16 / 4 = 4 micro-batches per step
-    assert derived["pipeline chunks"] == "each micro-batch of 4 -> 2 chunks of 2 (x 4 micro-batches per step)"
+    assert (
+        derived["pipeline chunks"]
+        == "each micro-batch of 4 -> 2 chunks of 2 (x 4 micro-batches per step)"
+    )
     assert derived["pipeline bubble (theory)"] == "33.3% of each rank's step idle"  # (2-1)/(2+2-1)
     rows = _table(out, "ranks (pp=2 (2 ranks))")
-    assert rows == [["rank", "pp", "batch share", "holds"],
-                    ["0", "0", "1/1", "stage 0"], ["1", "1", "1/1", "stage 1"]]
+    assert rows == [
+        ["rank", "pp", "batch share", "holds"],
+        ["0", "0", "1/1", "stage 0"],
+        ["1", "1", "1/1", "stage 1"],
+    ]
 
 
 def test_explain_of_an_interleaved_pipeline(explain, gpt_toml: Path) -> None:
-    out = explain(str(gpt_toml), "--nproc", "2", "parallel.pp=2", "model.size=small",
-                  "parallel.pp_schedule=interleaved-1f1b")
+    out = explain(
+        str(gpt_toml),
+        "--nproc",
+        "2",
+        "parallel.pp=2",
+        "model.size=small",
+        "parallel.pp_schedule=interleaved-1f1b",
+    )
     derived = _derived(out)
     assert derived["pipeline"] == "interleaved-1f1b: 4 stages, 2 per rank"
     assert derived["pipeline chunks"].startswith("each micro-batch of 4 -> 4 chunks of 1 ")
@@ -438,21 +624,26 @@ def test_explain_of_an_interleaved_pipeline(explain, gpt_toml: Path) -> None:
     assert holds == ["stage 0, 2", "stage 1, 3"]  # loop placement
 
 
-@pytest.mark.parametrize("overrides, world", [
-    (["parallel.tp=2"], 2),
-    (["parallel.dp_shard=2", "parallel.tp=2"], 4),
-    (["parallel.pp=2", "parallel.dp_shard=2"], 4),
-    (["parallel.dp_shard=-1"], 1),  # a -1 counts as 1: the smallest world
-    ([], 1),
-])
-def test_explain_infers_nproc_from_the_degrees(explain, gpt_toml: Path, overrides: list[str],
-                                               world: int) -> None:
+@pytest.mark.parametrize(
+    "overrides, world",
+    [
+        (["parallel.tp=2"], 2),
+        (["parallel.dp_shard=2", "parallel.tp=2"], 4),
+        (["parallel.pp=2", "parallel.dp_shard=2"], 4),
+        (["parallel.dp_shard=-1"], 1),  # a -1 counts as 1: the smallest world
+        ([], 1),
+    ],
+)
+def test_explain_infers_nproc_from_the_degrees(
+    explain, gpt_toml: Path, overrides: list[str], world: int
+) -> None:
     derived = _derived(explain(str(gpt_toml), *overrides))
     assert derived["world size"] == f"{world} ({world} process(es) x 1 node(s))"
 
 
-def test_explain_refuses_what_train_refuses(gpt_toml: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_explain_refuses_what_train_refuses(
+    gpt_toml: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """explain runs the launcher's model check too, so it cannot bless a layout train refuses."""
     code = scaletrain.cli.main(["explain", str(gpt_toml), "--nproc", "4", "parallel.tp=4"])
     err = capsys.readouterr().err

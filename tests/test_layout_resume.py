@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import load_weights, max_abs_diff, records, run_cli
 from scaletrain.checkpoint_files import list_checkpoints
+
+from harness import load_weights, max_abs_diff, records, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +61,7 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def train(config: Path, run_dir: Path, overrides: list[str], *, nproc: int,
-          resume: bool = False):
+def train(config: Path, run_dir: Path, overrides: list[str], *, nproc: int, resume: bool = False):
     args = ["train", str(config), *overrides, "--nproc", str(nproc), "--run-dir", str(run_dir)]
     r = run_cli([*args, "--resume"] if resume else args, timeout=TIMEOUT)
     assert r.returncode == 0, f"{' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}"
@@ -95,15 +95,29 @@ def resume(config: Path, run_dir: Path, overrides: list[str], *, nproc: int) -> 
     assert "--allow-config-change" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("before, nproc_before, after, nproc_after", [
-    pytest.param(["parallel.dp_shard=2", "parallel.tp=2"], 4, [], 1, id="fsdp2xtp2-to-1"),
-    pytest.param(["parallel.pp=2", "parallel.pp_schedule=1f1b"], 2, ["parallel.dp_shard=2"], 2,
-                 id="pp2-to-fsdp2"),
-    pytest.param(["parallel.dp=2"], 2, ["parallel.pp=2"], 2, id="ddp2-to-pp2"),
-])
+@pytest.mark.parametrize(
+    "before, nproc_before, after, nproc_after",
+    [
+        pytest.param(["parallel.dp_shard=2", "parallel.tp=2"], 4, [], 1, id="fsdp2xtp2-to-1"),
+        pytest.param(
+            ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+            2,
+            ["parallel.dp_shard=2"],
+            2,
+            id="pp2-to-fsdp2",
+        ),
+        pytest.param(["parallel.dp=2"], 2, ["parallel.pp=2"], 2, id="ddp2-to-pp2"),
+    ],
+)
 def test_resume_under_another_layout_continues_the_run(
-        config: Path, reference: Path, tmp_path: Path, before: list[str], nproc_before: int,
-        after: list[str], nproc_after: int) -> None:
+    config: Path,
+    reference: Path,
+    tmp_path: Path,
+    before: list[str],
+    nproc_before: int,
+    after: list[str],
+    nproc_after: int,
+) -> None:
     run_dir = tmp_path / "run"
     stop(config, run_dir, before, nproc=nproc_before)
     resume(config, run_dir, after, nproc=nproc_after)
@@ -142,8 +156,20 @@ def assert_refuses_a_change_that_is_not_a_layout(config: Path, run_dir: Path) ->
     (optim.lr), given with new degrees, is refused by the same check, alone, before any
     process starts; the run directory is left as it was."""
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    r = run_cli(["train", str(config), "parallel.tp=2", "optim.lr=0.002", "--nproc", "2",
-                 "--run-dir", str(run_dir), "--resume"], timeout=TIMEOUT)
+    r = run_cli(
+        [
+            "train",
+            str(config),
+            "parallel.tp=2",
+            "optim.lr=0.002",
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--resume",
+        ],
+        timeout=TIMEOUT,
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     message = [line for line in r.stderr.splitlines() if line.startswith("scaletrain: error: ")]
     assert len(message) == 1 and "Traceback" not in r.stderr, r.stderr

@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 
 from scaletrain.metrics import MetricsLogger, read_metrics
-from scaletrain.report import (build_figure, config_table, differing_keys, flatten_config,
-                               legend_labels, write_report)
+from scaletrain.report import (
+    build_figure,
+    config_table,
+    differing_keys,
+    flatten_config,
+    legend_labels,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -57,7 +63,9 @@ def test_each_line_is_flushed_before_close(tmp_path: Path) -> None:
 
 
 def test_read_metrics_round_trips(tmp_path: Path) -> None:
-    sent = [{"step": s, "loss": 1.0 / s, "tokens": 128 * s, "peak_mem_bytes": 2**33} for s in (1, 2, 3)]
+    sent = [
+        {"step": s, "loss": 1.0 / s, "tokens": 128 * s, "peak_mem_bytes": 2**33} for s in (1, 2, 3)
+    ]
     with _logger(tmp_path) as m:
         for rec in sent:
             m.log_step(rec)
@@ -169,12 +177,27 @@ def _config(run_dir: Path, text: str) -> None:
 
 
 def test_differing_keys_lists_changed_and_missing_keys_only() -> None:
-    a = flatten_config({"name": "a", "optim": {"lr": 1e-3, "betas": [0.9, 0.99]},
-                        "train": {"steps": 100, "micro_batch": 32}})
-    b = flatten_config({"name": "b", "optim": {"lr": 3e-3, "betas": [0.9, 0.99]},
-                        "train": {"steps": 100, "micro_batch": 32, "compile": True}})
-    c = flatten_config({"name": "c", "optim": {"lr": 1e-3, "betas": [0.9, 0.95]},
-                        "train": {"steps": 100, "micro_batch": 32}})
+    a = flatten_config(
+        {
+            "name": "a",
+            "optim": {"lr": 1e-3, "betas": [0.9, 0.99]},
+            "train": {"steps": 100, "micro_batch": 32},
+        }
+    )
+    b = flatten_config(
+        {
+            "name": "b",
+            "optim": {"lr": 3e-3, "betas": [0.9, 0.99]},
+            "train": {"steps": 100, "micro_batch": 32, "compile": True},
+        }
+    )
+    c = flatten_config(
+        {
+            "name": "c",
+            "optim": {"lr": 1e-3, "betas": [0.9, 0.95]},
+            "train": {"steps": 100, "micro_batch": 32},
+        }
+    )
     assert a["optim.lr"] == 1e-3 and "optim" not in a  # dotted keys, no tables
     assert differing_keys([a, b]) == ["optim.lr", "train.compile"]  # the name is in the label
     assert differing_keys([a, b, c]) == ["optim.lr", "optim.betas", "train.compile"]
@@ -186,7 +209,10 @@ def test_legend_labels_and_table_name_each_differing_value() -> None:
     configs = [{"optim.lr": 0.001, "train.compile": True}, {"optim.lr": 0.003}]
     keys = ["optim.lr", "train.compile"]
     labels = legend_labels(["r1", "r2"], configs, keys)
-    assert labels == ["r1\noptim.lr=0.001, train.compile=true", "r2\noptim.lr=0.003, train.compile=-"]
+    assert labels == [
+        "r1\noptim.lr=0.001, train.compile=true",
+        "r2\noptim.lr=0.003, train.compile=-",
+    ]
     assert legend_labels(["r1", "r2"], configs, []) == ["r1", "r2"]
     many = [f"k.{i}" for i in range(5)]
     label = legend_labels(["r"], [{k: 1 for k in many}], many)[0]
@@ -199,12 +225,17 @@ def test_legend_labels_and_table_name_each_differing_value() -> None:
 def test_report_shows_what_differs_between_the_runs_configs(tmp_path: Path) -> None:
     for name, lr, micro in (("fast", 3e-3, 64), ("slow", 1e-3, 32)):
         _fake_run(tmp_path / name, steps=10, tokens=False, eval_key="accuracy")
-        _config(tmp_path / name, f'name = "mnist"\n[model]\nname = "cnn"\n'
-                                 f'[optim]\nlr = {lr}\n[train]\nmicro_batch = {micro}\n')
+        _config(
+            tmp_path / name,
+            f'name = "mnist"\n[model]\nname = "cnn"\n'
+            f"[optim]\nlr = {lr}\n[train]\nmicro_batch = {micro}\n",
+        )
     fig = build_figure([tmp_path / "fast", tmp_path / "slow"])
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["fast (mnist)\noptim.lr=0.003, train.micro_batch=64",
-                      "slow (mnist)\noptim.lr=0.001, train.micro_batch=32"]
+    assert legend == [
+        "fast (mnist)\noptim.lr=0.003, train.micro_batch=64",
+        "slow (mnist)\noptim.lr=0.001, train.micro_batch=32",
+    ]
     footnote = fig.get_supxlabel()
     assert "optim.lr" in footnote and "train.micro_batch" in footnote
     assert "model.name" not in footnote and "model.name" not in "".join(legend)  # the same in both
@@ -221,7 +252,8 @@ def test_eval_is_drawn_as_a_line_through_a_marker_per_evaluation(tmp_path: Path)
 
 
 def test_the_straggler_is_an_after_step_hook_not_part_of_the_loop(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """ps.slow_worker under collective (bench/ps.py's slowed rank) is a hook the trainer
     runs after each step on that data-parallel rank alone: it sleeps (factor - 1) x the
     step's time; every other rank, and every rank without the knob, gets no hook."""

@@ -86,25 +86,50 @@ TWO_RANKS = {
     # tp runs with sequence parallelism (parallel.sequence_parallel, on by default) unless
     # switched off: plain Megatron TP once.
     "tp2-accum2": (2, ["parallel.tp=2", "train.micro_batch=8"], 2),
-    "tp2-no_sp-accum2": (2, ["parallel.tp=2", "parallel.sequence_parallel=false",
-                             "train.micro_batch=8"], 2),
+    "tp2-no_sp-accum2": (
+        2,
+        ["parallel.tp=2", "parallel.sequence_parallel=false", "train.micro_batch=8"],
+        2,
+    ),
     # pp_microbatches defaults to pp x stages per rank: 2 chunks (gpipe, 1f1b), 4 chunks
     # over 2 x 2 stages (interleaved-1f1b, zero-bubble); 8 divides by both.
-    **{f"pp2-{s}-accum2": (2, ["parallel.pp=2", f"parallel.pp_schedule={s}",
-                               "train.micro_batch=8"], 2)
-       for s in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")},
+    **{
+        f"pp2-{s}-accum2": (
+            2,
+            ["parallel.pp=2", f"parallel.pp_schedule={s}", "train.micro_batch=8"],
+            2,
+        )
+        for s in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+    },
     # Without accumulation: one micro-batch per rank and step.
     "dp_shard2-accum1": (2, ["parallel.dp_shard=2", "train.micro_batch=8"], 1),
     "tp2-accum1": (2, ["parallel.tp=2", "train.micro_batch=16"], 1),
-    "pp2-1f1b-accum1": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b",
-                            "train.micro_batch=16"], 1),
+    "pp2-1f1b-accum1": (
+        2,
+        ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=16"],
+        1,
+    ),
     # Activation checkpointing: recomputation in backward changes no number.
-    "dp_shard2-ac_full": (2, ["parallel.dp_shard=2", "parallel.activation_checkpointing=full",
-                              "train.micro_batch=4"], 2),
-    "tp2-ac_selective": (2, ["parallel.tp=2", "parallel.activation_checkpointing=selective",
-                             "train.micro_batch=8"], 2),
-    "pp2-1f1b-ac_full": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b",
-                             "parallel.activation_checkpointing=full", "train.micro_batch=8"], 2),
+    "dp_shard2-ac_full": (
+        2,
+        ["parallel.dp_shard=2", "parallel.activation_checkpointing=full", "train.micro_batch=4"],
+        2,
+    ),
+    "tp2-ac_selective": (
+        2,
+        ["parallel.tp=2", "parallel.activation_checkpointing=selective", "train.micro_batch=8"],
+        2,
+    ),
+    "pp2-1f1b-ac_full": (
+        2,
+        [
+            "parallel.pp=2",
+            "parallel.pp_schedule=1f1b",
+            "parallel.activation_checkpointing=full",
+            "train.micro_batch=8",
+        ],
+        2,
+    ),
 }
 
 FOUR_RANKS = {
@@ -114,28 +139,50 @@ FOUR_RANKS = {
     "pp2xdp_shard2": (4, ["parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch=4"], 2),
     # Two stages per rank (one skeleton module holds both for the optimizer and checkpoints),
     # each stage FSDP-sharded; 4 chunks of 1 example.
-    "pp2-interleaved-xdp_shard2": (4, ["parallel.pp=2", "parallel.dp_shard=2",
-                                       "parallel.pp_schedule=interleaved-1f1b",
-                                       "train.micro_batch=4"], 2),
+    "pp2-interleaved-xdp_shard2": (
+        4,
+        [
+            "parallel.pp=2",
+            "parallel.dp_shard=2",
+            "parallel.pp_schedule=interleaved-1f1b",
+            "train.micro_batch=4",
+        ],
+        2,
+    ),
     # Pipeline x tensor parallel: each stage's blocks split over tp, with sequence parallel
     # (a stage boundary carries each TP rank's share of the positions).
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2", "train.micro_batch=8"], 2),
     # HSDP: sharded within pairs, replicated across them; 4 examples per rank.
-    "dp_replicate2xdp_shard2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2",
-                                    "train.micro_batch=4"], 1),
+    "dp_replicate2xdp_shard2": (
+        4,
+        ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batch=4"],
+        1,
+    ),
 }
 
 LAYOUTS = {**TWO_RANKS, **FOUR_RANKS}
 
 # world size -> [(run name, overrides)]: what each job runs, in order.
 JOBS: dict[int, list[tuple[str, list[str]]]] = {
-    1: [*((f"one-process-{kind}", [*DATA[kind], f"train.micro_batch={GLOBAL_BATCH}"])
-          for kind in DATA),
-        ("one-process-packed-1-step",
-         [*DATA["packed"], f"train.micro_batch={GLOBAL_BATCH}", "train.steps=1"])],
-    **{world: [(f"{name}-{kind}", [*DATA[kind], *overrides])
-               for kind in DATA for name, (w, overrides, _) in LAYOUTS.items() if w == world]
-       for world in (2, 4)},
+    1: [
+        *(
+            (f"one-process-{kind}", [*DATA[kind], f"train.micro_batch={GLOBAL_BATCH}"])
+            for kind in DATA
+        ),
+        (
+            "one-process-packed-1-step",
+            [*DATA["packed"], f"train.micro_batch={GLOBAL_BATCH}", "train.steps=1"],
+        ),
+    ],
+    **{
+        world: [
+            (f"{name}-{kind}", [*DATA[kind], *overrides])
+            for kind in DATA
+            for name, (w, overrides, _) in LAYOUTS.items()
+            if w == world
+        ]
+        for world in (2, 4)
+    },
 }
 JOBS[4].append(("view-probe", []))  # not a run: _view_probe, after the runs
 JOB_TIMEOUT = {world: 180.0 + PER_RUN_S[world] * len(cases) for world, cases in JOBS.items()}
@@ -152,7 +199,8 @@ class Job:
     def run_dir(self, name: str) -> Path:
         run_dir = self.root / name
         assert (run_dir / "summary.json").exists(), (
-            f"run {name!r} did not finish; the job's output ends:\n{self.log[-6000:]}")
+            f"run {name!r} did not finish; the job's output ends:\n{self.log[-6000:]}"
+        )
         return run_dir
 
 
@@ -165,20 +213,33 @@ def _job(root: Path, world_size: int, *, only: set[str]) -> Job:
     (root / "cases.json").write_text(json.dumps(cases))
     port = str(free_port())
     threads = str(max(1, len(os.sched_getaffinity(0)) // world_size))
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, str(root)],
-        env=cli_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
-                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port, TORCHELASTIC_RUN_ID="parity", OMP_NUM_THREADS=threads),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world_size)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(root)],
+            env=cli_env(
+                RANK=str(r),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                TORCHELASTIC_RUN_ID="parity",
+                OMP_NUM_THREADS=threads,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world_size)
+    ]
     logs = []
     try:
         for p in procs:
             logs.append(p.communicate(timeout=JOB_TIMEOUT[world_size])[0])
     except subprocess.TimeoutExpired:
-        logs.append(f"(the {world_size}-process job did not finish within "
-                    f"{JOB_TIMEOUT[world_size]} s)")
+        logs.append(
+            f"(the {world_size}-process job did not finish within {JOB_TIMEOUT[world_size]} s)"
+        )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -205,8 +266,9 @@ def _selected_runs(session: pytest.Session) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def jobs(request: pytest.FixtureRequest,
-         tmp_path_factory: pytest.TempPathFactory) -> dict[int, Job]:
+def jobs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[int, Job]:
     """world size -> its job, run on first use."""
     root, only = tmp_path_factory.mktemp("parity"), _selected_runs(request.session)
 
@@ -254,8 +316,10 @@ def assert_matches_reference(run_dir: Path, ref: Reference, label: str) -> None:
     assert shapes == {k: tuple(v.shape) for k, v in ref.weights.items()}, label
     assert all(w.dtype == torch.float64 for w in weights.values()), label
     weight_diff = max_abs_diff(weights, ref.weights)
-    print(f"{label}: max |difference| loss {loss_diff:.3g}, grad_norm {norm_diff:.3g}, "
-          f"weights {weight_diff:.3g}")
+    print(
+        f"{label}: max |difference| loss {loss_diff:.3g}, grad_norm {norm_diff:.3g}, "
+        f"weights {weight_diff:.3g}"
+    )
     assert loss_diff < TOL, f"{label}: losses differ from 1 process by {loss_diff:.3g}"
     assert norm_diff < TOL, f"{label}: grad norms differ from 1 process by {norm_diff:.3g}"
     assert weight_diff < TOL, f"{label}: weights differ from 1 process by {weight_diff:.3g}"
@@ -289,10 +353,14 @@ def test_ragged_counts_differ_between_ranks_and_micro_batches() -> None:
     assert ds.spec.ragged
 
     def counts(dp_rank: int) -> list[int]:
-        sampler = GlobalBatchSampler(len(ds), global_batch=GLOBAL_BATCH, micro_batch=4,
-                                     dp_rank=dp_rank, dp_size=2, seed=7)
-        return [int((ds.targets[idx] != IGNORE_INDEX).sum())
-                for step in range(STEPS) for idx in sampler.micro_batches(step)]
+        sampler = GlobalBatchSampler(
+            len(ds), global_batch=GLOBAL_BATCH, micro_batch=4, dp_rank=dp_rank, dp_size=2, seed=7
+        )
+        return [
+            int((ds.targets[idx] != IGNORE_INDEX).sum())
+            for step in range(STEPS)
+            for idx in sampler.micro_batches(step)
+        ]
 
     rank0, rank1 = counts(0), counts(1)
     full = 4 * seq_len
@@ -351,9 +419,9 @@ def _view_probe(root: Path) -> None:
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
+    from scaletrain.config import ParallelConfig
     from scaletrain.models.gpt import GPT, GPT_SHAPES
     from scaletrain.models.protocol import model_spec
-    from scaletrain.config import ParallelConfig
     from scaletrain.parallel.compose import parallelize
     from scaletrain.parallel.layout import ParallelLayout
     from scaletrain.precision import make_precision
@@ -361,16 +429,28 @@ def _view_probe(root: Path) -> None:
     torch.manual_seed(0)
     model = GPT(vocab_size=256, block_size=32, shape=GPT_SHAPES["small"])
     layout = ParallelLayout(dp_shard=2, tp=2).resolve(4)
-    par = parallelize(model, spec=model_spec(model), layout=layout, rank=dist.get_rank(),
-                      device=torch.device("cpu"), parallel=ParallelConfig(), pipeline=None,
-                      precision=make_precision("fp32", device_type="cpu", sharded=True))
+    par = parallelize(
+        model,
+        spec=model_spec(model),
+        layout=layout,
+        rank=dist.get_rank(),
+        device=torch.device("cpu"),
+        parallel=ParallelConfig(),
+        pipeline=None,
+        precision=make_precision("fp32", device_type="cpu", sharded=True),
+    )
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))  # (B, T)
     with warnings.catch_warnings(record=True) as seen:  # the filters as they are, recorded
         out = par.model(x)  # (B, T, V)
-    probe = {"is_view": out._base is not None, "made_by": type(out.grad_fn).__name__,
-             "warned": [str(w.message) for w in seen if "view tensor" in str(w.message)]}
-    for name, op in (("add_", lambda t: t.add_(1)),
-                     ("flatten-mul_", lambda t: t.flatten(0, 1).mul_(2))):
+    probe = {
+        "is_view": out._base is not None,
+        "made_by": type(out.grad_fn).__name__,
+        "warned": [str(w.message) for w in seen if "view tensor" in str(w.message)],
+    }
+    for name, op in (
+        ("add_", lambda t: t.add_(1)),
+        ("flatten-mul_", lambda t: t.flatten(0, 1).mul_(2)),
+    ):
         try:
             op(out)
             probe[name] = "allowed"
@@ -391,8 +471,6 @@ def _view_probe(root: Path) -> None:
         viewer(torch.ones(2, 4)).sum().backward()
     probe["control_warned"] = any("view tensor" in str(w.message) for w in seen)
     (root / f"view-probe-rank{dist.get_rank()}.json").write_text(json.dumps(probe))
-
-
 
 
 def _worker(root: Path) -> None:

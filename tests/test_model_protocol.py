@@ -9,9 +9,17 @@ from torch import nn
 
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models import build_model
-from scaletrain.models.protocol import (ModelSpec, ModelSpecError, PipelineSplit, block_modules,
-                                        find_repeated_blocks, model_spec, output_logits,
-                                        require, tp_targets)
+from scaletrain.models.protocol import (
+    ModelSpec,
+    ModelSpecError,
+    PipelineSplit,
+    block_modules,
+    find_repeated_blocks,
+    model_spec,
+    output_logits,
+    require,
+    tp_targets,
+)
 
 TEXT = TaskSpec("lm", (16,), 256)
 
@@ -24,8 +32,9 @@ def test_gpt_declares_blocks_tp_plan_and_pipeline_split() -> None:
     targets = tp_targets(gpt, spec)
     assert targets["blocks.0.attn.q"] == "colwise" and targets["blocks.1.mlp.proj"] == "rowwise"
     assert len(targets) == 2 * 6  # q, k, v, proj, fc, proj in each of the 2 blocks
-    assert spec.pipeline == PipelineSplit(first=("tok_emb", "pos_emb"), blocks="blocks",
-                                          last=("ln_f", "lm_head"))
+    assert spec.pipeline == PipelineSplit(
+        first=("tok_emb", "pos_emb"), blocks="blocks", last=("ln_f", "lm_head")
+    )
     for technique in ("fsdp", "activation-checkpointing", "tp", "pp"):
         require(spec, technique, model_label="model.name = 'gpt'")
 
@@ -48,8 +57,11 @@ def test_a_user_module_gets_its_repeated_children_as_blocks_and_nothing_else() -
     spec = model_spec(Stack())
     assert spec == ModelSpec(blocks="layers") and spec.source == "default"
     require(spec, "fsdp", model_label="model.name = 'pkg:build'")
-    with pytest.raises(ModelSpecError, match=r"model.name = 'pkg:build' declares no "
-                                             r"tensor-parallel plan, which tp needs"):
+    with pytest.raises(
+        ModelSpecError,
+        match=r"model.name = 'pkg:build' declares no "
+        r"tensor-parallel plan, which tp needs",
+    ):
         require(spec, "tp", model_label="model.name = 'pkg:build'")
     with pytest.raises(ModelSpecError) as e:
         require(spec, "pp", model_label="model.name = 'pkg:build'")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.data.sources import TaskSpec
-from scaletrain.models import MODEL_NAMES, MODEL_SIZES, _REGISTRY, build_model, count_parameters
+from scaletrain.models import _REGISTRY, MODEL_NAMES, MODEL_SIZES, build_model, count_parameters
 from scaletrain.models.gpt import GPT_SHAPES
 
 MNIST = TaskSpec("classification", (1, 28, 28), 10)
@@ -20,8 +20,12 @@ DIGITS = TaskSpec("classification", (1, 8, 8), 10)
 ODD_IMAGES = TaskSpec("classification", (3, 9, 13), 7)  # channels, odd sides, 7 classes
 TEXT = TaskSpec("lm", (32,), 256)
 CASES = [
-    ("mlp", MNIST), ("mlp", DIGITS), ("mlp", ODD_IMAGES),
-    ("cnn", MNIST), ("cnn", DIGITS), ("cnn", ODD_IMAGES),
+    ("mlp", MNIST),
+    ("mlp", DIGITS),
+    ("mlp", ODD_IMAGES),
+    ("cnn", MNIST),
+    ("cnn", DIGITS),
+    ("cnn", ODD_IMAGES),
     ("gpt", TEXT),
 ]
 
@@ -42,7 +46,9 @@ def test_forward_shape(name, task, size):
     torch.manual_seed(0)
     model = build_model(name, size=size, task=task)
     logits = model(_inputs(task))
-    expected = (3, task.input_shape[0], task.num_classes) if task.kind == "lm" else (3, task.num_classes)
+    expected = (
+        (3, task.input_shape[0], task.num_classes) if task.kind == "lm" else (3, task.num_classes)
+    )
     assert logits.shape == expected
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
@@ -140,7 +146,8 @@ def _reference_gpt_forward(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
         a = block.attn
         h = F.layer_norm(x, x.shape[-1:], block.ln_1.weight, block.ln_1.bias)
         q, k, v = (  # 3 x (B, nh, T, hs)
-            F.linear(h, m.weight, m.bias).view(B, T, -1, a.head_dim).transpose(1, 2) for m in (a.q, a.k, a.v)
+            F.linear(h, m.weight, m.bias).view(B, T, -1, a.head_dim).transpose(1, 2)
+            for m in (a.q, a.k, a.v)
         )
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(a.head_dim)  # (B, nh, T, T)
         y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v  # (B, nh, T, hs)
@@ -197,7 +204,10 @@ def test_gpt_has_no_shared_tensors_and_saves_with_safetensors(tmp_path):
 def test_gpt_splits_into_pipeline_stages():
     torch.manual_seed(0)
     full = build_model("gpt", size="small", task=TEXT).eval()
-    first, last = build_model("gpt", size="small", task=TEXT), build_model("gpt", size="small", task=TEXT)
+    first, last = (
+        build_model("gpt", size="small", task=TEXT),
+        build_model("gpt", size="small", task=TEXT),
+    )
     first.load_state_dict(full.state_dict())
     last.load_state_dict(full.state_dict())
     del first.blocks["2"], first.blocks["3"]
@@ -215,7 +225,9 @@ def test_every_parameter_gets_a_gradient(name, task):
     # DDP refuses parameters unused in the forward unless told to search for them.
     model = build_model(name, size="tiny", task=task)
     model(_inputs(task)).square().mean().backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    missing = [
+        n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0
+    ]
     assert not missing
 
 

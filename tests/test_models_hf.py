@@ -24,19 +24,25 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from scaletrain.data.sources import IGNORE_INDEX, Batch, TaskSpec, target_count  # noqa: E402
+from scaletrain.loss import cross_entropy  # noqa: E402
 from scaletrain.models.hf import HFModelError, build_hf_model, hf_spec, save_hf  # noqa: E402
 from scaletrain.models.protocol import check_spec, model_spec, tp_targets  # noqa: E402
-from scaletrain.loss import cross_entropy  # noqa: E402
 
-TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 TASK = TaskSpec("lm", (32,), 256)
 
 
 def build(seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    return build_hf_model(path="", hf_config="LlamaConfig", kwargs={**TINY, **overrides},
-                          task=TASK)
+    return build_hf_model(path="", hf_config="LlamaConfig", kwargs={**TINY, **overrides}, task=TASK)
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -65,11 +71,19 @@ def test_build_from_class_name_and_spec():
     assert spec == hf_spec(model) and spec.source == "hugging-face"
     check_spec(model, spec)
     assert spec.blocks == "model.layers" and len(model.get_submodule(spec.blocks)) == 2
-    expected = {f"model.layers.{i}.{name}": style for i in range(2) for name, style in [
-        ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"),
-        ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"),
-        ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"),
-        ("mlp.down_proj", "rowwise")]}
+    expected = {
+        f"model.layers.{i}.{name}": style
+        for i in range(2)
+        for name, style in [
+            ("self_attn.q_proj", "colwise"),
+            ("self_attn.k_proj", "colwise"),
+            ("self_attn.v_proj", "colwise"),
+            ("self_attn.o_proj", "rowwise"),
+            ("mlp.gate_proj", "colwise"),
+            ("mlp.up_proj", "colwise"),
+            ("mlp.down_proj", "rowwise"),
+        ]
+    }
     assert tp_targets(model, spec) == expected  # HF's embedding/gather styles are dropped
     assert spec.pipeline is not None
     assert spec.pipeline.first == ("model.embed_tokens", "model.rotary_emb")
@@ -85,8 +99,7 @@ def test_build_from_config_json_with_override(tmp_path):
     # A real config.json often says bfloat16; scaletrain keeps fp32 master weights anyway.
     file = write_llama_json(tmp_path / "config.json", dtype="bfloat16")
     torch.manual_seed(0)
-    model = build_hf_model(path="", hf_config=str(file), kwargs={"num_hidden_layers": 3},
-                           task=TASK)
+    model = build_hf_model(path="", hf_config=str(file), kwargs={"num_hidden_layers": 3}, task=TASK)
     assert model.config.num_hidden_layers == 3 and len(model.model.layers) == 3
     assert model.config.hidden_size == 32  # the JSON's own keys stay
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -107,15 +120,18 @@ def test_same_seed_in_another_process_builds_the_same_weights(tmp_path):
     """Another interpreter (another hash seed: set iteration order differs) builds the
     weights bit for bit, as every rank of a launch must."""
     out = tmp_path / "child.safetensors"
-    code = ("import json, sys, torch; from safetensors.torch import save_file; "
-            "from scaletrain.data.sources import TaskSpec; "
-            "from scaletrain.models.hf import build_hf_model; torch.manual_seed(5); "
-            "m = build_hf_model(path='', hf_config='LlamaConfig', kwargs=json.loads(sys.argv[1]), "
-            "task=TaskSpec('lm', (32,), 256)); "
-            "save_file({k: v.contiguous() for k, v in m.state_dict().items()}, sys.argv[2])")
+    code = (
+        "import json, sys, torch; from safetensors.torch import save_file; "
+        "from scaletrain.data.sources import TaskSpec; "
+        "from scaletrain.models.hf import build_hf_model; torch.manual_seed(5); "
+        "m = build_hf_model(path='', hf_config='LlamaConfig', kwargs=json.loads(sys.argv[1]), "
+        "task=TaskSpec('lm', (32,), 256)); "
+        "save_file({k: v.contiguous() for k, v in m.state_dict().items()}, sys.argv[2])"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    subprocess.run([sys.executable, "-c", code, json.dumps(TINY), str(out)], check=True,
-                   env=env, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", code, json.dumps(TINY), str(out)], check=True, env=env, timeout=120
+    )
     child, here = load_file(str(out)), build(seed=5).state_dict()
     assert child.keys() == here.keys() and all(torch.equal(child[k], here[k]) for k in here)
 
@@ -177,8 +193,9 @@ def test_malformed_directories_are_refused(tmp_path):
 
     # A sharded index naming a shard that is not there.
     good = save_hf(build(), tmp_path / "sharded")
-    (good / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    (good / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(HFModelError, match="model-00002-of-00002.safetensors"):
         load(good)
 
@@ -262,8 +279,9 @@ def test_refuses_non_text_data():
 def test_refuses_small_vocabulary_and_few_positions(tmp_path):
     with pytest.raises(HFModelError, match=r"model\.kwargs\.vocab_size = 100.*256"):
         build(vocab_size=100)
-    with pytest.raises(HFModelError,
-                       match=r"model\.kwargs\.max_position_embeddings = 16.*length 32"):
+    with pytest.raises(
+        HFModelError, match=r"model\.kwargs\.max_position_embeddings = 16.*length 32"
+    ):
         build(max_position_embeddings=16)
     # A value from a JSON file names the file; an alias (GPT-2's n_positions) names the alias.
     file = write_llama_json(tmp_path / "c.json", vocab_size=100)
@@ -274,8 +292,12 @@ def test_refuses_small_vocabulary_and_few_positions(tmp_path):
     with pytest.raises(HFModelError, match=r"(?s)model\.path = .*has vocab_size = 256.*fixed"):
         build_hf_model(path=str(saved), hf_config="", kwargs={}, task=TaskSpec("lm", (32,), 300))
     with pytest.raises(HFModelError, match=r"model\.kwargs\.n_positions = 16"):
-        build_hf_model(path="", hf_config="GPT2Config", task=TASK, kwargs=dict(
-            vocab_size=256, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+        build_hf_model(
+            path="",
+            hf_config="GPT2Config",
+            task=TASK,
+            kwargs=dict(vocab_size=256, n_embd=32, n_layer=1, n_head=4, n_positions=16),
+        )
 
 
 def test_refuses_unknown_class_with_did_you_mean():
@@ -287,12 +309,15 @@ def test_refuses_unknown_class_with_did_you_mean():
 
 def test_refuses_bad_kwargs():
     # One the config class rejects (its validator), and one it would silently keep (a typo).
-    with pytest.raises(HFModelError, match=r"(?s)model\.hf_config = 'LlamaConfig'.*attention heads"):
+    with pytest.raises(
+        HFModelError, match=r"(?s)model\.hf_config = 'LlamaConfig'.*attention heads"
+    ):
         build(num_attention_heads=5)
     with pytest.raises(HFModelError, match=r"(?s)hidden_size.*expected int"):
         build(hidden_size="wide")
-    with pytest.raises(HFModelError,
-                       match=r"model\.kwargs\.num_hidden_layer = 3.*did you mean 'num_hidden_layers'"):
+    with pytest.raises(
+        HFModelError, match=r"model\.kwargs\.num_hidden_layer = 3.*did you mean 'num_hidden_layers'"
+    ):
         build(num_hidden_layer=3)
 
 

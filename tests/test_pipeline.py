@@ -25,13 +25,18 @@ import torch
 from torch import nn
 
 from scaletrain.data.sources import IGNORE_INDEX, Batch
+from scaletrain.loss import cross_entropy
 from scaletrain.models.gpt import GPT, GPTShape
 from scaletrain.models.mlp import MLP
 from scaletrain.models.protocol import ModelSpec, PipelineSplit, model_spec
-from scaletrain.parallel.pipeline import (PipelineConfigError, check_schedule,
-                                          idle_fraction_theory, split_blocks, split_model,
-                                          stage_ids)
-from scaletrain.loss import cross_entropy
+from scaletrain.parallel.pipeline import (
+    PipelineConfigError,
+    check_schedule,
+    idle_fraction_theory,
+    split_blocks,
+    split_model,
+    stage_ids,
+)
 
 TOL = 1e-9
 WORLD = 2
@@ -44,9 +49,15 @@ CASES = {
     "zero-bubble": ("gpt", "zero-bubble", 2, 4, False, False),
     "zero-bubble-h1-eval-first": ("gpt", "zero-bubble", 1, 2, True, False),
     "mlp-1f1b": ("mlp", "1f1b", 1, 2, False, False),
-    **{f"{s}-ragged": ("gpt", s, spr, chunks, False, True)
-       for s, spr, chunks in (("gpipe", 1, 2), ("1f1b", 1, 4), ("interleaved-1f1b", 2, 2),
-                              ("zero-bubble", 2, 4))},
+    **{
+        f"{s}-ragged": ("gpt", s, spr, chunks, False, True)
+        for s, spr, chunks in (
+            ("gpipe", 1, 2),
+            ("1f1b", 1, 4),
+            ("interleaved-1f1b", 2, 2),
+            ("zero-bubble", 2, 4),
+        )
+    },
 }
 IDLE_CHUNKS = (2, 8)  # GPipe on 2 ranks: theory 1/3 and 1/9
 
@@ -67,34 +78,52 @@ def _mlp() -> MLP:
 # ---------------------------------------------------------------- pure: no process group
 
 
-@pytest.mark.parametrize("kwargs, names", [
-    (dict(schedule="gpipe", stages_per_rank=2), "pp_stages_per_rank = 2"),
-    (dict(schedule="1f1b", stages_per_rank=2), "pp_stages_per_rank = 2"),
-    (dict(schedule="interleaved-1f1b", stages_per_rank=1), "pp_stages_per_rank = 1"),
-    (dict(schedule="1f1b", microbatches=3), "pp_microbatches = 3"),
-    (dict(schedule="interleaved-1f1b", stages_per_rank=2, microbatches=9), "2 rounds"),
-    (dict(schedule="zero-bubble", stages_per_rank=2, microbatches=9), "pp_microbatches = 9"),
-    (dict(schedule="interleaved-1f1b", stages_per_rank=2, n_blocks=6), "has 6 blocks"),
-    (dict(schedule="pipedream"), "'pipedream'"),
-    (dict(schedule="gpipe", microbatches=0), "pp_microbatches = 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        (dict(schedule="gpipe", stages_per_rank=2), "pp_stages_per_rank = 2"),
+        (dict(schedule="1f1b", stages_per_rank=2), "pp_stages_per_rank = 2"),
+        (dict(schedule="interleaved-1f1b", stages_per_rank=1), "pp_stages_per_rank = 1"),
+        (dict(schedule="1f1b", microbatches=3), "pp_microbatches = 3"),
+        (dict(schedule="interleaved-1f1b", stages_per_rank=2, microbatches=9), "2 rounds"),
+        (dict(schedule="zero-bubble", stages_per_rank=2, microbatches=9), "pp_microbatches = 9"),
+        (dict(schedule="interleaved-1f1b", stages_per_rank=2, n_blocks=6), "has 6 blocks"),
+        (dict(schedule="pipedream"), "'pipedream'"),
+        (dict(schedule="gpipe", microbatches=0), "pp_microbatches = 0"),
+    ],
+)
 def test_check_schedule_refuses(kwargs: dict, names: str) -> None:
     args = dict(pp=4, microbatches=8, stages_per_rank=1, n_blocks=None) | kwargs
     schedule = args.pop("schedule")
     with pytest.raises(PipelineConfigError) as info:
         check_schedule(schedule, **args)
     message = str(info.value)
-    for key in ("parallel.pp = 4", "parallel.pp_schedule", "parallel.pp_microbatches",
-                "parallel.pp_stages_per_rank", names):
+    for key in (
+        "parallel.pp = 4",
+        "parallel.pp_schedule",
+        "parallel.pp_microbatches",
+        "parallel.pp_stages_per_rank",
+        names,
+    ):
         assert key in message, message
 
 
-@pytest.mark.parametrize("schedule, spr, chunks", [
-    ("gpipe", 1, 1), ("gpipe", 1, 3), ("1f1b", 1, 4), ("1f1b", 1, 7),
-    ("interleaved-1f1b", 2, 1), ("interleaved-1f1b", 2, 3), ("interleaved-1f1b", 2, 6),
-    ("interleaved-1f1b", 3, 8), ("interleaved-1f1b", 2, 10), ("zero-bubble", 1, 2),
-    ("zero-bubble", 2, 12),
-])
+@pytest.mark.parametrize(
+    "schedule, spr, chunks",
+    [
+        ("gpipe", 1, 1),
+        ("gpipe", 1, 3),
+        ("1f1b", 1, 4),
+        ("1f1b", 1, 7),
+        ("interleaved-1f1b", 2, 1),
+        ("interleaved-1f1b", 2, 3),
+        ("interleaved-1f1b", 2, 6),
+        ("interleaved-1f1b", 3, 8),
+        ("interleaved-1f1b", 2, 10),
+        ("zero-bubble", 1, 2),
+        ("zero-bubble", 2, 12),
+    ],
+)
 def test_check_schedule_accepts_what_torch_runs(schedule: str, spr: int, chunks: int) -> None:
     check_schedule(schedule, pp=4, microbatches=chunks, stages_per_rank=spr, n_blocks=12)
 
@@ -102,9 +131,11 @@ def test_check_schedule_accepts_what_torch_runs(schedule: str, spr: int, chunks:
 def test_stage_ids_loop_placement() -> None:
     assert stage_ids(pp_rank=1, pp=4, stages_per_rank=1, schedule="1f1b") == [1]
     assert stage_ids(pp_rank=1, pp=4, stages_per_rank=3, schedule="zero-bubble") == [1, 5, 9]
-    held = sorted(s for r in range(4)
-                  for s in stage_ids(pp_rank=r, pp=4, stages_per_rank=2,
-                                     schedule="interleaved-1f1b"))
+    held = sorted(
+        s
+        for r in range(4)
+        for s in stage_ids(pp_rank=r, pp=4, stages_per_rank=2, schedule="interleaved-1f1b")
+    )
     assert held == list(range(8))
 
 
@@ -182,8 +213,9 @@ def test_split_gpt_stages_chain_to_the_whole_model() -> None:
 def test_idle_fraction_theory() -> None:
     assert idle_fraction_theory("gpipe", pp=4, microbatches=8, stages_per_rank=1) == 3 / 11
     assert idle_fraction_theory("1f1b", pp=2, microbatches=2, stages_per_rank=1) == 1 / 3
-    assert idle_fraction_theory("interleaved-1f1b", pp=4, microbatches=8,
-                                stages_per_rank=2) == 3 / 19
+    assert (
+        idle_fraction_theory("interleaved-1f1b", pp=4, microbatches=8, stages_per_rank=2) == 3 / 19
+    )
     assert idle_fraction_theory("zero-bubble", pp=4, microbatches=8, stages_per_rank=1) == 3 / 27
 
 
@@ -196,11 +228,22 @@ def job(tmp_path_factory) -> dict:
     from harness import cli_env, free_port
 
     out = tmp_path_factory.mktemp("pipeline")
-    env = cli_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD),
-                  OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(out)], env=env | {"RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
+    env = cli_env(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(WORLD),
+        OMP_NUM_THREADS="1",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(out)],
+            env=env | {"RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
     logs = []
     for p in procs:
         try:
@@ -211,8 +254,11 @@ def job(tmp_path_factory) -> dict:
             raise AssertionError("a pipeline rank did not finish within 120 s") from None
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
-    return {(r, case): result for r in range(WORLD)
-            for case, result in json.loads((out / f"rank{r}.json").read_text()).items()}
+    return {
+        (r, case): result
+        for r in range(WORLD)
+        for case, result in json.loads((out / f"rank{r}.json").read_text()).items()
+    }
 
 
 @pytest.mark.slow
@@ -249,13 +295,16 @@ def test_measured_idle_is_one_fraction_for_the_pipeline(job: dict) -> None:
 # --------------------------------------------------- the worker (run as a script per rank)
 
 
-def _batch(model: str, rows: int, seed: int,
-           ragged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(
+    model: str, rows: int, seed: int, ragged: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     if model == "mlp":
         return torch.randn(rows, 1, 8, 8, generator=g), torch.randint(0, 10, (rows,), generator=g)
-    x, y = (torch.randint(0, 256, (rows, 16), generator=g),
-            torch.randint(0, 256, (rows, 16), generator=g))
+    x, y = (
+        torch.randint(0, 256, (rows, 16), generator=g),
+        torch.randint(0, 256, (rows, 16), generator=g),
+    )
     if ragged:  # every row padded after its own length, 1 to 16 target tokens
         lengths = torch.randint(1, 17, (rows, 1), generator=g)
         y[torch.arange(16) >= lengths] = IGNORE_INDEX
@@ -280,9 +329,16 @@ def _run_case(name: str, rank: int, group) -> dict:
 
     ids = stage_ids(pp_rank=rank, pp=WORLD, stages_per_rank=spr, schedule=schedule)
     parts = split_model(model, model_spec(model), stage_ids=ids, num_stages=WORLD * spr)
-    pipe = build_pipeline(parts, stage_ids=ids, num_stages=WORLD * spr, group=group,
-                          device=torch.device("cpu"), schedule=schedule, microbatches=chunks,
-                          loss_fn=cross_entropy)
+    pipe = build_pipeline(
+        parts,
+        stage_ids=ids,
+        num_stages=WORLD * spr,
+        group=group,
+        device=torch.device("cpu"),
+        schedule=schedule,
+        microbatches=chunks,
+        loss_fn=cross_entropy,
+    )
     xe, ye = _batch(which, 3, 9)  # smaller than the train batch of 8
     if eval_first:  # shapes are inferred from an eval batch first, then again for train
         with torch.no_grad():
@@ -293,9 +349,11 @@ def _run_case(name: str, rank: int, group) -> dict:
         logits = eval_pipeline(pipe, xe, ye)
         expected = model(xe)
     return {
-        "names": sorted(grads), "all_names": sorted(n for n, _ in model.named_parameters()),
+        "names": sorted(grads),
+        "all_names": sorted(n for n, _ in model.named_parameters()),
         "grad_err": max(float((g - ref_grads[n].grad).abs().max()) for n, g in grads.items()),
-        "losses": losses, "has_last": pipe.has_last,
+        "losses": losses,
+        "has_last": pipe.has_last,
         "loss_err": max(abs(a - b) for a, b in zip(losses, ref_sums)) if pipe.has_last else None,
         "eval_shape": list(logits.shape) if logits is not None else None,
         "eval_err": float((logits - expected).abs().max()) if logits is not None else None,
@@ -308,17 +366,26 @@ def _measure_bubble(rank: int, group) -> dict:
 
     # Stages heavy enough (float32, 256 wide) that compute outweighs messages.
     model = _gpt(n_layer=4, n_embd=256, block_size=64).float()
-    x, y = (torch.randint(0, 256, (32, 64), generator=torch.Generator().manual_seed(s))
-            for s in (5, 6))
+    x, y = (
+        torch.randint(0, 256, (32, 64), generator=torch.Generator().manual_seed(s)) for s in (5, 6)
+    )
     ids = stage_ids(pp_rank=rank, pp=WORLD, stages_per_rank=1, schedule="gpipe")
     parts = split_model(model, model_spec(model), stage_ids=ids, num_stages=WORLD)
     out = {}
     for chunks in IDLE_CHUNKS:
-        pipe = build_pipeline(parts, stage_ids=ids, num_stages=WORLD, group=group,
-                              device=torch.device("cpu"), schedule="gpipe", microbatches=chunks,
-                              loss_fn=cross_entropy)
-        runs = [measure_idle(pipe, x, y, loss_weight=1 / y.numel(), warmup=i == 0)
-                for i in range(2)]
+        pipe = build_pipeline(
+            parts,
+            stage_ids=ids,
+            num_stages=WORLD,
+            group=group,
+            device=torch.device("cpu"),
+            schedule="gpipe",
+            microbatches=chunks,
+            loss_fn=cross_entropy,
+        )
+        runs = [
+            measure_idle(pipe, x, y, loss_weight=1 / y.numel(), warmup=i == 0) for i in range(2)
+        ]
         out[str(chunks)] = sum(runs) / len(runs)
     return out
 

@@ -9,14 +9,19 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.sources import load_source
 from scaletrain.models import build_model
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from scaletrain.precision import (PRECISION_MODES, Hardware, choose_auto, decide_auto,
-                                  detect_hardware, make_precision)
+from scaletrain.precision import (
+    PRECISION_MODES,
+    Hardware,
+    choose_auto,
+    decide_auto,
+    detect_hardware,
+    make_precision,
+)
 from scaletrain.training.optim import build_optimizer, build_scheduler
 from scaletrain.training.step import train_step
 
@@ -27,19 +32,30 @@ def _setup(mode: str, *, init_scale: float = 2.0**16, seed: int = 0, lr: float =
     model = build_model("mlp", size="small", task=data.spec)
     precision = make_precision(mode, device_type="cpu", init_scale=init_scale)
     model = precision.convert_module(model)
-    opt = build_optimizer(model, name="adamw", lr=lr, weight_decay=0.0, betas=(0.9, 0.999),
-                          momentum=0.0)
-    sched = build_scheduler(opt, warmup_steps=0, total_steps=100, schedule="constant",
-                            min_lr_ratio=1.0)
-    sampler = GlobalBatchSampler(len(data), global_batch=64, micro_batch=32, dp_rank=0,
-                                 dp_size=1, seed=seed)
+    opt = build_optimizer(
+        model, name="adamw", lr=lr, weight_decay=0.0, betas=(0.9, 0.999), momentum=0.0
+    )
+    sched = build_scheduler(
+        opt, warmup_steps=0, total_steps=100, schedule="constant", min_lr_ratio=1.0
+    )
+    sampler = GlobalBatchSampler(
+        len(data), global_batch=64, micro_batch=32, dp_rank=0, dp_size=1, seed=seed
+    )
     return data, model, precision, opt, sched, sampler
 
 
 def _step(data, model, precision, opt, sched, sampler, step: int):
     micro = [data.get(i) for i in sampler.micro_batches(step)]
-    return train_step(model, micro, optimizer=opt, scheduler=sched, precision=precision,
-                      grad_clip=1.0, dp_size=1, ragged_counts=False)
+    return train_step(
+        model,
+        micro,
+        optimizer=opt,
+        scheduler=sched,
+        precision=precision,
+        grad_clip=1.0,
+        dp_size=1,
+        ragged_counts=False,
+    )
 
 
 def _train(mode: str, steps: int) -> tuple[float, float]:
@@ -51,8 +67,11 @@ def _train(mode: str, steps: int) -> tuple[float, float]:
         losses.append(float(r.loss_sum) / r.count)
     evals = load_source("digits", split="eval")
     with torch.no_grad(), precision.forward_context():
-        acc = float((model(precision.convert_input(evals.inputs)).argmax(-1) == evals.targets)
-                    .float().mean())
+        acc = float(
+            (model(precision.convert_input(evals.inputs)).argmax(-1) == evals.targets)
+            .float()
+            .mean()
+        )
     return sum(losses[-10:]) / 10, acc
 
 
@@ -92,9 +111,10 @@ class _MatmulDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode,matmul_dtype", [("bf16-mixed", torch.bfloat16),
-                                               ("fp32", torch.float32),
-                                               ("fp64", torch.float64)])
+@pytest.mark.parametrize(
+    "mode,matmul_dtype",
+    [("bf16-mixed", torch.bfloat16), ("fp32", torch.float32), ("fp64", torch.float64)],
+)
 def test_matmuls_run_in_the_mode_s_dtype(mode: str, matmul_dtype: torch.dtype) -> None:
     # A no-op forward context would leave bf16-mixed's matmuls in fp32: this sees it.
     data, model, precision, opt, sched, sampler = _setup(mode)
@@ -131,15 +151,18 @@ def test_bf16_true_keeps_parameters_in_bf16_and_learns() -> None:
     assert float(last.loss_sum) / last.count < 0.5 * float(first.loss_sum) / first.count
 
 
-@pytest.mark.parametrize("hw,mode", [
-    (Hardware("cpu", avx512_bf16=True, amx=True), "bf16-mixed"),
-    (Hardware("cpu", avx512_bf16=True, amx=False), "bf16-mixed"),
-    (Hardware("cpu", avx512_bf16=False, amx=True), "bf16-mixed"),
-    (Hardware("cpu", avx512_bf16=False, amx=False), "fp32"),
-    (Hardware("cuda", cuda_capability=(9, 0)), "bf16-mixed"),
-    (Hardware("cuda", cuda_capability=(8, 0)), "bf16-mixed"),
-    (Hardware("cuda", cuda_capability=(7, 5)), "fp32"),
-])
+@pytest.mark.parametrize(
+    "hw,mode",
+    [
+        (Hardware("cpu", avx512_bf16=True, amx=True), "bf16-mixed"),
+        (Hardware("cpu", avx512_bf16=True, amx=False), "bf16-mixed"),
+        (Hardware("cpu", avx512_bf16=False, amx=True), "bf16-mixed"),
+        (Hardware("cpu", avx512_bf16=False, amx=False), "fp32"),
+        (Hardware("cuda", cuda_capability=(9, 0)), "bf16-mixed"),
+        (Hardware("cuda", cuda_capability=(8, 0)), "bf16-mixed"),
+        (Hardware("cuda", cuda_capability=(7, 5)), "fp32"),
+    ],
+)
 def test_auto_decision_table(hw: Hardware, mode: str) -> None:
     chosen, why = decide_auto(hw)
     assert chosen == mode and why
@@ -160,29 +183,41 @@ def test_every_mode_builds_and_bad_mode_is_refused() -> None:
         make_precision("fp8", device_type="cpu")
 
 
-@pytest.mark.parametrize("capability, avx512_bf16, amx, slow", [
-    ("AVX2", False, False, True),  # this kind of machine: bf16 emulated, ~100x slower
-    ("AVX512", False, False, True),
-    ("AVX512", True, False, False),
-    ("AVX512", False, True, False),
-])
+@pytest.mark.parametrize(
+    "capability, avx512_bf16, amx, slow",
+    [
+        ("AVX2", False, False, True),  # this kind of machine: bf16 emulated, ~100x slower
+        ("AVX512", False, False, True),
+        ("AVX512", True, False, False),
+        ("AVX512", False, True, False),
+    ],
+)
 def test_a_precision_slower_than_fp32_on_this_cpu_is_warned(
-        capability: str, avx512_bf16: bool, amx: bool, slow: bool,
-        monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    capability: str,
+    avx512_bf16: bool,
+    amx: bool,
+    slow: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """`explain` (and `train`: the trainer logs resolve's warnings on rank 0) says when the
     precision asked for runs slower than fp32 on this CPU, naming its capability and the
     missing instruction sets; `auto` never warns, it picks fp32 there."""
-    from harness import cli_main, forbid_starting
     from scaletrain.config import validate_config
     from scaletrain.plan import resolve
+
+    from harness import cli_main, forbid_starting
 
     forbid_starting(monkeypatch, tmp_path)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     cfg = tmp_path / "config.toml"
-    cfg.write_text('[model]\nname = "mlp"\n[data]\nsource = "digits"\n'
-                   '[train]\nsteps = 2\nglobal_batch = 8\nmicro_batch = 8\n')
+    cfg.write_text(
+        '[model]\nname = "mlp"\n[data]\nsource = "digits"\n'
+        "[train]\nsteps = 2\nglobal_batch = 8\nmicro_batch = 8\n"
+    )
 
     for mode in ("bf16-mixed", "bf16-true", "auto"):
         assert cli_main(["explain", str(cfg), f"precision.mode={mode}"]) == 0
@@ -207,8 +242,9 @@ def test_fp16_warning_no_longer_recommends_bf16_blindly(monkeypatch: pytest.Monk
     from scaletrain.plan import resolve
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    warnings = resolve(validate_config({"precision": {"mode": "fp16-mixed"}}), world_size=1,
-                       nproc_per_node=1).warnings
+    warnings = resolve(
+        validate_config({"precision": {"mode": "fp16-mixed"}}), world_size=1, nproc_per_node=1
+    ).warnings
     fp16 = [w for w in warnings if "fp16-mixed" in w]
     assert len(fp16) == 1 and "capability AVX2" in fp16[0] and "'auto'" in fp16[0], warnings
     assert "use 'bf16-mixed'" not in fp16[0]

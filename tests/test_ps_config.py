@@ -23,8 +23,8 @@ import pytest
 
 import scaletrain.cli
 import scaletrain.launch
-from harness import (cli_env, cli_main, file_tree, forbid_starting, records, refuse_start,
-                     run_cli)
+
+from harness import cli_env, cli_main, file_tree, forbid_starting, records, refuse_start, run_cli
 
 # 1 server + 2 workers, 4 steps: a valid job (and the digits MLP has 4 parameter tensors).
 PS_TOML = """\
@@ -61,55 +61,144 @@ def case(id: str, argv: str, *expect: str, toml: str = PS_TOML):
 
 CASES = [
     # [ps] keys are read only under parallel.strategy = "ps" (but for the straggler knob)
-    case("ps-key-override-with-collective", "train {cfg} ps.mode=sync",
-         "ps.mode", "parallel.strategy = 'ps'", "'collective'", toml=COLLECTIVE_TOML),
-    case("ps-section-in-toml-with-collective", "train {cfg}", "ps.servers", "'collective'",
-         toml=COLLECTIVE_TOML + "\n[ps]\nservers = 2\n"),
-    case("ps-staleness-with-collective", "train {cfg} ps.staleness=0", "ps.staleness",
-         toml=COLLECTIVE_TOML),
-    case("slow-worker-not-a-ddp-rank", "train {cfg} ps.slow_worker=2", "ps.slow_worker = 2",
-         "data-parallel rank", "-1 .. 1", toml=COLLECTIVE_TOML),
+    case(
+        "ps-key-override-with-collective",
+        "train {cfg} ps.mode=sync",
+        "ps.mode",
+        "parallel.strategy = 'ps'",
+        "'collective'",
+        toml=COLLECTIVE_TOML,
+    ),
+    case(
+        "ps-section-in-toml-with-collective",
+        "train {cfg}",
+        "ps.servers",
+        "'collective'",
+        toml=COLLECTIVE_TOML + "\n[ps]\nservers = 2\n",
+    ),
+    case(
+        "ps-staleness-with-collective",
+        "train {cfg} ps.staleness=0",
+        "ps.staleness",
+        toml=COLLECTIVE_TOML,
+    ),
+    case(
+        "slow-worker-not-a-ddp-rank",
+        "train {cfg} ps.slow_worker=2",
+        "ps.slow_worker = 2",
+        "data-parallel rank",
+        "-1 .. 1",
+        toml=COLLECTIVE_TOML,
+    ),
     # the world against the servers
-    case("world-not-above-servers", "train {cfg} --nproc 1", "ps.servers = 1",
-         "at least 2 processes", "world has 1"),
-    case("servers-fill-the-world", "train {cfg} ps.servers=2 --nproc 2", "ps.servers = 2",
-         "at least 3 processes", "world has 2"),
-    case("dp-not-world-minus-servers", "train {cfg} --nproc 2", "parallel.dp = 2",
-         "number of workers", "leaves 1", "--nproc 3"),
-    case("dp-replicate-not-world-minus-servers",
-         "train {cfg} parallel.dp=-1 parallel.dp_replicate=3 --nproc 3",
-         "parallel.dp_replicate = 3", "leaves 2"),
+    case(
+        "world-not-above-servers",
+        "train {cfg} --nproc 1",
+        "ps.servers = 1",
+        "at least 2 processes",
+        "world has 1",
+    ),
+    case(
+        "servers-fill-the-world",
+        "train {cfg} ps.servers=2 --nproc 2",
+        "ps.servers = 2",
+        "at least 3 processes",
+        "world has 2",
+    ),
+    case(
+        "dp-not-world-minus-servers",
+        "train {cfg} --nproc 2",
+        "parallel.dp = 2",
+        "number of workers",
+        "leaves 1",
+        "--nproc 3",
+    ),
+    case(
+        "dp-replicate-not-world-minus-servers",
+        "train {cfg} parallel.dp=-1 parallel.dp_replicate=3 --nproc 3",
+        "parallel.dp_replicate = 3",
+        "leaves 2",
+    ),
     # degrees and features of the collective strategy
-    case("dp-shard", "train {cfg} parallel.dp_shard=2", "parallel.dp_shard = 2",
-         "does not compose", "parallel.strategy"),
-    case("dp-shard-inferred", "train {cfg} parallel.dp_shard=-1", "parallel.dp_shard = -1",
-         "does not compose"),
+    case(
+        "dp-shard",
+        "train {cfg} parallel.dp_shard=2",
+        "parallel.dp_shard = 2",
+        "does not compose",
+        "parallel.strategy",
+    ),
+    case(
+        "dp-shard-inferred",
+        "train {cfg} parallel.dp_shard=-1",
+        "parallel.dp_shard = -1",
+        "does not compose",
+    ),
     case("tp", "train {cfg} parallel.tp=2", "parallel.tp = 2", "does not compose"),
     case("pp", "train {cfg} parallel.pp=2", "parallel.pp = 2", "does not compose"),
-    case("comm-hook", "train {cfg} parallel.comm_hook=powersgd",
-         "parallel.comm_hook = 'powersgd'", "comm_hook='none'"),
+    case(
+        "comm-hook",
+        "train {cfg} parallel.comm_hook=powersgd",
+        "parallel.comm_hook = 'powersgd'",
+        "comm_hook='none'",
+    ),
     case("compile", "train {cfg} train.compile=true", "train.compile", "parallel.strategy"),
-    case("fp16-mixed", "train {cfg} precision.mode=fp16-mixed",
-         "precision.mode = 'fp16-mixed'", "parallel.strategy", "'bf16-mixed'"),
+    case(
+        "fp16-mixed",
+        "train {cfg} precision.mode=fp16-mixed",
+        "precision.mode = 'fp16-mixed'",
+        "parallel.strategy",
+        "'bf16-mixed'",
+    ),
     # roles
-    case("slow-worker-not-a-worker", "train {cfg} ps.slow_worker=2", "ps.slow_worker = 2",
-         "not a worker", "0 .. 1", "ranks 1 .. 2"),
-    case("more-servers-than-tensors", "train {cfg} ps.servers=5 parallel.dp=1",
-         "ps.servers = 5", "only 4 parameter tensors", "ps.servers <= 4", "model.name = 'mlp'"),
-    case("loopback-across-nodes",
-         "train {cfg} parallel.dp=-1 --nproc 1 --nnodes 2 --rdzv-endpoint node1:29500",
-         "ps.interface = 'lo'", "--nnodes 2", "ps.interface=eth0"),
+    case(
+        "slow-worker-not-a-worker",
+        "train {cfg} ps.slow_worker=2",
+        "ps.slow_worker = 2",
+        "not a worker",
+        "0 .. 1",
+        "ranks 1 .. 2",
+    ),
+    case(
+        "more-servers-than-tensors",
+        "train {cfg} ps.servers=5 parallel.dp=1",
+        "ps.servers = 5",
+        "only 4 parameter tensors",
+        "ps.servers <= 4",
+        "model.name = 'mlp'",
+    ),
+    case(
+        "loopback-across-nodes",
+        "train {cfg} parallel.dp=-1 --nproc 1 --nnodes 2 --rdzv-endpoint node1:29500",
+        "ps.interface = 'lo'",
+        "--nnodes 2",
+        "ps.interface=eth0",
+    ),
     # the [ps] values themselves
-    case("mode-unknown", "train {cfg} ps.mode=hogwild", "ps.mode = 'hogwild'", "'async'",
-         "'ssp'", "'sync'"),
+    case(
+        "mode-unknown",
+        "train {cfg} ps.mode=hogwild",
+        "ps.mode = 'hogwild'",
+        "'async'",
+        "'ssp'",
+        "'sync'",
+    ),
     case("staleness-negative", "train {cfg} ps.staleness=-1", "ps.staleness = -1"),
-    case("staleness-lr-unknown", "train {cfg} ps.staleness_lr=sqrt",
-         "ps.staleness_lr = 'sqrt'", "'inverse'"),
+    case(
+        "staleness-lr-unknown",
+        "train {cfg} ps.staleness_lr=sqrt",
+        "ps.staleness_lr = 'sqrt'",
+        "'inverse'",
+    ),
     case("servers-zero", "train {cfg} ps.servers=0", "ps.servers = 0"),
     case("worker-timeout-zero", "train {cfg} ps.worker_timeout_s=0", "ps.worker_timeout_s = 0"),
     case("slow-factor-below-one", "train {cfg} ps.slow_factor=0.5", "ps.slow_factor = 0.5"),
-    case("strategy-unknown", "train {cfg} parallel.strategy=gossip",
-         "parallel.strategy = 'gossip'", "'collective'", "'ps'"),
+    case(
+        "strategy-unknown",
+        "train {cfg} parallel.strategy=gossip",
+        "parallel.strategy = 'gossip'",
+        "'collective'",
+        "'ps'",
+    ),
 ]
 
 
@@ -128,8 +217,12 @@ def _one_error_line(err: str) -> str:
 @pytest.mark.usefixtures("nothing_starts")
 @pytest.mark.parametrize("argv, expect, toml", CASES)
 def test_ps_mistake_is_refused_before_anything_starts(
-        argv: str, expect: tuple[str, ...], toml: str, tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    argv: str,
+    expect: tuple[str, ...],
+    toml: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text(toml)
     before = file_tree(tmp_path)
@@ -150,22 +243,26 @@ def test_table_ids_are_unique() -> None:
     assert len({p.id for p in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("argv", [
-    # the good ps config, its roles inferred: 1 server + parallel.dp = 2 workers
-    "train {cfg}",
-    "train {cfg} ps.mode=ssp ps.staleness=0 ps.staleness_lr=inverse --nproc 3",
-    "train {cfg} ps.servers=2 parallel.dp=-1 --nproc 4",
-    "train {cfg} ps.servers=4 parallel.dp=1",  # as many servers as parameter tensors
-    "train {cfg} ps.interface=eth0 parallel.dp=-1 --nproc 1 --nnodes 2 --rdzv-endpoint n1:29500",
-    "train {cfg} ps.slow_worker=1 ps.slow_factor=3",
-])
-def test_good_ps_configs_reach_the_launcher(argv: str, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # the good ps config, its roles inferred: 1 server + parallel.dp = 2 workers
+        "train {cfg}",
+        "train {cfg} ps.mode=ssp ps.staleness=0 ps.staleness_lr=inverse --nproc 3",
+        "train {cfg} ps.servers=2 parallel.dp=-1 --nproc 4",
+        "train {cfg} ps.servers=4 parallel.dp=1",  # as many servers as parameter tensors
+        "train {cfg} ps.interface=eth0 parallel.dp=-1 --nproc 1 --nnodes 2 --rdzv-endpoint n1:29500",
+        "train {cfg} ps.slow_worker=1 ps.slow_factor=3",
+    ],
+)
+def test_good_ps_configs_reach_the_launcher(
+    argv: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The table cannot pass by refusing everything: these get as far as launching."""
     launched = []
-    monkeypatch.setattr(scaletrain.cli, "launch",
-                        lambda spec, args, **kw: launched.append(spec) or 0)
+    monkeypatch.setattr(
+        scaletrain.cli, "launch", lambda spec, args, **kw: launched.append(spec) or 0
+    )
     monkeypatch.setattr(scaletrain.cli, "_run_worker", refuse_start)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -184,7 +281,8 @@ def test_good_ps_configs_reach_the_launcher(argv: str, tmp_path: Path,
 
 @pytest.mark.usefixtures("nothing_starts")
 def test_slow_worker_knobs_are_allowed_under_collective(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text(COLLECTIVE_TOML + "\n[ps]\nslow_worker = 1\nslow_factor = 2.0\n")
     code = cli_main(["explain", str(cfg)])
@@ -193,8 +291,7 @@ def test_slow_worker_knobs_are_allowed_under_collective(
 
 
 @pytest.mark.usefixtures("nothing_starts")
-def test_explain_describes_a_ps_config(tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_explain_describes_a_ps_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text(PS_TOML)
     before = file_tree(tmp_path)
@@ -212,8 +309,9 @@ def test_explain_describes_a_ps_config(tmp_path: Path,
     assert "[ps]" in out  # parallel.strategy's meaning, not eaten as rich markup
     assert file_tree(tmp_path) == before
 
-    code = cli_main(["explain", str(cfg), "ps.servers=2", "ps.mode=sync", "parallel.dp=-1",
-                  "--nproc", "6"])
+    code = cli_main(
+        ["explain", str(cfg), "ps.servers=2", "ps.mode=sync", "parallel.dp=-1", "--nproc", "6"]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "6 (6 process(es) x 1 node(s))" in out
@@ -222,12 +320,17 @@ def test_explain_describes_a_ps_config(tmp_path: Path,
     assert "parameter servers (sync" in out
 
 
-@pytest.mark.parametrize("argv, want", [
-    ("train {cfg} ps.servers=5 parallel.dp=1", "ps.servers = 5"),
-    ("train {coll} ps.mode=sync", "ps.mode"),
-    ("train {cfg} parallel.dp=-1 --nproc 1 --nnodes 2 --rdzv-endpoint node1:29500",
-     "ps.interface = 'lo'"),
-])
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        ("train {cfg} ps.servers=5 parallel.dp=1", "ps.servers = 5"),
+        ("train {coll} ps.mode=sync", "ps.mode"),
+        (
+            "train {cfg} parallel.dp=-1 --nproc 1 --nnodes 2 --rdzv-endpoint node1:29500",
+            "ps.interface = 'lo'",
+        ),
+    ],
+)
 def test_refusal_as_a_real_process(argv: str, want: str, tmp_path: Path) -> None:
     """The same refusals from `python -m scaletrain` itself: status 2, one line, no run."""
     (tmp_path / "ps.toml").write_text(PS_TOML)
@@ -250,8 +353,8 @@ def test_refusal_as_a_real_process(argv: str, want: str, tmp_path: Path) -> None
 def _decode(hex_addr: str) -> str:
     """/proc/net/tcp{,6}'s local address (host byte order, hex) as text."""
     if len(hex_addr) == 8:
-        return ".".join(str(int(hex_addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
-    words = [hex_addr[i:i + 8] for i in range(0, 32, 8)]
+        return ".".join(str(int(hex_addr[i : i + 2], 16)) for i in (6, 4, 2, 0))
+    words = [hex_addr[i : i + 8] for i in range(0, 32, 8)]
     raw = b"".join(bytes.fromhex(w)[::-1] for w in words)
     if raw[:12] == b"\0" * 10 + b"\xff\xff":  # IPv4-mapped
         return ".".join(map(str, raw[12:]))
@@ -301,11 +404,27 @@ def test_ps_processes_listen_on_loopback_only(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # 2 servers (their gloo group too) + 2 workers; long enough to be looked at, then stopped.
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain", "train", str(cfg), "ps.servers=2",
-         "train.steps=100000", "log.every=1", "log.quiet=true", "--nproc", "4",
-         "--run-dir", str(run_dir)],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "train",
+            str(cfg),
+            "ps.servers=2",
+            "train.steps=100000",
+            "log.every=1",
+            "log.quiet=true",
+            "--nproc",
+            "4",
+            "--run-dir",
+            str(run_dir),
+        ],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
     try:
         roles: dict[int, tuple[str, int]] = {}  # pid -> (role, index)
         deadline = time.monotonic() + 120
@@ -317,8 +436,12 @@ def test_ps_processes_listen_on_loopback_only(tmp_path: Path) -> None:
                 break  # every role is up and the servers have applied gradients
             time.sleep(0.5)
         assert launcher.poll() is None, f"the run ended early:\n{launcher.stderr.read()[-3000:]}"
-        assert sorted(roles.values()) == [("server", 0), ("server", 1), ("worker", 0),
-                                          ("worker", 1)], roles
+        assert sorted(roles.values()) == [
+            ("server", 0),
+            ("server", 1),
+            ("worker", 0),
+            ("worker", 1),
+        ], roles
         seen: dict[int, set[tuple[str, int]]] = {pid: set() for pid in roles}
         for _ in range(3):  # a few looks, in case a listener comes late
             for pid in roles:
@@ -327,9 +450,11 @@ def test_ps_processes_listen_on_loopback_only(tmp_path: Path) -> None:
         for pid, (role, index) in sorted(roles.items(), key=lambda kv: kv[1]):
             assert seen[pid], f"{role} {index} (pid {pid}) listens on nothing: wrong pid?"
             outside = sorted(s for s in seen[pid] if s[0] != "127.0.0.1")
-            assert not outside, (f"{role} {index} (pid {pid}) listens beyond loopback: "
-                                 f"{outside} (MASTER_PORT="
-                                 f"{_env_of(pid).get('MASTER_PORT')})")
+            assert not outside, (
+                f"{role} {index} (pid {pid}) listens beyond loopback: "
+                f"{outside} (MASTER_PORT="
+                f"{_env_of(pid).get('MASTER_PORT')})"
+            )
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
@@ -384,15 +509,41 @@ def test_ps_interface_other_than_lo_holds_the_servers_gloo_group_too(tmp_path: P
     run_dir, port, world = tmp_path / "run", free_port(), 3  # 2 servers + 1 worker
     procs = []
     for rank in range(world):
-        env = cli_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=address, MASTER_PORT=str(port),
-                      TORCHELASTIC_RUN_ID="test", OMP_NUM_THREADS="1")
+        env = cli_env(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR=address,
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RUN_ID="test",
+            OMP_NUM_THREADS="1",
+        )
         with open(tmp_path / f"rank-{rank}.err", "w") as err:  # the child keeps the fd
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "scaletrain", "train", str(cfg), "ps.servers=2",
-                 "parallel.dp=1", f"ps.interface={name}", "train.steps=100000", "log.every=1",
-                 "log.quiet=true", "checkpoint.every=0", "--run-dir", str(run_dir)],
-                env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "scaletrain",
+                        "train",
+                        str(cfg),
+                        "ps.servers=2",
+                        "parallel.dp=1",
+                        f"ps.interface={name}",
+                        "train.steps=100000",
+                        "log.every=1",
+                        "log.quiet=true",
+                        "checkpoint.every=0",
+                        "--run-dir",
+                        str(run_dir),
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    cwd=tmp_path,
+                )
+            )
     servers: dict[int, int] = {}  # pid -> index
     children: set[int] = set()  # every role's pid, killed at the end if still there
     try:
@@ -407,14 +558,17 @@ def test_ps_interface_other_than_lo_holds_the_servers_gloo_group_too(tmp_path: P
                 break  # both servers up, their group formed, gradients applied
             time.sleep(0.5)
         assert all(p.poll() is None for p in procs), "a rank ended early:\n" + "\n".join(
-            log.read_text()[-2000:] for log in sorted(tmp_path.glob("rank-*.err")))
+            log.read_text()[-2000:] for log in sorted(tmp_path.glob("rank-*.err"))
+        )
         assert len(servers) == 2, servers
         for pid, index in sorted(servers.items()):
             seen = set(listening(pid))
             assert seen, f"server {index} (pid {pid}) listens on nothing: wrong pid?"
             elsewhere = sorted(s for s in seen if s[0] != address)
-            assert not elsewhere, (f"server {index} (pid {pid}) listens beyond "
-                                   f"ps.interface = {name} ({address}): {elsewhere}")
+            assert not elsewhere, (
+                f"server {index} (pid {pid}) listens beyond "
+                f"ps.interface = {name} ({address}): {elsewhere}"
+            )
     finally:
         for p in procs:
             if p.poll() is None:

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli_env, records
 from scaletrain.checkpoint_files import latest_valid, list_checkpoints
+
+from harness import cli_env, records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -67,9 +68,23 @@ def _start(root: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
     config.write_text(CONFIG)
     run_dir = root / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain", "train", str(config), "--nproc",
-         str(SERVERS + WORKERS), "--run-dir", str(run_dir), *overrides],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "train",
+            str(config),
+            "--nproc",
+            str(SERVERS + WORKERS),
+            "--run-dir",
+            str(run_dir),
+            *overrides,
+        ],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return launcher, run_dir
 
 
@@ -80,8 +95,9 @@ def _wait(launcher: subprocess.Popen, what: str, ready, timeout: float = WAIT_S)
         if launcher.poll() is not None or time.monotonic() > deadline:
             launcher.kill()
             out, err = launcher.communicate()
-            raise AssertionError(f"never saw {what} (launcher exit {launcher.returncode}):\n"
-                                 f"{(out + err)[-3000:]}")
+            raise AssertionError(
+                f"never saw {what} (launcher exit {launcher.returncode}):\n{(out + err)[-3000:]}"
+            )
         time.sleep(0.1)
     return found
 
@@ -93,12 +109,16 @@ def _log(run_dir: Path, rank: int) -> str:
         return ""
 
 
-def _role_pid(launcher: subprocess.Popen, run_dir: Path, role: str, index: int,
-              rank: int) -> int:
+def _role_pid(launcher: subprocess.Popen, run_dir: Path, role: str, index: int, rank: int) -> int:
     """The pid of the role child, from the line it prints first to its rank's log."""
     line = re.compile(rf"^# scaletrain ps {role} {index}: rank {rank}, pid (\d+)$", re.M)
-    return int(_wait(launcher, f"{role} {index}'s pid line in rank-{rank}.log",
-                     lambda: line.search(_log(run_dir, rank))).group(1))
+    return int(
+        _wait(
+            launcher,
+            f"{role} {index}'s pid line in rank-{rank}.log",
+            lambda: line.search(_log(run_dir, rank)),
+        ).group(1)
+    )
 
 
 def _trained(run_dir: Path) -> bool:
@@ -111,7 +131,9 @@ def _finish(launcher: subprocess.Popen, timeout: float = WAIT_S) -> tuple[str, s
     except subprocess.TimeoutExpired:
         launcher.kill()
         out, err = launcher.communicate()
-        raise AssertionError(f"the launcher did not finish in {timeout} s:\n{err[-3000:]}") from None
+        raise AssertionError(
+            f"the launcher did not finish in {timeout} s:\n{err[-3000:]}"
+        ) from None
 
 
 def _gone(pid: int) -> bool:
@@ -134,15 +156,26 @@ def _cleanup(launcher: subprocess.Popen, *pids: int) -> None:
 def _declared_everywhere(run_dir: Path, worker: int) -> bool:
     """Both servers have logged the worker declared dead (server 0 decided, server 1 was
     told)."""
-    return all(f"parameter server {k}: worker {worker} declared dead" in _log(run_dir, k)
-               for k in range(SERVERS))
+    return all(
+        f"parameter server {k}: worker {worker} declared dead" in _log(run_dir, k)
+        for k in range(SERVERS)
+    )
 
 
 class Faults:
     """What the faulted run left: its run directory, console, and facts seen on the way."""
 
-    def __init__(self, run_dir: Path, out: str, err: str, code: int, *, finished_before_cont:
-                 bool, woken_left_by_itself: bool, stopped_gone: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        out: str,
+        err: str,
+        code: int,
+        *,
+        finished_before_cont: bool,
+        woken_left_by_itself: bool,
+        stopped_gone: bool,
+    ) -> None:
         self.run_dir, self.out, self.err, self.code = run_dir, out, err, code
         self.finished_before_cont = finished_before_cont
         self.woken_left_by_itself = woken_left_by_itself
@@ -162,8 +195,11 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Faults:
         os.kill(pids[2], signal.SIGSTOP)
         os.kill(pids[3], signal.SIGSTOP)
         for w in (1, 2, 3):  # sync waits for them until then: the run cannot end first
-            _wait(launcher, f"worker {w} declared dead by both servers",
-                  lambda w=w: _declared_everywhere(run_dir, w))
+            _wait(
+                launcher,
+                f"worker {w} declared dead by both servers",
+                lambda w=w: _declared_everywhere(run_dir, w),
+            )
         finished_before_cont = (run_dir / "logs" / "ps-finished").exists()
         os.kill(pids[2], signal.SIGCONT)
         _wait(launcher, "the woken worker 2 leaving", lambda: _gone(pids[2]))
@@ -172,8 +208,15 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Faults:
         stopped_gone = _gone(pids[3])
     finally:
         _cleanup(launcher, *pids.values())
-    return Faults(run_dir, out, err, launcher.returncode, finished_before_cont=finished_before_cont,
-                  woken_left_by_itself=woken_left, stopped_gone=stopped_gone)
+    return Faults(
+        run_dir,
+        out,
+        err,
+        launcher.returncode,
+        finished_before_cont=finished_before_cont,
+        woken_left_by_itself=woken_left,
+        stopped_gone=stopped_gone,
+    )
 
 
 def test_the_run_finishes_with_the_survivor(faults: Faults) -> None:
@@ -195,14 +238,22 @@ def test_the_run_finishes_with_the_survivor(faults: Faults) -> None:
 def test_every_server_declares_the_same_workers_dead(faults: Faults) -> None:
     for k in range(SERVERS):
         log = _log(faults.run_dir, k)
-        declared = sorted(set(re.findall(rf"parameter server {k}: worker (\d+) declared dead",
-                                         log)))
+        declared = sorted(
+            set(re.findall(rf"parameter server {k}: worker (\d+) declared dead", log))
+        )
         assert declared == ["1", "2", "3"], (k, log[-2000:])
     # Server 1 keeps no lease of its own: server 0 decided, and it gives server 0's reason,
     # word for word.
-    reasons = [dict(re.findall(rf"parameter server {k}: worker (\d+) declared dead{by} "
-                               r"\(([^)]*)", _log(faults.run_dir, k)))
-               for k, by in ((0, ""), (1, " by server 0"))]
+    reasons = [
+        dict(
+            re.findall(
+                rf"parameter server {k}: worker (\d+) declared dead{by} "
+                r"\(([^)]*)",
+                _log(faults.run_dir, k),
+            )
+        )
+        for k, by in ((0, ""), (1, " by server 0"))
+    ]
     assert sorted(reasons[1]) == ["1", "2", "3"], _log(faults.run_dir, 1)[-2000:]
     assert reasons[0] == reasons[1]
 
@@ -220,8 +271,11 @@ def test_a_stopped_worker_woken_after_its_death_is_refused_and_leaves(faults: Fa
 
 
 def test_a_worker_stopped_to_the_end_is_killed_by_its_supervisor(faults: Faults) -> None:
-    silent = float(re.search(r"not heard from for ([\d.]+) s",
-                             faults.summary["ps"]["dead_workers"]["3"]).group(1))
+    silent = float(
+        re.search(
+            r"not heard from for ([\d.]+) s", faults.summary["ps"]["dead_workers"]["3"]
+        ).group(1)
+    )
     assert silent >= LEASE_S, faults.summary["ps"]["dead_workers"]
     assert faults.stopped_gone, "the stopped worker 3 outlived the run"
     assert "did not leave after the run ended" in _log(faults.run_dir, SERVERS + 3)

@@ -47,8 +47,13 @@ def test_async_ps_reaches_ddp_accuracy_on_mnist(tmp_path: Path) -> None:
     config.write_text(CONFIG)
     ddp, ps = tmp_path / "ddp", tmp_path / "ps"
     run_workers(config, ["parallel.dp=2"], world_size=2, run_dir=ddp, timeout=150)
-    run_workers(config, ["parallel.strategy=ps", "parallel.dp=2", "ps.mode=async"],
-                world_size=3, run_dir=ps, timeout=150)
+    run_workers(
+        config,
+        ["parallel.strategy=ps", "parallel.dp=2", "ps.mode=async"],
+        world_size=3,
+        run_dir=ps,
+        timeout=150,
+    )
 
     ddp_acc, ps_acc = _accuracy(ddp), _accuracy(ps)
     print(f"MNIST accuracy on 10000 test images: DDP dp=2 {ddp_acc:.4f}, async PS {ps_acc:.4f}")

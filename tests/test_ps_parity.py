@@ -71,8 +71,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         key = (tuple(overrides), world_size, cwd)
         if key not in done:
             run_dir = root / f"run-{len(done)}"
-            results = run_workers(config, overrides, world_size=world_size, run_dir=run_dir,
-                                  timeout=180, cwd=cwd)
+            results = run_workers(
+                config, overrides, world_size=world_size, run_dir=run_dir, timeout=180, cwd=cwd
+            )
             done[key] = run_dir
             (run_dir / "stderr.txt").write_text("\n".join(r.stderr for r in results))
         return done[key]
@@ -80,21 +81,54 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     return run
 
 
-def _ddp(runs, *, workers: int, micro: int, extra: list[str], precision: str = "fp64",
-         cwd: Path | None = None) -> Path:
-    run_dir = runs([f"parallel.dp={workers}", f"train.micro_batch={micro}",
-                    f"precision.mode={precision}", *extra], world_size=workers, cwd=cwd)
+def _ddp(
+    runs,
+    *,
+    workers: int,
+    micro: int,
+    extra: list[str],
+    precision: str = "fp64",
+    cwd: Path | None = None,
+) -> Path:
+    run_dir = runs(
+        [
+            f"parallel.dp={workers}",
+            f"train.micro_batch={micro}",
+            f"precision.mode={precision}",
+            *extra,
+        ],
+        world_size=workers,
+        cwd=cwd,
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "ps" not in summary and summary["world_size"] == workers  # really the collective path
     return run_dir
 
 
-def _ps(runs, *, mode: str, servers: int, workers: int, micro: int, extra: list[str],
-        precision: str = "fp64", cwd: Path | None = None) -> Path:
-    run_dir = runs(["parallel.strategy=ps", f"ps.mode={mode}", f"ps.servers={servers}",
-                    f"parallel.dp={workers}", f"train.micro_batch={micro}",
-                    f"precision.mode={precision}", *extra], world_size=servers + workers,
-                   cwd=cwd)
+def _ps(
+    runs,
+    *,
+    mode: str,
+    servers: int,
+    workers: int,
+    micro: int,
+    extra: list[str],
+    precision: str = "fp64",
+    cwd: Path | None = None,
+) -> Path:
+    run_dir = runs(
+        [
+            "parallel.strategy=ps",
+            f"ps.mode={mode}",
+            f"ps.servers={servers}",
+            f"parallel.dp={workers}",
+            f"train.micro_batch={micro}",
+            f"precision.mode={precision}",
+            *extra,
+        ],
+        world_size=servers + workers,
+        cwd=cwd,
+    )
     summary = json.loads((run_dir / "summary.json").read_text())["ps"]
     assert (summary["mode"], summary["servers"], summary["workers"]) == (mode, servers, workers)
     assert summary["workers_alive"] == workers and summary["dead_workers"] == {}
@@ -192,7 +226,8 @@ TIED = {
 
 @pytest.mark.slow
 def test_ps_weights_keep_buffers_and_tied_weights_as_a_collective_run(
-        runs, tmp_path_factory: pytest.TempPathFactory) -> None:
+    runs, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Async with one worker is plain SGD on the whole batch: the same weights as one
     process, under the same names (one of the tied pair) and with the buffer."""
     user = tmp_path_factory.mktemp("tied")
@@ -201,12 +236,13 @@ def test_ps_weights_keep_buffers_and_tied_weights_as_a_collective_run(
         (user / name).write_text(textwrap.dedent(body))
     model = ["model.name=tiedpkg.nets:build"]
     reference = _ddp(runs, workers=1, micro=32, extra=[*SGD, *model], cwd=user)
-    got = _ps(runs, mode="async", servers=2, workers=1, micro=32, extra=[*SGD, *model],
-              cwd=user)
+    got = _ps(runs, mode="async", servers=2, workers=1, micro=32, extra=[*SGD, *model], cwd=user)
 
     ref, weights = load_weights(reference), load_weights(got)
-    assert "scale" in ref and len([k for k in ref if k.endswith(("inner.weight",
-                                                                   "outer.weight"))]) == 1
+    assert (
+        "scale" in ref
+        and len([k for k in ref if k.endswith(("inner.weight", "outer.weight"))]) == 1
+    )
     assert sorted(weights) == sorted(ref)
     assert max_abs_diff(weights, ref) < TOL
     assert losses(got) == pytest.approx(losses(reference), abs=TOL, rel=TOL)

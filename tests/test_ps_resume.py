@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import load_weights, max_abs_diff, records, run_cli, run_workers
 from scaletrain.checkpoint_files import list_checkpoints
+
+from harness import load_weights, max_abs_diff, records, run_cli, run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +57,13 @@ def _config(tmp_path: Path) -> Path:
 
 
 def _run(config: Path, run_dir: Path, *overrides: str, servers: int = 1) -> None:
-    run_workers(config, [f"ps.servers={servers}", *overrides], world_size=servers + WORKERS,
-                run_dir=run_dir, timeout=150)
+    run_workers(
+        config,
+        [f"ps.servers={servers}", *overrides],
+        world_size=servers + WORKERS,
+        run_dir=run_dir,
+        timeout=150,
+    )
 
 
 def _stopped(config: Path, run_dir: Path, *overrides: str, servers: int = 1) -> None:
@@ -81,8 +87,20 @@ def test_a_stopped_run_resumes_with_the_launcher_and_finishes(tmp_path: Path) ->
     run_dir = tmp_path / "run"
     _stopped(config, run_dir, "ps.mode=ssp", "ps.staleness=1")
 
-    r = run_cli(["train", str(config), "--nproc", str(1 + WORKERS), "--run-dir", str(run_dir),
-                 "ps.mode=ssp", "ps.staleness=1", "--resume"], timeout=150)
+    r = run_cli(
+        [
+            "train",
+            str(config),
+            "--nproc",
+            str(1 + WORKERS),
+            "--run-dir",
+            str(run_dir),
+            "ps.mode=ssp",
+            "ps.staleness=1",
+            "--resume",
+        ],
+        timeout=150,
+    )
 
     assert r.returncode == 0, r.stderr[-3000:]
     summary = _summary(run_dir)
@@ -92,8 +110,7 @@ def test_a_stopped_run_resumes_with_the_launcher_and_finishes(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("servers", [1, 2])
-def test_sync_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path,
-                                                              servers: int) -> None:
+def test_sync_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path, servers: int) -> None:
     config = _config(tmp_path)
     exact = ["ps.mode=sync", "precision.mode=fp64"]
     reference, run_dir = tmp_path / "reference", tmp_path / "resumed"
@@ -106,8 +123,9 @@ def test_sync_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path,
     assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))
     assert max_abs_diff(load_weights(reference), load_weights(run_dir)) == 0.0
     ref, got = _losses(reference), _losses(run_dir)
-    assert [got[s] for s in range(STOP + 1, STEPS + 1)] == \
-        [ref[s] for s in range(STOP + 1, STEPS + 1)]
+    assert [got[s] for s in range(STOP + 1, STEPS + 1)] == [
+        ref[s] for s in range(STOP + 1, STEPS + 1)
+    ]
     # Not vacuous: training moved the loss well past rounding over the resumed steps.
     assert abs(ref[STOP + 1] - ref[STEPS]) > 1e-2
     assert _summary(run_dir)["ps"]["updates"] == _summary(reference)["ps"]["updates"] == STEPS

@@ -67,7 +67,9 @@ def test_ssp_never_exceeds_its_bound(tmp_path: Path, bound: int) -> None:
     ps = summary["ps"]
     assert ps["staleness_bound"] == bound
     assert max(logged) <= bound, Counter(logged)
-    assert max(logged) == bound, f"the straggler never made staleness reach {bound}: {Counter(logged)}"
+    assert max(logged) == bound, (
+        f"the straggler never made staleness reach {bound}: {Counter(logged)}"
+    )
     histogram = {int(k): n for k, n in ps["staleness_histogram"].items()}
     assert max(histogram) <= bound, histogram
     assert sum(histogram.values()) == ps["updates"] == WORKERS * STEPS == len(logged)

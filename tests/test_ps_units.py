@@ -26,14 +26,19 @@ LR = 0.1
 
 def _random_sizes(seed: int, n: int) -> dict[str, int]:
     rng = random.Random(seed)
-    return {f"layer{i}.{rng.choice(['weight', 'bias'])}": rng.choice([4, 64, 4096]) *
-            rng.randint(1, 300) for i in range(n)}
+    return {
+        f"layer{i}.{rng.choice(['weight', 'bias'])}": rng.choice([4, 64, 4096])
+        * rng.randint(1, 300)
+        for i in range(n)
+    }
 
 
-@pytest.mark.parametrize("seed, n, servers", [(0, 7, 2), (1, 20, 3), (2, 50, 4), (3, 9, 9),
-                                              (4, 13, 5), (5, 100, 7)])
-def test_partition_is_balanced_complete_and_keeps_model_order(seed: int, n: int,
-                                                               servers: int) -> None:
+@pytest.mark.parametrize(
+    "seed, n, servers", [(0, 7, 2), (1, 20, 3), (2, 50, 4), (3, 9, 9), (4, 13, 5), (5, 100, 7)]
+)
+def test_partition_is_balanced_complete_and_keeps_model_order(
+    seed: int, n: int, servers: int
+) -> None:
     sizes = _random_sizes(seed, n)
 
     parts = partition_by_bytes(sizes, servers=servers)
@@ -140,45 +145,91 @@ class Recorder:
 EXAMPLES = 4  # examples in one push (unless a test gives another count)
 
 
-def make_server(rec: Recorder, *, mode: str, workers: int = 2, staleness: int = 1,
-                inverse_lr: bool = False, lease_s: float = 1e6, join_s: float = 1e6,
-                steps: int = 100, global_batch: int | None = None, start_step: int = 0,
-                checkpoint_every: int = 0, stop_after: int = 0,
-                momentum: float = 0.0, index: int = 0, **kwargs) -> ParameterServer:
+def make_server(
+    rec: Recorder,
+    *,
+    mode: str,
+    workers: int = 2,
+    staleness: int = 1,
+    inverse_lr: bool = False,
+    lease_s: float = 1e6,
+    join_s: float = 1e6,
+    steps: int = 100,
+    global_batch: int | None = None,
+    start_step: int = 0,
+    checkpoint_every: int = 0,
+    stop_after: int = 0,
+    momentum: float = 0.0,
+    index: int = 0,
+    **kwargs,
+) -> ParameterServer:
     """A server of two float64 parameters (w: 3 values, b: 1), zero-initialised, plain SGD.
 
     A global step is `global_batch` examples applied: by default one push of EXAMPLES from
     every worker, as each worker's share of train.global_batch is in a real run. More
     keyword arguments go to ParameterServer (authority, announce, grad_clip, ...)."""
-    params = {"w": torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
-              "b": torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))}
+    params = {
+        "w": torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
+        "b": torch.nn.Parameter(torch.zeros(1, dtype=torch.float64)),
+    }
     optimizer = torch.optim.SGD(list(params.values()), lr=LR, momentum=momentum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return ParameterServer(index=index, params=params, optimizer=optimizer, scheduler=scheduler,
-                           workers=workers, mode=mode, staleness=staleness,
-                           inverse_lr=inverse_lr, lease_s=lease_s, join_s=join_s, steps=steps,
-                           global_batch=global_batch or EXAMPLES * workers,
-                           start_step=start_step, checkpoint_every=checkpoint_every,
-                           stop_after=stop_after, save=rec.save, on_update=rec.on_update,
-                           report=rec.reports.append, **kwargs)
+    return ParameterServer(
+        index=index,
+        params=params,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        workers=workers,
+        mode=mode,
+        staleness=staleness,
+        inverse_lr=inverse_lr,
+        lease_s=lease_s,
+        join_s=join_s,
+        steps=steps,
+        global_batch=global_batch or EXAMPLES * workers,
+        start_step=start_step,
+        checkpoint_every=checkpoint_every,
+        stop_after=stop_after,
+        save=rec.save,
+        on_update=rec.on_update,
+        report=rec.reports.append,
+        **kwargs,
+    )
 
 
 def grads(*values: float) -> list[torch.Tensor]:
     """A gradient for (w, b): w's three values, then b's one."""
-    return [torch.tensor(values[:3], dtype=torch.float64),
-            torch.tensor(values[3:], dtype=torch.float64)]
+    return [
+        torch.tensor(values[:3], dtype=torch.float64),
+        torch.tensor(values[3:], dtype=torch.float64),
+    ]
 
 
 G0, G1 = (1.0, -2.0, 0.5, 3.0), (0.25, 4.0, -1.5, -1.0)
 
 
-def push(server: ParameterServer, reply: Reply, worker: int, g: tuple[float, ...] | None, *,
-         count: int = EXAMPLES, step: int | None = None) -> torch.futures.Future:
+def push(
+    server: ParameterServer,
+    reply: Reply,
+    worker: int,
+    g: tuple[float, ...] | None,
+    *,
+    count: int = EXAMPLES,
+    step: int | None = None,
+) -> torch.futures.Future:
     """Worker `worker` pushes gradient g for the step `reply` told it to run."""
-    return server.push(Push(worker=worker, step=reply.step if step is None else step,
-                            grads=None if g is None else grads(*g), read=reply.read,
-                            loss_sum=1.0 * count, count=count, examples=count,
-                            examples_per_s=100.0))
+    return server.push(
+        Push(
+            worker=worker,
+            step=reply.step if step is None else step,
+            grads=None if g is None else grads(*g),
+            read=reply.read,
+            loss_sum=1.0 * count,
+            count=count,
+            examples=count,
+            examples_per_s=100.0,
+        )
+    )
 
 
 def params_of(server: ParameterServer) -> torch.Tensor:
@@ -221,7 +272,9 @@ def test_async_applies_each_push_at_once() -> None:
     torch.testing.assert_close(torch.cat(b.tensors), expect, rtol=0, atol=1e-15)
     assert server.version == 2 and server.clocks.clock == {0: 1, 1: 1}
     assert [(u.push.worker, u.delay, u.version, u.applied) for u in rec.updates] == [
-        (0, 0, 1, True), (1, 1, 2, True)]
+        (0, 0, 1, True),
+        (1, 1, 2, True),
+    ]
     # The reply's tensors are copies: a later update does not change what a worker holds.
     done_reply(push(server, b, 1, G0))
     torch.testing.assert_close(torch.cat(b.tensors), expect, rtol=0, atol=1e-15)
@@ -243,8 +296,9 @@ def test_ssp_parks_a_worker_too_far_ahead_until_the_slowest_pushes() -> None:
     assert released.status == "go" and released.step == 2 and released.read.slowest == 1
 
 
-def _drive(server: ParameterServer, rec: Recorder, *, workers: int,
-           order: list[int]) -> list[Update]:
+def _drive(
+    server: ParameterServer, rec: Recorder, *, workers: int, order: list[int]
+) -> list[Update]:
     """Push until every worker is done, picking at each turn the first worker in `order`
     (a fixed, skewed preference: worker order[0] runs fastest) whose reply is ready."""
     replies = {w: server.join(w) for w in range(workers)}
@@ -310,7 +364,9 @@ def test_sync_applies_the_count_weighted_mean_once_all_have_pushed() -> None:
         torch.testing.assert_close(torch.cat(r.tensors), expect, rtol=1e-15, atol=1e-17)
     assert server.version == 1
     assert [(u.push.worker, u.staleness, u.delay, u.version) for u in rec.updates] == [
-        (0, 0, 0, 1), (1, 0, 0, 1)]
+        (0, 0, 0, 1),
+        (1, 0, 0, 1),
+    ]
 
     # Step 2, the other way round and other counts; momentum carries the first step's mean.
     c = push(server, rb, 1, G0, count=1)
@@ -318,10 +374,12 @@ def test_sync_applies_the_count_weighted_mean_once_all_have_pushed() -> None:
     d = push(server, ra, 0, G1, count=7)
     mean2 = (7 * as_vec(G1) + 1 * as_vec(G0)) / 8
     buf = 0.9 * mean + mean2
-    torch.testing.assert_close(torch.cat(done_reply(c).tensors), expect - LR * buf,
-                               rtol=1e-15, atol=1e-17)
-    torch.testing.assert_close(torch.cat(done_reply(d).tensors), expect - LR * buf,
-                               rtol=1e-15, atol=1e-17)
+    torch.testing.assert_close(
+        torch.cat(done_reply(c).tensors), expect - LR * buf, rtol=1e-15, atol=1e-17
+    )
+    torch.testing.assert_close(
+        torch.cat(done_reply(d).tensors), expect - LR * buf, rtol=1e-15, atol=1e-17
+    )
     assert server.version == 2
 
 
@@ -331,8 +389,9 @@ def test_sync_skips_a_non_finite_gradient_and_averages_the_rest() -> None:
     r0, r1 = server.join(0), server.join(1)
     a = push(server, r0, 0, None, count=3)
     b = push(server, r1, 1, G1, count=5)
-    torch.testing.assert_close(torch.cat(done_reply(a).tensors), -LR * as_vec(G1),
-                               rtol=1e-15, atol=1e-17)
+    torch.testing.assert_close(
+        torch.cat(done_reply(a).tensors), -LR * as_vec(G1), rtol=1e-15, atol=1e-17
+    )
     assert done_reply(b).step == 1 and server.clocks.clock == {0: 1, 1: 1}
     assert [u.applied for u in rec.updates] == [False, True]
 
@@ -502,8 +561,9 @@ def test_staleness_lr_none_keeps_the_lr() -> None:
     done_reply(push(server, r0, 0, G0))
     done_reply(push(server, r1, 1, G1))
     assert rec.updates[1].delay == 1
-    torch.testing.assert_close(params_of(server), -LR * (as_vec(G0) + as_vec(G1)),
-                               rtol=1e-15, atol=1e-17)
+    torch.testing.assert_close(
+        params_of(server), -LR * (as_vec(G0) + as_vec(G1)), rtol=1e-15, atol=1e-17
+    )
 
 
 def test_a_non_finite_push_is_skipped_but_advances_the_clock() -> None:
@@ -581,13 +641,19 @@ def test_a_worker_that_left_does_not_hold_the_cut() -> None:
     assert rec.saves == [1] and done_reply(held).status == "go"
 
 
-def _two_servers(rec0: Recorder, rec1: Recorder, *, mode: str, lease_s: float = 1e6,
-                 join_s: float = 1e6) -> tuple[ParameterServer, ParameterServer]:
+def _two_servers(
+    rec0: Recorder, rec1: Recorder, *, mode: str, lease_s: float = 1e6, join_s: float = 1e6
+) -> tuple[ParameterServer, ParameterServer]:
     """Server 0 (the authority) tells server 1 of every death and departure, as run.py's
     `_announce` does over RPC."""
     s1 = make_server(rec1, mode=mode, index=1, authority=False)
-    s0 = make_server(rec0, mode=mode, lease_s=lease_s, join_s=join_s,
-                     announce=lambda w, why: s1.membership(w, why))
+    s0 = make_server(
+        rec0,
+        mode=mode,
+        lease_s=lease_s,
+        join_s=join_s,
+        announce=lambda w, why: s1.membership(w, why),
+    )
     return s0, s1
 
 
@@ -606,8 +672,10 @@ def test_server_zero_alone_decides_who_is_dead_and_tells_the_others() -> None:
     assert list(s0.clocks.dead) == [1] and list(s1.clocks.dead) == [1]
     assert s1.clocks.dead[1] == s0.clocks.dead[1]  # the authority's reason, verbatim
     assert any("parameter server 0: worker 1 declared dead" in m for m in rec0.reports)
-    assert any("parameter server 1: worker 1 declared dead by server 0 (not heard from" in m
-               for m in rec1.reports)
+    assert any(
+        "parameter server 1: worker 1 declared dead by server 0 (not heard from" in m
+        for m in rec1.reports
+    )
     # Its late push is refused by both, applied by neither: the shards stay one model.
     assert done_reply(push(s1, r1, 1, G1)).status == "refused"
     assert s1.version == 0 and rec1.updates == []
@@ -678,8 +746,9 @@ def test_sync_clips_the_averaged_gradient_by_its_global_norm() -> None:
     mean = (as_vec(G0) + as_vec(G1)) / 2
     norm = float(mean.norm())
     assert norm > 1.0  # the clip bites
-    torch.testing.assert_close(torch.cat(done_reply(a).tensors),
-                               -LR * mean / (norm + 1e-6), rtol=1e-15, atol=1e-17)
+    torch.testing.assert_close(
+        torch.cat(done_reply(a).tensors), -LR * mean / (norm + 1e-6), rtol=1e-15, atol=1e-17
+    )
     done_reply(b)
 
 
@@ -688,14 +757,14 @@ def test_sync_clipping_sums_the_servers_squared_norms() -> None:
     other servers' squares (here a constant standing in for them)."""
     rec = Recorder()
     other = 12.0  # the squared norm of the shards held elsewhere
-    server = make_server(rec, mode="sync", grad_clip=1.0,
-                         reduce_squares=lambda sq: sq + other)
+    server = make_server(rec, mode="sync", grad_clip=1.0, reduce_squares=lambda sq: sq + other)
     r0, r1 = server.join(0), server.join(1)
     a, b = push(server, r0, 0, G0), push(server, r1, 1, G1)
     mean = (as_vec(G0) + as_vec(G1)) / 2
     norm = (float(mean.norm()) ** 2 + other) ** 0.5
-    torch.testing.assert_close(torch.cat(done_reply(a).tensors),
-                               -LR * mean / (norm + 1e-6), rtol=1e-15, atol=1e-17)
+    torch.testing.assert_close(
+        torch.cat(done_reply(a).tensors), -LR * mean / (norm + 1e-6), rtol=1e-15, atol=1e-17
+    )
     done_reply(b)
 
 
@@ -722,8 +791,9 @@ def test_an_evaluation_that_raises_loses_no_later_record(capsys) -> None:
 
     from scaletrain.ps.metrics import ServerMetrics
 
-    config = SimpleNamespace(train=SimpleNamespace(global_batch=8, eval_every=1, steps=4),
-                             log=SimpleNamespace(every=1))
+    config = SimpleNamespace(
+        train=SimpleNamespace(global_batch=8, eval_every=1, steps=4), log=SimpleNamespace(every=1)
+    )
     derived = SimpleNamespace(ps=SimpleNamespace(workers=2))
     calls = []
 
@@ -734,12 +804,26 @@ def test_an_evaluation_that_raises_loses_no_later_record(capsys) -> None:
         return {"loss": 0.5}
 
     logger = _Logger()
-    metrics = ServerMetrics(config, derived, logger=logger, start_step=0, evaluate=evaluate,
-                            versions=lambda own: {0: own})
+    metrics = ServerMetrics(
+        config,
+        derived,
+        logger=logger,
+        start_step=0,
+        evaluate=evaluate,
+        versions=lambda own: {0: own},
+    )
     for step in range(4):
         for w in range(2):
-            p = Push(worker=w, step=step, grads=None, read=Read(0, 0), loss_sum=4.0, count=4,
-                     examples=4, examples_per_s=1.0)
+            p = Push(
+                worker=w,
+                step=step,
+                grads=None,
+                read=Read(0, 0),
+                loss_sum=4.0,
+                count=4,
+                examples=4,
+                examples_per_s=1.0,
+            )
             metrics.update(Update(p, 0, 0, step + 1, True), alive=2, lr=0.1, version=step + 1)
 
     with pytest.raises(ValueError, match="forward broke"):

@@ -48,15 +48,18 @@ def shards(tmp_path_factory) -> Path:
 
 
 def _case(shards: Path, *, steps: int, dp: int = 1, micro_batch: int = 32) -> Case:
-    return Case.of(CONFIG.format(steps=steps), f"data.path={shards}", f"parallel.dp={dp}",
-                   f"train.micro_batch={micro_batch}")
+    return Case.of(
+        CONFIG.format(steps=steps),
+        f"data.path={shards}",
+        f"parallel.dp={dp}",
+        f"train.micro_batch={micro_batch}",
+    )
 
 
 @pytest.fixture(scope="module")
 def runs(trained, shards: Path) -> dict[str, Path]:
     """The trainings, one job per world size (the `shard` command above is the CLI's)."""
-    one = trained({"long": _case(shards, steps=300), "dp1": _case(shards, steps=4)},
-                  world_size=1)
+    one = trained({"long": _case(shards, steps=300), "dp1": _case(shards, steps=4)}, world_size=1)
     two = trained({"dp2": _case(shards, steps=4, dp=2, micro_batch=8)}, world_size=2)
     return {name: r.run_dir for name, r in (one | two).items()}
 

@@ -18,13 +18,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import cli_env, load_weights, records, run_cli, run_workers, worker_pids
 from scaletrain.checkpoint import Checkpointer, TrainState, load
 from scaletrain.checkpoint_files import CheckpointError, latest_valid, list_checkpoints
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models import build_model
 from scaletrain.precision import make_precision
 from scaletrain.training.optim import build_optimizer, build_scheduler
+
+from harness import cli_env, load_weights, records, run_cli, run_workers, worker_pids
 
 CONFIG = """
 [model]
@@ -58,8 +59,9 @@ def test_stop_and_resume_on_another_world_size(tmp_path: Path, before: int, afte
     reference = tmp_path / "reference"
     run_workers(config, [f"parallel.dp={before}"], world_size=before, run_dir=reference)
     run_dir = tmp_path / "resumed"
-    run_workers(config, [f"parallel.dp={before}", "train.stop_after=4"], world_size=before,
-                run_dir=run_dir)
+    run_workers(
+        config, [f"parallel.dp={before}", "train.stop_after=4"], world_size=before, run_dir=run_dir
+    )
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-00000004"]
     assert not (run_dir / "summary.json").exists()
     run_workers(config, [f"parallel.dp={after}"], world_size=after, run_dir=run_dir)
@@ -69,8 +71,6 @@ def test_stop_and_resume_on_another_world_size(tmp_path: Path, before: int, afte
         assert got[step] == pytest.approx(ref[step], abs=1e-6), step
     # Not vacuous: the loss moved well beyond the tolerance over these steps.
     assert abs(ref[5] - ref[10]) > 1e-2
-
-
 
 
 KILL_CONFIG = """
@@ -105,9 +105,23 @@ def test_killed_worker_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
 
     run_dir = tmp_path / "killed"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain", "train", str(config), "--run-dir", str(run_dir),
-         "--max-restarts", "1", "log.quiet=false"], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "train",
+            str(config),
+            "--run-dir",
+            str(run_dir),
+            "--max-restarts",
+            "1",
+            "log.quiet=false",
+        ],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "checkpoints" / "step-00000050").exists():
@@ -132,10 +146,12 @@ def test_killed_worker_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
 def _state(seed: int = 0) -> TrainState:
     torch.manual_seed(seed)
     model = build_model("mlp", size="tiny", task=TaskSpec("classification", (1, 8, 8), 10))
-    opt = build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
-                          momentum=0.0)
-    sched = build_scheduler(opt, warmup_steps=2, total_steps=10, schedule="cosine",
-                            min_lr_ratio=0.1)
+    opt = build_optimizer(
+        model, name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), momentum=0.0
+    )
+    sched = build_scheduler(
+        opt, warmup_steps=2, total_steps=10, schedule="cosine", min_lr_ratio=0.1
+    )
     return TrainState(model, opt, sched, make_precision("fp16-mixed", device_type="cpu"))
 
 
@@ -198,7 +214,9 @@ def test_keep_last_k_and_async_save(tmp_path: Path) -> None:
     other = _state(seed=1)
     load(latest_valid(tmp_path), other)
     assert other.step == 4
-    assert all(torch.equal(a, b) for a, b in zip(state.model.parameters(), other.model.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(state.model.parameters(), other.model.parameters())
+    )
 
 
 class _Boom:
@@ -230,8 +248,10 @@ def test_export_writes_the_checkpoint_weights(tmp_path: Path) -> None:
 
 
 def _file_tree(root: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -242,25 +262,35 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> dict:
     import io
 
     import scaletrain.report
+
     from harness import cli_main
 
     tmp = tmp_path_factory.mktemp("finished")
     cfg, run_dir = tmp / "config.toml", tmp / "run"
-    cfg.write_text(CONFIG.replace("steps = 10", "steps = 2").replace("quiet = true",
-                                                                     "quiet = false"))
+    cfg.write_text(
+        CONFIG.replace("steps = 10", "steps = 2").replace("quiet = true", "quiet = false")
+    )
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp)
         # The PNG is not the point here (matplotlib costs seconds): a stub file stands in.
-        mp.setattr(scaletrain.report, "write_report",
-                   lambda runs, out: Path(out).write_bytes(b"png") and out)
+        mp.setattr(
+            scaletrain.report,
+            "write_report",
+            lambda runs, out: Path(out).write_bytes(b"png") and out,
+        )
         started = time.perf_counter()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli_main(["train", str(cfg), "checkpoint.every=2", "--run-dir", str(run_dir)])
         took = time.perf_counter() - started
     assert code == 0, err.getvalue()
-    return {"cfg": cfg, "run_dir": run_dir, "out": out.getvalue(), "err": err.getvalue(),
-            "took": took}
+    return {
+        "cfg": cfg,
+        "run_dir": run_dir,
+        "out": out.getvalue(),
+        "err": err.getvalue(),
+        "took": took,
+    }
 
 
 def test_start_up_is_shown_and_done_reports_the_wall_time_waited(finished: dict) -> None:
@@ -270,11 +300,15 @@ def test_start_up_is_shown_and_done_reports_the_wall_time_waited(finished: dict)
     import re
 
     err, out = finished["err"], finished["out"]
-    phases = [re.search(pattern, err) for pattern in (
-        r"scaletrain: 1 process\(es\) up, \d+ thread\(s\) each \(\d+\.\d s\)",
-        r"scaletrain: data: 1438 training and \d+ evaluation examples .*\(\d+\.\d s\)",
-        r"scaletrain: model: [\d,]+ parameters on this rank .*\(\d+\.\d s\)",
-        r"scaletrain: ready: step 1 of 2 starting .*\(\d+\.\d s\)")]
+    phases = [
+        re.search(pattern, err)
+        for pattern in (
+            r"scaletrain: 1 process\(es\) up, \d+ thread\(s\) each \(\d+\.\d s\)",
+            r"scaletrain: data: 1438 training and \d+ evaluation examples .*\(\d+\.\d s\)",
+            r"scaletrain: model: [\d,]+ parameters on this rank .*\(\d+\.\d s\)",
+            r"scaletrain: ready: step 1 of 2 starting .*\(\d+\.\d s\)",
+        )
+    ]
     assert all(phases), err
     assert [m.start() for m in phases] == sorted(m.start() for m in phases), err
     done = re.search(r"scaletrain: done in (\d+\.\d) s \((\d+\.\d) s of it training", out)
@@ -284,8 +318,8 @@ def test_start_up_is_shown_and_done_reports_the_wall_time_waited(finished: dict)
 
 
 def test_resume_of_a_finished_run_says_so_and_touches_nothing(
-        finished: dict, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    finished: dict, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`--resume` of a run that has finished (summary.json, and train.steps already done)
     says the run is complete and exits 0 without starting anything: summary.json, the
     metrics, the weights and config.toml stay byte for byte (it used to rewrite summary.json
@@ -298,8 +332,9 @@ def test_resume_of_a_finished_run_says_so_and_touches_nothing(
     assert summary["steps"] == 2 and summary["final_loss"] > 0
     before = _file_tree(run_dir)
 
-    code = cli_main(["train", str(cfg), "checkpoint.every=2", "--run-dir", str(run_dir),
-                     "--resume"])
+    code = cli_main(
+        ["train", str(cfg), "checkpoint.every=2", "--run-dir", str(run_dir), "--resume"]
+    )
 
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -312,10 +347,15 @@ def test_summary_is_valid_json_when_the_loss_is_not_finite(tmp_path: Path) -> No
     """A NaN (or infinite) value is written as null: summary.json stays valid JSON."""
     from scaletrain.rundir import json_safe, write_summary
 
-    path = write_summary(tmp_path, {"final_loss": float("nan"),
-                                    "eval": {"loss": float("inf"), "accuracy": 0.5}, "steps": 3})
+    path = write_summary(
+        tmp_path,
+        {"final_loss": float("nan"), "eval": {"loss": float("inf"), "accuracy": 0.5}, "steps": 3},
+    )
     assert json.loads(path.read_text(), parse_constant=pytest.fail) == {
-        "final_loss": None, "eval": {"loss": None, "accuracy": 0.5}, "steps": 3}
+        "final_loss": None,
+        "eval": {"loss": None, "accuracy": 0.5},
+        "steps": 3,
+    }
     assert json_safe([1.0, float("-inf")]) == [1.0, None]
 
 

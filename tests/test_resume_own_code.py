@@ -12,17 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import Case, load_weights, losses
 from test_hf_train import CONFIG as HF_CONFIG
-from test_user_model_parity import CONFIG as USER_CONFIG, PACKAGE, write_package
+from test_user_model_parity import CONFIG as USER_CONFIG
+from test_user_model_parity import PACKAGE, write_package
+
+from harness import Case, load_weights, losses
 
 CHECKPOINTS = "\n[checkpoint]\nevery = 1\n"
 USER_BODY = USER_CONFIG.replace("steps = 4", 'steps = 4\nloss = "shapes.losses:summed_ce"')
 # name -> (config, overrides)
 SCENARIOS = {
     "user-package": (USER_BODY, ("parallel.dp=2", "train.micro_batch=8")),
-    "hugging-face": (HF_CONFIG.replace("steps = 3", "steps = 4"),
-                     ("parallel.dp=2", "train.micro_batch=2")),
+    "hugging-face": (
+        HF_CONFIG.replace("steps = 3", "steps = 4"),
+        ("parallel.dp=2", "train.micro_batch=2"),
+    ),
 }
 
 
@@ -41,11 +45,18 @@ def runs(trained, tmp_path_factory) -> dict:
     for name, (body, overrides) in SCENARIOS.items():
         config = body + CHECKPOINTS
         cases[f"{name}-reference"] = Case.of(config, *overrides)
-        cases[f"{name}-resumed"] = Case(config, ((*overrides, "train.stop_after=2"),
-                                                 "test_resume_own_code:no_final_weights",
-                                                 overrides))
-    return {tuple(k.rsplit("-", 1)): r.run_dir
-            for k, r in trained(cases, world_size=2, cwd=root).items()}
+        cases[f"{name}-resumed"] = Case(
+            config,
+            (
+                (*overrides, "train.stop_after=2"),
+                "test_resume_own_code:no_final_weights",
+                overrides,
+            ),
+        )
+    return {
+        tuple(k.rsplit("-", 1)): r.run_dir
+        for k, r in trained(cases, world_size=2, cwd=root).items()
+    }
 
 
 def _assert_resume_is_exact(runs: dict, name: str) -> None:

@@ -10,9 +10,12 @@ from scaletrain.parallel.layout import LayoutError, ParallelLayout
 from scaletrain.training.optim import lr_multiplier
 
 
-def _sampler(dp_rank: int, dp: int, micro: int, *, n: int = 1000, seed: int = 3) -> GlobalBatchSampler:
-    return GlobalBatchSampler(n, global_batch=64, micro_batch=micro, dp_rank=dp_rank, dp_size=dp,
-                              seed=seed)
+def _sampler(
+    dp_rank: int, dp: int, micro: int, *, n: int = 1000, seed: int = 3
+) -> GlobalBatchSampler:
+    return GlobalBatchSampler(
+        n, global_batch=64, micro_batch=micro, dp_rank=dp_rank, dp_size=dp, seed=seed
+    )
 
 
 def test_one_rank_four_micro_batches_equals_four_ranks_one_each() -> None:
@@ -46,7 +49,9 @@ def test_sampler_refuses_indivisible_batch_and_tiny_dataset() -> None:
 
 
 def test_eval_indices_partition_the_limit() -> None:
-    parts = [torch.cat(eval_indices(100, limit=50, dp_rank=r, dp_size=3, batch=7)) for r in range(3)]
+    parts = [
+        torch.cat(eval_indices(100, limit=50, dp_rank=r, dp_size=3, batch=7)) for r in range(3)
+    ]
     assert sorted(torch.cat(parts).tolist()) == list(range(50))
 
 
@@ -68,4 +73,7 @@ def test_lr_schedule_warmup_then_cosine_to_min() -> None:
     assert lr_multiplier(109, **kw) == pytest.approx(0.1)
     mids = [lr_multiplier(s, **kw) for s in range(10, 110)]
     assert all(x >= y for x, y in zip(mids, mids[1:]))
-    assert lr_multiplier(50, warmup_steps=0, total_steps=100, schedule="constant", min_lr_ratio=0.1) == 1.0
+    assert (
+        lr_multiplier(50, warmup_steps=0, total_steps=100, schedule="constant", min_lr_ratio=0.1)
+        == 1.0
+    )

@@ -21,8 +21,7 @@ import torch
 from scaletrain.data.holdout import HeldOutSplit, eval_mask
 from scaletrain.data.sampler import GlobalBatchSampler, epoch_order
 from scaletrain.data.shard_writer import write_shards
-from scaletrain.data.shards import (MANIFEST, ShardedDataset, ShardError, load_dataset,
-                                    read_manifest)
+from scaletrain.data.shards import MANIFEST, ShardedDataset, ShardError, load_dataset, read_manifest
 from scaletrain.data.sources import TaskSpec, load_source
 
 
@@ -47,14 +46,17 @@ def _assert_equal_to_source(out: Path, name: str, **source_kwargs) -> None:
 # --- round trips --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, kwargs", [
-    ("digits", {}),
-    ("synthetic-images", {"synthetic_examples": 700}),
-    ("synthetic-text", {"synthetic_examples": 300, "seq_len": 32}),
-    # The writer packs wikitext's UTF-8 bytes into seq_len + 1 windows exactly as
-    # load_source cuts them (95/5 byte split, trailing partial window dropped).
-    ("wikitext", {"seq_len": 64}),
-])
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("digits", {}),
+        ("synthetic-images", {"synthetic_examples": 700}),
+        ("synthetic-text", {"synthetic_examples": 300, "seq_len": 32}),
+        # The writer packs wikitext's UTF-8 bytes into seq_len + 1 windows exactly as
+        # load_source cuts them (95/5 byte split, trailing partial window dropped).
+        ("wikitext", {"seq_len": 64}),
+    ],
+)
 def test_builtin_shards_read_back_equal_to_the_source(tmp_path, name, kwargs):
     manifest = write_shards(name, tmp_path, rows_per_shard=250, row_group_rows=64, **kwargs)
     train_rows = len(load_source(name, split="train", **kwargs))
@@ -76,8 +78,12 @@ def test_manifest_describes_every_shard(tmp_path):
     write_shards("digits", tmp_path, rows_per_shard=500, row_group_rows=128)
     data = json.loads((tmp_path / "train" / MANIFEST).read_text())
     assert (data["format"], data["version"], data["split"]) == ("scaletrain-shards", 1, "train")
-    assert data["task"] == {"kind": "classification", "input_shape": [1, 8, 8],
-                            "num_classes": 10, "ragged": False}
+    assert data["task"] == {
+        "kind": "classification",
+        "input_shape": [1, 8, 8],
+        "num_classes": 10,
+        "ragged": False,
+    }
     # Arrow reads Parquet lists back with the standard's item name, as Spark writes them.
     assert data["schema"] == [["inputs", "list<element: float>"], ["targets", "int64"]]
     assert [s["file"] for s in data["shards"]] == [f"part-0000{i}.parquet" for i in range(3)]
@@ -92,7 +98,11 @@ def test_manifest_describes_every_shard(tmp_path):
         assert pq.ParquetFile(path).metadata.row_group(0).column(0).compression in ("ZSTD",)
     assert read_manifest(tmp_path / "eval").rows == 359
     assert sorted(p.name for p in (tmp_path / "train").iterdir()) == [
-        MANIFEST, "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]  # no temps
+        MANIFEST,
+        "part-00000.parquet",
+        "part-00001.parquet",
+        "part-00002.parquet",
+    ]  # no temps
 
 
 def test_existing_shards_are_kept_unless_overwrite(tmp_path):
@@ -113,8 +123,10 @@ def test_text_file_is_packed_and_1_document_in_20_is_eval(tmp_path):
     write_shards(tmp_path / "docs.jsonl", tmp_path / "out", rows_per_shard=40, seq_len=16)
     held = eval_mask(100)
     assert held.sum() == 5 and not held[95:].all()  # 5 documents, not the file's tail
-    for split, part in (("train", [d for d, e in zip(docs, held) if not e]),
-                        ("eval", [d for d, e in zip(docs, held) if e])):
+    for split, part in (
+        ("train", [d for d, e in zip(docs, held) if not e]),
+        ("eval", [d for d, e in zip(docs, held) if e]),
+    ):
         stream = np.frombuffer(b"\n\n".join(d.encode() for d in part), dtype=np.uint8)
         n = len(stream) // 17
         windows = torch.from_numpy(stream[: n * 17].astype(np.int64)).view(n, 17)
@@ -126,8 +138,9 @@ def test_text_file_is_packed_and_1_document_in_20_is_eval(tmp_path):
 def test_csv_and_json_classification_sources(tmp_path):
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(40, 3)).astype(np.float32), rng.integers(0, 4, size=40)
-    lines = ["label,b,a,c"] + [",".join([str(y[i])] + [repr(float(v)) for v in x[i]])
-                               for i in range(40)]
+    lines = ["label,b,a,c"] + [
+        ",".join([str(y[i])] + [repr(float(v)) for v in x[i]]) for i in range(40)
+    ]
     (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
     with pytest.warns(UserWarning, match="eval split has no rows of .* present in train"):
         write_shards(tmp_path / "t.csv", tmp_path / "csv", rows_per_shard=16)  # 2 eval rows
@@ -138,12 +151,15 @@ def test_csv_and_json_classification_sources(tmp_path):
     assert torch.equal(_read_all(train).inputs, torch.from_numpy(x[~held]))  # CSV column order
     assert torch.equal(_read_all(ev).targets, torch.from_numpy(y[held]))
     assert train.manifest.label_counts == tuple(np.bincount(y[~held], minlength=4))
-    assert (train.manifest.label_column, train.manifest.feature_columns) == ("label",
-                                                                              ("b", "a", "c"))
+    assert (train.manifest.label_column, train.manifest.feature_columns) == (
+        "label",
+        ("b", "a", "c"),
+    )
     # A `features` list of a perfect square becomes a (1, s, s) image.
     with open(tmp_path / "img.jsonl", "w") as f:
-        f.writelines(json.dumps({"label": int(i % 3), "features": [float(i)] * 16}) + "\n"
-                     for i in range(30))
+        f.writelines(
+            json.dumps({"label": int(i % 3), "features": [float(i)] * 16}) + "\n" for i in range(30)
+        )
     with pytest.warns(UserWarning, match="no rows of"):
         write_shards(tmp_path / "img.jsonl", tmp_path / "img", rows_per_shard=100)
     img = ShardedDataset(tmp_path / "img" / "train")
@@ -164,15 +180,25 @@ def ids_dir(tmp_path_factory) -> Path:
     ids = np.full(N_IDS, 10_000)  # eval rows: a number no train row has
     ids[~held] = np.arange(N_IDS - held.sum())  # train row i (after the split) holds i
     ids[held] += np.arange(held.sum())  # eval rows: labels of every class, no warning
-    pq.write_table(pa.table({"id": ids.astype(np.float64), "neg": -ids.astype(np.float64),
-                             "label": ids % 7}), root / "ids.parquet")
+    pq.write_table(
+        pa.table({"id": ids.astype(np.float64), "neg": -ids.astype(np.float64), "label": ids % 7}),
+        root / "ids.parquet",
+    )
     write_shards(root / "ids.parquet", root / "shards", rows_per_shard=100, row_group_rows=32)
     return root / "shards" / "train"
 
 
 def _sampler(ds: ShardedDataset, rank: int, world: int) -> GlobalBatchSampler:
-    return GlobalBatchSampler(len(ds), global_batch=96, micro_batch=8, dp_rank=rank,
-                              dp_size=world, seed=5, shard_rows=ds.shard_rows, shuffle_window=128)
+    return GlobalBatchSampler(
+        len(ds),
+        global_batch=96,
+        micro_batch=8,
+        dp_rank=rank,
+        dp_size=world,
+        seed=5,
+        shard_rows=ds.shard_rows,
+        shuffle_window=128,
+    )
 
 
 def test_ranks_read_the_global_order_once_for_every_world_size(ids_dir):
@@ -210,8 +236,9 @@ def test_a_rank_reads_only_the_row_groups_its_rows_live_in(ids_dir):
 
     def where(i: int) -> tuple[int, int]:  # global row id -> (shard, row group), from the manifest
         s = int(np.searchsorted(starts, i, side="right")) - 1
-        return s, int(np.searchsorted(np.cumsum(manifest.shards[s].row_groups), i - starts[s],
-                                      side="right"))
+        return s, int(
+            np.searchsorted(np.cumsum(manifest.shards[s].row_groups), i - starts[s], side="right")
+        )
 
     for rank in range(4):
         ds = ShardedDataset(ids_dir, prefetch=0, cache_row_groups=64)
@@ -233,9 +260,16 @@ def test_a_cache_sized_for_the_window_decodes_each_row_group_once_per_epoch(ids_
         assert sized.size_cache_for(128) == 2 * (128 // 25 + 1 + 2)  # 46 groups of 25 rows
         caught = {}
         for name, ds in (("small", small), ("sized", sized)):
-            sampler = GlobalBatchSampler(len(ds), global_batch=96, micro_batch=96, dp_rank=0,
-                                         dp_size=1, seed=seed, shard_rows=ds.shard_rows,
-                                         shuffle_window=128)  # 128 % 96 != 0: some batches
+            sampler = GlobalBatchSampler(
+                len(ds),
+                global_batch=96,
+                micro_batch=96,
+                dp_rank=0,
+                dp_size=1,
+                seed=seed,
+                shard_rows=ds.shard_rows,
+                shuffle_window=128,
+            )  # 128 % 96 != 0: some batches
             with warnings.catch_warnings(record=True) as caught[name]:  # straddle 2 windows
                 warnings.simplefilter("always")
                 for step in range(sampler.steps_per_epoch):
@@ -246,8 +280,15 @@ def test_a_cache_sized_for_the_window_decodes_each_row_group_once_per_epoch(ids_
 
 def test_an_order_that_thrashes_the_cache_is_reported(ids_dir):
     ds = ShardedDataset(ids_dir, prefetch=0, cache_row_groups=4)
-    sampler = GlobalBatchSampler(len(ds), global_batch=96, micro_batch=96, dp_rank=0,
-                                 dp_size=1, seed=0, shard_rows=ds.shard_rows)  # no window
+    sampler = GlobalBatchSampler(
+        len(ds),
+        global_batch=96,
+        micro_batch=96,
+        dp_rank=0,
+        dp_size=1,
+        seed=0,
+        shard_rows=ds.shard_rows,
+    )  # no window
     with pytest.warns(UserWarning, match="row groups decoded for .* rows"):
         for step in range(sampler.steps_per_epoch):
             ds.get(sampler.micro_batches(step)[0])
@@ -331,8 +372,9 @@ def test_unlisted_part_files_and_bad_manifests_are_refused(tmp_path):
 # --- directories without a manifest (Spark's layout) ---------------------------------------
 
 
-def _spark_like_dir(path: Path, columns: dict[str, tuple[np.ndarray, pa.DataType]],
-                    parts: int) -> None:
+def _spark_like_dir(
+    path: Path, columns: dict[str, tuple[np.ndarray, pa.DataType]], parts: int
+) -> None:
     """part-NNNNN-<uuid>-c000.snappy.parquet + _SUCCESS + .crc files, Spark's list naming."""
     path.mkdir()
     (path / "_SUCCESS").write_bytes(b"")
@@ -344,8 +386,10 @@ def _spark_like_dir(path: Path, columns: dict[str, tuple[np.ndarray, pa.DataType
                 width = values.shape[1]
                 offsets = pa.array(np.arange(len(rows) + 1, dtype=np.int32) * width)
                 arrays[name] = pa.ListArray.from_arrays(
-                    offsets, pa.array(values[rows].reshape(-1), type=item),
-                    type=pa.list_(pa.field("element", item)))
+                    offsets,
+                    pa.array(values[rows].reshape(-1), type=item),
+                    type=pa.list_(pa.field("element", item)),
+                )
             else:
                 arrays[name] = pa.array(values[rows], type=item)
         name = f"part-{k:05d}-1b2c3d4e-c000.snappy.parquet"
@@ -356,8 +400,9 @@ def _spark_like_dir(path: Path, columns: dict[str, tuple[np.ndarray, pa.DataType
 def test_a_spark_directory_without_manifest_is_read_directly(tmp_path):
     digits = load_source("digits", split="train")
     x, y = digits.inputs.flatten(1).numpy(), digits.targets.numpy()
-    _spark_like_dir(tmp_path / "img", {"label": (y, pa.int64()),
-                                       "features": (x, pa.float32())}, parts=3)
+    _spark_like_dir(
+        tmp_path / "img", {"label": (y, pa.int64()), "features": (x, pa.float32())}, parts=3
+    )
     ds = ShardedDataset(tmp_path / "img")  # the whole directory; load_dataset splits it
     assert ds.spec == TaskSpec("classification", (1, 8, 8), 10)
     assert ds.manifest.shards[0].sha256 is None and len(ds.shard_rows) == 3
@@ -365,8 +410,11 @@ def test_a_spark_directory_without_manifest_is_read_directly(tmp_path):
     got = _read_all(ds)
     assert torch.equal(got.inputs, digits.inputs) and torch.equal(got.targets, digits.targets)
 
-    _spark_like_dir(tmp_path / "flat", {"features": (np.ones((20, 10)), pa.float64()),
-                                        "label": (np.arange(20) % 4, pa.int32())}, parts=2)
+    _spark_like_dir(
+        tmp_path / "flat",
+        {"features": (np.ones((20, 10)), pa.float64()), "label": (np.arange(20) % 4, pa.int32())},
+        parts=2,
+    )
     assert ShardedDataset(tmp_path / "flat").spec == TaskSpec("classification", (10,), 4)
 
     windows = np.random.default_rng(0).integers(0, 256, size=(50, 17))
@@ -378,16 +426,20 @@ def test_a_spark_directory_without_manifest_is_read_directly(tmp_path):
 
 def test_a_spark_directory_serves_disjoint_held_out_splits(tmp_path):
     ids = np.arange(1000)
-    _spark_like_dir(tmp_path / "d", {"features": (np.stack([ids, ids], 1), pa.float64()),
-                                     "label": (ids % 10, pa.int64())}, parts=3)
+    _spark_like_dir(
+        tmp_path / "d",
+        {"features": (np.stack([ids, ids], 1), pa.float64()), "label": (ids % 10, pa.int64())},
+        parts=3,
+    )
     with pytest.warns(UserWarning, match="no scaletrain manifest.*1 row in 20") as caught:
         train = load_dataset(tmp_path / "d", "train")
         ev = load_dataset(tmp_path / "d", "eval", shuffle_window=64)
     assert len(caught) == 1  # said once, not once per split
     assert isinstance(train, HeldOutSplit) and (len(train), len(ev)) == (950, 50)
     assert sum(train.shard_rows) == 950 and len(train.shard_rows) == 3
-    seen = {split: _read_all(ds).inputs[:, 0].long() for split, ds in (("train", train),
-                                                                       ("eval", ev))}
+    seen = {
+        split: _read_all(ds).inputs[:, 0].long() for split, ds in (("train", train), ("eval", ev))
+    }
     assert not set(seen["train"].tolist()) & set(seen["eval"].tolist())  # disjoint
     assert torch.equal(torch.cat(list(seen.values())).sort().values, torch.arange(1000))
     assert torch.equal(seen["eval"], torch.from_numpy(np.flatnonzero(eval_mask(1000))))
@@ -398,11 +450,15 @@ def test_a_spark_directory_serves_disjoint_held_out_splits(tmp_path):
 
 
 def test_a_spark_directory_with_mixed_schemas_is_refused(tmp_path):
-    _spark_like_dir(tmp_path / "d", {"features": (np.ones((20, 4)), pa.float32()),
-                                     "label": (np.arange(20), pa.int64())}, parts=2)
+    _spark_like_dir(
+        tmp_path / "d",
+        {"features": (np.ones((20, 4)), pa.float32()), "label": (np.arange(20), pa.int64())},
+        parts=2,
+    )
     table = pq.read_table(tmp_path / "d" / "part-00001-1b2c3d4e-c000.snappy.parquet")
-    pq.write_table(table.drop_columns(["label"]),
-                   tmp_path / "d" / "part-00001-1b2c3d4e-c000.snappy.parquet")
+    pq.write_table(
+        table.drop_columns(["label"]), tmp_path / "d" / "part-00001-1b2c3d4e-c000.snappy.parquet"
+    )
     with pytest.raises(ShardError, match="part-00001-1b2c3d4e-c000.snappy.parquet: schema"):
         ShardedDataset(tmp_path / "d")
 

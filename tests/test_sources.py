@@ -80,12 +80,15 @@ def test_digits_shapes_split_and_normalisation():
     assert train.inputs.shape == (1438, 1, 8, 8) and train.inputs.dtype == torch.float32
     assert train.targets.dtype == torch.int64 and set(train.targets.tolist()) == set(range(10))
     assert abs(train.inputs.mean().item()) < 0.01 and abs(train.inputs.std().item() - 1) < 0.01
+
     # Disjoint and complete: as a multiset, train + eval are the 1797 (image, label) pairs.
     def rows(images, labels):  # (N, 65) pixel values in 0..16 with the label last
         table = np.concatenate([images.reshape(len(labels), 64), labels[:, None]], 1)
         return np.unique(table, axis=0, return_counts=True)
 
-    pixels = lambda d: np.rint((d.inputs.numpy() * sources.DIGITS_STD + sources.DIGITS_MEAN) * 16)
+    def pixels(d):
+        return np.rint((d.inputs.numpy() * sources.DIGITS_STD + sources.DIGITS_MEAN) * 16)
+
     labels = torch.cat([train.targets, evaluation.targets]).numpy()
     ours = rows(np.concatenate([pixels(train), pixels(evaluation)]), labels)
     raw = rows(*sources._digits_arrays())
@@ -111,7 +114,12 @@ def test_digits_labels_belong_to_their_images():
 def test_mnist_shapes_labels_and_normalisation():
     train, evaluation = load_source("mnist", split="train"), load_source("mnist", split="eval")
     assert train.spec == evaluation.spec == TaskSpec("classification", (1, 28, 28), 10)
-    assert train.inputs.shape == (60000, 1, 28, 28) and evaluation.inputs.shape == (10000, 1, 28, 28)
+    assert train.inputs.shape == (60000, 1, 28, 28) and evaluation.inputs.shape == (
+        10000,
+        1,
+        28,
+        28,
+    )
     assert train.inputs.dtype == torch.float32 and train.targets.dtype == torch.int64
     # The canonical files: first labels and the test set's class counts.
     assert train.targets[:5].tolist() == [5, 0, 4, 1, 9]
@@ -147,7 +155,9 @@ def test_mnist_md5_mismatch_names_the_file_and_both_hashes():
     message = str(info.value)
     assert "t10k-labels-idx1-ubyte" in message and "0" * 32 in message
     assert sources.MNIST_IDX_MD5["t10k-labels-idx1-ubyte"] in message  # what it actually got
-    corrupted = dict(arrays, **{"train-labels-idx1-ubyte": arrays["train-labels-idx1-ubyte"].copy()})
+    corrupted = dict(
+        arrays, **{"train-labels-idx1-ubyte": arrays["train-labels-idx1-ubyte"].copy()}
+    )
     corrupted["train-labels-idx1-ubyte"][0] ^= 1  # one flipped bit
     with pytest.raises(RuntimeError, match="train-labels-idx1-ubyte"):
         sources.verify_mnist(corrupted)
@@ -208,7 +218,9 @@ def test_synthetic_images_are_seeded_and_share_a_teacher():
     train = images("train", 3)
     assert train.inputs.shape == (2048, 1, 28, 28) and train.inputs.dtype == torch.float32
     assert train.spec == TaskSpec("classification", (1, 28, 28), 10)
-    assert train.inputs.equal(images("train", 3).inputs) and train.targets.equal(images("train", 3).targets)
+    assert train.inputs.equal(images("train", 3).inputs) and train.targets.equal(
+        images("train", 3).targets
+    )
     assert not train.inputs.equal(images("train", 4).inputs)
     evaluation = images("eval", 3, n=512)
     assert not torch.equal(evaluation.inputs, train.inputs[:512])
@@ -224,17 +236,27 @@ def test_synthetic_images_are_seeded_and_share_a_teacher():
 def test_synthetic_text_is_a_fixed_markov_chain():
     T = 64
     train = load_source("synthetic-text", split="train", seq_len=T, synthetic_examples=1024, seed=1)
-    evaluation = load_source("synthetic-text", split="eval", seq_len=T, synthetic_examples=256, seed=1)
-    assert train.inputs.shape == train.targets.shape == (1024, T) and train.inputs.dtype == torch.int64
+    evaluation = load_source(
+        "synthetic-text", split="eval", seq_len=T, synthetic_examples=256, seed=1
+    )
+    assert (
+        train.inputs.shape == train.targets.shape == (1024, T) and train.inputs.dtype == torch.int64
+    )
     assert train.spec == TaskSpec("lm", (T,), 256)
     assert train.targets[:, :-1].equal(train.inputs[:, 1:])
     assert not torch.equal(evaluation.inputs, train.inputs[:256])
 
     def successors(data):
-        pairs = torch.stack([data.inputs.flatten(), data.targets.flatten()], 1).unique(dim=0)  # (P, 2)
+        pairs = torch.stack([data.inputs.flatten(), data.targets.flatten()], 1).unique(
+            dim=0
+        )  # (P, 2)
         return {(a, b) for a, b in pairs.tolist()}
 
     train_pairs = successors(train)
-    assert max(torch.bincount(torch.tensor([a for a, _ in train_pairs]))) <= 4  # <= 4 successors a byte
-    assert len(successors(evaluation) - train_pairs) < 0.05 * len(successors(evaluation))  # same chain
+    assert (
+        max(torch.bincount(torch.tensor([a for a, _ in train_pairs]))) <= 4
+    )  # <= 4 successors a byte
+    assert len(successors(evaluation) - train_pairs) < 0.05 * len(
+        successors(evaluation)
+    )  # same chain
     assert train.get(torch.arange(8)).count == 8 * T

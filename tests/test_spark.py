@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from harness import load_weights, run_workers
 from scaletrain.data.file_source import SourceError
 from scaletrain.data.holdout import HeldOutSplit
 from scaletrain.data.shard_writer import write_shards
@@ -20,6 +19,8 @@ from scaletrain.data.shards import ShardedDataset, load_dataset
 from scaletrain.data.sources import TaskSpec, load_source
 from scaletrain.data.spark import spark_session, write_shards_spark
 from scaletrain.models import build_model
+
+from harness import load_weights, run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +37,13 @@ def _all(ds: ShardedDataset):
 
 
 def test_spark_writer_equals_the_source(spark, tmp_path):
-    manifest = write_shards_spark("digits", tmp_path, rows_per_shard=500, row_group_rows=128,
-                                  spark=spark)
+    manifest = write_shards_spark(
+        "digits", tmp_path, rows_per_shard=500, row_group_rows=128, spark=spark
+    )
     assert [s.rows for s in manifest.shards] == [500, 500, 438]  # ceil(1438 / 500) partitions
-    assert all(s.file.startswith("part-") and s.file.endswith(".snappy.parquet")
-               for s in manifest.shards)  # Spark's own part names are kept
+    assert all(
+        s.file.startswith("part-") and s.file.endswith(".snappy.parquet") for s in manifest.shards
+    )  # Spark's own part names are kept
     assert all(max(s.row_groups) == 128 for s in manifest.shards)  # row_group_rows honoured
     assert (tmp_path / "train" / "_SUCCESS").exists()
     for split in ("train", "eval"):
@@ -55,9 +58,11 @@ def test_spark_writer_packs_text_and_splits_files_like_the_pyarrow_writer(spark,
     (tmp_path / "docs").mkdir()
     for part in range(2):  # a directory: files in name order, each in order
         with open(tmp_path / "docs" / f"{part}.jsonl", "w") as f:  # UTF-8 straddles windows
-            f.writelines(json.dumps({"text": f"doc {part}.{i} é \u4e2d "
-                                             + "xy" * int(rng.integers(0, 60))}) + "\n"
-                         for i in range(60))
+            f.writelines(
+                json.dumps({"text": f"doc {part}.{i} é \u4e2d " + "xy" * int(rng.integers(0, 60))})
+                + "\n"
+                for i in range(60)
+            )
     with open(tmp_path / "rows.csv", "w") as f:  # sorted by label: eval still gets every class
         f.write("p1,label,p0\n")
         f.writelines(f"{float(i) / 8!r},{i // 40},{-float(i)!r}\n" for i in range(200))
@@ -71,7 +76,8 @@ def test_spark_writer_packs_text_and_splits_files_like_the_pyarrow_writer(spark,
         spark.conf.unset("spark.sql.files.maxPartitionBytes")
         spark.conf.unset("spark.sql.files.openCostInBytes")
     assert load_dataset(tmp_path / "spark-rows.csv", "eval").spec == TaskSpec(
-        "classification", (2,), 5)
+        "classification", (2,), 5
+    )
     ev = load_dataset(tmp_path / "spark-rows.csv", "eval")
     assert len(ev) == 10 and set(ev.get(torch.arange(10)).targets.tolist()) == set(range(5))
 
@@ -91,8 +97,9 @@ def test_spark_writer_refuses_a_bad_cell_like_the_pyarrow_writer(spark, tmp_path
 
 
 def test_spark_writer_writes_regression_like_the_pyarrow_writer(spark, tmp_path):
-    lines = ["a,target,b"] + [f"{i * 0.25!r},{i // 4 if i % 4 == 0 else i * 0.375 - 9!r},{i % 7}"
-                              for i in range(120)]  # integer and decimal targets
+    lines = ["a,target,b"] + [
+        f"{i * 0.25!r},{i // 4 if i % 4 == 0 else i * 0.375 - 9!r},{i % 7}" for i in range(120)
+    ]  # integer and decimal targets
     (tmp_path / "r.csv").write_text("\n".join(lines) + "\n")
     write_shards_spark(tmp_path / "r.csv", tmp_path / "spark", rows_per_shard=50, spark=spark)
     write_shards(tmp_path / "r.csv", tmp_path / "arrow", rows_per_shard=50)
@@ -115,9 +122,9 @@ def test_spark_writer_writes_regression_like_the_pyarrow_writer(spark, tmp_path)
     assert messages[0] == messages[1]
     assert "bad.csv, row 76 (line 77), column `target`: 'NaN' is not finite;" in messages[0]
     # A plain Spark job's `target` column, no manifest: read as regression.
-    spark.createDataFrame([(i * 0.5, [float(i), 1.0]) for i in range(50)],
-                          "target double, features array<float>").write.parquet(
-        str(tmp_path / "plain"))
+    spark.createDataFrame(
+        [(i * 0.5, [float(i), 1.0]) for i in range(50)], "target double, features array<float>"
+    ).write.parquet(str(tmp_path / "plain"))
     plain = ShardedDataset(tmp_path / "plain")
     assert plain.spec == TaskSpec("regression", (2,), 1)
     assert torch.equal(_all(plain).targets, torch.arange(50) * 0.5)
@@ -126,10 +133,16 @@ def test_spark_writer_writes_regression_like_the_pyarrow_writer(spark, tmp_path)
 def _compare_writers(spark, tmp_path) -> None:
     for source, seq_len in (("docs", 24), ("rows.csv", 8)):
         assert spark.read.text(str(tmp_path / source)).rdd.getNumPartitions() > 1
-        write_shards_spark(tmp_path / source, tmp_path / f"spark-{source}", rows_per_shard=20,
-                           seq_len=seq_len, spark=spark)
-        write_shards(tmp_path / source, tmp_path / f"arrow-{source}", rows_per_shard=20,
-                     seq_len=seq_len)
+        write_shards_spark(
+            tmp_path / source,
+            tmp_path / f"spark-{source}",
+            rows_per_shard=20,
+            seq_len=seq_len,
+            spark=spark,
+        )
+        write_shards(
+            tmp_path / source, tmp_path / f"arrow-{source}", rows_per_shard=20, seq_len=seq_len
+        )
         for split in ("train", "eval"):
             a = load_dataset(tmp_path / f"spark-{source}", split)
             b = load_dataset(tmp_path / f"arrow-{source}", split)
@@ -141,8 +154,10 @@ def _compare_writers(spark, tmp_path) -> None:
 def test_plain_spark_parquet_of_array_features_is_read_without_manifest(spark, tmp_path):
     digits = load_source("digits", split="train")
     x, y = digits.inputs.flatten(1), digits.targets
-    rows = [(int(label), [float(v) for v in features]) for label, features in
-            zip(y.tolist(), x.tolist())]
+    rows = [
+        (int(label), [float(v) for v in features])
+        for label, features in zip(y.tolist(), x.tolist())
+    ]
     df = spark.createDataFrame(rows, "label long, features array<float>")
     df.write.parquet(str(tmp_path / "plain"))
     ds = ShardedDataset(tmp_path / "plain")
@@ -156,10 +171,13 @@ def test_plain_spark_parquet_of_array_features_is_read_without_manifest(spark, t
 def test_training_runs_directly_on_a_plain_spark_directory(spark, tmp_path):
     """`data.source = "shards"` on what Spark wrote (part files, _SUCCESS, .crc), 2 ranks."""
     digits = load_source("digits", split="train")
-    rows = [(int(label), [float(v) for v in features]) for label, features in
-            zip(digits.targets.tolist(), digits.inputs.flatten(1).tolist())]
+    rows = [
+        (int(label), [float(v) for v in features])
+        for label, features in zip(digits.targets.tolist(), digits.inputs.flatten(1).tolist())
+    ]
     spark.createDataFrame(rows, "label long, features array<float>").write.parquet(
-        str(tmp_path / "spark"))
+        str(tmp_path / "spark")
+    )
     assert (tmp_path / "spark" / "_SUCCESS").exists()
     config = tmp_path / "cfg.toml"
     config.write_text(f"""
@@ -168,7 +186,7 @@ name = "mlp"
 size = "small"
 [data]
 source = "shards"
-path = "{tmp_path / 'spark'}"
+path = "{tmp_path / "spark"}"
 [optim]
 lr = 3e-3
 [train]

@@ -32,7 +32,7 @@ PKG = "ucpkg"
 
 FILES = {
     "ucpkg/__init__.py": "",
-    "ucpkg/model.py": '''
+    "ucpkg/model.py": """
         import math
 
         from torch import nn
@@ -43,7 +43,7 @@ FILES = {
         def build(task, *, width=8):
             return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(task.input_shape), width),
                                  nn.Tanh(), nn.Linear(width, task.num_classes))
-    ''',
+    """,
     "ucpkg/data.py": '''
         import torch
 
@@ -74,7 +74,7 @@ FILES = {
         def blobs(split, *, n=16, dim=4):
             return Blobs(n, dim, 3, seed=0 if split == "train" else 1), task(dim)
     ''',
-    "ucpkg/loss.py": '''
+    "ucpkg/loss.py": """
         import torch.nn.functional as F
 
 
@@ -89,8 +89,8 @@ FILES = {
         def wrong_count(output, batch):
             loss = F.cross_entropy(output, batch.targets, reduction="sum")
             return loss, batch.targets.shape[0] + 1
-    ''',
-    "ucpkg/bad.py": '''
+    """,
+    "ucpkg/bad.py": """
         from torch import nn
 
         from ucpkg.data import Blobs, task
@@ -131,22 +131,22 @@ FILES = {
 
         def alone(split):
             return Blobs(8, 4, 3, seed=0)
-    ''',
-    "ucpkg/boom.py": '''
+    """,
+    "ucpkg/boom.py": """
         import torch
         raise RuntimeError("boom")  # MARK boom
 
 
         def build(task):
             return torch.nn.Linear(4, 3)
-    ''',
-    "ucpkg/needs_dep.py": '''
+    """,
+    "ucpkg/needs_dep.py": """
         import nosuchdep_for_scaletrain_tests
 
 
         def build(task):
             return None
-    ''',
+    """,
 }
 
 CONFIG = """\
@@ -211,8 +211,9 @@ def refuse(user_dir: Path, *overrides: str, nproc: int = 2, flags: tuple[str, ..
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     r = run_cli(args, cwd=user_dir, timeout=120)
-    assert r.returncode == 2, (f"exit {r.returncode}\nstdout:\n{r.stdout}\n"
-                               f"stderr:\n{r.stderr[-3000:]}")
+    assert r.returncode == 2, (
+        f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
+    )
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if "scaletrain: error:" in line]
     assert len(errors) == 1, r.stderr[-3000:]
@@ -295,8 +296,9 @@ def test_data_that_do_not_fit_the_model(user_dir: Path) -> None:
     """The task says 6 features (and the items have 6), the model's Linear takes 10: the
     launcher's one forward fails, naming both keys and the user's line."""
     line = refuse(user_dir, "model.name=ucpkg.bad:ten_inputs", "data.source=ucpkg.bad:six_features")
-    assert ("model.name = 'ucpkg.bad:ten_inputs' cannot run on data.source = "
-            "'ucpkg.bad:six_features'") in line
+    assert (
+        "model.name = 'ucpkg.bad:ten_inputs' cannot run on data.source = 'ucpkg.bad:six_features'"
+    ) in line
     assert "a batch of inputs (2, 6)" in line
     assert "RuntimeError" in line
     assert line_of(user_dir, "ucpkg/bad.py", "forward") in line
@@ -304,8 +306,9 @@ def test_data_that_do_not_fit_the_model(user_dir: Path) -> None:
 
 @pytest.mark.slow  # a CLI subprocess (~4 s)
 def test_data_that_do_not_fit_the_model_in_one_process(user_dir: Path) -> None:
-    line = refuse(user_dir, "model.name=ucpkg.bad:ten_inputs",
-                  "data.source=ucpkg.bad:six_features", nproc=1)
+    line = refuse(
+        user_dir, "model.name=ucpkg.bad:ten_inputs", "data.source=ucpkg.bad:six_features", nproc=1
+    )
     assert "model.name = 'ucpkg.bad:ten_inputs'" in line
     assert "data.source = 'ucpkg.bad:six_features'" in line
 
@@ -366,14 +369,29 @@ def test_debug_shows_the_traceback(user_dir: Path, nproc: int) -> None:
     """--debug is the escape hatch: the user's own frames, then the same one line, status 2
     (in one process the trainer meets the error; with two the launcher does)."""
     run_dir = user_dir / "run"
-    r = run_cli(["train", "cfg.toml", "model.name=ucpkg.bad:raises", "--run-dir", str(run_dir),
-                 "--nproc", str(nproc), "--debug"], cwd=user_dir, timeout=120)
+    r = run_cli(
+        [
+            "train",
+            "cfg.toml",
+            "model.name=ucpkg.bad:raises",
+            "--run-dir",
+            str(run_dir),
+            "--nproc",
+            str(nproc),
+            "--debug",
+        ],
+        cwd=user_dir,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback (most recent call last)" in r.stderr
     file, line = line_of(user_dir, "ucpkg/bad.py", "raises").rsplit(":", 1)
     assert f'File "{file}", line {line}, in raises' in r.stderr  # the user's frame
-    assert r.stderr.strip().splitlines()[-1].startswith(
-        "scaletrain: error: model.name = 'ucpkg.bad:raises' raised ValueError")
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith("scaletrain: error: model.name = 'ucpkg.bad:raises' raised ValueError")
+    )
     if nproc > 1:
         assert not (run_dir / "logs").exists()
 
@@ -391,17 +409,23 @@ def test_load_object_imports_module_attributes(imported: Path) -> None:
     assert load_object("ucpkg.bad:Ten.forward", key="model.name").__name__ == "forward"
 
 
-@pytest.mark.parametrize("path, expect", [
-    ("ucpkg.model", "is not an import path: write 'package.module:function'"),
-    ("ucpkg/model.py:build", "is not an import path"),
-    ("ucpkg.model:NOT_CALLABLE", "is a int, not a function or class to call"),
-    ("ucpkg.model:nope", "module 'ucpkg.model' ("),
-    ("ucpkg.nosuch:build", "no module named 'ucpkg.nosuch' (searched the working directory"),
-    ("ucpkg.boom:build", "importing 'ucpkg.boom' failed: RuntimeError: boom (at "),
-    # A dependency the module imports is missing: that module is named, not the path's.
-    ("ucpkg.needs_dep:build", "importing 'ucpkg.needs_dep' failed: ModuleNotFoundError: No module "
-                              "named 'nosuchdep_for_scaletrain_tests' (at "),
-])
+@pytest.mark.parametrize(
+    "path, expect",
+    [
+        ("ucpkg.model", "is not an import path: write 'package.module:function'"),
+        ("ucpkg/model.py:build", "is not an import path"),
+        ("ucpkg.model:NOT_CALLABLE", "is a int, not a function or class to call"),
+        ("ucpkg.model:nope", "module 'ucpkg.model' ("),
+        ("ucpkg.nosuch:build", "no module named 'ucpkg.nosuch' (searched the working directory"),
+        ("ucpkg.boom:build", "importing 'ucpkg.boom' failed: RuntimeError: boom (at "),
+        # A dependency the module imports is missing: that module is named, not the path's.
+        (
+            "ucpkg.needs_dep:build",
+            "importing 'ucpkg.needs_dep' failed: ModuleNotFoundError: No module "
+            "named 'nosuchdep_for_scaletrain_tests' (at ",
+        ),
+    ],
+)
 def test_load_object_refuses(imported: Path, path: str, expect: str) -> None:
     from scaletrain.user_code import UserCodeError, load_object
 
@@ -413,8 +437,9 @@ def test_load_object_refuses(imported: Path, path: str, expect: str) -> None:
     assert "\n" not in message
 
 
-def test_load_object_searches_the_working_directory(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_load_object_searches_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """As `python -m` does for the workers, a console script finds the user's package in
     the working directory, with nothing on PYTHONPATH."""
     from scaletrain.user_code import load_object
@@ -452,7 +477,8 @@ def test_call_tells_a_signature_mismatch_from_a_type_error_inside(imported: Path
 
 
 def test_describe_error_names_a_user_file_under_a_directory_called_scaletrain(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     from scaletrain.user_code import describe_error
 
     user_file = tmp_path / "scaletrain" / "myproject" / "model.py"
@@ -531,16 +557,26 @@ def _check(loss_fn, *, dtype=torch.float64, n: int = 6) -> None:
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3).to(dtype)
-    batch = Batch(inputs=torch.randn(n, 4, dtype=dtype), targets=torch.randint(0, 3, (n,)),
-                  count=n, tokens=0)
-    check_summed(loss_fn, model, batch, task_kind="classification",
-                 forward=lambda net, b: net(b.inputs), label="train.loss = 'm:f'")
+    batch = Batch(
+        inputs=torch.randn(n, 4, dtype=dtype), targets=torch.randint(0, 3, (n,)), count=n, tokens=0
+    )
+    check_summed(
+        loss_fn,
+        model,
+        batch,
+        task_kind="classification",
+        forward=lambda net, b: net(b.inputs),
+        label="train.loss = 'm:f'",
+    )
 
 
 def _ce(reduction: str, extra: int = 0):
     def loss(output, batch):
-        return (torch.nn.functional.cross_entropy(output, batch.targets, reduction=reduction),
-                batch.targets.shape[0] + extra)
+        return (
+            torch.nn.functional.cross_entropy(output, batch.targets, reduction=reduction),
+            batch.targets.shape[0] + extra,
+        )
+
     return loss
 
 
@@ -557,8 +593,9 @@ def test_check_summed_refuses_a_mean(dtype: torch.dtype) -> None:
 
 
 def test_check_summed_refuses_a_wrong_count_and_a_non_scalar() -> None:
-    with pytest.raises(ValueError, match="returned count 7 for a micro-batch whose loss "
-                                         "normaliser is 6"):
+    with pytest.raises(
+        ValueError, match="returned count 7 for a micro-batch whose loss normaliser is 6"
+    ):
         _check(_ce("sum", extra=1))
     with pytest.raises(ValueError, match=r"returned a loss of shape \(6,\)"):
         _check(_ce("none"))
@@ -572,11 +609,21 @@ def test_check_summed_restores_the_training_mode() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.5)).double()
     model.train()
-    batch = Batch(inputs=torch.randn(4, 4, dtype=torch.float64),
-                  targets=torch.randint(0, 3, (4,)), count=4, tokens=0)
+    batch = Batch(
+        inputs=torch.randn(4, 4, dtype=torch.float64),
+        targets=torch.randint(0, 3, (4,)),
+        count=4,
+        tokens=0,
+    )
     # Dropout on would make the halves differ from the whole: it passes only in eval mode.
-    check_summed(_ce("sum"), model, batch, task_kind="classification",
-                 forward=lambda net, b: net(b.inputs), label="x")
+    check_summed(
+        _ce("sum"),
+        model,
+        batch,
+        task_kind="classification",
+        forward=lambda net, b: net(b.inputs),
+        label="x",
+    )
     assert model.training
 
 
@@ -599,8 +646,11 @@ def test_model_kwargs_with_a_builtin_model_is_refused() -> None:
     from scaletrain.plan import resolve
 
     config = load_config(None, ["model.name=mlp", "data.source=digits", "model.kwargs={width=3}"])
-    with pytest.raises(ConfigError, match=r"model.kwargs = \{'width': 3\} is only read by "
-                                          r"model.name = 'hf' or an import path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.kwargs = \{'width': 3\} is only read by "
+        r"model.name = 'hf' or an import path",
+    ):
         resolve(config, world_size=1)
 
 

@@ -73,13 +73,13 @@ PACKAGE = {
         def stripes(split, n=192):
             return Stripes(n, seed=0 if split == "train" else 1), TaskSpec("classification", (1, 12, 12), 3)
     ''',
-    "shapes/losses.py": '''
+    "shapes/losses.py": """
         import torch.nn.functional as F
 
 
         def summed_ce(output, batch):
             return F.cross_entropy(output, batch.targets, reduction="sum"), len(batch.targets)
-    ''',
+    """,
 }
 
 CONFIG = """
@@ -137,12 +137,22 @@ def test_user_package_dp2_and_accumulation_match_one_process(trained, package_di
     """The runs import the package from their working directory, as `scaletrain train` run
     there does; one job per world size (test_example_package_trains_from_its_directory
     takes the launcher's path)."""
-    one = trained({"dp1": _case(dp=1, micro_batch=32),
-                   "one-step": _case(dp=1, micro_batch=32, extra=["train.steps=1"])},
-                  world_size=1, cwd=package_dir)
-    two = trained({"dp2": _case(dp=2, micro_batch=16),
-                   "dp2-accum": _case(dp=2, micro_batch=4)},  # 4 micro-batches each
-                  world_size=2, cwd=package_dir)
+    one = trained(
+        {
+            "dp1": _case(dp=1, micro_batch=32),
+            "one-step": _case(dp=1, micro_batch=32, extra=["train.steps=1"]),
+        },
+        world_size=1,
+        cwd=package_dir,
+    )
+    two = trained(
+        {
+            "dp2": _case(dp=2, micro_batch=16),
+            "dp2-accum": _case(dp=2, micro_batch=4),
+        },  # 4 micro-batches each
+        world_size=2,
+        cwd=package_dir,
+    )
     reference = one["dp1"].run_dir
     ref = load_weights(reference)
     assert next(iter(ref.values())).dtype == torch.float64
@@ -162,8 +172,8 @@ def test_user_loss_gives_the_builtin_gradients(user_dir: Path) -> None:
         from shapes.nets import build
 
         from scaletrain.data.user_source import MapSource
-        from scaletrain.precision import make_precision
         from scaletrain.loss import cross_entropy
+        from scaletrain.precision import make_precision
         from scaletrain.training.optim import build_scheduler
         from scaletrain.training.step import train_step
 
@@ -175,11 +185,19 @@ def test_user_loss_gives_the_builtin_gradients(user_dir: Path) -> None:
             torch.manual_seed(0)
             model = build(task).double()
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
-            train_step(model, micro, optimizer=opt,
-                       scheduler=build_scheduler(opt, warmup_steps=0, total_steps=1,
-                                                 schedule="constant", min_lr_ratio=1.0),
-                       precision=make_precision("fp64", device_type="cpu"), grad_clip=0.0,
-                       dp_size=1, ragged_counts=False, loss_fn=loss_fn)
+            train_step(
+                model,
+                micro,
+                optimizer=opt,
+                scheduler=build_scheduler(
+                    opt, warmup_steps=0, total_steps=1, schedule="constant", min_lr_ratio=1.0
+                ),
+                precision=make_precision("fp64", device_type="cpu"),
+                grad_clip=0.0,
+                dp_size=1,
+                ragged_counts=False,
+                loss_fn=loss_fn,
+            )
             weights[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         torch.manual_seed(0)
         start = build(task).double().state_dict()
@@ -197,18 +215,33 @@ def test_example_package_trains_from_its_directory(tmp_path: Path) -> None:
     through the console script (which, unlike `python -m`, does not put the working
     directory on sys.path: scaletrain does, the same way in the launcher and the workers)."""
     example = tmp_path / "own_model"
-    shutil.copytree(REPO / "examples" / "own_model", example,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        REPO / "examples" / "own_model", example, ignore=shutil.ignore_patterns("__pycache__")
+    )
     import subprocess
 
     from harness import cli_env
 
     script = Path(sys.executable).with_name("scaletrain")
-    result = subprocess.run([str(script), "train", "config.toml", "--nproc", "2",
-                             "--run-dir", str(tmp_path / "run"), "train.steps=30",
-                             "train.eval_every=0", "log.quiet=true"],
-                            cwd=example, env=cli_env(), capture_output=True, text=True,
-                            timeout=180)
+    result = subprocess.run(
+        [
+            str(script),
+            "train",
+            "config.toml",
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "train.steps=30",
+            "train.eval_every=0",
+            "log.quiet=true",
+        ],
+        cwd=example,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = (tmp_path / "run" / "summary.json").read_text()
     assert '"accuracy"' in summary

@@ -36,8 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import (Config, ConfigError, config_to_toml, given_world, load_config,
-                               validate_config)
+from scaletrain.config import (
+    Config,
+    ConfigError,
+    config_to_toml,
+    given_world,
+    load_config,
+    validate_config,
+)
 from scaletrain.launch import LaunchSpec, under_elastic_agent, validate_spec
 from scaletrain.plan import Derived, resolve
 
@@ -56,8 +62,15 @@ class Prepared:
     complete: dict | None = None  # --resume of a run that has finished: its summary
 
 
-def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resume: bool,
-                allow_config_change: bool = False, code: Any = None) -> Prepared:
+def prepare_run(
+    config: Config,
+    *,
+    spec: LaunchSpec,
+    run_dir: Path | None,
+    resume: bool,
+    allow_config_change: bool = False,
+    code: Any = None,
+) -> Prepared:
     """Every check that needs no worker, in the order the CLI and the API both run them.
 
     Args:
@@ -76,8 +89,10 @@ def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resum
     from scaletrain.training.assemble import NO_CODE, brings_own_code, check_user_code
 
     if allow_config_change and not resume:
-        raise ConfigError("--allow-config-change only applies with --resume (it lets a resumed "
-                          "run continue with a changed config); add --resume or drop it")
+        raise ConfigError(
+            "--allow-config-change only applies with --resume (it lets a resumed "
+            "run continue with a changed config); add --resume or drop it"
+        )
     derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
     if resume and (done := finished_run(run_dir, config)) is not None:
         return Prepared(derived=derived, run_dir=Path(run_dir), warnings=(), complete=done)
@@ -86,9 +101,11 @@ def prepare_run(config: Config, *, spec: LaunchSpec, run_dir: Path | None, resum
 
         interface_address(config.ps.interface)  # refused here if this machine lacks it
     if derived.ps is not None and spec.max_nodes > 1 and config.ps.interface == "lo":
-        raise ConfigError(f"ps.interface = 'lo' (loopback) cannot reach servers on other "
-                          f"machines (--nnodes {spec.nnodes}): set ps.interface to the network "
-                          "interface the nodes reach each other on (e.g. ps.interface=eth0)")
+        raise ConfigError(
+            f"ps.interface = 'lo' (loopback) cannot reach servers on other "
+            f"machines (--nnodes {spec.nnodes}): set ps.interface to the network "
+            "interface the nodes reach each other on (e.g. ps.interface=eth0)"
+        )
     preflight_data(config)
     code = code or NO_CODE
     if brings_own_code(config, code) and not spec.in_process:
@@ -111,18 +128,27 @@ def preflight_data(config: Config) -> None:
 
     d = config.data
     try:
-        note = check_data(source=d.source, path=d.path, seq_len=d.seq_len,
-                          model_name=config.model.name)
+        note = check_data(
+            source=d.source, path=d.path, seq_len=d.seq_len, model_name=config.model.name
+        )
     except DataCheckError as e:  # a user mistake like a bad config value: same exit
         raise ConfigError(str(e)) from e
     if note:
         print(f"scaletrain: note: {note}", file=sys.stderr)
 
 
-def train(config: str | Path | dict | Config, *, model: Callable | str | None = None,
-          data: Callable | str | None = None, loss: Callable | str | None = None,
-          overrides: Sequence[str] = (), run_dir: str | Path | None = None,
-          nproc: int | None = None, resume: bool = False, debug: bool = False) -> dict:
+def train(
+    config: str | Path | dict | Config,
+    *,
+    model: Callable | str | None = None,
+    data: Callable | str | None = None,
+    loss: Callable | str | None = None,
+    overrides: Sequence[str] = (),
+    run_dir: str | Path | None = None,
+    nproc: int | None = None,
+    resume: bool = False,
+    debug: bool = False,
+) -> dict:
     """Train from a config; return the summary (final loss, eval metrics, run directory).
 
     Args:
@@ -146,18 +172,22 @@ def train(config: str | Path | dict | Config, *, model: Callable | str | None = 
     from scaletrain.training.assemble import UserCode
 
     parsed = _to_config(config, overrides)
-    code = UserCode(**{k: v for k, v in (("model", model), ("data", data), ("loss", loss))
-                       if callable(v)})
+    code = UserCode(
+        **{k: v for k, v in (("model", model), ("data", data), ("loss", loss)) if callable(v)}
+    )
     parsed = _with_names(parsed, model=model, data=data, loss=loss)
     if under_elastic_agent():
         if parsed.parallel.strategy == "ps":  # its ranks are supervised role processes
-            raise ConfigError("parallel.strategy = 'ps' from inside torchrun is not supported by "
-                              "the Python API: call scaletrain.train() plainly (it launches the "
-                              "servers and workers) or run `torchrun -m scaletrain train ...`")
+            raise ConfigError(
+                "parallel.strategy = 'ps' from inside torchrun is not supported by "
+                "the Python API: call scaletrain.train() plainly (it launches the "
+                "servers and workers) or run `torchrun -m scaletrain train ...`"
+            )
         return _train_as_rank(parsed, run_dir=Path(run_dir) if run_dir else None, code=code)
     spec = validate_spec(LaunchSpec(nproc=nproc or given_world(parsed)))
-    prepared = prepare_run(parsed, spec=spec, run_dir=Path(run_dir) if run_dir else None,
-                           resume=resume, code=code)
+    prepared = prepare_run(
+        parsed, spec=spec, run_dir=Path(run_dir) if run_dir else None, resume=resume, code=code
+    )
     for warning in (*prepared.warnings,):
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     if prepared.complete is not None:  # --resume of a finished run: say so, touch nothing
@@ -180,8 +210,10 @@ def _to_config(config: str | Path | dict | Config, overrides: Sequence[str]) -> 
     elif isinstance(config, dict):
         data = copy.deepcopy(config)
     else:
-        raise ConfigError(f"config is a {type(config).__name__}; give a TOML path, a dict of "
-                          "sections or a scaletrain Config")
+        raise ConfigError(
+            f"config is a {type(config).__name__}; give a TOML path, a dict of "
+            "sections or a scaletrain Config"
+        )
     from scaletrain.config import apply_overrides
 
     return validate_config(apply_overrides(data, list(overrides)))
@@ -265,8 +297,11 @@ def _launch(config: Config, spec: LaunchSpec, prepared: Prepared, *, code, debug
     from scaletrain.user_code import import_path_of, pythonpath_for
 
     roots = []
-    for key, fn in (("model.name", code.model), ("data.source", code.data),
-                    ("train.loss", code.loss)):
+    for key, fn in (
+        ("model.name", code.model),
+        ("data.source", code.data),
+        ("train.loss", code.loss),
+    ):
         if fn is not None:
             import_path_of(fn, key=key)  # raises, naming where to move it
             if (root := pythonpath_for(fn)) and root not in roots:
@@ -274,12 +309,16 @@ def _launch(config: Config, spec: LaunchSpec, prepared: Prepared, *, code, debug
     old_path = os.environ.get("PYTHONPATH")
     if roots:
         os.environ["PYTHONPATH"] = os.pathsep.join([*roots, *([old_path] if old_path else [])])
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="scaletrain-",
-                                     delete=False) as f:
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="scaletrain-", delete=False) as f:
         f.write(config_to_toml(config))
     try:
-        code_ = launch(spec, ["train", f.name, "--run-dir", str(prepared.run_dir)],
-                       threads=prepared.derived.threads, run_dir=prepared.run_dir, debug=debug)
+        code_ = launch(
+            spec,
+            ["train", f.name, "--run-dir", str(prepared.run_dir)],
+            threads=prepared.derived.threads,
+            run_dir=prepared.run_dir,
+            debug=debug,
+        )
     finally:
         os.unlink(f.name)
         if roots:
@@ -289,8 +328,10 @@ def _launch(config: Config, spec: LaunchSpec, prepared: Prepared, *, code, debug
                 os.environ["PYTHONPATH"] = old_path
     summary_file = prepared.run_dir / "summary.json"
     if code_ != 0:
-        raise TrainingFailed(f"training failed (exit status {code_}); each rank's output is in "
-                             f"{prepared.run_dir / 'logs'}")
+        raise TrainingFailed(
+            f"training failed (exit status {code_}); each rank's output is in "
+            f"{prepared.run_dir / 'logs'}"
+        )
     if not summary_file.is_file():
         return {"stopped": True}
     return json.loads(summary_file.read_text())

@@ -130,8 +130,11 @@ class _Schedule:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
     def state_dict(self) -> dict:
-        return {k: v for k, v in self.scheduler.state_dict().items()
-                if k not in ("lr_lambdas", "base_lrs", "_last_lr")}
+        return {
+            k: v
+            for k, v in self.scheduler.state_dict().items()
+            if k not in ("lr_lambdas", "base_lrs", "_last_lr")
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state})
@@ -145,9 +148,12 @@ class _Progress:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         s = self.state
-        return {"step": torch.tensor(s.step), "skipped": torch.tensor(s.skipped_steps),
-                "examples_seen": torch.tensor(s.examples_seen),
-                "tokens_seen": torch.tensor(s.tokens_seen)}
+        return {
+            "step": torch.tensor(s.step),
+            "skipped": torch.tensor(s.skipped_steps),
+            "examples_seen": torch.tensor(s.examples_seen),
+            "tokens_seen": torch.tensor(s.tokens_seen),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         s = self.state
@@ -178,8 +184,15 @@ class _RNG:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         torch.set_rng_state(state["torch"])
         pos, has_gauss = (int(x) for x in state["numpy_pos"])
-        np.random.set_state(("MT19937", state["numpy_key"].numpy().astype(np.uint32), pos,
-                             has_gauss, float(state["numpy_gauss"][0])))
+        np.random.set_state(
+            (
+                "MT19937",
+                state["numpy_key"].numpy().astype(np.uint32),
+                pos,
+                has_gauss,
+                float(state["numpy_gauss"][0]),
+            )
+        )
         py = [int(x) for x in state["python"]]
         gauss = float(state["python_gauss"][0])
         random.setstate((py[0], tuple(py[1:]), None if gauss != gauss else gauss))
@@ -203,8 +216,9 @@ class _PerRank:
         self.template: dict | None = None  # on load: placeholders from the metadata
 
     def state_dict(self) -> dict:
-        return {f"rank{_rank()}": self.piece.state_dict() if self.template is None
-                else self.template}
+        return {
+            f"rank{_rank()}": self.piece.state_dict() if self.template is None else self.template
+        }
 
     def load_state_dict(self, state: dict) -> None:
         mine = state.get(f"rank{_rank()}")
@@ -234,9 +248,14 @@ class TrainState:
 
     def pieces(self) -> dict[str, Stateful]:
         """The Statefuls a checkpoint holds, by key (see the module docstring)."""
-        pieces = {"model": _Model(self.model), "optim": _Optimizer(self.model, self.optimizer),
-                  "scheduler": _Schedule(self.scheduler), "precision": self.precision,
-                  "progress": _Progress(self), "rng": _PerRank(_RNG(), any_world=True)}
+        pieces = {
+            "model": _Model(self.model),
+            "optim": _Optimizer(self.model, self.optimizer),
+            "scheduler": _Schedule(self.scheduler),
+            "precision": self.precision,
+            "progress": _Progress(self),
+            "rng": _PerRank(_RNG(), any_world=True),
+        }
         if self.hook is not None:
             pieces["hook"] = _PerRank(self.hook, any_world=False)
         if self.loop is not None:
@@ -247,8 +266,9 @@ class TrainState:
 # --------------------------------------------------------------------------- save / load
 
 
-def _finish_async(future: Future, tmp: Path, final: Path, keep: int,
-                  report: Callable[[str], None]) -> None:
+def _finish_async(
+    future: Future, tmp: Path, final: Path, keep: int, report: Callable[[str], None]
+) -> None:
     future.result()
     finalize(tmp, final, keep=keep, report=report)
 
@@ -306,20 +326,31 @@ class Checkpointer:
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
                 cuda = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(
-                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                    use_non_blocking_copy=cuda))
+                self._stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=cuda,
+                        use_shared_memory=False,
+                        use_async_staging=False,
+                        use_non_blocking_copy=cuda,
+                    )
+                )
             # DCP calls every piece's state_dict() now, before staging returns.
-            future = dcp.async_save(pieces, checkpoint_id=tmp, process_group=self._group,
-                                    async_stager=self._stager, no_dist=not dist.is_initialized())
+            future = dcp.async_save(
+                pieces,
+                checkpoint_id=tmp,
+                process_group=self._group,
+                async_stager=self._stager,
+                no_dist=not dist.is_initialized(),
+            )
             if _rank() == 0:
                 # Rank 0's future resolves after DCP's coordinator has gathered every rank's
                 # write results and written the metadata: all data is on disk. The manifest
                 # (hashing every byte) and the rename then run off the training thread too.
                 if self._finisher is None:
                     self._finisher = ThreadPoolExecutor(max_workers=1)
-                future = self._finisher.submit(_finish_async, future, tmp, final, self.keep,
-                                               self.report)
+                future = self._finisher.submit(
+                    _finish_async, future, tmp, final, self.keep, self.report
+                )
             self._pending = future
         else:
             dcp.save(pieces, checkpoint_id=tmp, no_dist=not dist.is_initialized())
@@ -363,15 +394,20 @@ def load(checkpoint: Path, state: TrainState) -> None:
             piece.template = _saved_entries(metadata, f"{name}.rank{_rank()}.")
     try:
         with single_process_quiet():
-            dcp.load(pieces, storage_reader=SafeFileSystemReader(checkpoint),
-                     planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+            dcp.load(
+                pieces,
+                storage_reader=SafeFileSystemReader(checkpoint),
+                planner=SafeLoadPlanner(),
+                no_dist=not dist.is_initialized(),
+            )
     except (CheckpointError, CheckpointException, RuntimeError, KeyError, ValueError) as e:
         cause = _first_failure(e)
         if isinstance(cause, CheckpointError):
             raise CheckpointError(f"{checkpoint}: {cause}") from None
         first_line = (str(cause).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{checkpoint}: cannot be loaded into this run "
-                              f"({type(cause).__name__}: {first_line})") from e
+        raise CheckpointError(
+            f"{checkpoint}: cannot be loaded into this run ({type(cause).__name__}: {first_line})"
+        ) from e
 
 
 def _first_failure(error: BaseException) -> BaseException:
@@ -383,15 +419,18 @@ def _first_failure(error: BaseException) -> BaseException:
 
 def _saved_world_size(metadata: Metadata) -> int:
     """Every rank saves its RNG under rng.rankR, so the saved ranks are in the metadata."""
-    return len({key.split(".")[1] for key in metadata.state_dict_metadata
-                if key.startswith("rng.rank")})
+    return len(
+        {key.split(".")[1] for key in metadata.state_dict_metadata if key.startswith("rng.rank")}
+    )
 
 
 def _saved_entries(metadata: Metadata, prefix: str) -> dict:
     """Placeholders for the entries under `prefix`, keyed by the rest of their name: a
     tensor of the saved size and dtype, or None for a plain value."""
-    return {key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
-            if isinstance(meta, TensorStorageMetadata) else None
-            for key, meta in metadata.state_dict_metadata.items() if key.startswith(prefix)}
-
-
+    return {
+        key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
+        if isinstance(meta, TensorStorageMetadata)
+        else None
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix)
+    }

@@ -59,26 +59,45 @@ class CheckpointError(RuntimeError):
 class _MetadataUnpickler(pickle.Unpickler):
     """Admit DCP's metadata dataclasses and plain torch values, nothing that can run code."""
 
-    _TORCH_NAMES = {"Size", "device", "strided", "sparse_coo", "contiguous_format",
-                    "channels_last", "preserve_format", "channels_last_3d"}
+    _TORCH_NAMES = {
+        "Size",
+        "device",
+        "strided",
+        "sparse_coo",
+        "contiguous_format",
+        "channels_last",
+        "preserve_format",
+        "channels_last_3d",
+    }
 
-    _ALLOWED = {("torch.serialization", "_get_layout"),  # how layouts pickle
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # file names
-                ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+    _ALLOWED = {
+        ("torch.serialization", "_get_layout"),  # how layouts pickle
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),  # file names
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
 
     def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint.") or (
-            module == "collections" and name in ("OrderedDict", "defaultdict")
-        ) or (module == "builtins" and name in ("set", "frozenset", "slice", "tuple", "list",
-                                                "dict")):
+        if (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module == "collections" and name in ("OrderedDict", "defaultdict"))
+            or (
+                module == "builtins"
+                and name in ("set", "frozenset", "slice", "tuple", "list", "dict")
+            )
+        ):
             return super().find_class(module, name)
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and (name in self._TORCH_NAMES
-                                  or isinstance(getattr(torch, name, None), torch.dtype)):
+        if module == "torch" and (
+            name in self._TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a "
-                              "checkpoint has no reason to contain: refusing to load it")
+        raise CheckpointError(
+            f"checkpoint metadata refers to {module}.{name}, which a "
+            "checkpoint has no reason to contain: refusing to load it"
+        )
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -164,8 +183,11 @@ def _move_aside(path: Path, why: str) -> Path:
 
 def finalize(tmp: Path, final: Path, *, keep: int, report: Callable[[str], None]) -> None:
     """Rank 0, after every rank has written: manifest, atomic rename, prune old ones."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-             for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(tmp.iterdir())
+        if p.is_file()
+    }
     (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
     if final.exists():  # rename cannot replace a non-empty directory; keep the old one
         aside = _move_aside(final, "replaced")
@@ -182,8 +204,9 @@ def list_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints (renamed into place), oldest first."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir()
-                  if p.is_dir() and _CHECKPOINT_NAME.fullmatch(p.name))
+    return sorted(
+        p for p in directory.iterdir() if p.is_dir() and _CHECKPOINT_NAME.fullmatch(p.name)
+    )
 
 
 def verify(checkpoint: Path, *, hashes: bool = True) -> None:
@@ -206,14 +229,20 @@ def verify(checkpoint: Path, *, hashes: bool = True) -> None:
         if not path.is_file():
             raise CheckpointError(f"{path}: missing")
         if path.stat().st_size != want["bytes"]:
-            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, manifest says "
-                                  f"{want['bytes']} (truncated?)")
+            raise CheckpointError(
+                f"{path}: {path.stat().st_size} bytes, manifest says {want['bytes']} (truncated?)"
+            )
         if hashes and file_sha256(path) != want["sha256"]:
             raise CheckpointError(f"{path}: sha256 mismatch (corrupted)")
 
 
-def latest_valid(directory: Path, *, report: Callable[[str], None] = print,
-                 quarantine: bool = False, hashes: bool = True) -> Path | None:
+def latest_valid(
+    directory: Path,
+    *,
+    report: Callable[[str], None] = print,
+    quarantine: bool = False,
+    hashes: bool = True,
+) -> Path | None:
     """The newest checkpoint whose files match its manifest; broken ones are reported.
 
     Args:
@@ -232,14 +261,19 @@ def latest_valid(directory: Path, *, report: Callable[[str], None] = print,
                 report(f"scaletrain: warning: skipping checkpoint {checkpoint.name}: {e}")
                 continue
             aside = _move_aside(checkpoint, "corrupt")
-            report(f"scaletrain: warning: checkpoint {checkpoint.name} is damaged ({e}); "
-                   f"moved it to {aside.name} (kept for inspection) and skipped it")
+            report(
+                f"scaletrain: warning: checkpoint {checkpoint.name} is damaged ({e}); "
+                f"moved it to {aside.name} (kept for inspection) and skipped it"
+            )
     return None
 
 
-def export_weights(checkpoint: Path, out: Path, *,
-                   rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-                   | None = None) -> Path:
+def export_weights(
+    checkpoint: Path,
+    out: Path,
+    *,
+    rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> Path:
     """Consolidated model weights of a checkpoint as safetensors, no process group.
 
     Each tensor keeps the dtype it was trained and saved in (float64 under
@@ -256,12 +290,18 @@ def export_weights(checkpoint: Path, out: Path, *,
 
     verify(checkpoint)
     metadata = SafeFileSystemReader(checkpoint).read_metadata()
-    model = {k: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    model = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
     with single_process_quiet():
-        dcp.load(model, storage_reader=SafeFileSystemReader(checkpoint),
-                 planner=SafeLoadPlanner(exact=()), no_dist=True)
+        dcp.load(
+            model,
+            storage_reader=SafeFileSystemReader(checkpoint),
+            planner=SafeLoadPlanner(exact=()),
+            no_dist=True,
+        )
     weights = {k.removeprefix("model."): v.contiguous() for k, v in model.items()}
     if rename is not None:
         weights = rename(weights)
@@ -270,6 +310,8 @@ def export_weights(checkpoint: Path, out: Path, *,
 
 
 def _does_not_fit(what: str, keys: list[str]) -> str:
-    return (f"the checkpoint does not fit this run's model and optimizer: {what} "
-            f"{', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} (was model.* or optim.name "
-            "changed?)")
+    return (
+        f"the checkpoint does not fit this run's model and optimizer: {what} "
+        f"{', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} (was model.* or optim.name "
+        "changed?)"
+    )

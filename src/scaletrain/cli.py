@@ -18,12 +18,18 @@ from pathlib import Path
 from scaletrain.cli_distill import add_parsers as add_distill_parsers
 from scaletrain.cli_distill import cmd_distill_cache, cmd_eval
 from scaletrain.cli_distill import explain_rows as distill_explain_rows
-from scaletrain.config import ConfigError, Config, describe_fields, given_world, load_config
+from scaletrain.config import Config, ConfigError, describe_fields, given_world, load_config
 from scaletrain.errors import UserError
-from scaletrain.launch import (Interrupted, LaunchSpec, launch, slurm_defaults,
-                               under_elastic_agent, validate_spec)
-from scaletrain.plan import resolve
+from scaletrain.launch import (
+    Interrupted,
+    LaunchSpec,
+    launch,
+    slurm_defaults,
+    under_elastic_agent,
+    validate_spec,
+)
 from scaletrain.launch_output import describe_interrupt
+from scaletrain.plan import resolve
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -42,35 +48,62 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     _add_launch_args(train)
     train.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<time>)")
-    train.add_argument("--resume", action="store_true",
-                       help="continue the run in --run-dir from its newest valid checkpoint")
-    train.add_argument("--allow-config-change", action="store_true",
-                       help="with --resume: accept a config that differs from the checkpoint's "
-                            "in keys an exact resume must keep (printed as a warning)")
-    train.add_argument("--debug", action="store_true",
-                       help="show every rank's full output (C++ frames, tracebacks, torch's "
-                            "logs) on the console, unfiltered; else it is in RUN_DIR/logs")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir from its newest valid checkpoint",
+    )
+    train.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: accept a config that differs from the checkpoint's "
+        "in keys an exact resume must keep (printed as a warning)",
+    )
+    train.add_argument(
+        "--debug",
+        action="store_true",
+        help="show every rank's full output (C++ frames, tracebacks, torch's "
+        "logs) on the console, unfiltered; else it is in RUN_DIR/logs",
+    )
 
-    explain = sub.add_parser("explain", help="check a config as train would, print what it "
-                                             "derives (world, layout, batch, precision, ...)")
+    explain = sub.add_parser(
+        "explain",
+        help="check a config as train would, print what it "
+        "derives (world, layout, batch, precision, ...)",
+    )
     _add_config_args(explain)
     _add_launch_args(explain)
-    explain.add_argument("--all", action="store_true", dest="all_fields",
-                         help="also list every config key with its value and meaning")
+    explain.add_argument(
+        "--all",
+        action="store_true",
+        dest="all_fields",
+        help="also list every config key with its value and meaning",
+    )
 
     shard = sub.add_parser("shard", help="write a dataset as Parquet shards with a manifest")
-    shard.add_argument("source", help="a built-in source (mnist, digits, wikitext, ...) or a "
-                                      "JSONL / CSV / Parquet file or directory")
+    shard.add_argument(
+        "source",
+        help="a built-in source (mnist, digits, wikitext, ...) or a "
+        "JSONL / CSV / Parquet file or directory",
+    )
     shard.add_argument("out_dir", type=Path, metavar="OUT_DIR")
     shard.add_argument("--rows-per-shard", type=int, default=8192)
     shard.add_argument("--seq-len", type=int, default=128, help="tokens per packed text row")
-    shard.add_argument("--engine", choices=("local", "spark"), default="local",
-                       help="local: pyarrow in this process; spark: a pyspark job (local mode "
-                            "here, a cluster for users)")
+    shard.add_argument(
+        "--engine",
+        choices=("local", "spark"),
+        default="local",
+        help="local: pyarrow in this process; spark: a pyspark job (local mode "
+        "here, a cluster for users)",
+    )
 
     export = sub.add_parser("export", help="write a checkpoint's weights as safetensors")
-    export.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
-                        help="a checkpoint directory, or a run directory (its newest valid one)")
+    export.add_argument(
+        "checkpoint",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="a checkpoint directory, or a run directory (its newest valid one)",
+    )
     export.add_argument("out", type=Path, metavar="OUT.safetensors")
 
     report = sub.add_parser("report", help="draw loss and throughput curves of runs to a PNG")
@@ -82,16 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, metavar="CONFIG.toml", help="TOML config file")
-    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
-                   help="config overrides")
+    p.add_argument(
+        "overrides", nargs="*", default=[], metavar="section.key=value", help="config overrides"
+    )
 
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launcher (torchrun's flags)")
-    g.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int,
-                   help="worker processes on this node (default: the product of the "
-                        "[parallel] degrees (dp_replicate or dp, dp_shard, tp, pp; under ps: "
-                        "ps.servers + dp) divided by the nodes, else 1)")
+    g.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        dest="nproc",
+        type=int,
+        help="worker processes on this node (default: the product of the "
+        "[parallel] degrees (dp_replicate or dp, dp_shard, tp, pp; under ps: "
+        "ps.servers + dp) divided by the nodes, else 1)",
+    )
     g.add_argument("--nnodes", type=str, help="nodes, N or MIN:MAX (default 1)")
     g.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous)")
     g.add_argument("--rdzv-endpoint", type=str, help="HOST:PORT of the rendezvous")
@@ -104,9 +143,21 @@ def launch_spec(args: argparse.Namespace, config: Config) -> LaunchSpec:
     """Launcher flags < SLURM's environment < defaults, then validated."""
     import os
 
-    given = {k: v for k, v in vars(args).items()
-             if k in ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id",
-                      "max_restarts") and v is not None}
+    given = {
+        k: v
+        for k, v in vars(args).items()
+        if k
+        in (
+            "nproc",
+            "nnodes",
+            "node_rank",
+            "rdzv_endpoint",
+            "rdzv_backend",
+            "rdzv_id",
+            "max_restarts",
+        )
+        and v is not None
+    }
     values = {**slurm_defaults(dict(os.environ)), **given}
     nnodes = str(values.get("nnodes", "1"))
     if "nproc" not in values:  # infer from the [parallel] degrees when they are given
@@ -131,8 +182,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
     # The checks the Python API runs too: config against the world, data, user code, run dir.
-    prepared = prepare_run(config, spec=spec, run_dir=args.run_dir, resume=args.resume,
-                           allow_config_change=args.allow_config_change)
+    prepared = prepare_run(
+        config,
+        spec=spec,
+        run_dir=args.run_dir,
+        resume=args.resume,
+        allow_config_change=args.allow_config_change,
+    )
     _warn_if_empty(args.config, config)
     for warning in prepared.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
@@ -143,9 +199,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(describe_finished(run_dir, prepared.complete))
         return 0
     if not spec.in_process and not config.log.quiet:  # the workers take a while to speak
-        print(f"scaletrain: config, data and code checked ({_waited():.1f} s); starting "
-              f"{spec.nproc} worker(s) on this node (their logs: {run_dir / 'logs'})",
-              file=sys.stderr, flush=True)
+        print(
+            f"scaletrain: config, data and code checked ({_waited():.1f} s); starting "
+            f"{spec.nproc} worker(s) on this node (their logs: {run_dir / 'logs'})",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         if spec.in_process:
             code = _run_worker(config, run_dir, exit_process=False, debug=args.debug)
@@ -153,8 +212,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             # Workers always resume from a valid checkpoint in the run directory when one
             # exists: that is how an elastic restart continues.
             worker_args = ["train", str(args.config), *args.overrides, "--run-dir", str(run_dir)]
-            code = launch(spec, worker_args, threads=prepared.derived.threads, run_dir=run_dir,
-                          debug=args.debug)
+            code = launch(
+                spec,
+                worker_args,
+                threads=prepared.derived.threads,
+                run_dir=run_dir,
+                debug=args.debug,
+            )
     except Interrupted as e:  # Ctrl-C, or a scheduler's SIGTERM: the workers are gone
         print(describe_interrupt(run_dir, signum=e.signum), file=sys.stderr)
         return 128 + e.signum
@@ -163,8 +227,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     return code
 
 
-def _run_worker(config: Config, run_dir: Path | None, *, exit_process: bool = True,
-                debug: bool = False) -> int:
+def _run_worker(
+    config: Config, run_dir: Path | None, *, exit_process: bool = True, debug: bool = False
+) -> int:
     """Train as one rank; known failures become one message and a status code.
 
     A worker (exit_process) leaves with 130 on SIGINT and 143 on SIGTERM, saying nothing:
@@ -237,10 +302,12 @@ def _print_outcome(run_dir: Path) -> None:
     rate = f"{training:.0f} examples/s in training steps (as the bar), " if training else ""
     # The wall time the user waited (this process's, imports and start-up included), then
     # what of it the steps and evaluations took (summary.json's wall_time_s).
-    print(f"scaletrain: done in {_waited():.1f} s ({summary['wall_time_s']:.1f} s of it "
-          f"training and evaluating), final loss "
-          f"{_number(summary['final_loss'])}, eval {metric}; {rate}"
-          f"{summary['examples_per_s']:.0f} examples/s over the wall time (evals included)")
+    print(
+        f"scaletrain: done in {_waited():.1f} s ({summary['wall_time_s']:.1f} s of it "
+        f"training and evaluating), final loss "
+        f"{_number(summary['final_loss'])}, eval {metric}; {rate}"
+        f"{summary['examples_per_s']:.0f} examples/s over the wall time (evals included)"
+    )
     print(f"scaletrain: run directory {run_dir}")
     print(f"scaletrain: report {report}")
 
@@ -264,8 +331,11 @@ def _training_rate(run_dir: Path) -> float | None:
 
     windows = {r["step"]: r for r in read_metrics(run_dir) if r.get("kind") == "train"}
     examples = sum(r.get("examples") or 0 for r in windows.values())
-    seconds = sum(r["examples"] / r["examples_per_s"] for r in windows.values()
-                  if r.get("examples") and r.get("examples_per_s"))
+    seconds = sum(
+        r["examples"] / r["examples_per_s"]
+        for r in windows.values()
+        if r.get("examples") and r.get("examples_per_s")
+    )
     return examples / seconds if seconds > 0 else None
 
 
@@ -274,10 +344,13 @@ def _warn_if_empty(path: Path, config: Config) -> None:
     import tomllib
 
     if not tomllib.loads(path.read_text()):  # load_config has read and parsed it already
-        print(f"scaletrain: warning: config file {str(path)!r} sets nothing, so every key not "
-              f"given as an override has its default (model.name = {config.model.name!r}, "
-              f"data.source = {config.data.source!r}, train.steps = {config.train.steps}); "
-              f"`scaletrain explain {path}` lists them all", file=sys.stderr)
+        print(
+            f"scaletrain: warning: config file {str(path)!r} sets nothing, so every key not "
+            f"given as an override has its default (model.name = {config.model.name!r}, "
+            f"data.source = {config.data.source!r}, train.steps = {config.train.steps}); "
+            f"`scaletrain explain {path}` lists them all",
+            file=sys.stderr,
+        )
 
 
 def _train_rows(config: Config) -> int | None:
@@ -293,8 +366,16 @@ def _train_rows(config: Config) -> int | None:
                 return read_manifest(split).rows
         from scaletrain.data.loader import load_dataset
 
-        return len(load_dataset(d.source, split="train", path=d.path, seq_len=d.seq_len,
-                                synthetic_examples=d.synthetic_examples, seed=config.train.seed))
+        return len(
+            load_dataset(
+                d.source,
+                split="train",
+                path=d.path,
+                seq_len=d.seq_len,
+                synthetic_examples=d.synthetic_examples,
+                seed=config.train.seed,
+            )
+        )
     except (OSError, UserError):  # ShardError, SourceError: preflight names the problem
         return None
 
@@ -302,14 +383,12 @@ def _train_rows(config: Config) -> int | None:
 def cmd_explain(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
-
-    from scaletrain.api import preflight_data
     from rich.table import Table
 
+    from scaletrain.api import preflight_data
+    from scaletrain.precision import choose_auto
     from scaletrain.prelaunch import check_layout_fits
     from scaletrain.training.assemble import brings_own_code, check_user_code
-
-    from scaletrain.precision import choose_auto
 
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
@@ -327,11 +406,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
         precision = f"auto -> {chosen} ({why})"
     derived = {
         "world size": f"{d.world_size} ({spec.nproc} process(es) x {spec.nnodes} node(s))",
-        "parallel layout (mesh)": (d.layout.describe() if d.ps is None else
-                                   "none: workers and servers talk over torch.distributed.rpc"),
-        "data parallel (dp)": (f"{d.layout.dp} = dp_replicate {d.layout.dp_replicate} x "
-                               f"dp_shard {d.layout.dp_shard}" if d.ps is None else
-                               f"{d.layout.dp} workers, each its share of every step"),
+        "parallel layout (mesh)": (
+            d.layout.describe()
+            if d.ps is None
+            else "none: workers and servers talk over torch.distributed.rpc"
+        ),
+        "data parallel (dp)": (
+            f"{d.layout.dp} = dp_replicate {d.layout.dp_replicate} x dp_shard {d.layout.dp_shard}"
+            if d.ps is None
+            else f"{d.layout.dp} workers, each its share of every step"
+        ),
         **_pipeline_rows(config, d),
         **_ps_rows(config, d),
         **distill_explain_rows(config),
@@ -365,8 +449,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
             table.add_row(escape(key), escape(repr(value)), escape(doc))
         console.print(table)
     else:
-        console.print(f"every config key, its value and meaning: scaletrain explain "
-                      f"{escape(str(args.config))} ... --all")
+        console.print(
+            f"every config key, its value and meaning: scaletrain explain "
+            f"{escape(str(args.config))} ... --all"
+        )
     for warning in d.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     return 0
@@ -377,18 +463,22 @@ def _ps_rows(config: Config, d) -> dict[str, str]:
     if d.ps is None:
         return {}
     ps, shape = config.ps, d.ps
-    rule = {"async": "each gradient applied as it arrives",
-            "ssp": f"a worker waits while more than {ps.staleness} step(s) ahead of the slowest",
-            "sync": "one update per step: the mean of every live worker's gradient"}[ps.mode]
+    rule = {
+        "async": "each gradient applied as it arrives",
+        "ssp": f"a worker waits while more than {ps.staleness} step(s) ahead of the slowest",
+        "sync": "one update per step: the mean of every live worker's gradient",
+    }[ps.mode]
     per_step = 1 if ps.mode == "sync" else shape.workers
     return {
         "strategy": f"parameter servers ({ps.mode}: {rule})",
         "servers": f"{shape.servers} (ranks 0..{shape.servers - 1}; parameters split by bytes)",
         "workers": f"{shape.workers} (ranks {shape.servers}..{d.world_size - 1})",
         "server updates per step": f"{per_step} of {config.train.global_batch // shape.workers} "
-                                   "examples each" if per_step > 1 else "1 (the workers' mean)",
+        "examples each"
+        if per_step > 1
+        else "1 (the workers' mean)",
         "worker lease": f"{ps.worker_timeout_s:g} s (heartbeats every "
-                        f"{ps.worker_timeout_s / 4:g} s)",
+        f"{ps.worker_timeout_s / 4:g} s)",
         "listens on": f"interface {ps.interface!r} only",
     }
 
@@ -402,12 +492,15 @@ def _pipeline_rows(config: Config, d) -> dict[str, str]:
 
     mb, m = config.train.micro_batch, pipe.microbatches
     stages = d.layout.pp * pipe.stages_per_rank
-    bubble = idle_fraction_theory(pipe.schedule, pp=d.layout.pp, microbatches=m,
-                                  stages_per_rank=pipe.stages_per_rank)
-    return {"pipeline": f"{pipe.schedule}: {stages} stages, {pipe.stages_per_rank} per rank",
-            "pipeline chunks": f"each micro-batch of {mb} -> {m} chunks of {mb // m} "
-                               f"(x {d.accumulation} micro-batches per step)",
-            "pipeline bubble (theory)": f"{bubble:.1%} of each rank's step idle"}
+    bubble = idle_fraction_theory(
+        pipe.schedule, pp=d.layout.pp, microbatches=m, stages_per_rank=pipe.stages_per_rank
+    )
+    return {
+        "pipeline": f"{pipe.schedule}: {stages} stages, {pipe.stages_per_rank} per rank",
+        "pipeline chunks": f"each micro-batch of {mb} -> {m} chunks of {mb // m} "
+        f"(x {d.accumulation} micro-batches per step)",
+        "pipeline bubble (theory)": f"{bubble:.1%} of each rank's step idle",
+    }
 
 
 def _placement_table(d):
@@ -424,8 +517,12 @@ def _placement_table(d):
         c = layout.coords(rank)
         holds = []
         if pipe is not None:
-            ids = stage_ids(pp_rank=c["pp"], pp=layout.pp, stages_per_rank=pipe.stages_per_rank,
-                            schedule=pipe.schedule)
+            ids = stage_ids(
+                pp_rank=c["pp"],
+                pp=layout.pp,
+                stages_per_rank=pipe.stages_per_rank,
+                schedule=pipe.schedule,
+            )
             holds.append("stage " + ", ".join(map(str, ids)))
         if layout.dp_shard > 1:
             holds.append(f"FSDP shard {c['dp_shard'] + 1}/{layout.dp_shard}")
@@ -433,8 +530,12 @@ def _placement_table(d):
             holds.append(f"TP slice {c['tp'] + 1}/{layout.tp}")
         if not holds:
             holds.append("a whole replica")
-        table.add_row(str(rank), *(str(c[k]) for k in layout.sizes),
-                      f"{layout.dp_rank(rank) + 1}/{layout.dp}", "; ".join(holds))
+        table.add_row(
+            str(rank),
+            *(str(c[k]) for k in layout.sizes),
+            f"{layout.dp_rank(rank) + 1}/{layout.dp}",
+            "; ".join(holds),
+        )
     return table
 
 
@@ -461,7 +562,9 @@ def _epochs(config: Config) -> str:
     rows, t = _train_rows(config), config.train
     if not rows:
         return "unknown (the training rows could not be counted)"
-    return f"{t.steps * t.global_batch / rows:.3g} ({t.steps} steps x {t.global_batch} / {rows} rows)"
+    return (
+        f"{t.steps * t.global_batch / rows:.3g} ({t.steps} steps x {t.global_batch} / {rows} rows)"
+    )
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -481,8 +584,10 @@ def cmd_shard(args: argparse.Namespace) -> int:
     if args.seq_len < 1:
         raise ConfigError(f"--seq-len = {args.seq_len} is invalid: must be >= 1")
     if args.out_dir.exists() and any(args.out_dir.iterdir()):
-        raise ConfigError(f"OUT_DIR {str(args.out_dir)!r} is not empty; choose a new directory "
-                          "so nothing is overwritten")
+        raise ConfigError(
+            f"OUT_DIR {str(args.out_dir)!r} is not empty; choose a new directory "
+            "so nothing is overwritten"
+        )
     import warnings
 
     from scaletrain.data.manifest import ShardError, read_manifest, summary_lines
@@ -495,8 +600,9 @@ def cmd_shard(args: argparse.Namespace) -> int:
         # The writers' warnings (a split missing a class) become lines of ours, not tracebacks.
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            train = write(args.source, args.out_dir, rows_per_shard=args.rows_per_shard,
-                          seq_len=args.seq_len)
+            train = write(
+                args.source, args.out_dir, rows_per_shard=args.rows_per_shard, seq_len=args.seq_len
+            )
         lines = summary_lines(train, read_manifest(args.out_dir / "eval"), out_dir=args.out_dir)
     except (ShardError, ValueError, FileNotFoundError, ImportError) as e:
         raise ConfigError(str(e)) from None
@@ -517,19 +623,26 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"CHECKPOINT {str(checkpoint)!r} is not a directory")
     final = checkpoint / "model.safetensors"
     if (checkpoint / "checkpoints").is_dir():  # a run directory: its newest valid checkpoint
-        checkpoint = latest_valid(checkpoint / "checkpoints",
-                                  report=lambda m: print(m, file=sys.stderr))
+        checkpoint = latest_valid(
+            checkpoint / "checkpoints", report=lambda m: print(m, file=sys.stderr)
+        )
         if checkpoint is None:
-            raise ConfigError(f"{str(args.checkpoint)!r} has no valid checkpoint"
-                              + _final_weights_hint(final))
+            raise ConfigError(
+                f"{str(args.checkpoint)!r} has no valid checkpoint" + _final_weights_hint(final)
+            )
     elif not (checkpoint / MANIFEST).exists() and not checkpoint.name.startswith(
-            ("step-", ".tmp-step-")):
+        ("step-", ".tmp-step-")
+    ):
         # Neither a checkpoint nor a run directory with checkpoints/: say which it is.
         if (checkpoint / "metrics.jsonl").exists() or final.exists():
-            raise ConfigError(f"run directory {str(args.checkpoint)!r} has no checkpoints "
-                              "(it ran with checkpoint.every = 0)" + _final_weights_hint(final))
-        raise ConfigError(f"CHECKPOINT {str(checkpoint)!r} is neither a checkpoint (no "
-                          f"{MANIFEST}) nor a run directory (no checkpoints/)")
+            raise ConfigError(
+                f"run directory {str(args.checkpoint)!r} has no checkpoints "
+                "(it ran with checkpoint.every = 0)" + _final_weights_hint(final)
+            )
+        raise ConfigError(
+            f"CHECKPOINT {str(checkpoint)!r} is neither a checkpoint (no "
+            f"{MANIFEST}) nor a run directory (no checkpoints/)"
+        )
     try:
         # verifies the manifest first; a distilled run exports its student alone
         out = export_weights(checkpoint, args.out, rename=strip_wrapper)
@@ -543,13 +656,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _final_weights_hint(final: Path) -> str:
     if not final.is_file():
         return ""
-    return (f"; its final weights are already in {final}, in the format export writes "
-            "(safetensors, plain parameter names)")
+    return (
+        f"; its final weights are already in {final}, in the format export writes "
+        "(safetensors, plain parameter names)"
+    )
 
 
-COMMANDS = {"train": cmd_train, "explain": cmd_explain, "report": cmd_report,
-            "shard": cmd_shard, "export": cmd_export, "distill-cache": cmd_distill_cache,
-            "eval": cmd_eval}
+COMMANDS = {
+    "train": cmd_train,
+    "explain": cmd_explain,
+    "report": cmd_report,
+    "shard": cmd_shard,
+    "export": cmd_export,
+    "distill-cache": cmd_distill_cache,
+    "eval": cmd_eval,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,15 +29,21 @@ from scaletrain.plan import resolve
 
 
 def add_parsers(sub) -> None:
-    cache = sub.add_parser("distill-cache", help="write a teacher's outputs over the data to "
-                                                 "Parquet, for runs with distill.cache")
+    cache = sub.add_parser(
+        "distill-cache",
+        help="write a teacher's outputs over the data to Parquet, for runs with distill.cache",
+    )
     cache.add_argument("config", type=Path, metavar="CONFIG.toml")
     cache.add_argument("out_dir", type=Path, metavar="OUT_DIR")
     cache.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
-    ev = sub.add_parser("eval", help="score a sentence encoder (Lee, WordSim353, SimLex-999) "
-                                     "against its teacher")
-    ev.add_argument("model", metavar="MODEL", help="a run directory, a Hugging Face directory, "
-                                                   "or all-MiniLM-L6-v2")
+    ev = sub.add_parser(
+        "eval", help="score a sentence encoder (Lee, WordSim353, SimLex-999) against its teacher"
+    )
+    ev.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a run directory, a Hugging Face directory, or all-MiniLM-L6-v2",
+    )
     ev.add_argument("--teacher", help="the teacher to compare with (e.g. all-MiniLM-L6-v2)")
     ev.add_argument("--max-len", type=int, default=128, help="tokens per text")
     ev.add_argument("--out", type=Path, help="write the scores as JSON here")
@@ -58,8 +64,10 @@ def cmd_distill_cache(args: argparse.Namespace) -> int:
     config = config.model_copy(update={"distill": config.distill.model_copy(update={"cache": ""})})
     resolve(config, world_size=given_world(config))  # the config's own checks
     if (args.out_dir / "cache.json").exists():
-        raise CacheError(f"OUT_DIR {str(args.out_dir)!r} already holds a cache; choose a new "
-                         "directory so nothing is overwritten")
+        raise CacheError(
+            f"OUT_DIR {str(args.out_dir)!r} already holds a cache; choose a new "
+            "directory so nothing is overwritten"
+        )
     set_threads(len(os.sched_getaffinity(0)))  # one process: every core
     torch.manual_seed(config.train.seed)
     splits = {s: build_data(config, split=s) for s in ("train", "eval")}
@@ -70,24 +78,39 @@ def cmd_distill_cache(args: argparse.Namespace) -> int:
     kd = build_distillation(config, student, task=task, hard=hard, precision=precision)
     teacher = kd.teacher
     width = getattr(getattr(teacher.module, "config", None), "hidden_size", 0)
-    info = {"teacher_source": config.distill.teacher, "teacher_sha256": teacher.sha256,
-            "teacher_dtype": str(run_teacher_dtype(config, precision)).removeprefix("torch."),
-            "teacher_layers": n_blocks(teacher.module) if kd.layer_map else 0,
-            "teacher_width": int(width or 0), "outputs": kd.needs.keys(),
-            "data_source": config.data.source, "seq_len": config.data.seq_len}
+    info = {
+        "teacher_source": config.distill.teacher,
+        "teacher_sha256": teacher.sha256,
+        "teacher_dtype": str(run_teacher_dtype(config, precision)).removeprefix("torch."),
+        "teacher_layers": n_blocks(teacher.module) if kd.layer_map else 0,
+        "teacher_width": int(width or 0),
+        "outputs": kd.needs.keys(),
+        "data_source": config.data.source,
+        "seq_len": config.data.seq_len,
+    }
     start = time.perf_counter()
     total = sum(len(ds) for ds in splits.values())
-    print(f"scaletrain: distill-cache: teacher {config.distill.teacher} over {total} rows "
-          f"({', '.join(f'{len(ds)} {s}' for s, ds in splits.items())}) into {args.out_dir}",
-          flush=True)
+    print(
+        f"scaletrain: distill-cache: teacher {config.distill.teacher} over {total} rows "
+        f"({', '.join(f'{len(ds)} {s}' for s, ds in splits.items())}) into {args.out_dir}",
+        flush=True,
+    )
     with _progress(total, quiet=config.log.quiet) as bar:
-        written = write_cache(args.out_dir, splits=splits, info=info, top_k=config.distill.top_k,
-                              targets_fn=lambda b: teacher_targets(teacher, b, kd.needs),
-                              report=bar.write, advance=bar.update)
+        written = write_cache(
+            args.out_dir,
+            splits=splits,
+            info=info,
+            top_k=config.distill.top_k,
+            targets_fn=lambda b: teacher_targets(teacher, b, kd.needs),
+            report=bar.write,
+            advance=bar.update,
+        )
     rows = sum(s["rows"] for s in written["splits"].values())
     wall = time.perf_counter() - start
-    print(f"scaletrain: teacher-output cache {args.out_dir} ({rows} rows in {wall:.1f} s, "
-          f"{rows / wall:.0f} rows/s); train from it with distill.cache={str(args.out_dir)!r}")
+    print(
+        f"scaletrain: teacher-output cache {args.out_dir} ({rows} rows in {wall:.1f} s, "
+        f"{rows / wall:.0f} rows/s); train from it with distill.cache={str(args.out_dir)!r}"
+    )
     return 0
 
 
@@ -96,8 +119,14 @@ def _progress(total: int, *, quiet: bool):
     each split's one line (`write`, on stdout) is all that is printed."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="rows", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
-                disable=quiet or not sys.stderr.isatty())
+    return tqdm(
+        total=total,
+        unit="rows",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        disable=quiet or not sys.stderr.isatty(),
+    )
 
 
 def _encoder_dir(model: str) -> tuple[Path, Path]:
@@ -111,8 +140,10 @@ def _encoder_dir(model: str) -> tuple[Path, Path]:
     if (path / "config.toml").is_file():  # a scaletrain run: its hf-model and its tokenizer
         config = load_config(path / "config.toml")
         if not (path / "hf-model").is_dir():
-            raise ConfigError(f"run directory {model!r} has no hf-model/: `scaletrain eval` scores "
-                              "Hugging Face encoders (model.name = 'hf' on sentences)")
+            raise ConfigError(
+                f"run directory {model!r} has no hf-model/: `scaletrain eval` scores "
+                "Hugging Face encoders (model.name = 'hf' on sentences)"
+            )
         weights = _safetensors_dir(path / "hf-model", model)
         if _has_tokenizer(weights):  # the trainer saves it beside the weights
             return weights, weights
@@ -120,8 +151,10 @@ def _encoder_dir(model: str) -> tuple[Path, Path]:
     if (path / "config.json").is_file():
         weights = _safetensors_dir(path, model)
         return weights, weights if _has_tokenizer(weights) else packaged_minilm_dir()
-    raise ConfigError(f"MODEL {model!r} is neither a scaletrain run directory, a Hugging Face "
-                      f"directory, nor {MINILM!r}")
+    raise ConfigError(
+        f"MODEL {model!r} is neither a scaletrain run directory, a Hugging Face "
+        f"directory, nor {MINILM!r}"
+    )
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -137,10 +170,12 @@ def _safetensors_dir(path: Path, model: str) -> Path:
         return path
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     held = f"holds {', '.join(pickles)} instead of" if pickles else "has no"
-    raise ConfigError(f"MODEL {model!r}: {str(path)!r} {held} safetensors weights; scaletrain "
-                      "eval loads only *.safetensors (a pickle can run code when loaded): "
-                      "convert it once, in a trusted environment, with `AutoModel.from_pretrained"
-                      "(dir).save_pretrained(new_dir)` (transformers 5 writes safetensors)")
+    raise ConfigError(
+        f"MODEL {model!r}: {str(path)!r} {held} safetensors weights; scaletrain "
+        "eval loads only *.safetensors (a pickle can run code when loaded): "
+        "convert it once, in a trusted environment, with `AutoModel.from_pretrained"
+        "(dir).save_pretrained(new_dir)` (transformers 5 writes safetensors)"
+    )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -159,8 +194,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     report = encoder_report(encode, teacher=teacher)
     for line in format_report(report):
         print(line)
-    out = args.out or (Path(args.model) / "eval.json" if (Path(args.model) / "config.toml").is_file()
-                       else None)
+    out = args.out or (
+        Path(args.model) / "eval.json" if (Path(args.model) / "config.toml").is_file() else None
+    )
     if out is not None:
         out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"scaletrain: scores in {out}")
@@ -178,7 +214,9 @@ def format_report(report: dict) -> list[str]:
             line += f"   teacher {t:.4f}   ratio {report['ratio'][key]:.3f}"
         lines.append(line)
     if "cosine_held_out" in report:
-        lines.append(f"{'cosine':<12} {report['cosine_held_out']:.4f} (student-teacher, held-out news)")
+        lines.append(
+            f"{'cosine':<12} {report['cosine_held_out']:.4f} (student-teacher, held-out news)"
+        )
     return lines
 
 
@@ -198,15 +236,23 @@ def explain_rows(config) -> dict[str, str]:
     terms = []
     if config.data.source != "sentences":
         terms.append(f"{1 - d.alpha:g} x hard + {d.alpha:g} x T^2 KL (T = {d.temperature:g})")
-    for weight, name in ((d.hidden_weight, "hidden MSE"), (d.attention_weight, "attention MSE"),
-                         (d.cosine_weight, f"cosine ({d.cosine_on})")):
+    for weight, name in (
+        (d.hidden_weight, "hidden MSE"),
+        (d.attention_weight, "attention MSE"),
+        (d.cosine_weight, f"cosine ({d.cosine_on})"),
+    ):
         if weight:
             terms.append(f"{weight:g} x {name}")
     return {
-        "distillation teacher": (f"cached outputs in {d.cache}" if d.cache
-                                 else f"{d.teacher} (frozen, replicated per rank, "
-                                      f"{d.teacher_precision} precision)"),
+        "distillation teacher": (
+            f"cached outputs in {d.cache}"
+            if d.cache
+            else f"{d.teacher} (frozen, replicated per rank, {d.teacher_precision} precision)"
+        ),
         "distillation loss": " + ".join(terms) + ", summed per example",
-        "student layers": (f"initialised from teacher blocks {list(d.init_layers)}"
-                           if d.init_layers else "the student's own initialisation"),
+        "student layers": (
+            f"initialised from teacher blocks {list(d.init_layers)}"
+            if d.init_layers
+            else "the student's own initialisation"
+        ),
     }

@@ -33,8 +33,16 @@ from scaletrain.user_code import is_import_path
 TEXT_SOURCES = ("wikitext", "wikitext-paragraphs", "synthetic-text")
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
 MODEL_NAMES = (*BUILTIN_MODELS, "hf")
-DATA_SOURCES = ("digits", "mnist", "wikitext", "wikitext-paragraphs", "synthetic-images",
-                "synthetic-text", "sentences", "shards")
+DATA_SOURCES = (
+    "digits",
+    "mnist",
+    "wikitext",
+    "wikitext-paragraphs",
+    "synthetic-images",
+    "synthetic-text",
+    "sentences",
+    "shards",
+)
 LOSSES = ("auto", "cross-entropy", "mse")
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
@@ -45,14 +53,17 @@ def _name_or_import_path(value: str, allowed: tuple[str, ...]) -> str:
         return value
     close = difflib.get_close_matches(value, allowed, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"{hint}allowed: {', '.join(map(repr, allowed))}, or an import path "
-                     "'package.module:function' to your own")
+    raise ValueError(
+        f"{hint}allowed: {', '.join(map(repr, allowed))}, or an import path "
+        "'package.module:function' to your own"
+    )
 
 
 class _Section(BaseModel):
     # strict: no lax coercion (true is not 1 step, "3" is not 3); floats still accept ints.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
-                              use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True
+    )
 
 
 class ModelConfig(_Section):
@@ -185,6 +196,7 @@ class ParallelConfig(_Section):
     def replicate(self) -> int:
         """dp_replicate, or its older name dp when only that is given (-1: unset)."""
         return self.dp_replicate if self.dp_replicate != -1 else self.dp
+
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend: auto picks nccl when CUDA is available, else gloo."""
     bucket_cap_mb: float = Field(25.0, gt=0.0, le=1024.0)
@@ -308,8 +320,10 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         path = Path(path)
         if path.is_dir():
-            raise ConfigError(f"config file {str(path)!r} is a directory; give a TOML file "
-                              "(e.g. configs/default.toml)")
+            raise ConfigError(
+                f"config file {str(path)!r} is a directory; give a TOML file "
+                "(e.g. configs/default.toml)"
+            )
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
@@ -356,7 +370,9 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            raise ConfigError(
+                f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section"
+            )
         node = child
     node[parts[-1]] = value
 
@@ -454,4 +470,3 @@ def given_world(config: Config) -> int:
     if pc.strategy == "ps":
         return config.ps.servers + max(pc.replicate, 1)
     return pc.pp * pc.tp * max(pc.replicate, 1) * max(pc.dp_shard, 1)
-

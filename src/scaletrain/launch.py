@@ -105,16 +105,20 @@ def validate_spec(spec: LaunchSpec) -> LaunchSpec:
         raise LaunchError(f"--node-rank = {spec.node_rank} is invalid: allowed 0..{hi - 1}")
     if spec.rdzv_backend not in ("c10d", "static", "etcd", "etcd-v2"):
         raise LaunchError(
-            f"--rdzv-backend = {spec.rdzv_backend!r} is invalid: allowed c10d, static, etcd, etcd-v2")
+            f"--rdzv-backend = {spec.rdzv_backend!r} is invalid: allowed c10d, static, etcd, etcd-v2"
+        )
     if spec.rdzv_endpoint:
         port = re.fullmatch(r"[\w.\-\[\]:]+:(\d{1,5})", spec.rdzv_endpoint)
         if not port or not 1 <= int(port.group(1)) <= 65535:
-            raise LaunchError(f"--rdzv-endpoint = {spec.rdzv_endpoint!r} is invalid: use HOST:PORT "
-                              "with a port in 1..65535")
+            raise LaunchError(
+                f"--rdzv-endpoint = {spec.rdzv_endpoint!r} is invalid: use HOST:PORT "
+                "with a port in 1..65535"
+            )
     if hi > 1 and not spec.rdzv_endpoint:
         raise LaunchError(
             f"--nnodes = {spec.nnodes} needs --rdzv-endpoint HOST:PORT (a node every node can "
-            "reach), or run inside a SLURM allocation")
+            "reach), or run inside a SLURM allocation"
+        )
     grace_s()  # SCALETRAIN_SIGTERM_GRACE_S: refused here rather than at launch
     return spec
 
@@ -145,8 +149,9 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def torchrun_argv(spec: LaunchSpec, worker_args: list[str], *, log_dir: Path | None = None,
-                  debug: bool = False) -> list[str]:
+def torchrun_argv(
+    spec: LaunchSpec, worker_args: list[str], *, log_dir: Path | None = None, debug: bool = False
+) -> list[str]:
     """The torchrun command line (without the program name) that starts the workers.
 
     Args:
@@ -155,18 +160,28 @@ def torchrun_argv(spec: LaunchSpec, worker_args: list[str], *, log_dir: Path | N
         log_dir: where each rank's stderr goes (--log-dir, --redirects 2); None: the console.
         debug: also copy every rank's output to the console (--tee 2).
     """
-    argv = [f"--nproc-per-node={spec.nproc}", f"--nnodes={spec.nnodes}",
-            f"--max-restarts={spec.max_restarts}", f"--monitor-interval={spec.monitor_interval}",
-            f"--shutdown-timeout={grace_s()}"]
+    argv = [
+        f"--nproc-per-node={spec.nproc}",
+        f"--nnodes={spec.nnodes}",
+        f"--max-restarts={spec.max_restarts}",
+        f"--monitor-interval={spec.monitor_interval}",
+        f"--shutdown-timeout={grace_s()}",
+    ]
     if log_dir is not None:
         argv += [f"--log-dir={log_dir}", "--redirects=2", f"--tee={2 if debug else 0}"]
     if spec.max_nodes == 1 and not spec.rdzv_endpoint:
         # torchrun's --standalone: a private c10d store on a free local port.
-        argv += ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
-                 f"--rdzv-id=scaletrain-{os.getpid()}"]
+        argv += [
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0",
+            f"--rdzv-id=scaletrain-{os.getpid()}",
+        ]
     else:
-        argv += [f"--rdzv-backend={spec.rdzv_backend}", f"--rdzv-endpoint={spec.rdzv_endpoint}",
-                 f"--node-rank={spec.node_rank}"]
+        argv += [
+            f"--rdzv-backend={spec.rdzv_backend}",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--node-rank={spec.node_rank}",
+        ]
         if spec.rdzv_id:
             argv.append(f"--rdzv-id={spec.rdzv_id}")
     if ":" not in spec.nnodes:  # fixed size: no reason to wait for late joiners
@@ -187,8 +202,9 @@ class Interrupted(Exception):
         self.signum = int(signum)
 
 
-def launch(spec: LaunchSpec, worker_args: list[str], *, threads: int, run_dir: Path,
-           debug: bool = False) -> int:
+def launch(
+    spec: LaunchSpec, worker_args: list[str], *, threads: int, run_dir: Path, debug: bool = False
+) -> int:
     """Run the workers through the elastic agent; return 0, or 1 with the failure described.
 
     Args:
@@ -209,12 +225,14 @@ def launch(spec: LaunchSpec, worker_args: list[str], *, threads: int, run_dir: P
     os.environ.update(SUBPROCESS_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    args = get_args_parser().parse_args(torchrun_argv(spec, worker_args, log_dir=log_dir,
-                                                      debug=debug))
+    args = get_args_parser().parse_args(
+        torchrun_argv(spec, worker_args, log_dir=log_dir, debug=debug)
+    )
     config, cmd, cmd_args = config_from_args(args)
     echo = None if debug else ConsoleEcho(sys.stderr)
-    logs = run_dir_logs(log_dir, tee=Std.from_str(args.tee),
-                        on_attempt=echo.follow if echo else None)
+    logs = run_dir_logs(
+        log_dir, tee=Std.from_str(args.tee), on_attempt=echo.follow if echo else None
+    )
     config.logs_specs = logs  # torchrun's hook for naming the log files
     failure, signum = None, None
     try:
@@ -253,12 +271,15 @@ def _signals_raise(exception: type) -> Iterator[None]:
         return
 
     def handler(signum, frame):
-        raise exception(f"Process {os.getpid()} got signal: {signum}",
-                        sigval=signal.Signals(signum))
+        raise exception(
+            f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum)
+        )
 
     # The agent's handlers replace these and stay after it returns: restore all four.
-    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT,
-                                            signal.SIGQUIT)}
+    old = {
+        s: signal.getsignal(s)
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+    }
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGHUP, handler)
     try:

@@ -123,9 +123,15 @@ def run_dir_logs(log_dir: Path, *, tee=0, on_attempt: Callable[[Path], None] | N
                 envs[lr]["TORCHELASTIC_ERROR_FILE"] = errors[lr]
             if on_attempt is not None and 0 in ranks:
                 on_attempt(self.paths[ranks[0]])
-            return LogsDest(stdouts, stderrs, {}, tee_err, errors,
-                            str(log_dir / "filtered_stdout.log"),
-                            str(log_dir / "filtered_stderr.log"))
+            return LogsDest(
+                stdouts,
+                stderrs,
+                {},
+                tee_err,
+                errors,
+                str(log_dir / "filtered_stdout.log"),
+                str(log_dir / "filtered_stderr.log"),
+            )
 
     return RunDirLogs()
 
@@ -133,18 +139,24 @@ def run_dir_logs(log_dir: Path, *, tee=0, on_attempt: Callable[[Path], None] | N
 # --------------------------------------------------------------------------- the console
 
 _RANK_PREFIX = r"(?:\[(?:default)?rank\d+\]:)?"  # c10d prefixes its C++ log lines with this
-_NOISE = re.compile(_RANK_PREFIX + r"""(?:
+_NOISE = re.compile(
+    _RANK_PREFIX
+    + r"""(?:
       \[?[WEIF]\d{4}\ \d\d:\d\d:\d\d   # a glog-style header: c10d's C++ log, torch's Python log
     | \s*frame\ \#\d+:                  # a C++ stack frame
     | \s*<omitting\ python\ frames>
-    | Exception\ raised\ from\ 
+    | Exception\ raised\ from\
     | \#\ scaletrain\ worker:           # the first line of every rank's log
     | scaletrain:\ error:               # quoted by the launcher's failure paragraph instead
-    )""", re.X)
+    )""",
+    re.X,
+)
 _GLUED_NOISE = re.compile(_RANK_PREFIX + r"\[[WEIF]\d{4} \d\d:\d\d:\d\d")  # C++ log on a bar's line
 _TRACEBACK = "Traceback (most recent call last):"
-_CHAINED = ("During handling of the above exception, another exception occurred:",
-            "The above exception was the direct cause of the following exception:")
+_CHAINED = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
 
 
 class OutputFilter:
@@ -192,7 +204,7 @@ class OutputFilter:
         glued = _GLUED_NOISE.search(body)
         if glued:
             self._mode = "after"
-            return body[:glued.start()] + "\n"
+            return body[: glued.start()] + "\n"
         return segment
 
 
@@ -319,8 +331,9 @@ def describe_child_failure(error, *, logs: dict[int, Path] | None = None) -> str
             if said:
                 what += f": {said}"
         where = f"; its output is in {logs[rank]}" if rank in logs else ""
-        parts.append(f"rank {rank} (pid {failure.pid}, local rank {failure.local_rank}) "
-                     f"{what}{where}")
+        parts.append(
+            f"rank {rank} (pid {failure.pid}, local rank {failure.local_rank}) {what}{where}"
+        )
     return "scaletrain: error: the run failed: " + "; ".join(parts) + "."
 
 
@@ -358,11 +371,15 @@ def describe_interrupt(run_dir: Path, *, signum: int) -> str:
     step = max(_last_logged_step(Path(run_dir)), _checkpoint_step(last) if last else 0)
     where = f"at step {step}" if step else "before the first logged step"
     if last is not None:
-        then = (f"last checkpoint {last.name}; continue with: scaletrain train ... "
-                f"--run-dir {run_dir} --resume")
+        then = (
+            f"last checkpoint {last.name}; continue with: scaletrain train ... "
+            f"--run-dir {run_dir} --resume"
+        )
     else:
-        then = ("no checkpoint to continue from (checkpoint.every = 0, or none was reached); "
-                "set checkpoint.every to make a run resumable")
+        then = (
+            "no checkpoint to continue from (checkpoint.every = 0, or none was reached); "
+            "set checkpoint.every to make a run resumable"
+        )
     return f"scaletrain: interrupted ({_signal_name(signum)}) {where}; {then}"
 
 

@@ -46,8 +46,9 @@ def cross_entropy(output: Any, batch: Batch) -> tuple[torch.Tensor, int]:
     logits = output_logits(output)
     if logits.dtype != torch.float64:
         logits = logits.float()
-    loss = F.cross_entropy(logits.flatten(0, -2), batch.targets.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = F.cross_entropy(
+        logits.flatten(0, -2), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return loss, batch.count
 
 
@@ -58,9 +59,11 @@ def mse(output: Any, batch: Batch) -> tuple[torch.Tensor, int]:
         pred = pred.float()
     targets = batch.targets
     if pred.numel() != targets.numel():
-        raise LossError(f"the model output {tuple(pred.shape)} has {pred.numel()} values but the "
-                        f"targets {tuple(targets.shape)} have {targets.numel()}: a regression "
-                        "model needs one output per target value")
+        raise LossError(
+            f"the model output {tuple(pred.shape)} has {pred.numel()} values but the "
+            f"targets {tuple(targets.shape)} have {targets.numel()}: a regression "
+            "model needs one output per target value"
+        )
     diff = pred.reshape(targets.shape) - targets.to(pred.dtype)
     return (diff * diff).sum(), batch.count
 
@@ -73,11 +76,15 @@ def builtin_loss(name: str, *, task_kind: str) -> LossFn:
     if name == "auto":
         name = "mse" if task_kind == "regression" else "cross-entropy"
     if name == "cross-entropy" and task_kind == "regression":
-        raise LossError("train.loss = 'cross-entropy' needs class or token targets, but the "
-                        "data are regression (float targets); use train.loss = 'mse' or 'auto'")
+        raise LossError(
+            "train.loss = 'cross-entropy' needs class or token targets, but the "
+            "data are regression (float targets); use train.loss = 'mse' or 'auto'"
+        )
     if name == "mse" and task_kind != "regression":
-        raise LossError(f"train.loss = 'mse' needs float targets, but the data's task is "
-                        f"{task_kind!r}; use 'cross-entropy' or 'auto'")
+        raise LossError(
+            f"train.loss = 'mse' needs float targets, but the data's task is "
+            f"{task_kind!r}; use 'cross-entropy' or 'auto'"
+        )
     return BUILTIN_LOSSES[name]
 
 
@@ -87,8 +94,15 @@ def as_int(count: Any) -> int:
 
 
 @torch.no_grad()
-def check_summed(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, task_kind: str,
-                 forward: Callable[[torch.nn.Module, Batch], Any], label: str) -> None:
+def check_summed(
+    loss_fn: LossFn,
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    task_kind: str,
+    forward: Callable[[torch.nn.Module, Batch], Any],
+    label: str,
+) -> None:
     """Refuse a loss that does not return (sum over items, their count), before step 1.
 
     Args:
@@ -112,12 +126,15 @@ def check_summed(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, task_
                 f"{label} returned count {whole[1]} for a micro-batch whose loss normaliser is "
                 f"{batch.count} ({COUNTS[task_kind]}); scaletrain divides every step's "
                 "summed loss by that count over all micro-batches and ranks, so the loss must "
-                "sum over exactly those items (give ignored tokens the target -100)")
+                "sum over exactly those items (give ignored tokens the target -100)"
+            )
         n = batch.targets.shape[0]
         if n < 2:
             return
-        halves = [_slice(batch, slice(0, n // 2), task_kind),
-                  _slice(batch, slice(n // 2, n), task_kind)]
+        halves = [
+            _slice(batch, slice(0, n // 2), task_kind),
+            _slice(batch, slice(n // 2, n), task_kind),
+        ]
         parts = [_evaluate(loss_fn, model, h, forward=forward, label=label) for h in halves]
     finally:
         model.train(was_training)
@@ -125,35 +142,52 @@ def check_summed(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, task_
     tol = 1e-9 if whole[2] == torch.float64 else 2e-2
     if abs(total - whole[0]) > tol * max(abs(whole[0]), 1e-12):
         mean_like = abs((parts[0][0] + parts[1][0]) / 2 - whole[0]) < abs(total - whole[0])
-        why = ("it looks like a mean (the halves' average matches the whole)"
-               if mean_like else "it is not additive over examples")
+        why = (
+            "it looks like a mean (the halves' average matches the whole)"
+            if mean_like
+            else "it is not additive over examples"
+        )
         raise LossError(
             f"{label} must return the loss summed over the batch, but {why}: the two halves of "
             f"a micro-batch gave {parts[0][0]:.6g} + {parts[1][0]:.6g} = {total:.6g}, the whole "
             f"{whole[0]:.6g}. Use reduction='sum' and return (sum, count); scaletrain divides "
-            "by the global count itself (README, 'Bring your own model')")
+            "by the global count itself (README, 'Bring your own model')"
+        )
 
 
-def _evaluate(loss_fn: LossFn, model, batch: Batch, *, forward, label: str
-              ) -> tuple[float, int, torch.dtype]:
+def _evaluate(
+    loss_fn: LossFn, model, batch: Batch, *, forward, label: str
+) -> tuple[float, int, torch.dtype]:
     result = loss_fn(forward(model, batch), batch)
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise LossError(f"{label} returned {type(result).__name__}; a loss returns a tuple "
-                        "(summed loss tensor, count)")
+        raise LossError(
+            f"{label} returned {type(result).__name__}; a loss returns a tuple "
+            "(summed loss tensor, count)"
+        )
     loss, count = result
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise LossError(f"{label} returned a loss of shape {shape}; it must be a scalar tensor "
-                        "(the sum over the batch)")
+        raise LossError(
+            f"{label} returned a loss of shape {shape}; it must be a scalar tensor "
+            "(the sum over the batch)"
+        )
     return float(loss.double()), as_int(count), loss.dtype
 
 
 def _slice(batch: Batch, rows: slice, kind: str) -> Batch:
     targets, inputs = batch.targets[rows], batch.inputs[rows]
-    return Batch(inputs=inputs, targets=targets, count=target_count(kind, targets),
-                 tokens=inputs.numel() if kind == "lm" else 0,
-                 extras={k: v[rows] for k, v in batch.extras.items()})
+    return Batch(
+        inputs=inputs,
+        targets=targets,
+        count=target_count(kind, targets),
+        tokens=inputs.numel() if kind == "lm" else 0,
+        extras={k: v[rows] for k, v in batch.extras.items()},
+    )
 
 
-COUNTS = {"classification": "examples", "lm": "target tokens that are not -100",
-          "regression": "target values", "encode": "examples"}
+COUNTS = {
+    "classification": "examples",
+    "lm": "target tokens that are not -100",
+    "regression": "target values",
+    "encode": "examples",
+}

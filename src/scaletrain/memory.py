@@ -84,8 +84,10 @@ class WindowPeak:
         """The window's numbers for a metrics record, then open the next window."""
         peak = self.peak()
         self.reset()
-        return {"window_peak_mem_bytes": peak,
-                "window_peak_above_baseline_bytes": max(0, peak - self.baseline)}
+        return {
+            "window_peak_mem_bytes": peak,
+            "window_peak_above_baseline_bytes": max(0, peak - self.baseline),
+        }
 
 
 def local_bytes(tensors) -> int:
@@ -106,6 +108,13 @@ def local_bytes(tensors) -> int:
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's parameter and optimizer-state bytes, from the tensors it holds now."""
-    states = (v for state in optimizer.state.values() for v in state.values()
-              if isinstance(v, torch.Tensor))
-    return {"param_bytes": local_bytes(model.parameters()), "optim_state_bytes": local_bytes(states)}
+    states = (
+        v
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return {
+        "param_bytes": local_bytes(model.parameters()),
+        "optim_state_bytes": local_bytes(states),
+    }

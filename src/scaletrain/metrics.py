@@ -173,7 +173,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
-                warnings.warn(f"{path}:{lineno}: skipping a line that is not valid JSON", stacklevel=2)
+                warnings.warn(
+                    f"{path}:{lineno}: skipping a line that is not valid JSON", stacklevel=2
+                )
     return records
 
 

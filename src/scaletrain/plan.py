@@ -78,8 +78,10 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
     check_distill_config(config, layout)
     _check_sources(config)
     if t.stop_after >= t.steps:
-        raise ConfigError(f"train.stop_after = {t.stop_after} must be below train.steps = "
-                          f"{t.steps} (0 disables the planned stop)")
+        raise ConfigError(
+            f"train.stop_after = {t.stop_after} must be below train.steps = "
+            f"{t.steps} (0 disables the planned stop)"
+        )
     if t.compile:
         _check_compile(bucket_cap_mb=config.parallel.bucket_cap_mb, dp=layout.dp)
     backend = config.parallel.backend
@@ -98,8 +100,14 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
         examples_per_rank=t.global_batch // layout.dp,
         threads=threads,
         backend=backend,
-        warnings=_warnings(config, layout, backend=backend, threads=threads, cores=cores,
-                           nproc_per_node=nproc_per_node),
+        warnings=_warnings(
+            config,
+            layout,
+            backend=backend,
+            threads=threads,
+            cores=cores,
+            nproc_per_node=nproc_per_node,
+        ),
     )
 
 
@@ -107,13 +115,25 @@ def _layout(config: Config, *, world_size: int) -> tuple[ParallelLayout, PSShape
     """The degrees (collective) or the servers and workers (ps), checked against the world."""
     pc = config.parallel
     if pc.strategy == "ps":
-        return ps_layout(servers=config.ps.servers, world_size=world_size, dp=pc.dp,
-                         dp_replicate=pc.dp_replicate,
-                         degrees={"dp_shard": pc.dp_shard, "tp": pc.tp, "pp": pc.pp},
-                         comm_hook=pc.comm_hook, compile=config.train.compile,
-                         precision=config.precision.mode, slow_worker=config.ps.slow_worker)
-    layout = layout_of(dp=pc.dp, dp_replicate=pc.dp_replicate, dp_shard=pc.dp_shard, tp=pc.tp,
-                       pp=pc.pp, world_size=world_size)
+        return ps_layout(
+            servers=config.ps.servers,
+            world_size=world_size,
+            dp=pc.dp,
+            dp_replicate=pc.dp_replicate,
+            degrees={"dp_shard": pc.dp_shard, "tp": pc.tp, "pp": pc.pp},
+            comm_hook=pc.comm_hook,
+            compile=config.train.compile,
+            precision=config.precision.mode,
+            slow_worker=config.ps.slow_worker,
+        )
+    layout = layout_of(
+        dp=pc.dp,
+        dp_replicate=pc.dp_replicate,
+        dp_shard=pc.dp_shard,
+        tp=pc.tp,
+        pp=pc.pp,
+        world_size=world_size,
+    )
     _check_ps_keys_unused(config, layout)
     return layout, None
 
@@ -121,56 +141,83 @@ def _layout(config: Config, *, world_size: int) -> tuple[ParallelLayout, PSShape
 def _check_collective(config: Config, layout: ParallelLayout) -> PipelineShape | None:
     """The collective techniques' refusals (parallel/checks.py), fed from the config."""
     pc, gpt = config.parallel, config.model.name == "gpt"
-    check_collective(layout, comm_hook=pc.comm_hook, compile=config.train.compile,
-                     precision=config.precision.mode, optim_impl=config.optim.impl,
-                     sequence_parallel=pc.sequence_parallel,
-                     seq_len=config.data.seq_len if gpt else None)
+    check_collective(
+        layout,
+        comm_hook=pc.comm_hook,
+        compile=config.train.compile,
+        precision=config.precision.mode,
+        optim_impl=config.optim.impl,
+        sequence_parallel=pc.sequence_parallel,
+        seq_len=config.data.seq_len if gpt else None,
+    )
     n_blocks = None
     if gpt and layout.pp > 1:  # the built-in GPT's depth is known before it is built
         from scaletrain.models.gpt import GPT_SHAPES
 
         n_blocks = GPT_SHAPES[config.model.size].n_layer
-    return pipeline_shape(layout, schedule=pc.pp_schedule, microbatches=pc.pp_microbatches,
-                          stages_per_rank=pc.pp_stages_per_rank,
-                          micro_batch=config.train.micro_batch, n_blocks=n_blocks)
+    return pipeline_shape(
+        layout,
+        schedule=pc.pp_schedule,
+        microbatches=pc.pp_microbatches,
+        stages_per_rank=pc.pp_stages_per_rank,
+        micro_batch=config.train.micro_batch,
+        n_blocks=n_blocks,
+    )
 
 
 def _check_ps_keys_unused(config: Config, layout: ParallelLayout) -> None:
     """[ps] is read only by the parameter-server strategy (but for the straggler knob)."""
     # Compared with the defaults, not "given": a stored config.toml writes every key.
     default = PSConfig()
-    changed = sorted(k for k in PSConfig.model_fields if k not in ("slow_worker", "slow_factor")
-                     and getattr(config.ps, k) != getattr(default, k))
+    changed = sorted(
+        k
+        for k in PSConfig.model_fields
+        if k not in ("slow_worker", "slow_factor") and getattr(config.ps, k) != getattr(default, k)
+    )
     if changed:
-        raise ConfigError(f"ps.{changed[0]} is only read with parallel.strategy = 'ps' "
-                          f"(parallel.strategy is 'collective'); set parallel.strategy='ps' or "
-                          f"remove the [ps] keys")
+        raise ConfigError(
+            f"ps.{changed[0]} is only read with parallel.strategy = 'ps' "
+            f"(parallel.strategy is 'collective'); set parallel.strategy='ps' or "
+            f"remove the [ps] keys"
+        )
     if config.ps.slow_worker >= layout.dp:
-        raise ConfigError(f"ps.slow_worker = {config.ps.slow_worker} is not a data-parallel rank: "
-                          f"allowed -1 .. {layout.dp - 1}")
+        raise ConfigError(
+            f"ps.slow_worker = {config.ps.slow_worker} is not a data-parallel rank: "
+            f"allowed -1 .. {layout.dp - 1}"
+        )
 
 
 def _check_model_and_data(config: Config) -> None:
     """The keys that only some model names and data sources read are given only with them."""
     m, d = config.model, config.data
     if m.name in BUILTIN_MODELS and m.kwargs:
-        raise ConfigError(f"model.kwargs = {m.kwargs!r} is only read by model.name = 'hf' or an "
-                          f"import path; the built-in {m.name!r} is sized by model.size")
+        raise ConfigError(
+            f"model.kwargs = {m.kwargs!r} is only read by model.name = 'hf' or an "
+            f"import path; the built-in {m.name!r} is sized by model.size"
+        )
     if m.name == "hf" and bool(m.path) == bool(m.hf_config):
-        raise ConfigError("model.name = 'hf' needs exactly one of model.path (a local model "
-                          "directory to fine-tune) and model.hf_config (a config.json or a "
-                          "transformers config class such as 'LlamaConfig', to train from "
-                          f"scratch); got path = {m.path!r}, hf_config = {m.hf_config!r}")
+        raise ConfigError(
+            "model.name = 'hf' needs exactly one of model.path (a local model "
+            "directory to fine-tune) and model.hf_config (a config.json or a "
+            "transformers config class such as 'LlamaConfig', to train from "
+            f"scratch); got path = {m.path!r}, hf_config = {m.hf_config!r}"
+        )
     for key in ("path", "hf_config"):
         if getattr(m, key) and m.name != "hf":
-            raise ConfigError(f"model.{key} = {getattr(m, key)!r} is only read with model.name "
-                              f"= 'hf' (model.name is {m.name!r})")
+            raise ConfigError(
+                f"model.{key} = {getattr(m, key)!r} is only read with model.name "
+                f"= 'hf' (model.name is {m.name!r})"
+            )
     if m.name == "hf" and m.path and m.kwargs:
-        raise ConfigError(f"model.kwargs = {m.kwargs!r} is only read with model.hf_config; a "
-                          "model directory (model.path) brings its own config.json")
+        raise ConfigError(
+            f"model.kwargs = {m.kwargs!r} is only read with model.hf_config; a "
+            "model directory (model.path) brings its own config.json"
+        )
     if d.kwargs and not is_import_path(d.source) and d.source != "sentences":
-        raise ConfigError(f"data.kwargs = {d.kwargs!r} is only read by a data function "
-                          f"(data.source = 'package.module:function'), not by {d.source!r}")
+        raise ConfigError(
+            f"data.kwargs = {d.kwargs!r} is only read by a data function "
+            f"(data.source = 'package.module:function'), not by {d.source!r}"
+        )
 
 
 def _check_sources(config: Config) -> None:
@@ -189,11 +236,15 @@ def _check_sources(config: Config) -> None:
             f"{source!r} (use model.name='gpt' for text)"
         )
     if shards and not config.data.path:
-        raise ConfigError("data.source = 'shards' needs data.path, the directory the shards are "
-                          "in (written by `scaletrain shard SOURCE OUT_DIR` or by Spark)")
+        raise ConfigError(
+            "data.source = 'shards' needs data.path, the directory the shards are "
+            "in (written by `scaletrain shard SOURCE OUT_DIR` or by Spark)"
+        )
     if not shards and config.data.path:
-        raise ConfigError(f"data.path = {config.data.path!r} is only used with data.source = "
-                          f"'shards' (data.source is {source!r})")
+        raise ConfigError(
+            f"data.path = {config.data.path!r} is only used with data.source = "
+            f"'shards' (data.source is {source!r})"
+        )
 
 
 def _check_compile(*, bucket_cap_mb: float, dp: int) -> None:
@@ -204,22 +255,34 @@ def _check_compile(*, bucket_cap_mb: float, dp: int) -> None:
 
     compilers = ("g++", "c++", "clang++")
     if not any(shutil.which(c) for c in compilers):
-        raise ConfigError(f"train.compile = true needs a C++ compiler for inductor's kernels, "
-                          f"but none of {', '.join(compilers)} is on PATH: install one (e.g. "
-                          "g++) or set train.compile=false")
+        raise ConfigError(
+            f"train.compile = true needs a C++ compiler for inductor's kernels, "
+            f"but none of {', '.join(compilers)} is on PATH: install one (e.g. "
+            "g++) or set train.compile=false"
+        )
     if dp > 1 and bucket_cap_mb < 1.0:
-        raise ConfigError(f"parallel.bucket_cap_mb = {bucket_cap_mb} is invalid with "
-                          f"train.compile = true and dp = {dp}: compiled DDP needs buckets of "
-                          "at least 1 MiB (its first bucket's size); use "
-                          "parallel.bucket_cap_mb >= 1 or train.compile=false")
+        raise ConfigError(
+            f"parallel.bucket_cap_mb = {bucket_cap_mb} is invalid with "
+            f"train.compile = true and dp = {dp}: compiled DDP needs buckets of "
+            "at least 1 MiB (its first bucket's size); use "
+            "parallel.bucket_cap_mb >= 1 or train.compile=false"
+        )
 
 
-def _warnings(config: Config, layout: ParallelLayout, *, backend: str, threads: int,
-              cores: int, nproc_per_node: int) -> tuple[str, ...]:
+def _warnings(
+    config: Config,
+    layout: ParallelLayout,
+    *,
+    backend: str,
+    threads: int,
+    cores: int,
+    nproc_per_node: int,
+) -> tuple[str, ...]:
     """Legal but probably unwanted choices, printed when the run starts."""
     out = []
-    if backend != "nccl" and (slow := slow_precision_warning(
-            config.precision.mode, detect_hardware("cpu"))):  # bf16 without avx512_bf16/AMX
+    if backend != "nccl" and (
+        slow := slow_precision_warning(config.precision.mode, detect_hardware("cpu"))
+    ):  # bf16 without avx512_bf16/AMX
         out.append(slow)
     if config.parallel.comm_hook != "none" and layout.dp == 1:
         out.append(f"parallel.comm_hook = {config.parallel.comm_hook!r} has no effect with dp = 1")
@@ -228,5 +291,6 @@ def _warnings(config: Config, layout: ParallelLayout, *, backend: str, threads: 
             f"{nproc_per_node} process(es) x {threads} thread(s) = {nproc_per_node * threads} "
             f"threads on {cores} core(s): the node is oversubscribed and every step waits for "
             f"the slowest; use --nproc <= {cores}, or train.threads so that processes x "
-            f"threads <= {cores}")
+            f"threads <= {cores}"
+        )
     return tuple(out)

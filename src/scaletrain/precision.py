@@ -32,14 +32,14 @@ then reports `param_dtype`/`reduce_dtype` and returns a null forward context.
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import ContextManager, Literal
+from typing import Literal
 
 import torch
 
 PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto"]
-PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64",
-                                    "auto")
+PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto")
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,13 @@ def detect_hardware(device_type: str) -> Hardware:
     """This machine's capabilities, from torch's own checks (what its kernels dispatch on)."""
     if device_type == "cuda":
         return Hardware("cuda", cuda_capability=torch.cuda.get_device_capability())
-    return Hardware("cpu", avx512_bf16=torch.cpu._is_avx512_bf16_supported(),
-                    amx=torch.cpu._is_amx_tile_supported(),
-                    cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                    amx_fp16=torch.cpu._is_amx_fp16_supported())
+    return Hardware(
+        "cpu",
+        avx512_bf16=torch.cpu._is_avx512_bf16_supported(),
+        amx=torch.cpu._is_amx_tile_supported(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        amx_fp16=torch.cpu._is_amx_fp16_supported(),
+    )
 
 
 def decide_auto(hw: Hardware) -> tuple[str, str]:
@@ -95,16 +98,20 @@ def slow_precision_warning(mode: str, hw: Hardware) -> str | None:
     if hw.device_type != "cpu":
         return None
     if mode in ("bf16-mixed", "bf16-true") and not (hw.avx512_bf16 or hw.amx):
-        return (f"precision.mode = {mode!r} is about 100x slower than fp32 on this CPU"
-                f"{_capability(hw)}: it has neither avx512_bf16 nor AMX, so every bf16 "
-                "matmul is emulated (measured on an AVX2-only CPU: 0.4-0.6 against 53 GFLOP/s "
-                "in fp32); use precision.mode = 'auto' (fp32 here, bf16-mixed where the CPU "
-                "has avx512_bf16 or AMX) or 'fp32'")
+        return (
+            f"precision.mode = {mode!r} is about 100x slower than fp32 on this CPU"
+            f"{_capability(hw)}: it has neither avx512_bf16 nor AMX, so every bf16 "
+            "matmul is emulated (measured on an AVX2-only CPU: 0.4-0.6 against 53 GFLOP/s "
+            "in fp32); use precision.mode = 'auto' (fp32 here, bf16-mixed where the CPU "
+            "has avx512_bf16 or AMX) or 'fp32'"
+        )
     if mode == "fp16-mixed" and not hw.amx_fp16:
-        return (f"precision.mode = 'fp16-mixed' is about 200x slower than fp32 on this CPU"
-                f"{_capability(hw)}: it lacks AMX-FP16, so fp16 matmuls are emulated; use "
-                "precision.mode = 'auto' (bf16-mixed only where the CPU has avx512_bf16 or "
-                "AMX, else fp32) or 'fp32'")
+        return (
+            f"precision.mode = 'fp16-mixed' is about 200x slower than fp32 on this CPU"
+            f"{_capability(hw)}: it lacks AMX-FP16, so fp16 matmuls are emulated; use "
+            "precision.mode = 'auto' (bf16-mixed only where the CPU has avx512_bf16 or "
+            "AMX, else fp32) or 'fp32'"
+        )
     return None
 
 
@@ -186,8 +193,10 @@ class Precision:
         return float(self.scaler.get_scale()) if self.scaler is not None else None
 
     def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict() if self.scaler is not None else {},
-                "overflow_steps": self.overflow_steps}
+        return {
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "overflow_steps": self.overflow_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state.get("scaler"):
@@ -195,8 +204,14 @@ class Precision:
         self.overflow_steps = int(state.get("overflow_steps", 0))
 
 
-def make_precision(mode: str, *, device_type: str, init_scale: float = 2.0**16,
-                   growth_interval: int = 2000, sharded: bool = False) -> Precision:
+def make_precision(
+    mode: str,
+    *,
+    device_type: str,
+    init_scale: float = 2.0**16,
+    growth_interval: int = 2000,
+    sharded: bool = False,
+) -> Precision:
     """The one place a mode string becomes a Precision.
 
     Args:
@@ -223,10 +238,12 @@ def make_precision(mode: str, *, device_type: str, init_scale: float = 2.0**16,
             if sharded:
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-                scaler = ShardedGradScaler(device_type, init_scale=init_scale,
-                                           growth_interval=growth_interval)
+                scaler = ShardedGradScaler(
+                    device_type, init_scale=init_scale, growth_interval=growth_interval
+                )
             else:
-                scaler = torch.amp.GradScaler(device_type, init_scale=init_scale,
-                                              growth_interval=growth_interval)
+                scaler = torch.amp.GradScaler(
+                    device_type, init_scale=init_scale, growth_interval=growth_interval
+                )
             return Precision(mode, device_type, autocast_dtype=torch.float16, scaler=scaler)
     raise ValueError(f"precision mode {mode!r} is not one of {PRECISION_MODES}")

@@ -42,7 +42,13 @@ def check_layout_fits(config: Config, derived: Derived, code: UserCode = NO_CODE
             raise ConfigError(f"model.name = {config.model.name!r}: {e}") from None
         return
     try:
-        check_model_fits(model, model_spec(model), layout=layout, parallel=config.parallel,
-                         pipeline=derived.pipeline, model_label=f"model.name = {config.model.name!r}")
+        check_model_fits(
+            model,
+            model_spec(model),
+            layout=layout,
+            parallel=config.parallel,
+            pipeline=derived.pipeline,
+            model_label=f"model.name = {config.model.name!r}",
+        )
     except UserError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
         raise ConfigError(str(e)) from None

@@ -24,14 +24,15 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from scaletrain.metrics import METRICS_FILE, read_metrics
 from scaletrain.config import flatten_config  # nested TOML tables -> {"section.key": value}
+from scaletrain.metrics import METRICS_FILE, read_metrics
 
 EVAL_METRICS = ("accuracy", "loss", "perplexity")  # the first one the eval records hold is shown
 NAME_KEYS = ("name", "run.name")  # already in the label: not repeated as a difference
@@ -78,15 +79,17 @@ def build_figure(run_dirs: list[Path]) -> Figure:
     _plot_loss(axes[0], runs)
     _plot_units(axes[1], runs, _throughput, title="throughput", from_zero=True, linewidth=0.9)
     if ncols == 3:  # a line through the evaluations, a marker on each
-        _plot_units(axes[2], runs, _eval_metric, title="evaluation", marker="o", markersize=4,
-                    linewidth=1.2)
+        _plot_units(
+            axes[2], runs, _eval_metric, title="evaluation", marker="o", markersize=4, linewidth=1.2
+        )
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
     fig.suptitle("scaletrain report: " + ", ".join(titles), fontsize=11)
     table = config_table(titles, configs, keys)
-    footnote = "\n".join([*table, *(_summary_line(title, r) for title, r in zip(titles, runs)
-                                     if r.summary)])
+    footnote = "\n".join(
+        [*table, *(_summary_line(title, r) for title, r in zip(titles, runs) if r.summary)]
+    )
     if footnote:
         fig.supxlabel(footnote, fontsize=8, family="monospace", ha="left", x=0.01)
     return fig
@@ -106,8 +109,9 @@ def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
         return []
     keys = dict.fromkeys(k for c in known for k in c)
     missing = object()
-    return [k for k in keys if k not in NAME_KEYS
-            and len({repr(c.get(k, missing)) for c in known}) > 1]
+    return [
+        k for k in keys if k not in NAME_KEYS and len({repr(c.get(k, missing)) for c in known}) > 1
+    ]
 
 
 def format_value(value: Any) -> str:
@@ -142,8 +146,10 @@ def config_table(titles: list[str], configs: list[dict[str, Any]], keys: list[st
     """A fixed-width table, a row per run and a column per differing key ([] if none)."""
     if not keys:
         return []
-    cells = [["run", *keys]] + [[t, *(format_value(c.get(k, "-")) if c else "?" for k in keys)]
-                                for t, c in zip(titles, configs)]
+    cells = [["run", *keys]] + [
+        [t, *(format_value(c.get(k, "-")) if c else "?" for k in keys)]
+        for t, c in zip(titles, configs)
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     rows = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
     return ["config keys that differ between the runs:", *rows]
@@ -159,8 +165,9 @@ def _load(run_dir: Path, *, color: str) -> _Run:
     label = f"{run_dir.name} ({name})" if name and name != run_dir.name else run_dir.name
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    return _Run(label, color, _by_step(records, "train"), _by_step(records, "eval"), summary,
-                config)
+    return _Run(
+        label, color, _by_step(records, "train"), _by_step(records, "eval"), summary, config
+    )
 
 
 def _by_step(records: list[dict], kind: str) -> list[dict]:

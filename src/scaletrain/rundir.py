@@ -36,11 +36,14 @@ def check_run_dir(run_dir: Path) -> None:
     """Refuse a directory that already holds a finished or running run: nothing is overwritten."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {str(run_dir)!r} exists and is not a directory")
-    taken = [f for f in ("metrics.jsonl", "summary.json", "model.safetensors") if (run_dir / f).exists()]
+    taken = [
+        f for f in ("metrics.jsonl", "summary.json", "model.safetensors") if (run_dir / f).exists()
+    ]
     if taken:
         raise ConfigError(
             f"--run-dir {str(run_dir)!r} already holds a run ({', '.join(taken)}); "
-            "choose another --run-dir so nothing is overwritten")
+            "choose another --run-dir so nothing is overwritten"
+        )
 
 
 def json_safe(value: Any) -> Any:
@@ -86,11 +89,13 @@ def describe_finished(run_dir: Path, summary: dict[str, Any]) -> str:
     loss = summary.get("final_loss")
     evals = summary.get("eval") or {}
     metric = "".join(f", eval {k} {v:.4g}" for k, v in evals.items() if isinstance(v, float))
-    return (f"scaletrain: run {run_dir} is complete (step {summary.get('steps')} of "
-            f"{summary.get('steps')}, final loss "
-            f"{'not finite' if loss is None else format(loss, '.4g')}{metric}): nothing to "
-            "resume, nothing changed. To train it further, resume with a larger train.steps "
-            "and --allow-config-change; for a new run, give a new --run-dir")
+    return (
+        f"scaletrain: run {run_dir} is complete (step {summary.get('steps')} of "
+        f"{summary.get('steps')}, final loss "
+        f"{'not finite' if loss is None else format(loss, '.4g')}{metric}): nothing to "
+        "resume, nothing changed. To train it further, resume with a larger train.steps "
+        "and --allow-config-change; for a new run, give a new --run-dir"
+    )
 
 
 def write_config(run_dir: Path, config: Config) -> Path:
@@ -106,25 +111,49 @@ def write_config(run_dir: Path, config: Config) -> Path:
 # does between dp=1 and dp=2). Everything else (model.*, data.*, optim.*, precision.*,
 # train.steps / global_batch / seed, the comm hook) changes what is trained. A key not
 # listed here counts as changing it: a new config field has to be placed on purpose.
-RESUME_SAFE_KEYS = frozenset({
-    "name", "train.micro_batch", "train.eval_every", "train.eval_examples",
-    "train.max_bad_steps", "train.threads", "train.stop_after", "train.compile",
-    "train.allocator", "parallel.dp", "parallel.backend", "parallel.bucket_cap_mb",
-    "parallel.gradient_as_bucket_view", "parallel.timeout_s",
-    # The model-parallel layout: DCP reshards parameters and optimizer state by name.
-    "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp",
-    "parallel.pp_schedule", "parallel.pp_microbatches", "parallel.pp_stages_per_rank",
-    "parallel.reshard_after_forward", "parallel.activation_checkpointing",
-    "parallel.fsdp_offload", "parallel.sequence_parallel",
-    # Parameter servers: the shards are saved by parameter name, so the server count may
-    # change; the rest are how the run behaves from here on.
-    "ps.servers", "ps.worker_timeout_s", "ps.interface", "ps.slow_worker", "ps.slow_factor",
-})
+RESUME_SAFE_KEYS = frozenset(
+    {
+        "name",
+        "train.micro_batch",
+        "train.eval_every",
+        "train.eval_examples",
+        "train.max_bad_steps",
+        "train.threads",
+        "train.stop_after",
+        "train.compile",
+        "train.allocator",
+        "parallel.dp",
+        "parallel.backend",
+        "parallel.bucket_cap_mb",
+        "parallel.gradient_as_bucket_view",
+        "parallel.timeout_s",
+        # The model-parallel layout: DCP reshards parameters and optimizer state by name.
+        "parallel.dp_replicate",
+        "parallel.dp_shard",
+        "parallel.tp",
+        "parallel.pp",
+        "parallel.pp_schedule",
+        "parallel.pp_microbatches",
+        "parallel.pp_stages_per_rank",
+        "parallel.reshard_after_forward",
+        "parallel.activation_checkpointing",
+        "parallel.fsdp_offload",
+        "parallel.sequence_parallel",
+        # Parameter servers: the shards are saved by parameter name, so the server count may
+        # change; the rest are how the run behaves from here on.
+        "ps.servers",
+        "ps.worker_timeout_s",
+        "ps.interface",
+        "ps.slow_worker",
+        "ps.slow_factor",
+    }
+)
 RESUME_SAFE_SECTIONS = ("checkpoint.", "log.")
 
 
-def check_resumable(run_dir: Path | None, config: Config, *,
-                    allow_config_change: bool = False) -> list[str]:
+def check_resumable(
+    run_dir: Path | None, config: Config, *, allow_config_change: bool = False
+) -> list[str]:
     """`--resume` needs a run directory with a valid checkpoint whose config this one continues.
 
     Args:
@@ -146,17 +175,24 @@ def check_resumable(run_dir: Path | None, config: Config, *,
     # Sizes only: the workers hash every byte before they load; this is the same choice of
     # checkpoint unless a file was corrupted in place.
     checkpoint = latest_valid(
-        run_dir / "checkpoints", hashes=False,
-        report=lambda m: damaged.append(m.removeprefix("scaletrain: warning: ")))
+        run_dir / "checkpoints",
+        hashes=False,
+        report=lambda m: damaged.append(m.removeprefix("scaletrain: warning: ")),
+    )
     if checkpoint is None:
         why = f" ({'; '.join(damaged)})" if damaged else ""
-        raise ConfigError(f"--resume: {str(run_dir)!r} holds no valid checkpoint to resume "
-                          f"from{why} (set checkpoint.every or train.stop_after when starting "
-                          "a run)")
+        raise ConfigError(
+            f"--resume: {str(run_dir)!r} holds no valid checkpoint to resume "
+            f"from{why} (set checkpoint.every or train.stop_after when starting "
+            "a run)"
+        )
     old = flatten_config(_checkpoint_config(checkpoint / "config.toml"))
     new = flatten_config(config.model_dump(mode="json"))
-    changed = [key for key in sorted(old.keys() | new.keys())
-               if old.get(key) != new.get(key) and _breaks_resume(key, new)]
+    changed = [
+        key
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key) and _breaks_resume(key, new)
+    ]
     if not changed:
         return []
     what = ", ".join(f"{key} ({_show(old, key)} -> {_show(new, key)})" for key in changed)
@@ -164,9 +200,12 @@ def check_resumable(run_dir: Path | None, config: Config, *,
         raise ConfigError(
             f"--resume: the config differs from checkpoint {checkpoint.name}'s in keys an "
             f"exact resume must keep: {what}. Resume with the checkpoint's values (its "
-            f"config.toml), or add --allow-config-change to continue with the new ones")
-    return [f"--allow-config-change: resuming {checkpoint.name} with {what}; the run will "
-            "not match an uninterrupted one"]
+            f"config.toml), or add --allow-config-change to continue with the new ones"
+        )
+    return [
+        f"--allow-config-change: resuming {checkpoint.name} with {what}; the run will "
+        "not match an uninterrupted one"
+    ]
 
 
 def _checkpoint_config(path: Path) -> dict[str, Any]:

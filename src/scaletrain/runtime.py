@@ -104,19 +104,26 @@ def prepare_worker_process() -> None:
 
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            print(f"scaletrain: warning: prctl(PR_SET_PDEATHSIG) failed: "
-                  f"{os.strerror(ctypes.get_errno())}; this worker will outlive a killed "
-                  "launcher", file=sys.stderr, flush=True)
+            print(
+                f"scaletrain: warning: prctl(PR_SET_PDEATHSIG) failed: "
+                f"{os.strerror(ctypes.get_errno())}; this worker will outlive a killed "
+                "launcher",
+                file=sys.stderr,
+                flush=True,
+            )
         if os.getppid() != int(launcher):  # the launcher died before prctl took effect
             os._exit(143)
     if os.environ.get(MERGE_STREAMS_ENV) == "1":
         sys.stdout.flush()
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
         penv = read_env()
-        print(f"# scaletrain worker: rank {penv.rank} of {penv.world_size} (local rank "
-              f"{penv.local_rank}), pid {os.getpid()}, host {os.uname().nodename}, "
-              f"torch {torch.__version__}, started {time.strftime('%Y-%m-%d %H:%M:%S')}",
-              file=sys.stderr, flush=True)
+        print(
+            f"# scaletrain worker: rank {penv.rank} of {penv.world_size} (local rank "
+            f"{penv.local_rank}), pid {os.getpid()}, host {os.uname().nodename}, "
+            f"torch {torch.__version__}, started {time.strftime('%Y-%m-%d %H:%M:%S')}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def honour_umask(path: os.PathLike | str) -> None:
@@ -153,8 +160,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None
-                   ) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """In-place sum over the ranks of `group` (None: all ranks); a no-op in a single process."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
@@ -176,7 +182,8 @@ def is_collective_error(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(
-        s in text for s in ("Gloo", "gloo", "Connection closed by peer", "Timed out waiting", "NCCL")
+        s in text
+        for s in ("Gloo", "gloo", "Connection closed by peer", "Timed out waiting", "NCCL")
     )
 
 
@@ -209,8 +216,10 @@ def describe_collective_failure(error: BaseException, *, operation: str, step: i
     try:
         missing = missing_ranks(tag=f"step{step}")
     except dist.DistError as e:  # the store answered, but not usefully (e.g. its own timeout)
-        who = (f"the ranks that did not arrive could not be found, as the rendezvous store "
-               f"failed too ({type(e).__name__}: {_first_line(e)})")
+        who = (
+            f"the ranks that did not arrive could not be found, as the rendezvous store "
+            f"failed too ({type(e).__name__}: {_first_line(e)})"
+        )
     else:
         if missing is None:
             who = "rank 0 (which hosts the rendezvous store) is unreachable"
@@ -238,8 +247,12 @@ def exit_worker(code: int) -> None:
             dist.destroy_process_group()
         except RuntimeError as e:  # the group broke with a peer; expected after a failure
             if code == 0:
-                print(f"scaletrain: warning: destroy_process_group failed after a clean run: "
-                      f"{_first_line(e)}", file=sys.stderr, flush=True)
+                print(
+                    f"scaletrain: warning: destroy_process_group failed after a clean run: "
+                    f"{_first_line(e)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     os._exit(code)
 
 

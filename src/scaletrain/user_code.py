@@ -28,8 +28,9 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from scaletrain.errors import UserError
 
@@ -60,8 +61,10 @@ def load_object(path: str, *, key: str) -> Any:
         UserCodeError: naming the key, the path and what went wrong.
     """
     if not is_import_path(path):
-        raise UserCodeError(f"{key} = {path!r} is not an import path: write "
-                            "'package.module:function' (e.g. 'mymodels.nets:build')")
+        raise UserCodeError(
+            f"{key} = {path!r} is not an import path: write "
+            "'package.module:function' (e.g. 'mymodels.nets:build')"
+        )
     module_name, attr = path.split(":")
     _working_directory_first()
     try:
@@ -71,24 +74,31 @@ def load_object(path: str, *, key: str) -> Any:
             raise UserCodeError(
                 f"{key} = {path!r}: no module named {e.name!r} (searched the working "
                 f"directory {os.getcwd()} and PYTHONPATH "
-                f"{os.environ.get('PYTHONPATH') or '(unset)'})") from None
-        raise UserCodeError(f"{key} = {path!r}: importing {module_name!r} failed: "
-                            f"{describe_error(e)}") from e
+                f"{os.environ.get('PYTHONPATH') or '(unset)'})"
+            ) from None
+        raise UserCodeError(
+            f"{key} = {path!r}: importing {module_name!r} failed: {describe_error(e)}"
+        ) from e
     except Exception as e:  # the module's own code raised while importing
-        raise UserCodeError(f"{key} = {path!r}: importing {module_name!r} failed: "
-                            f"{describe_error(e)}") from e
+        raise UserCodeError(
+            f"{key} = {path!r}: importing {module_name!r} failed: {describe_error(e)}"
+        ) from e
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_")
-                            and callable(getattr(module, n)))[:12]
-            raise UserCodeError(f"{key} = {path!r}: module {module_name!r} "
-                                f"({getattr(module, '__file__', '?')}) has no attribute "
-                                f"{attr!r}; its callables: {', '.join(public) or 'none'}")
+            public = sorted(
+                n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))
+            )[:12]
+            raise UserCodeError(
+                f"{key} = {path!r}: module {module_name!r} "
+                f"({getattr(module, '__file__', '?')}) has no attribute "
+                f"{attr!r}; its callables: {', '.join(public) or 'none'}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
-        raise UserCodeError(f"{key} = {path!r} is a {type(obj).__name__}, not a function or "
-                            "class to call")
+        raise UserCodeError(
+            f"{key} = {path!r} is a {type(obj).__name__}, not a function or class to call"
+        )
     return obj
 
 
@@ -104,8 +114,9 @@ def call(fn: Callable, *args: Any, key: str, path: str, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except TypeError as e:
         if _raised_by_the_call(e):  # the signature does not fit what scaletrain passes
-            raise UserCodeError(f"{key} = {path!r} cannot be called as scaletrain calls it: "
-                                f"{e}") from e
+            raise UserCodeError(
+                f"{key} = {path!r} cannot be called as scaletrain calls it: {e}"
+            ) from e
         raise UserCodeError(f"{key} = {path!r} raised {describe_error(e)}") from e
     except Exception as e:
         raise UserCodeError(f"{key} = {path!r} raised {describe_error(e)}") from e
@@ -129,7 +140,9 @@ def describe_error(error: BaseException) -> str:
     if isinstance(error, SyntaxError) and error.filename:
         where = f" (at {error.filename}:{error.lineno})"
     message = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {message}{where}" if message else f"{type(error).__name__}{where}"
+    return (
+        f"{type(error).__name__}: {message}{where}" if message else f"{type(error).__name__}{where}"
+    )
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -166,7 +179,8 @@ def import_path_of(obj: Callable, *, key: str) -> str:
         raise UserCodeError(
             f"{key}: {label} has no importable name (a lambda or a function defined inside "
             "another); worker processes import it by name: define it at the top level of a "
-            "module and pass that, or run with one process")
+            "module and pass that, or run with one process"
+        )
     if module == "__main__":
         # Both forms the hint names are accepted: the callable imported from its module, or
         # its import path `module:qualname` as the config key's value.
@@ -176,11 +190,14 @@ def import_path_of(obj: Callable, *, key: str) -> str:
             f"processes cannot import: move it into a module next to it (e.g. mycode.py), then "
             f"pass it from there (`from mycode import {qualname.split('.')[0]}`, "
             f"{argument}={qualname}) or name it in the config ({key} = 'mycode:{qualname}'), "
-            "or run with one process")
+            "or run with one process"
+        )
     path = f"{module}:{qualname}"
     if load_object(path, key=key) is not obj:
-        raise UserCodeError(f"{key}: importing {path!r} gives a different object than the one "
-                            "passed; pass a module-level function or class")
+        raise UserCodeError(
+            f"{key}: importing {path!r} gives a different object than the one "
+            "passed; pass a module-level function or class"
+        )
     return path
 
 

@@ -47,5 +47,6 @@ class ResidualMLP(nn.Module):
 
 def build(task: scaletrain.TaskSpec, *, width: int = 64, depth: int = 2) -> nn.Module:
     """The factory: sized from the data's task (`task.input_shape`, `task.num_classes`)."""
-    return ResidualMLP(inputs=math.prod(task.input_shape), classes=task.num_classes,
-                       width=width, depth=depth)
+    return ResidualMLP(
+        inputs=math.prod(task.input_shape), classes=task.num_classes, width=width, depth=depth
+    )

@@ -29,11 +29,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from scaletrain.errors import UserError
 from scaletrain.data.sources import SOURCE_NAMES
+from scaletrain.errors import UserError
 
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv",
-                ".parquet": "parquet"}
+FILE_FORMATS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".ndjson": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
 LABEL, TARGET, TEXT = "label", "target", "text"  # the columns that name the task
 TASK_COLUMNS = {"classification": LABEL, "regression": TARGET}  # kind -> the column of targets
 
@@ -46,13 +51,18 @@ def source_files(path: Path) -> tuple[list[Path], str]:
     """The data files of a file source in name order, and their one format (json/csv/parquet)."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in FILE_FORMATS
-                       and not p.name.startswith(("_", ".")))
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if p.is_file() and p.suffix in FILE_FORMATS and not p.name.startswith(("_", "."))
+        )
     elif path.is_file():
         files = [path]
     else:
-        raise ValueError(f"data source {str(path)!r} is neither a built-in name "
-                         f"({', '.join(SOURCE_NAMES)}) nor an existing file or directory")
+        raise ValueError(
+            f"data source {str(path)!r} is neither a built-in name "
+            f"({', '.join(SOURCE_NAMES)}) nor an existing file or directory"
+        )
     formats = {FILE_FORMATS.get(p.suffix) for p in files}
     if not files or None in formats:
         raise ValueError(f"{path}: expected .jsonl/.json, .csv or .parquet files")
@@ -74,14 +84,18 @@ def read_files(path: Path) -> tuple[pa.Table, str]:
     for f in files:
         table = _read_checked(f, fmt)
         if tables and set(table.schema.names) != set(tables[0].schema.names):
-            raise SourceError(f"{f}: columns {table.schema.names} differ from {files[0]}'s "
-                              f"{tables[0].schema.names}; every file of a source needs the "
-                              f"same columns")
+            raise SourceError(
+                f"{f}: columns {table.schema.names} differ from {files[0]}'s "
+                f"{tables[0].schema.names}; every file of a source needs the "
+                f"same columns"
+            )
         tables.append(table)
     width = {_list_width(t) for t in tables} - {None}
     if len(width) > 1:
-        raise SourceError(f"{path}: `features` lists hold {sorted(width)} values in different "
-                          f"files; every row needs the same number")
+        raise SourceError(
+            f"{path}: `features` lists hold {sorted(width)} values in different "
+            f"files; every row needs the same number"
+        )
     return pa.concat_tables(tables, promote_options="permissive"), fmt
 
 
@@ -124,10 +138,12 @@ def _check_csv_as_text(file: Path) -> None:
         header = next(csv.reader(f), [])
     if (kind := task_kind(header, where=file)) == "lm":
         return
-    options = pyarrow.csv.ConvertOptions(column_types={n: pa.string() for n in header},
-                                         null_values=[], strings_can_be_null=False)
-    check_examples(pyarrow.csv.read_csv(str(file), convert_options=options), kind=kind,
-                   file=file, fmt="csv")
+    options = pyarrow.csv.ConvertOptions(
+        column_types={n: pa.string() for n in header}, null_values=[], strings_can_be_null=False
+    )
+    check_examples(
+        pyarrow.csv.read_csv(str(file), convert_options=options), kind=kind, file=file, fmt="csv"
+    )
 
 
 def _check_json_rows(file: Path) -> None:
@@ -160,9 +176,11 @@ def task_kind(names: list[str], *, where: object) -> str:
     if TEXT in names:
         return "lm"
     if LABEL in names and TARGET in names:
-        raise SourceError(f"{where}: has both a `{LABEL}` column (classification) and a "
-                          f"`{TARGET}` column (regression); keep the one to train on and drop "
-                          f"or rename the other (a renamed column becomes a feature)")
+        raise SourceError(
+            f"{where}: has both a `{LABEL}` column (classification) and a "
+            f"`{TARGET}` column (regression); keep the one to train on and drop "
+            f"or rename the other (a renamed column becomes a feature)"
+        )
     if LABEL in names:
         return "classification"
     if TARGET in names:
@@ -198,40 +216,55 @@ def check_examples(table: pa.Table, *, kind: str, file: Path, fmt: str) -> None:
     column = TASK_COLUMNS[kind]
     targets = table.column(column)
     if kind == "classification":
-        fast = (pa.types.is_integer(targets.type) and not targets.null_count
-                and (not len(targets) or pc.min(targets).as_py() >= 0))
+        fast = (
+            pa.types.is_integer(targets.type)
+            and not targets.null_count
+            and (not len(targets) or pc.min(targets).as_py() >= 0)
+        )
     else:
-        fast = (_is_numeric(targets.type) and not targets.null_count
-                and (not pa.types.is_floating(targets.type) or not len(targets)
-                     or pc.all(pc.is_finite(targets)).as_py()))
+        fast = (
+            _is_numeric(targets.type)
+            and not targets.null_count
+            and (
+                not pa.types.is_floating(targets.type)
+                or not len(targets)
+                or pc.all(pc.is_finite(targets)).as_py()
+            )
+        )
     if not fast:
         _check_task_values(targets.to_pylist(), column=column, file=file, fmt=fmt)
         if kind == "regression" and not _is_numeric(targets.type) and fmt != "csv":
-            raise SourceError(f"{file}, column `{TARGET}`: typed {targets.type}; "
-                              f"{_ALLOWED[TARGET]}")
+            raise SourceError(
+                f"{file}, column `{TARGET}`: typed {targets.type}; {_ALLOWED[TARGET]}"
+            )
     for name in feature_columns(table.schema.names, fmt):
         values = table.column(name)
         t = values.type.value_type if _is_list(values.type) else values.type
-        nulls = values.null_count or (_is_list(values.type)
-                                      and values.combine_chunks().flatten().null_count)
+        nulls = values.null_count or (
+            _is_list(values.type) and values.combine_chunks().flatten().null_count
+        )
         if not _is_numeric(t) or nulls:
             _check_values(values.to_pylist(), name=name, file=file, fmt=fmt, task_column=column)
             if fmt != "csv":  # CSV cells read as text may all be numbers; others may not
-                raise SourceError(f"{file}, column `{name}`: typed {values.type}; "
-                                  f"{_feature_rule(name, column)}")
+                raise SourceError(
+                    f"{file}, column `{name}`: typed {values.type}; {_feature_rule(name, column)}"
+                )
         if _is_list(values.type):
             _check_widths(values.combine_chunks(), file=file, fmt=fmt)
 
 
 def no_task_error(where: object, columns: list[str]) -> SourceError:
     """The error for a source with no column that names a task (`label`, `target`, `text`)."""
-    return SourceError(f"{where}: needs a column that names the task: `{LABEL}` "
-                       f"(classification: integer class ids), `{TARGET}` (regression: numbers) "
-                       f"or `{TEXT}` (language modelling); columns are {columns}")
+    return SourceError(
+        f"{where}: needs a column that names the task: `{LABEL}` "
+        f"(classification: integer class ids), `{TARGET}` (regression: numbers) "
+        f"or `{TEXT}` (language modelling); columns are {columns}"
+    )
 
 
-def cell_error(file: Path, fmt: str, row: int, column: str, value: object, *,
-               task_column: str = LABEL) -> SourceError:
+def cell_error(
+    file: Path, fmt: str, row: int, column: str, value: object, *, task_column: str = LABEL
+) -> SourceError:
     """The error for a bad cell: where it is, what it holds and what the column allows.
 
     Args:
@@ -251,17 +284,20 @@ def cell_error(file: Path, fmt: str, row: int, column: str, value: object, *,
     return SourceError(f"{place(file, fmt, row)}, column `{column}`: {shown}; {allowed}")
 
 
-_ALLOWED = {LABEL: f"`{LABEL}` must hold an integer class id >= 0 in every row",
-            TARGET: f"`{TARGET}` must hold a finite number (integer or decimal) in every row",
-            "features": "`features` must hold a list of numbers in every row, the same count "
-                        "in each"}
+_ALLOWED = {
+    LABEL: f"`{LABEL}` must hold an integer class id >= 0 in every row",
+    TARGET: f"`{TARGET}` must hold a finite number (integer or decimal) in every row",
+    "features": "`features` must hold a list of numbers in every row, the same count in each",
+}
 
 
 def _feature_rule(column: str, task_column: str) -> str:
     if column == "features":
         return _ALLOWED["features"]
-    return (f"every column besides `{task_column}` is a feature and must hold a number "
-            f"(integer or decimal) in every row: fix the cell, or remove the column")
+    return (
+        f"every column besides `{task_column}` is a feature and must hold a number "
+        f"(integer or decimal) in every row: fix the cell, or remove the column"
+    )
 
 
 def _check_task_values(values: list, *, column: str, file: Path, fmt: str) -> None:
@@ -285,8 +321,10 @@ def _check_widths(column: pa.Array, *, file: Path, fmt: str) -> None:
     lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
     if len(lengths) and (lengths != lengths[0]).any():
         row = int(np.flatnonzero(lengths != lengths[0])[0])
-        raise SourceError(f"{place(file, fmt, row)}, column `features`: {lengths[row]} values, "
-                          f"row 1 has {lengths[0]}; {_ALLOWED['features']}")
+        raise SourceError(
+            f"{place(file, fmt, row)}, column `features`: {lengths[row]} values, "
+            f"row 1 has {lengths[0]}; {_ALLOWED['features']}"
+        )
 
 
 def _is_number(value: object, *, text: bool) -> bool:
@@ -333,7 +371,10 @@ def _is_list(t: pa.DataType) -> bool:
 
 
 def _list_width(table: pa.Table) -> int | None:
-    if ("features" not in table.schema.names or not table.num_rows
-            or not _is_list(table.schema.field("features").type)):
+    if (
+        "features" not in table.schema.names
+        or not table.num_rows
+        or not _is_list(table.schema.field("features").type)
+    ):
         return None
     return int(pc.list_value_length(table.column("features").combine_chunks())[0].as_py())

@@ -120,8 +120,10 @@ def missing_classes(counts: dict[str, np.ndarray]) -> str | None:
         absent = np.flatnonzero((counts[split] == 0) & (counts[other] > 0)).tolist()
         if absent:
             shown = ", ".join(map(str, absent[:10])) + (", ..." if len(absent) > 10 else "")
-            lines.append(f"the {split} split has no rows of {len(absent)} class(es) present in "
-                         f"{other}: {shown}")
+            lines.append(
+                f"the {split} split has no rows of {len(absent)} class(es) present in "
+                f"{other}: {shown}"
+            )
     return "; ".join(lines) or None
 
 
@@ -195,8 +197,10 @@ def announce(path: str) -> None:
     if path in _announced:
         return
     _announced.add(path)
-    warnings.warn(f"{path} has no scaletrain manifest (e.g. plain Spark output): holding out "
-                  f"1 row in {EVAL_EVERY} (5%, at hashed positions, seed {HOLDOUT_SEED}) as the "
-                  f"eval split and training on the rest, the same rows on every rank and run; "
-                  f"write the data with `scaletrain shard` to choose the splits yourself",
-                  stacklevel=3)
+    warnings.warn(
+        f"{path} has no scaletrain manifest (e.g. plain Spark output): holding out "
+        f"1 row in {EVAL_EVERY} (5%, at hashed positions, seed {HOLDOUT_SEED}) as the "
+        f"eval split and training on the rest, the same rows on every rank and run; "
+        f"write the data with `scaletrain shard` to choose the splits yourself",
+        stacklevel=3,
+    )

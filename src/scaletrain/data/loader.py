@@ -10,8 +10,9 @@ the sampler needs to compute the (seed, epoch) order without reading data.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -32,10 +33,19 @@ class Dataset(Protocol):
     def prefetch(self, indices: torch.Tensor) -> None: ...  # start reading rows needed soon
 
 
-def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
-                 synthetic_examples: int = 4096, seed: int = 0,
-                 shuffle_window: int | None = None, kwargs: dict[str, Any] | None = None,
-                 fn: Callable | None = None, tokenizer_dir: Path | None = None) -> Dataset:
+def load_dataset(
+    source: str,
+    *,
+    split: str,
+    path: str = "",
+    seq_len: int = 128,
+    synthetic_examples: int = 4096,
+    seed: int = 0,
+    shuffle_window: int | None = None,
+    kwargs: dict[str, Any] | None = None,
+    fn: Callable | None = None,
+    tokenizer_dir: Path | None = None,
+) -> Dataset:
     """A built-in source in memory, the Parquet shards under `path`, or the user's dataset.
 
     Args:
@@ -59,11 +69,13 @@ def load_dataset(source: str, *, split: str, path: str = "", seq_len: int = 128,
     if source == "sentences":
         from scaletrain.data.sentences import load_sentences
 
-        return load_sentences(split=split, seq_len=seq_len, kwargs=kwargs or {},
-                              tokenizer_dir=tokenizer_dir)
+        return load_sentences(
+            split=split, seq_len=seq_len, kwargs=kwargs or {}, tokenizer_dir=tokenizer_dir
+        )
     if source == "shards":
         from scaletrain.data.shards import load_dataset as load_shards
 
         return load_shards(Path(path), split, shuffle_window=shuffle_window)
-    return load_source(source, split=split, seq_len=seq_len,
-                       synthetic_examples=synthetic_examples, seed=seed)
+    return load_source(
+        source, split=split, seq_len=seq_len, synthetic_examples=synthetic_examples, seed=seed
+    )

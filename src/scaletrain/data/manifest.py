@@ -52,9 +52,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from scaletrain.errors import UserError
 from scaletrain.data.holdout import EVAL_EVERY, HOLDOUT_SEED
 from scaletrain.data.sources import TaskSpec
+from scaletrain.errors import UserError
 
 FORMAT, VERSION = "scaletrain-shards", 1
 MANIFEST = "manifest.json"
@@ -62,8 +62,12 @@ INPUT_COLUMNS = ("inputs", "features")
 # The column of targets per task kind: the writers' `targets`, or a plain Spark job's source
 # column (`label`, `target`, as in a file source).
 TARGET_COLUMNS = {"classification": ("targets", "label"), "regression": ("targets", "target")}
-_SCALAR_NUMBERS = {"halffloat", "float", "double", *(f"{u}int{b}" for u in ("", "u")
-                                                     for b in (8, 16, 32, 64))}
+_SCALAR_NUMBERS = {
+    "halffloat",
+    "float",
+    "double",
+    *(f"{u}int{b}" for u in ("", "u") for b in (8, 16, 32, 64)),
+}
 
 
 class ShardError(UserError):
@@ -102,34 +106,59 @@ class Manifest:
         return sum(s.rows for s in self.shards)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "split": self.split, "source": self.source,
-                "writer": self.writer, "rows": self.rows, "task": asdict(self.task),
-                "schema": [list(pair) for pair in self.schema],
-                "label_column": self.label_column, "feature_columns": list(self.feature_columns),
-                "label_counts": None if self.label_counts is None else list(self.label_counts),
-                "target_stats": (None if self.target_stats is None else
-                                 dict(zip(("min", "mean", "max"), self.target_stats))),
-                "shards": [asdict(s) for s in self.shards]}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "split": self.split,
+            "source": self.source,
+            "writer": self.writer,
+            "rows": self.rows,
+            "task": asdict(self.task),
+            "schema": [list(pair) for pair in self.schema],
+            "label_column": self.label_column,
+            "feature_columns": list(self.feature_columns),
+            "label_counts": None if self.label_counts is None else list(self.label_counts),
+            "target_stats": (
+                None
+                if self.target_stats is None
+                else dict(zip(("min", "mean", "max"), self.target_stats))
+            ),
+            "shards": [asdict(s) for s in self.shards],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
         if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}, "
-                             f"expected {FORMAT!r} version {VERSION}")
+            raise ValueError(
+                f"format {data.get('format')!r} version {data.get('version')!r}, "
+                f"expected {FORMAT!r} version {VERSION}"
+            )
         t = data["task"]
-        task = TaskSpec(t["kind"], tuple(t["input_shape"]), int(t["num_classes"]),
-                        bool(t.get("ragged", False)))
-        shards = tuple(ShardInfo(s["file"], int(s["rows"]), int(s["bytes"]), s["sha256"],
-                                 tuple(s["row_groups"])) for s in data["shards"])
+        task = TaskSpec(
+            t["kind"], tuple(t["input_shape"]), int(t["num_classes"]), bool(t.get("ragged", False))
+        )
+        shards = tuple(
+            ShardInfo(
+                s["file"], int(s["rows"]), int(s["bytes"]), s["sha256"], tuple(s["row_groups"])
+            )
+            for s in data["shards"]
+        )
         counts = data.get("label_counts")  # absent from manifests written before it existed
         stats = data.get("target_stats")  # likewise
-        return cls(task, tuple((n, ty) for n, ty in data["schema"]), shards,
-                   split=data.get("split"), source=data.get("source"),
-                   writer=data.get("writer", ""), label_column=data.get("label_column"),
-                   feature_columns=tuple(data.get("feature_columns") or ()),
-                   label_counts=None if counts is None else tuple(int(c) for c in counts),
-                   target_stats=None if stats is None else tuple(
-                       float(stats[k]) for k in ("min", "mean", "max")))
+        return cls(
+            task,
+            tuple((n, ty) for n, ty in data["schema"]),
+            shards,
+            split=data.get("split"),
+            source=data.get("source"),
+            writer=data.get("writer", ""),
+            label_column=data.get("label_column"),
+            feature_columns=tuple(data.get("feature_columns") or ()),
+            label_counts=None if counts is None else tuple(int(c) for c in counts),
+            target_stats=None
+            if stats is None
+            else tuple(float(stats[k]) for k in ("min", "mean", "max")),
+        )
 
     def save(self, split_dir: Path) -> None:
         """Write `split_dir/manifest.json` atomically: readers see the old file or the new."""
@@ -160,8 +189,7 @@ def sha256_file(path: Path) -> str:
 def describe_shard(path: Path) -> ShardInfo:
     """Measure one written shard: rows and row groups from its footer, size, SHA-256."""
     md = pq.read_metadata(path)
-    return ShardInfo(path.name, md.num_rows, path.stat().st_size, sha256_file(path),
-                     row_groups(md))
+    return ShardInfo(path.name, md.num_rows, path.stat().st_size, sha256_file(path), row_groups(md))
 
 
 def row_groups(md: pq.FileMetaData) -> tuple[int, ...]:
@@ -182,11 +210,18 @@ def find_split_dir(path: Path, split: str) -> Path | None:
     return None
 
 
-def write_manifest(split_dir: Path, *, task: TaskSpec, split: str | None, source: str | None,
-                   writer: str, label_column: str | None = None,
-                   feature_columns: tuple[str, ...] = (),
-                   label_counts: tuple[int, ...] | None = None,
-                   target_stats: tuple[float, float, float] | None = None) -> Manifest:
+def write_manifest(
+    split_dir: Path,
+    *,
+    task: TaskSpec,
+    split: str | None,
+    source: str | None,
+    writer: str,
+    label_column: str | None = None,
+    feature_columns: tuple[str, ...] = (),
+    label_counts: tuple[int, ...] | None = None,
+    target_stats: tuple[float, float, float] | None = None,
+) -> Manifest:
     """Scan the part files of a finished split directory and write its manifest, last.
 
     Args:
@@ -210,12 +245,19 @@ def write_manifest(split_dir: Path, *, task: TaskSpec, split: str | None, source
     if label_counts is None and task.kind == "classification":
         label_counts = count_labels(files, column, num_classes=task.num_classes)
     if target_stats is None and task.kind == "regression":
-        target_stats = describe_targets(pq.read_table(f, columns=[column]).column(0)
-                                        for f in files)
-    manifest = Manifest(task, schema, tuple(describe_shard(f) for f in files), split=split,
-                        source=source, writer=writer, label_column=label_column,
-                        feature_columns=tuple(feature_columns), label_counts=label_counts,
-                        target_stats=target_stats)
+        target_stats = describe_targets(pq.read_table(f, columns=[column]).column(0) for f in files)
+    manifest = Manifest(
+        task,
+        schema,
+        tuple(describe_shard(f) for f in files),
+        split=split,
+        source=source,
+        writer=writer,
+        label_column=label_column,
+        feature_columns=tuple(feature_columns),
+        label_counts=label_counts,
+        target_stats=target_stats,
+    )
     manifest.save(Path(split_dir))
     return manifest
 
@@ -230,8 +272,9 @@ def count_labels(files: list[Path], column: str, *, num_classes: int) -> tuple[i
     return tuple(int(c) for c in counts)
 
 
-def describe_targets(columns: Iterable[pa.Array | pa.ChunkedArray]
-                     ) -> tuple[float, float, float] | None:
+def describe_targets(
+    columns: Iterable[pa.Array | pa.ChunkedArray],
+) -> tuple[float, float, float] | None:
     """(min, mean, max) of regression targets given in pieces (one per shard); None if empty."""
     low, high, total, n = math.inf, -math.inf, 0.0, 0
     for column in columns:
@@ -252,22 +295,31 @@ def summary_lines(train: Manifest, ev: Manifest, *, out_dir: Path) -> list[str]:
     elif task.kind == "regression":
         what = f"{_target_words(train, ev)}, {_feature_words(train)}"
     else:
-        labels = ("its own labels" if train.label_column is None
-                  else f"label column `{train.label_column}`")
+        labels = (
+            "its own labels"
+            if train.label_column is None
+            else f"label column `{train.label_column}`"
+        )
         counts = [a + b for a, b in zip(train.label_counts or (), ev.label_counts or ())]
         present = sum(1 for c in counts if c)
         classes = f"{task.num_classes} classes" + (
-            f" ({present} with rows)" if counts and present < task.num_classes else "")
+            f" ({present} with rows)" if counts and present < task.num_classes else ""
+        )
         what = f"{labels}, {classes}, {_feature_words(train)}"
-    held = ("the source's own eval split" if builtin else
-            f"eval: 1 row in {EVAL_EVERY} of the source at hashed positions, seed {HOLDOUT_SEED}")
-    return [f"source {train.source}: {what}",
-            f"rows: {train.rows} train, {ev.rows} eval ({held})",
-            f"wrote {len(train.shards)} train + {len(ev.shards)} eval shards to {out_dir}"]
+    held = (
+        "the source's own eval split"
+        if builtin
+        else f"eval: 1 row in {EVAL_EVERY} of the source at hashed positions, seed {HOLDOUT_SEED}"
+    )
+    return [
+        f"source {train.source}: {what}",
+        f"rows: {train.rows} train, {ev.rows} eval ({held})",
+        f"wrote {len(train.shards)} train + {len(ev.shards)} eval shards to {out_dir}",
+    ]
 
 
 def _feature_words(train: Manifest) -> str:
-    """"20 features (f0, f1, ...)": how many inputs an example has and where they came from."""
+    """ "20 features (f0, f1, ...)": how many inputs an example has and where they came from."""
     shape = train.task.input_shape
     width = math.prod(shape)
     if train.feature_columns == ("features",):
@@ -279,7 +331,7 @@ def _feature_words(train: Manifest) -> str:
 
 
 def _target_words(train: Manifest, ev: Manifest) -> str:
-    """"target column `target` (min -1.5, mean 0.2, max 3)" over both splits' rows."""
+    """ "target column `target` (min -1.5, mean 0.2, max 3)" over both splits' rows."""
     words = f"target column `{train.label_column or 'targets'}`"
     if train.target_stats is None or ev.target_stats is None:
         return words
@@ -308,8 +360,9 @@ def example_shape(width: int, *, kind: str, from_list: bool) -> tuple[int, ...]:
 # Checks on open
 
 
-def task_columns(schema: tuple[tuple[str, str], ...], spec: TaskSpec, *,
-                 where: Path) -> tuple[str, ...]:
+def task_columns(
+    schema: tuple[tuple[str, str], ...], spec: TaskSpec, *, where: Path
+) -> tuple[str, ...]:
     """The columns a task reads: (tokens,) or (inputs|features, targets|label|target).
 
     A regression split must hold one number per row: num_classes 1 and a numeric column.
@@ -317,32 +370,41 @@ def task_columns(schema: tuple[tuple[str, str], ...], spec: TaskSpec, *,
     columns = _kind_columns(schema, spec.kind, where=where)
     if spec.kind == "regression":
         if spec.num_classes != 1:
-            raise ShardError(f"{where}: a regression split holds one target per row "
-                             f"(num_classes 1); its task says num_classes {spec.num_classes}")
+            raise ShardError(
+                f"{where}: a regression split holds one target per row "
+                f"(num_classes 1); its task says num_classes {spec.num_classes}"
+            )
         if (typed := dict(schema)[columns[1]]) not in _SCALAR_NUMBERS:
-            raise ShardError(f"{where}: a regression split's `{columns[1]}` column must hold "
-                             f"one number per row; it is typed {typed}")
+            raise ShardError(
+                f"{where}: a regression split's `{columns[1]}` column must hold "
+                f"one number per row; it is typed {typed}"
+            )
     return columns
 
 
-def _kind_columns(schema: tuple[tuple[str, str], ...], kind: str, *,
-                  where: Path) -> tuple[str, ...]:
+def _kind_columns(
+    schema: tuple[tuple[str, str], ...], kind: str, *, where: Path
+) -> tuple[str, ...]:
     names = [n for n, _ in schema]
     if kind == "lm":
         if "tokens" not in names:
-            raise ShardError(f"{where}: a language-modelling split needs a `tokens` column, "
-                             f"has {names}")
+            raise ShardError(
+                f"{where}: a language-modelling split needs a `tokens` column, has {names}"
+            )
         return ("tokens",)
     inputs = next((c for c in INPUT_COLUMNS if c in names), None)
     targets = next((c for c in TARGET_COLUMNS[kind] if c in names), None)
     if inputs is None or targets is None:
-        raise ShardError(f"{where}: a {kind} split needs `inputs` (or `features`) and "
-                         f"`targets` (or `{TARGET_COLUMNS[kind][1]}`) columns, has {names}")
+        raise ShardError(
+            f"{where}: a {kind} split needs `inputs` (or `features`) and "
+            f"`targets` (or `{TARGET_COLUMNS[kind][1]}`) columns, has {names}"
+        )
     return inputs, targets
 
 
-def open_shard(split_dir: Path, info: ShardInfo, schema: tuple[tuple[str, str], ...], *,
-               verify: bool) -> pq.FileMetaData:
+def open_shard(
+    split_dir: Path, info: ShardInfo, schema: tuple[tuple[str, str], ...], *, verify: bool
+) -> pq.FileMetaData:
     """Check one listed shard against the manifest; return its footer. Raises ShardError."""
     path = split_dir / info.file
     where = f"shard {info.file}"
@@ -352,15 +414,18 @@ def open_shard(split_dir: Path, info: ShardInfo, schema: tuple[tuple[str, str], 
     try:
         md = pq.read_metadata(path)
     except (OSError, pa.ArrowException) as e:
-        raise ShardError(f"{where}: not a readable Parquet file, truncated or corrupt ({size} "
-                         f"bytes, manifest says {info.bytes}): {e}") from e
+        raise ShardError(
+            f"{where}: not a readable Parquet file, truncated or corrupt ({size} "
+            f"bytes, manifest says {info.bytes}): {e}"
+        ) from e
     if (got := schema_pairs(md.schema.to_arrow_schema())) != schema:
         raise ShardError(f"{where}: schema {_fmt(got)} differs from the manifest's {_fmt(schema)}")
     if md.num_rows != info.rows:
         raise ShardError(f"{where}: {md.num_rows} rows in the file, manifest says {info.rows}")
     if (groups := row_groups(md)) != info.row_groups:
-        raise ShardError(f"{where}: row groups of {list(groups)} rows, manifest says "
-                         f"{list(info.row_groups)}")
+        raise ShardError(
+            f"{where}: row groups of {list(groups)} rows, manifest says {list(info.row_groups)}"
+        )
     if size != info.bytes:
         raise ShardError(f"{where}: {size} bytes, manifest says {info.bytes}")
     if verify and (digest := sha256_file(path)) != info.sha256:
@@ -393,11 +458,14 @@ def infer_manifest(split_dir: Path) -> tuple[Manifest, list[pq.FileMetaData]]:
     elif kind == "regression":
         task = TaskSpec("regression", shape, 1)
     else:
-        task = TaskSpec("classification", shape,
-                        _num_classes(split_dir, files, metadata, columns[1]))
+        task = TaskSpec(
+            "classification", shape, _num_classes(split_dir, files, metadata, columns[1])
+        )
     task_columns(schema, task, where=split_dir)  # a regression target must be one number
-    shards = tuple(ShardInfo(f.name, md.num_rows, f.stat().st_size, None, row_groups(md))
-                   for f, md in zip(files, metadata))
+    shards = tuple(
+        ShardInfo(f.name, md.num_rows, f.stat().st_size, None, row_groups(md))
+        for f, md in zip(files, metadata)
+    )
     return Manifest(task, schema, shards, split=None, source=str(split_dir), writer=""), metadata
 
 
@@ -415,8 +483,9 @@ def infer_task(split_dir: Path) -> tuple[str, tuple[int, ...]]:
     return kind, shape
 
 
-def _read_footers(split_dir: Path) -> tuple[list[Path], list[pq.FileMetaData],
-                                            tuple[tuple[str, str], ...]]:
+def _read_footers(
+    split_dir: Path,
+) -> tuple[list[Path], list[pq.FileMetaData], tuple[tuple[str, str], ...]]:
     """The part files, their footers and their one schema (a mix is refused)."""
     files = part_files(split_dir)
     if not files:
@@ -429,25 +498,33 @@ def _read_footers(split_dir: Path) -> tuple[list[Path], list[pq.FileMetaData],
             raise ShardError(f"shard {f.name}: not a readable Parquet file: {e}") from e
         pairs = schema_pairs(md.schema.to_arrow_schema())
         if schema is not None and pairs != schema:
-            raise ShardError(f"shard {f.name}: schema {_fmt(pairs)} differs from "
-                             f"{files[0].name}'s {_fmt(schema)}")
+            raise ShardError(
+                f"shard {f.name}: schema {_fmt(pairs)} differs from "
+                f"{files[0].name}'s {_fmt(schema)}"
+            )
         schema = pairs
         metadata.append(md)
     return files, metadata, schema
 
 
-def _infer_layout(split_dir: Path, files: list[Path], metadata: list[pq.FileMetaData],
-                  schema: tuple[tuple[str, str], ...]
-                  ) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
+def _infer_layout(
+    split_dir: Path,
+    files: list[Path],
+    metadata: list[pq.FileMetaData],
+    schema: tuple[tuple[str, str], ...],
+) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
     """(task kind, example shape, the columns it reads) from the schema and the first row."""
     types = dict(schema)
     if "tokens" in types:
         kind = "lm"
     elif "label" in types and "target" in types:
-        raise ShardError(f"{split_dir}: has both a `label` column (classification) and a "
-                         f"`target` column (regression); write the rows with one of them")
-    elif "target" in types or ("label" not in types
-                               and types.get("targets") in ("halffloat", "float", "double")):
+        raise ShardError(
+            f"{split_dir}: has both a `label` column (classification) and a "
+            f"`target` column (regression); write the rows with one of them"
+        )
+    elif "target" in types or (
+        "label" not in types and types.get("targets") in ("halffloat", "float", "double")
+    ):
         kind = "regression"
     else:
         kind = "classification"
@@ -460,11 +537,18 @@ def _infer_layout(split_dir: Path, files: list[Path], metadata: list[pq.FileMeta
     return kind, example_shape(width, kind=kind, from_list=True), columns
 
 
-def _num_classes(split_dir: Path, files: list[Path], metadata: list[pq.FileMetaData],
-                 column: str) -> int:
+def _num_classes(
+    split_dir: Path, files: list[Path], metadata: list[pq.FileMetaData], column: str
+) -> int:
     """Max label + 1 over the files (reads the label column only)."""
-    top = max((pc.max(pq.read_table(f, columns=[column]).column(0)).as_py()
-               for f, md in zip(files, metadata) if md.num_rows), default=None)
+    top = max(
+        (
+            pc.max(pq.read_table(f, columns=[column]).column(0)).as_py()
+            for f, md in zip(files, metadata)
+            if md.num_rows
+        ),
+        default=None,
+    )
     if top is None:
         raise ShardError(f"{split_dir}: no labels found")
     return int(top) + 1

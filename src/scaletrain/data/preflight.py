@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scaletrain.errors import UserError
 from scaletrain.data.holdout import EVAL_EVERY
-from scaletrain.data.manifest import (MANIFEST, ShardError, find_split_dir, infer_task,
-                                      read_manifest)
+from scaletrain.data.manifest import MANIFEST, ShardError, find_split_dir, infer_task, read_manifest
 from scaletrain.data.sources import SPLITS, TASK_KINDS
+from scaletrain.errors import UserError
 
 # The task kinds each model name trains on: the built-ins as in models/__init__.py's
 # registry (kept here so data/ imports no model code), and "hf" (a Hugging Face causal LM);
@@ -36,8 +35,11 @@ MODEL_KINDS: dict[str, frozenset[str]] = {
     "hf": frozenset({"lm"}),
 }
 CNN_MIN_SIDE = 8
-_DATA_WORDS = {"classification": "classification data", "regression": "regression data",
-               "lm": "text"}
+_DATA_WORDS = {
+    "classification": "classification data",
+    "regression": "regression data",
+    "lm": "text",
+}
 
 
 class DataCheckError(UserError):
@@ -69,30 +71,40 @@ def check_data(*, source: str, path: str, seq_len: int, model_name: str) -> str 
     root = Path(path)
     if not root.is_dir():
         what = "is a file" if root.exists() else "does not exist"
-        raise DataCheckError(f"data.path = {path!r} {what}; it must be the directory "
-                             f"`scaletrain shard SOURCE OUT_DIR` (or a Spark job) wrote")
+        raise DataCheckError(
+            f"data.path = {path!r} {what}; it must be the directory "
+            f"`scaletrain shard SOURCE OUT_DIR` (or a Spark job) wrote"
+        )
     dirs = {split: find_split_dir(root, split) for split in SPLITS}
     if dirs["train"] is None:
-        raise DataCheckError(f"data.path = {path!r} is not a shard directory: neither it nor "
-                             f"{str(root / 'train')!r} holds {MANIFEST} or part-*.parquet "
-                             f"files; write shards there with `scaletrain shard SOURCE "
-                             f"OUT_DIR`, or point data.path at such a directory")
+        raise DataCheckError(
+            f"data.path = {path!r} is not a shard directory: neither it nor "
+            f"{str(root / 'train')!r} holds {MANIFEST} or part-*.parquet "
+            f"files; write shards there with `scaletrain shard SOURCE "
+            f"OUT_DIR`, or point data.path at such a directory"
+        )
     if dirs["eval"] is None:
-        raise DataCheckError(f"data.path = {path!r} has a train split ({dirs['train']}) but no "
-                             f"eval split: expected {str(root / 'eval')!r} next to it, with "
-                             f"{MANIFEST} or part-*.parquet files")
+        raise DataCheckError(
+            f"data.path = {path!r} has a train split ({dirs['train']}) but no "
+            f"eval split: expected {str(root / 'eval')!r} next to it, with "
+            f"{MANIFEST} or part-*.parquet files"
+        )
     kind, shape = _describe(dirs["train"], path=path)
     _check_model(kind, shape, model_name=model_name, path=path)
     if kind == "lm" and shape[0] != seq_len:
         written = shape[0]
-        raise DataCheckError(f"data.seq_len = {seq_len} differs from the seq_len the text "
-                             f"shards at data.path = {path!r} were written at ({written}); "
-                             f"set data.seq_len={written}, or write the shards again with "
-                             f"`scaletrain shard SOURCE OUT_DIR --seq-len {seq_len}`")
+        raise DataCheckError(
+            f"data.seq_len = {seq_len} differs from the seq_len the text "
+            f"shards at data.path = {path!r} were written at ({written}); "
+            f"set data.seq_len={written}, or write the shards again with "
+            f"`scaletrain shard SOURCE OUT_DIR --seq-len {seq_len}`"
+        )
     if not (dirs["train"] / MANIFEST).exists():
-        return (f"data.path = {path!r} has no scaletrain manifest: eval is 1 row in "
-                f"{EVAL_EVERY} of its rows, held out of training (the same rows on every rank "
-                f"and run)")
+        return (
+            f"data.path = {path!r} has no scaletrain manifest: eval is 1 row in "
+            f"{EVAL_EVERY} of its rows, held out of training (the same rows on every rank "
+            f"and run)"
+        )
     return None
 
 
@@ -109,23 +121,31 @@ def _describe(split_dir: Path, *, path: str) -> tuple[str, tuple[int, ...]]:
 
 
 def _kinds_words(kinds: list[str]) -> str:
-    """"classification data or regression data (task kind 'classification' or 'regression')"."""
-    return (" or ".join(_DATA_WORDS[k] for k in kinds)
-            + f" (task kind {' or '.join(repr(k) for k in kinds)})")
+    """ "classification data or regression data (task kind 'classification' or 'regression')"."""
+    return (
+        " or ".join(_DATA_WORDS[k] for k in kinds)
+        + f" (task kind {' or '.join(repr(k) for k in kinds)})"
+    )
 
 
 def _check_model(kind: str, shape: tuple[int, ...], *, model_name: str, path: str) -> None:
     kinds = MODEL_KINDS.get(model_name)
     if kinds is None:
         return  # a user's model (an import path): its factory decides
-    data = (f"the shards at data.path = {path!r} hold {_DATA_WORDS[kind]} (task kind "
-            f"{kind!r}, examples of shape {shape})")
+    data = (
+        f"the shards at data.path = {path!r} hold {_DATA_WORDS[kind]} (task kind "
+        f"{kind!r}, examples of shape {shape})"
+    )
     if kind not in kinds:
         fitting = ", ".join(repr(m) for m, ks in MODEL_KINDS.items() if kind in ks)
         needs = _kinds_words([k for k in TASK_KINDS if k in kinds])
-        raise DataCheckError(f"model.name = {model_name!r} needs {needs}, but {data}; models "
-                             f"for this data: {fitting or 'none built in'}")
+        raise DataCheckError(
+            f"model.name = {model_name!r} needs {needs}, but {data}; models "
+            f"for this data: {fitting or 'none built in'}"
+        )
     if model_name == "cnn" and (len(shape) != 3 or min(shape[1:]) < CNN_MIN_SIDE):
-        raise DataCheckError(f"model.name = 'cnn' needs images (C, H, W) of at least "
-                             f"{CNN_MIN_SIDE}x{CNN_MIN_SIDE}, but {data}; use model.name='mlp' "
-                             f"for flat features")
+        raise DataCheckError(
+            f"model.name = 'cnn' needs images (C, H, W) of at least "
+            f"{CNN_MIN_SIDE}x{CNN_MIN_SIDE}, but {data}; use model.name='mlp' "
+            f"for flat features"
+        )

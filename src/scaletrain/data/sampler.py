@@ -57,8 +57,12 @@ class GlobalBatchSampler:
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """(num_examples,) permutation of global row ids from (seed, epoch) alone."""
-        return epoch_order(self.shard_rows or (self.num_examples,), seed=self.seed, epoch=epoch,
-                           window=self.shuffle_window or self.num_examples)
+        return epoch_order(
+            self.shard_rows or (self.num_examples,),
+            seed=self.seed,
+            epoch=epoch,
+            window=self.shuffle_window or self.num_examples,
+        )
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, global batches already consumed in that epoch) before step `step`."""
@@ -73,7 +77,9 @@ class GlobalBatchSampler:
     def micro_batches(self, step: int) -> list[torch.Tensor]:
         """This rank's micro-batches for step `step`: `accumulation` tensors of (micro_batch,)."""
         per_rank = self.global_batch // self.dp_size
-        mine = self.global_batch_indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        mine = self.global_batch_indices(step)[
+            self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank
+        ]
         return list(mine.split(self.micro_batch))
 
 
@@ -97,8 +103,9 @@ def epoch_order(shard_rows: tuple[int, ...], *, seed: int, epoch: int, window: i
     return rows
 
 
-def eval_indices(num_examples: int, *, limit: int, dp_rank: int, dp_size: int,
-                 batch: int) -> list[torch.Tensor]:
+def eval_indices(
+    num_examples: int, *, limit: int, dp_rank: int, dp_size: int, batch: int
+) -> list[torch.Tensor]:
     """This rank's share of the first `limit` held-out examples (strided), in batches."""
     n = min(num_examples, limit)
     return list(torch.arange(dp_rank, n, dp_size).split(batch))

@@ -70,8 +70,9 @@ def load_tokenizer(path: str):
 class TokenDataset:
     """Token ids (N, T) and their attention mask in memory; one shard; items have no labels."""
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                 vocab_size: int) -> None:
+    def __init__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int
+    ) -> None:
         self.input_ids, self.attention_mask = input_ids, attention_mask  # (N, T) int64 each
         self.spec = TaskSpec("encode", (input_ids.shape[1],), vocab_size)
 
@@ -91,22 +92,27 @@ class TokenDataset:
     def get(self, indices: torch.Tensor) -> Batch:
         ids = self.input_ids.index_select(0, indices)  # (B, T)
         mask = self.attention_mask.index_select(0, indices)  # (B, T)
-        return Batch(inputs=ids, targets=torch.zeros(len(indices), dtype=torch.int64),
-                     count=len(indices), tokens=int(mask.sum()),
-                     extras={"attention_mask": mask})
+        return Batch(
+            inputs=ids,
+            targets=torch.zeros(len(indices), dtype=torch.int64),
+            count=len(indices),
+            tokens=int(mask.sum()),
+            extras={"attention_mask": mask},
+        )
 
 
-def tokenize(texts: list[str], *, tokenizer_dir: str | Path, seq_len: int
-             ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def tokenize(
+    texts: list[str], *, tokenizer_dir: str | Path, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(input_ids, attention_mask) (N, seq_len) int64 and the vocabulary size."""
     tok = load_tokenizer(str(tokenizer_dir))
-    enc = tok(texts, padding="max_length", truncation=True, max_length=seq_len,
-              return_tensors="pt")
+    enc = tok(texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
     return enc["input_ids"].long(), enc["attention_mask"].long(), len(tok)
 
 
-def load_sentences(*, split: str, seq_len: int, kwargs: dict[str, Any],
-                   tokenizer_dir: str | Path) -> TokenDataset:
+def load_sentences(
+    *, split: str, seq_len: int, kwargs: dict[str, Any], tokenizer_dir: str | Path
+) -> TokenDataset:
     """One split of the sentence mix (see the module docstring).
 
     Args:
@@ -119,13 +125,16 @@ def load_sentences(*, split: str, seq_len: int, kwargs: dict[str, Any],
     """
     unknown = sorted(set(kwargs) - set(KWARGS))
     if unknown:
-        raise ValueError(f"data.kwargs {unknown} are not read by data.source = 'sentences'; "
-                         f"allowed: {', '.join(KWARGS)}")
+        raise ValueError(
+            f"data.kwargs {unknown} are not read by data.source = 'sentences'; "
+            f"allowed: {', '.join(KWARGS)}"
+        )
     corpora = list(kwargs.get("corpora", CORPORA))
     bad = [c for c in corpora if c not in CORPORA]
     if bad or not corpora:
-        raise ValueError(f"data.kwargs.corpora = {corpora!r}: allowed {', '.join(CORPORA)} "
-                         "(at least one)")
+        raise ValueError(
+            f"data.kwargs.corpora = {corpora!r}: allowed {', '.join(CORPORA)} (at least one)"
+        )
     items: list[str] = []
     if "wikipedia" in corpora:
         items += wikipedia_sentences()

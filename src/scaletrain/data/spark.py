@@ -42,8 +42,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from scaletrain.data.file_source import (LABEL, TARGET, TASK_COLUMNS, SourceError, cell_error,
-                                         feature_columns, source_files, task_kind)
+from scaletrain.data.file_source import (
+    LABEL,
+    TARGET,
+    TASK_COLUMNS,
+    SourceError,
+    cell_error,
+    feature_columns,
+    source_files,
+    task_kind,
+)
 from scaletrain.data.holdout import block_hash, block_size, eval_count
 from scaletrain.data.manifest import Manifest, example_shape, write_manifest
 from scaletrain.data.shard_writer import TEXT_SEPARATOR, builtin_table, warn_if_classes_missing
@@ -55,8 +63,9 @@ if TYPE_CHECKING:
 _READERS = {"json": "json", "csv": "csv", "parquet": "parquet"}
 
 
-def spark_session(*, cores: int = 2, driver_memory: str = "1g",
-                  app_name: str = "scaletrain-shards") -> SparkSession:
+def spark_session(
+    *, cores: int = 2, driver_memory: str = "1g", app_name: str = "scaletrain-shards"
+) -> SparkSession:
     """A local-mode SparkSession (no UI, loopback only), or the one already running.
 
     Args:
@@ -69,22 +78,34 @@ def spark_session(*, cores: int = 2, driver_memory: str = "1g",
     try:
         from pyspark.sql import SparkSession
     except ImportError as e:
-        raise ImportError("write_shards_spark needs pyspark: "
-                          "pip install 'scaletrain[spark]'") from e
-    spark = (SparkSession.builder.master(f"local[{cores}]").appName(app_name)
-             .config("spark.ui.enabled", "false")
-             .config("spark.driver.memory", driver_memory)
-             .config("spark.sql.shuffle.partitions", str(2 * cores))
-             .config("spark.ui.showConsoleProgress", "false")
-             .getOrCreate())
+        raise ImportError(
+            "write_shards_spark needs pyspark: pip install 'scaletrain[spark]'"
+        ) from e
+    spark = (
+        SparkSession.builder.master(f"local[{cores}]")
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", driver_memory)
+        .config("spark.sql.shuffle.partitions", str(2 * cores))
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
 
-def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int,
-                       seq_len: int = 128, row_group_rows: int = 1024,
-                       synthetic_examples: int = 4096, seed: int = 0,
-                       spark: SparkSession | None = None, overwrite: bool = False) -> Manifest:
+def write_shards_spark(
+    source: str | Path,
+    out_dir: Path,
+    *,
+    rows_per_shard: int,
+    seq_len: int = 128,
+    row_group_rows: int = 1024,
+    synthetic_examples: int = 4096,
+    seed: int = 0,
+    spark: SparkSession | None = None,
+    overwrite: bool = False,
+) -> Manifest:
     """Write a source's train and eval splits as Parquet with Spark, then their manifests.
 
     Args:
@@ -101,12 +122,15 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
     Returns the train split's manifest.
     """
     if rows_per_shard < 1 or row_group_rows < 1:
-        raise ValueError(f"rows_per_shard and row_group_rows must be >= 1, got "
-                         f"{rows_per_shard}, {row_group_rows}")
+        raise ValueError(
+            f"rows_per_shard and row_group_rows must be >= 1, got "
+            f"{rows_per_shard}, {row_group_rows}"
+        )
     for split in SPLITS:  # refuse before any Spark job runs, as the pyarrow writer does
         if (Path(out_dir) / split).exists() and not overwrite:
-            raise FileExistsError(f"{Path(out_dir) / split} exists; pass overwrite=True to "
-                                  "replace it")
+            raise FileExistsError(
+                f"{Path(out_dir) / split} exists; pass overwrite=True to replace it"
+            )
     own = spark is None
     spark = spark_session() if own else spark
     name = str(source)
@@ -117,19 +141,36 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
     try:
         with tempfile.TemporaryDirectory(prefix="scaletrain-spark-") as tmp:
             if name in SOURCE_NAMES:
-                splits = _builtin_frames(spark, name, Path(tmp), seq_len=seq_len,
-                                         synthetic_examples=synthetic_examples, seed=seed)
+                splits = _builtin_frames(
+                    spark,
+                    name,
+                    Path(tmp),
+                    seq_len=seq_len,
+                    synthetic_examples=synthetic_examples,
+                    seed=seed,
+                )
                 columns = (None, ())
             else:
                 splits, columns = _file_frames(spark, Path(source), seq_len=seq_len)
             for split, (df, rows, task) in splits.items():
                 split_dir = Path(out_dir) / split
-                _write_parquet(df, split_dir, rows=rows, rows_per_shard=rows_per_shard,
-                               row_group_rows=row_group_rows, overwrite=overwrite)
-                manifests[split] = write_manifest(split_dir, task=task, split=split,
-                                                  source=name, writer=writer,
-                                                  label_column=columns[0],
-                                                  feature_columns=columns[1])
+                _write_parquet(
+                    df,
+                    split_dir,
+                    rows=rows,
+                    rows_per_shard=rows_per_shard,
+                    row_group_rows=row_group_rows,
+                    overwrite=overwrite,
+                )
+                manifests[split] = write_manifest(
+                    split_dir,
+                    task=task,
+                    split=split,
+                    source=name,
+                    writer=writer,
+                    label_column=columns[0],
+                    feature_columns=columns[1],
+                )
     finally:
         if own:
             spark.stop()
@@ -137,13 +178,15 @@ def write_shards_spark(source: str | Path, out_dir: Path, *, rows_per_shard: int
     return manifests["train"]
 
 
-def _builtin_frames(spark: SparkSession, name: str, tmp: Path, *, seq_len: int,
-                    synthetic_examples: int, seed: int) -> dict:
+def _builtin_frames(
+    spark: SparkSession, name: str, tmp: Path, *, seq_len: int, synthetic_examples: int, seed: int
+) -> dict:
     """{split: (DataFrame with row_id, rows, task)} of a built-in source."""
     frames = {}
     for split in SPLITS:
-        table, task = builtin_table(name, split=split, seq_len=seq_len,
-                                    synthetic_examples=synthetic_examples, seed=seed)
+        table, task = builtin_table(
+            name, split=split, seq_len=seq_len, synthetic_examples=synthetic_examples, seed=seed
+        )
         table = table.append_column("row_id", pa.array(np.arange(table.num_rows, dtype=np.int64)))
         path = tmp / f"{split}.parquet"  # Spark reads this columnar file: no per-row Python
         pq.write_table(table, path, row_group_size=8192, compression="none")
@@ -151,8 +194,9 @@ def _builtin_frames(spark: SparkSession, name: str, tmp: Path, *, seq_len: int,
     return frames
 
 
-def _file_frames(spark: SparkSession, path: Path, *,
-                 seq_len: int) -> tuple[dict, tuple[str | None, tuple[str, ...]]]:
+def _file_frames(
+    spark: SparkSession, path: Path, *, seq_len: int
+) -> tuple[dict, tuple[str | None, tuple[str, ...]]]:
     """({split: (DataFrame with row_id from 0, rows, task)}, (label or target column, feature
     columns))."""
     from pyspark.sql import functions as F
@@ -163,8 +207,9 @@ def _file_frames(spark: SparkSession, path: Path, *,
         reader = reader.option("header", True).option("inferSchema", True)
     df = reader.load([str(f) for f in files])
     kind = task_kind(df.columns, where=path)  # before any job runs on the rows
-    df = (df.withColumn("_file", F.input_file_name())  # file order first, then position in it
-          .withColumn("_mono", F.monotonically_increasing_id()))
+    df = df.withColumn(
+        "_file", F.input_file_name()
+    ).withColumn("_mono", F.monotonically_increasing_id())  # file order first, then position in it
     if kind == "lm":
         return _text_frames(df, seq_len=seq_len), (None, ("text",))
     df, totals = _running_sum(df, ["_file", "_mono"], {"row_id": F.lit(1)})
@@ -172,10 +217,16 @@ def _file_frames(spark: SparkSession, path: Path, *,
     task, inputs, targets, features = _examples(df, kind=kind, fmt=fmt, where=path)
     is_eval, local = _holdout_columns(n)
     df = df.withColumn("_eval", is_eval).withColumn("row_id", local)
-    frames = {split: (df.where(F.col("_eval") == (split == "eval"))
-                      .select("row_id", inputs.alias("inputs"), targets.alias("targets")),
-                      rows, task)
-              for split, rows in (("train", n - eval_count(n)), ("eval", eval_count(n)))}
+    frames = {
+        split: (
+            df.where(F.col("_eval") == (split == "eval")).select(
+                "row_id", inputs.alias("inputs"), targets.alias("targets")
+            ),
+            rows,
+            task,
+        )
+        for split, rows in (("train", n - eval_count(n)), ("eval", eval_count(n)))
+    }
     return frames, (TASK_COLUMNS[kind], features)
 
 
@@ -193,8 +244,9 @@ def _holdout_columns(n: int) -> tuple[Column, Column]:
     return is_eval, local
 
 
-def _examples(df: DataFrame, *, kind: str, fmt: str,
-              where: Path) -> tuple[TaskSpec, Column, Column, tuple[str, ...]]:
+def _examples(
+    df: DataFrame, *, kind: str, fmt: str, where: Path
+) -> tuple[TaskSpec, Column, Column, tuple[str, ...]]:
     """Check every cell in one Spark job; return the task, the inputs and targets columns,
     and the source columns of the inputs. `kind` is "classification" or "regression"."""
     from pyspark.sql import functions as F
@@ -204,34 +256,43 @@ def _examples(df: DataFrame, *, kind: str, fmt: str,
     column = TASK_COLUMNS[kind]
     bad = {column: _bad_targets(kind, fields[column])}
     try:  # the pyarrow writer's rule, on the source's columns
-        names = tuple(feature_columns([c for c in fields if c not in ("_file", "_mono", "row_id")],
-                                      fmt))
+        names = tuple(
+            feature_columns([c for c in fields if c not in ("_file", "_mono", "row_id")], fmt)
+        )
     except SourceError as e:
         raise SourceError(f"{where}: {e}") from None
     if names == ("features",):
         item = getattr(fields["features"], "elementType", None)
-        bad["features"] = (F.col("features").isNull()
-                           | F.exists("features", lambda x: x.isNull())
-                           if isinstance(item, T.NumericType) else F.lit(True))
+        bad["features"] = (
+            F.col("features").isNull() | F.exists("features", lambda x: x.isNull())
+            if isinstance(item, T.NumericType)
+            else F.lit(True)
+        )
         inputs, width_of = F.col("features").cast("array<float>"), F.size("features")
     else:
         for c in names:  # a cell Spark could not type as a number made the column text
-            bad[c] = (F.col(f"`{c}`").isNull() if isinstance(fields[c], T.NumericType)
-                      else F.expr(f"try_cast(`{c}` as double)").isNull())
+            bad[c] = (
+                F.col(f"`{c}`").isNull()
+                if isinstance(fields[c], T.NumericType)
+                else F.expr(f"try_cast(`{c}` as double)").isNull()
+            )
         inputs = F.array(*[F.col(f"`{c}`").cast("float") for c in names])
         width_of = F.lit(len(names))
     # try_cast and the raw width: with ANSI SQL a cast of a bad cell would fail this job
     # before the bad cell could be named.
     high = F.expr(f"max(try_cast(`{LABEL}` as bigint))") if kind == "classification" else F.lit(0)
-    s = df.agg(high, F.min(width_of), F.max(width_of),
-               *[F.count_if(cond) for cond in bad.values()]).first()
+    s = df.agg(
+        high, F.min(width_of), F.max(width_of), *[F.count_if(cond) for cond in bad.values()]
+    ).first()
     high, width, widest, *bad_counts = s
     for (name, cond), count in zip(bad.items(), bad_counts):
         if count:
             raise _first_bad_cell(df, cond, column=name, fmt=fmt, task_column=column)
     if width != widest:
-        raise SourceError(f"{where}: `features` rows must all hold the same number of values "
-                          f"(widths {width}..{widest})")
+        raise SourceError(
+            f"{where}: `features` rows must all hold the same number of values "
+            f"(widths {width}..{widest})"
+        )
     shape = example_shape(width, kind=kind, from_list=names == ("features",))
     if kind == "classification":
         return TaskSpec(kind, shape, int(high) + 1), inputs, F.col(LABEL).cast("long"), names
@@ -260,22 +321,34 @@ def _bad_targets(kind: str, dtype: object) -> Column:
     return value.isNull() | F.isnan(value) | (F.abs(value) == F.lit(float("inf")))
 
 
-def _first_bad_cell(df: DataFrame, cond: Column, *, column: str, fmt: str,
-                    task_column: str) -> SourceError:
+def _first_bad_cell(
+    df: DataFrame, cond: Column, *, column: str, fmt: str, task_column: str
+) -> SourceError:
     """The error naming the first row (in source order) where `cond` holds: file, row, column."""
     from urllib.parse import unquote, urlparse
 
     from pyspark.sql import functions as F
 
-    row = (df.where(cond).orderBy("row_id")
-           .select("_file", "row_id", F.col(f"`{column}`").cast("string")).first())
+    row = (
+        df.where(cond)
+        .orderBy("row_id")
+        .select("_file", "row_id", F.col(f"`{column}`").cast("string"))
+        .first()
+    )
     start = df.where(F.col("_file") == row[0]).agg(F.min("row_id")).first()[0]
-    return cell_error(Path(unquote(urlparse(row[0]).path)), fmt, row[1] - start, column, row[2],
-                      task_column=task_column)
+    return cell_error(
+        Path(unquote(urlparse(row[0]).path)),
+        fmt,
+        row[1] - start,
+        column,
+        row[2],
+        task_column=task_column,
+    )
 
 
-def _running_sum(df: DataFrame, order: list[str],
-                 values: dict[str, Column]) -> tuple[DataFrame, dict[str, int]]:
+def _running_sum(
+    df: DataFrame, order: list[str], values: dict[str, Column]
+) -> tuple[DataFrame, dict[str, int]]:
     """Add, for each name, the sum of its value over the rows before each row in `order`.
 
     Returns the frame and each value's total. Range-partitions by `order`, sends one total
@@ -292,13 +365,20 @@ def _running_sum(df: DataFrame, order: list[str],
     if parts <= 1:  # already one partition: a plain window moves nothing
         before = Window.orderBy(*order).rowsBetween(Window.unboundedPreceding, -1)
         sums = df.agg(*[F.sum(t) for t in temp.values()]).first()
-        out = df.select("*", *[F.coalesce(F.sum(temp[name]).over(before), F.lit(0)).alias(name)
-                               for name in values])
+        out = df.select(
+            "*",
+            *[F.coalesce(F.sum(temp[name]).over(before), F.lit(0)).alias(name) for name in values],
+        )
         return out.drop(*temp.values()), {n: sums[i] or 0 for i, n in enumerate(values)}
-    ranged = (df.repartitionByRange(parts, *order).withColumn("_pid", F.spark_partition_id())
-              .localCheckpoint(eager=True))
-    per_part = {row[0]: row[1:] for row in
-                ranged.groupBy("_pid").agg(*[F.sum(t) for t in temp.values()]).collect()}
+    ranged = (
+        df.repartitionByRange(parts, *order)
+        .withColumn("_pid", F.spark_partition_id())
+        .localCheckpoint(eager=True)
+    )
+    per_part = {
+        row[0]: row[1:]
+        for row in ranged.groupBy("_pid").agg(*[F.sum(t) for t in temp.values()]).collect()
+    }
     offsets = np.zeros((parts + 1, len(values)), dtype=np.int64)  # (P + 1, V) exclusive sums
     for pid in range(parts):
         offsets[pid + 1] = offsets[pid] + [v or 0 for v in per_part.get(pid, [0] * len(values))]
@@ -324,19 +404,27 @@ def _text_frames(df: DataFrame, *, seq_len: int) -> dict:
 
     text = F.encode(F.coalesce(F.col("text"), F.lit("")), "UTF-8")  # (bytes of one document)
     docs = df.select("_file", "_mono", F.concat(text, F.lit(bytearray(TEXT_SEPARATOR))).alias("b"))
-    docs, totals = _running_sum(docs.withColumn("len", F.octet_length("b")), ["_file", "_mono"],
-                                {"row_id": F.lit(1)})
+    docs, totals = _running_sum(
+        docs.withColumn("len", F.octet_length("b")), ["_file", "_mono"], {"row_id": F.lit(1)}
+    )
     is_eval, _ = _holdout_columns(totals["row_id"])
     docs = docs.withColumn("_eval", is_eval)
-    docs, totals = _running_sum(docs, ["_file", "_mono"], {
-        "start_train": F.when(F.col("_eval"), 0).otherwise(F.col("len")),
-        "start_eval": F.when(F.col("_eval"), F.col("len")).otherwise(0)})
+    docs, totals = _running_sum(
+        docs,
+        ["_file", "_mono"],
+        {
+            "start_train": F.when(F.col("_eval"), 0).otherwise(F.col("len")),
+            "start_eval": F.when(F.col("_eval"), F.col("len")).otherwise(0),
+        },
+    )
     task, frames = TaskSpec("lm", (seq_len,), 256), {}
     for split in ("train", "eval"):
-        part = (docs.where(F.col("_eval") == (split == "eval"))
-                .withColumn("start", F.col(f"start_{split}")))
-        windows, rows = _pack_text(part, seq_len=seq_len, split=split,
-                                   total=totals[f"start_{split}"] - len(TEXT_SEPARATOR))
+        part = docs.where(F.col("_eval") == (split == "eval")).withColumn(
+            "start", F.col(f"start_{split}")
+        )
+        windows, rows = _pack_text(
+            part, seq_len=seq_len, split=split, total=totals[f"start_{split}"] - len(TEXT_SEPARATOR)
+        )
         frames[split] = (windows, rows, task)
     return frames
 
@@ -353,33 +441,58 @@ def _pack_text(docs: DataFrame, *, seq_len: int, split: str, total: int) -> tupl
     if windows == 0:
         raise ValueError(f"{split}: {total} bytes of text are too few for one window of {w}")
     # Document bytes [start, start + len) meet windows start div w .. (start + len - 1) div w.
-    pieces = (docs.where("len > 0")
-              .withColumn("w", F.explode(F.expr(f"sequence(start div {w}, "
-                                                f"(start + len - 1) div {w})")))
-              .where(F.col("w") < windows)  # the trailing partial window is dropped
-              .withColumn("lo", F.greatest("start", F.col("w") * w))
-              .withColumn("hi", F.least(F.col("start") + F.col("len"), (F.col("w") + 1) * w))
-              .select("w", (F.col("lo") - F.col("w") * w).alias("off"),
-                      F.expr("substring(b, cast(lo - start + 1 as int), cast(hi - lo as int))")
-                      .alias("piece")))
-    to_ints = ("transform(sequence(1, octet_length(piece)), "  # byte i of the piece as an int
-               "i -> cast(conv(hex(substring(piece, i, 1)), 16, 10) as int))")
-    packed = (pieces.select("w", "off", F.expr(to_ints).alias("t")).groupBy("w")
-              .agg(F.expr("flatten(transform(array_sort(collect_list(struct(off, t))), "
-                          "x -> x.t))").alias("tokens")))
+    pieces = (
+        docs.where("len > 0")
+        .withColumn("w", F.explode(F.expr(f"sequence(start div {w}, (start + len - 1) div {w})")))
+        .where(F.col("w") < windows)  # the trailing partial window is dropped
+        .withColumn("lo", F.greatest("start", F.col("w") * w))
+        .withColumn("hi", F.least(F.col("start") + F.col("len"), (F.col("w") + 1) * w))
+        .select(
+            "w",
+            (F.col("lo") - F.col("w") * w).alias("off"),
+            F.expr("substring(b, cast(lo - start + 1 as int), cast(hi - lo as int))").alias(
+                "piece"
+            ),
+        )
+    )
+    to_ints = (
+        "transform(sequence(1, octet_length(piece)), "  # byte i of the piece as an int
+        "i -> cast(conv(hex(substring(piece, i, 1)), 16, 10) as int))"
+    )
+    packed = (
+        pieces.select("w", "off", F.expr(to_ints).alias("t"))
+        .groupBy("w")
+        .agg(
+            F.expr("flatten(transform(array_sort(collect_list(struct(off, t))), x -> x.t))").alias(
+                "tokens"
+            )
+        )
+    )
     return packed.select(F.col("w").alias("row_id"), "tokens"), windows
 
 
-def _write_parquet(df: DataFrame, split_dir: Path, *, rows: int, rows_per_shard: int,
-                   row_group_rows: int, overwrite: bool) -> None:
+def _write_parquet(
+    df: DataFrame,
+    split_dir: Path,
+    *,
+    rows: int,
+    rows_per_shard: int,
+    row_group_rows: int,
+    overwrite: bool,
+) -> None:
     """Shard i = rows [i * rows_per_shard, (i + 1) * rows_per_shard): one partition, one file."""
     from pyspark.sql import functions as F
 
     shards = max(1, math.ceil(rows / rows_per_shard))
-    out = (df.withColumn("_shard", F.floor(F.col("row_id") / rows_per_shard))
-           .repartitionByRange(shards, "_shard").sortWithinPartitions("row_id")
-           .drop("_shard", "row_id"))
-    (out.write.mode("overwrite" if overwrite else "errorifexists")
-     .option("compression", "snappy")
-     .option("parquet.block.row.count.limit", str(row_group_rows))
-     .parquet(str(split_dir)))
+    out = (
+        df.withColumn("_shard", F.floor(F.col("row_id") / rows_per_shard))
+        .repartitionByRange(shards, "_shard")
+        .sortWithinPartitions("row_id")
+        .drop("_shard", "row_id")
+    )
+    (
+        out.write.mode("overwrite" if overwrite else "errorifexists")
+        .option("compression", "snappy")
+        .option("parquet.block.row.count.limit", str(row_group_rows))
+        .parquet(str(split_dir))
+    )

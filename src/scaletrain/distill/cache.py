@@ -58,8 +58,16 @@ def data_fingerprint(ds: Dataset) -> str:
     return h.hexdigest()
 
 
-def write_cache(out_dir: Path, *, splits: dict[str, Dataset], targets_fn, info: dict,
-                top_k: int, report=print, advance=lambda rows: None) -> dict:
+def write_cache(
+    out_dir: Path,
+    *,
+    splits: dict[str, Dataset],
+    targets_fn,
+    info: dict,
+    top_k: int,
+    report=print,
+    advance=lambda rows: None,
+) -> dict:
     """Write each split's teacher outputs and cache.json; returns the info written.
 
     Args:
@@ -73,8 +81,10 @@ def write_cache(out_dir: Path, *, splits: dict[str, Dataset], targets_fn, info: 
     """
     out_dir = Path(out_dir)
     if (out_dir / INFO).exists():
-        raise CacheError(f"{str(out_dir)!r} already holds a cache ({INFO}); remove it or choose "
-                         "another directory (a cache is never overwritten in place)")
+        raise CacheError(
+            f"{str(out_dir)!r} already holds a cache ({INFO}); remove it or choose "
+            "another directory (a cache is never overwritten in place)"
+        )
     info = {**info, "top_k": top_k, "splits": {}}
     for split, ds in splits.items():
         (out_dir / split).mkdir(parents=True, exist_ok=True)
@@ -86,15 +96,20 @@ def write_cache(out_dir: Path, *, splits: dict[str, Dataset], targets_fn, info: 
             if writer is None or rows_in_file >= ROWS_PER_FILE:
                 if writer is not None:
                     writer.close()
-                writer = pq.ParquetWriter(out_dir / split / f"part-{part:05d}.parquet", table.schema)
+                writer = pq.ParquetWriter(
+                    out_dir / split / f"part-{part:05d}.parquet", table.schema
+                )
                 part, rows_in_file = part + 1, 0
             writer.write_table(table)
             rows_in_file += table.num_rows
             advance(table.num_rows)
         if writer is not None:
             writer.close()
-        info["splits"][split] = {"rows": len(ds), "data_sha256": data_fingerprint(ds),
-                                 "shapes": shapes}
+        info["splits"][split] = {
+            "rows": len(ds),
+            "data_sha256": data_fingerprint(ds),
+            "shapes": shapes,
+        }
         report(f"scaletrain: cached {len(ds)} {split} rows ({', '.join(shapes)})")
     (out_dir / INFO).write_text(json.dumps(info, indent=2) + "\n")
     return info
@@ -122,14 +137,24 @@ def _to_table(outputs: dict[str, torch.Tensor], shapes: dict) -> pa.Table:
 def read_info(cache_dir: str | Path) -> dict:
     path = Path(cache_dir).expanduser() / INFO
     if not path.is_file():
-        raise CacheError(f"distill.cache = {str(cache_dir)!r} has no {INFO}: not a cache written "
-                         "by `scaletrain distill-cache CONFIG OUT_DIR`")
+        raise CacheError(
+            f"distill.cache = {str(cache_dir)!r} has no {INFO}: not a cache written "
+            "by `scaletrain distill-cache CONFIG OUT_DIR`"
+        )
     return json.loads(path.read_text())
 
 
-def check_cache(info: dict, *, cache_dir: str, split: str, ds: Dataset, needs_keys: list[str],
-                teacher_sha256: str | None, teacher_dtype: str,
-                teacher_key: str = "distill.teacher") -> None:
+def check_cache(
+    info: dict,
+    *,
+    cache_dir: str,
+    split: str,
+    ds: Dataset,
+    needs_keys: list[str],
+    teacher_sha256: str | None,
+    teacher_dtype: str,
+    teacher_key: str = "distill.teacher",
+) -> None:
     """Refuse a cache made for other data, another teacher or dtype, or lacking an output.
 
     Args:
@@ -138,33 +163,43 @@ def check_cache(info: dict, *, cache_dir: str, split: str, ds: Dataset, needs_ke
             "distill.teacher_sha256").
     """
     where = f"distill.cache = {cache_dir!r}"
-    check_cache_teacher(info, cache_dir=cache_dir, teacher_sha256=teacher_sha256,
-                        teacher_key=teacher_key)
+    check_cache_teacher(
+        info, cache_dir=cache_dir, teacher_sha256=teacher_sha256, teacher_key=teacher_key
+    )
     part = info["splits"].get(split)
     if part is None:
         raise CacheError(f"{where} has no {split!r} split")
     if part["rows"] != len(ds) or part["data_sha256"] != data_fingerprint(ds):
-        raise CacheError(f"{where} was written for other {split} data ({part['rows']} rows, data "
-                         f"SHA-256 {part['data_sha256'][:12]}...) than this run's ({len(ds)} rows): "
-                         "the data changed since `scaletrain distill-cache`; write the cache again")
+        raise CacheError(
+            f"{where} was written for other {split} data ({part['rows']} rows, data "
+            f"SHA-256 {part['data_sha256'][:12]}...) than this run's ({len(ds)} rows): "
+            "the data changed since `scaletrain distill-cache`; write the cache again"
+        )
     if teacher_dtype != info["teacher_dtype"]:
-        raise CacheError(f"{where} was computed with the teacher in {info['teacher_dtype']}, this "
-                         f"run's distill.teacher_precision gives {teacher_dtype}")
+        raise CacheError(
+            f"{where} was computed with the teacher in {info['teacher_dtype']}, this "
+            f"run's distill.teacher_precision gives {teacher_dtype}"
+        )
     missing = [k for k in needs_keys if k not in part["shapes"]]
     if missing:
-        raise CacheError(f"{where} lacks the teacher outputs {missing} this run's [distill] "
-                         f"weights need (it holds {sorted(part['shapes'])}); write it with this "
-                         "config")
+        raise CacheError(
+            f"{where} lacks the teacher outputs {missing} this run's [distill] "
+            f"weights need (it holds {sorted(part['shapes'])}); write it with this "
+            "config"
+        )
 
 
-def check_cache_teacher(info: dict, *, cache_dir: str, teacher_sha256: str | None,
-                        teacher_key: str = "distill.teacher") -> None:
+def check_cache_teacher(
+    info: dict, *, cache_dir: str, teacher_sha256: str | None, teacher_key: str = "distill.teacher"
+) -> None:
     """Refuse a cache of another teacher than the run's (its weights' SHA-256)."""
     if teacher_sha256 is None or teacher_sha256.lower() == info["teacher_sha256"]:
         return
-    raise CacheError(f"distill.cache = {cache_dir!r} holds the outputs of another teacher "
-                     f"(weights SHA-256 {info['teacher_sha256'][:12]}..., {teacher_key} gives "
-                     f"{teacher_sha256.lower()[:12]}...): write the cache again for this teacher")
+    raise CacheError(
+        f"distill.cache = {cache_dir!r} holds the outputs of another teacher "
+        f"(weights SHA-256 {info['teacher_sha256'][:12]}..., {teacher_key} gives "
+        f"{teacher_sha256.lower()[:12]}...): write the cache again for this teacher"
+    )
 
 
 class CachedDataset:
@@ -191,17 +226,33 @@ class CachedDataset:
 
     def get(self, indices: torch.Tensor) -> Batch:
         batch = self.base.get(indices)
-        return replace(batch, teacher={k: v.index_select(0, indices) for k, v in self.outputs.items()})
+        return replace(
+            batch, teacher={k: v.index_select(0, indices) for k, v in self.outputs.items()}
+        )
 
 
-def with_cache(ds: Dataset, cache_dir: str, *, split: str, needs_keys: list[str] | None = None,
-               teacher_sha256: str | None = None, teacher_dtype: str | None = None,
-               teacher_key: str = "distill.teacher") -> CachedDataset:
+def with_cache(
+    ds: Dataset,
+    cache_dir: str,
+    *,
+    split: str,
+    needs_keys: list[str] | None = None,
+    teacher_sha256: str | None = None,
+    teacher_dtype: str | None = None,
+    teacher_key: str = "distill.teacher",
+) -> CachedDataset:
     """`ds` with the cache's outputs for `split`, after `check_cache` (when the run's needs are given)."""
     info = read_info(cache_dir)
     if needs_keys is not None:
-        check_cache(info, cache_dir=cache_dir, split=split, ds=ds, needs_keys=needs_keys,
-                    teacher_sha256=teacher_sha256, teacher_dtype=teacher_dtype or info["teacher_dtype"],
-                    teacher_key=teacher_key)
+        check_cache(
+            info,
+            cache_dir=cache_dir,
+            split=split,
+            ds=ds,
+            needs_keys=needs_keys,
+            teacher_sha256=teacher_sha256,
+            teacher_dtype=teacher_dtype or info["teacher_dtype"],
+            teacher_key=teacher_key,
+        )
     shapes = info["splits"][split]["shapes"]
     return CachedDataset(ds, Path(cache_dir).expanduser(), split=split, shapes=shapes)

@@ -18,32 +18,49 @@ def check_distill_config(config: Config, layout: ParallelLayout) -> None:
     d = config.distill
     on = bool(d.teacher or d.cache)
     if not on:
-        changed = [k for k in DistillConfig.model_fields
-                   if getattr(d, k) != getattr(DistillConfig(), k)]
+        changed = [
+            k for k in DistillConfig.model_fields if getattr(d, k) != getattr(DistillConfig(), k)
+        ]
         if changed:
-            raise ConfigError(f"distill.{changed[0]} = {getattr(d, changed[0])!r} is only read "
-                              "with distill.teacher (a teacher to learn from) or distill.cache "
-                              "(its cached outputs); set one, or drop the [distill] keys")
+            raise ConfigError(
+                f"distill.{changed[0]} = {getattr(d, changed[0])!r} is only read "
+                "with distill.teacher (a teacher to learn from) or distill.cache "
+                "(its cached outputs); set one, or drop the [distill] keys"
+            )
         if config.data.source == "sentences":
-            raise ConfigError("data.source = 'sentences' has no labels: it trains a student from "
-                              "a teacher; set distill.teacher (e.g. 'all-MiniLM-L6-v2')")
+            raise ConfigError(
+                "data.source = 'sentences' has no labels: it trains a student from "
+                "a teacher; set distill.teacher (e.g. 'all-MiniLM-L6-v2')"
+            )
         return
     if config.parallel.strategy == "ps":
-        raise ConfigError("distillation runs under parallel.strategy = 'collective' (data "
-                          "parallel, FSDP); the parameter-server strategy does not run a teacher")
+        raise ConfigError(
+            "distillation runs under parallel.strategy = 'collective' (data "
+            "parallel, FSDP); the parameter-server strategy does not run a teacher"
+        )
     if layout.tp > 1 or layout.pp > 1:
-        raise ConfigError(f"distillation with parallel.tp = {layout.tp}, parallel.pp = "
-                          f"{layout.pp}: the student's projections and the teacher run on whole "
-                          "examples; use data parallelism (dp, dp_shard) with [distill]")
+        raise ConfigError(
+            f"distillation with parallel.tp = {layout.tp}, parallel.pp = "
+            f"{layout.pp}: the student's projections and the teacher run on whole "
+            "examples; use data parallelism (dp, dp_shard) with [distill]"
+        )
     if d.teacher_sha256 and not re.fullmatch(r"[0-9a-fA-F]{64}", d.teacher_sha256):
-        raise ConfigError(f"distill.teacher_sha256 = {d.teacher_sha256!r} is not a SHA-256 "
-                          "(64 hexadecimal digits)")
+        raise ConfigError(
+            f"distill.teacher_sha256 = {d.teacher_sha256!r} is not a SHA-256 "
+            "(64 hexadecimal digits)"
+        )
     if d.init_layers and not d.teacher:
-        raise ConfigError(f"distill.init_layers = {d.init_layers} copies the teacher's layers: "
-                          "it needs distill.teacher (a cache holds outputs, not weights)")
+        raise ConfigError(
+            f"distill.init_layers = {d.init_layers} copies the teacher's layers: "
+            "it needs distill.teacher (a cache holds outputs, not weights)"
+        )
     if config.data.source == "sentences":
-        problem = encoder_loss_problem(hidden=d.hidden_weight, attention=d.attention_weight,
-                                       cosine=d.cosine_weight, cosine_on=d.cosine_on)
+        problem = encoder_loss_problem(
+            hidden=d.hidden_weight,
+            attention=d.attention_weight,
+            cosine=d.cosine_weight,
+            cosine_on=d.cosine_on,
+        )
         if problem:
             raise ConfigError(problem)
     try:
@@ -51,14 +68,21 @@ def check_distill_config(config: Config, layout: ParallelLayout) -> None:
     except UserError as e:  # TeacherError, CacheError: one-line user mistakes
         raise ConfigError(str(e)) from None
     if d.cosine_weight and d.cosine_on == "pooled" and config.model.name in ("mlp", "cnn", "gpt"):
-        raise ConfigError(f"distill.cosine_on = 'pooled' compares an encoder's mean-pooled hidden "
-                          f"states; model.name = {config.model.name!r} gives logits: use "
-                          "distill.cosine_on = 'logits'")
-    if (d.hidden_weight or d.attention_weight) and config.model.name != "hf" \
-            and ":" not in config.model.name:
-        raise ConfigError(f"distill.hidden_weight / attention_weight need a Hugging Face "
-                          f"student (model.name = 'hf'); model.name = {config.model.name!r} "
-                          "gives logits only")
+        raise ConfigError(
+            f"distill.cosine_on = 'pooled' compares an encoder's mean-pooled hidden "
+            f"states; model.name = {config.model.name!r} gives logits: use "
+            "distill.cosine_on = 'logits'"
+        )
+    if (
+        (d.hidden_weight or d.attention_weight)
+        and config.model.name != "hf"
+        and ":" not in config.model.name
+    ):
+        raise ConfigError(
+            f"distill.hidden_weight / attention_weight need a Hugging Face "
+            f"student (model.name = 'hf'); model.name = {config.model.name!r} "
+            "gives logits only"
+        )
 
 
 def _check_paths(config) -> None:
@@ -79,25 +103,33 @@ def _check_paths(config) -> None:
     if d.cache:
         from scaletrain.distill.cache import check_cache_teacher, read_info
 
-        check_cache_teacher(read_info(d.cache), cache_dir=d.cache,
-                            teacher_sha256=None if d.teacher else d.teacher_sha256 or None,
-                            teacher_key="distill.teacher_sha256")
+        check_cache_teacher(
+            read_info(d.cache),
+            cache_dir=d.cache,
+            teacher_sha256=None if d.teacher else d.teacher_sha256 or None,
+            teacher_key="distill.teacher_sha256",
+        )
 
 
-def encoder_loss_problem(*, hidden: float, attention: float, cosine: float,
-                         cosine_on: str) -> str | None:
+def encoder_loss_problem(
+    *, hidden: float, attention: float, cosine: float, cosine_on: str
+) -> str | None:
     """Why these [distill] weights give an encoder (data kind "encode": no labels, no logits)
     no loss, or None. The KL (alpha) and a cosine on logits read logits, which an encoder
     lacks; with no hidden, attention or pooled-cosine term the loss would be a constant zero
     with no gradient, which the first backward rejects with a traceback. Called before
     launch for data.source = 'sentences' and by distill/build.py for any encoder data."""
     if cosine > 0 and cosine_on == "logits":
-        return ("distill.cosine_on = 'logits' compares logits, and a sentence encoder (data "
-                "kind 'encode') gives none: use distill.cosine_on = 'pooled'")
+        return (
+            "distill.cosine_on = 'logits' compares logits, and a sentence encoder (data "
+            "kind 'encode') gives none: use distill.cosine_on = 'pooled'"
+        )
     if hidden == 0 and attention == 0 and cosine == 0:
-        return ("a sentence encoder (data kind 'encode', e.g. data.source = 'sentences') has no "
-                "labels and gives no logits, so distill.alpha (the soft-target KL) has nothing to "
-                "compare; with distill.hidden_weight = 0.0, distill.attention_weight = 0.0 and "
-                "distill.cosine_weight = 0.0 the loss would be zero with no gradient: set at "
-                "least one of them > 0 (e.g. distill.cosine_weight = 1.0)")
+        return (
+            "a sentence encoder (data kind 'encode', e.g. data.source = 'sentences') has no "
+            "labels and gives no logits, so distill.alpha (the soft-target KL) has nothing to "
+            "compare; with distill.hidden_weight = 0.0, distill.attention_weight = 0.0 and "
+            "distill.cosine_weight = 0.0 the loss would be zero with no gradient: set at "
+            "least one of them > 0 (e.g. distill.cosine_weight = 1.0)"
+        )
     return None

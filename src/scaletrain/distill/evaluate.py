@@ -59,8 +59,27 @@ SCORE_KEYS: dict[str, str] = {
     "polarity": "accuracy",
 }
 POOLINGS = ("mean", "cls")
-_ABBREVIATIONS = {"mr", "mrs", "ms", "dr", "st", "jr", "sr", "gen", "col", "lt", "sen", "rep",
-                  "prof", "gov", "sgt", "capt", "no", "vs", "mt"}
+_ABBREVIATIONS = {
+    "mr",
+    "mrs",
+    "ms",
+    "dr",
+    "st",
+    "jr",
+    "sr",
+    "gen",
+    "col",
+    "lt",
+    "sen",
+    "rep",
+    "prof",
+    "gov",
+    "sgt",
+    "capt",
+    "no",
+    "vs",
+    "mt",
+}
 
 
 # ---------------------------------------------------------------------------- encoders
@@ -98,12 +117,15 @@ def hf_encoder(
         model = model_dir_or_module
     else:
         if not any(Path(model_dir_or_module).glob("*.safetensors")):
-            raise ValueError(f"{str(model_dir_or_module)!r} has no *.safetensors weights: only "
-                             "safetensors are loaded (a pickle such as pytorch_model.bin can "
-                             "run code when loaded)")
+            raise ValueError(
+                f"{str(model_dir_or_module)!r} has no *.safetensors weights: only "
+                "safetensors are loaded (a pickle such as pytorch_model.bin can "
+                "run code when loaded)"
+            )
         # use_safetensors: never fall back to a pickle beside the safetensors.
-        model = AutoModel.from_pretrained(str(model_dir_or_module), local_files_only=True,
-                                          use_safetensors=True, dtype=dtype)
+        model = AutoModel.from_pretrained(
+            str(model_dir_or_module), local_files_only=True, use_safetensors=True, dtype=dtype
+        )
         model.eval()
 
     def encode(texts: list[str]) -> np.ndarray:
@@ -117,9 +139,12 @@ def hf_encoder(
         try:
             with torch.inference_mode():
                 for start in range(0, len(order), batch_size):
-                    batch = [texts[i] for i in order[start:start + batch_size]]
-                    chunks.append(_embed_batch(model, tokenizer, batch, device=device,
-                                               max_len=max_len, pooling=pooling))
+                    batch = [texts[i] for i in order[start : start + batch_size]]
+                    chunks.append(
+                        _embed_batch(
+                            model, tokenizer, batch, device=device, max_len=max_len, pooling=pooling
+                        )
+                    )
         finally:
             model.train(was_training)
         if not chunks:
@@ -132,8 +157,15 @@ def hf_encoder(
     return encode
 
 
-def _embed_batch(model: torch.nn.Module, tokenizer, texts: list[str], *, device: torch.device,
-                 max_len: int, pooling: str) -> np.ndarray:
+def _embed_batch(
+    model: torch.nn.Module,
+    tokenizer,
+    texts: list[str],
+    *,
+    device: torch.device,
+    max_len: int,
+    pooling: str,
+) -> np.ndarray:
     """Pooled embeddings of one batch, as float64 numpy ``(B, D)``."""
     enc = tokenizer(texts, padding=True, truncation=True, max_length=max_len, return_tensors="pt")
     ids = enc["input_ids"].to(device)  # (B, T)
@@ -251,8 +283,11 @@ def _split_sentences(doc: str) -> list[str]:
 def _background_sentences() -> tuple[str, ...]:
     """All distinct sentences of >= 5 words, round-robin over documents: every document's first
     sentence, then every second one, and so on, so that a prefix covers many news stories."""
-    per_doc = [[s for s in _split_sentences(d) if len(s.split()) >= 5]
-               for d in _read_text("lee_background.cor").splitlines() if d.strip()]
+    per_doc = [
+        [s for s in _split_sentences(d) if len(s.split()) >= 5]
+        for d in _read_text("lee_background.cor").splitlines()
+        if d.strip()
+    ]
     seen: dict[str, None] = {}
     for k in range(max(map(len, per_doc))):
         for sents in per_doc:
@@ -350,7 +385,9 @@ def mean_cosine(student: Encode, teacher: Encode, texts: list[str]) -> float:
     s = np.asarray(student(list(texts)), dtype=np.float64)  # (N, D)
     t = np.asarray(teacher(list(texts)), dtype=np.float64)  # (N, D)
     if s.shape != t.shape:
-        raise ValueError(f"student embeddings {s.shape} and teacher embeddings {t.shape} differ in shape")
+        raise ValueError(
+            f"student embeddings {s.shape} and teacher embeddings {t.shape} differ in shape"
+        )
     return float(np.einsum("nd,nd->n", _unit(s), _unit(t)).mean())
 
 

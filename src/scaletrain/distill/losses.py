@@ -33,9 +33,14 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def soft_target_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *,
-                   temperature: float, teacher_index: torch.Tensor | None = None,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+def soft_target_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    temperature: float,
+    teacher_index: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """T^2 x KL(softmax(teacher / T) || softmax(student / T)), summed over examples (or tokens).
 
     Args:
@@ -56,8 +61,9 @@ def soft_target_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
     return per_item.sum() * (t * t)
 
 
-def hidden_mse(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, *,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
+def hidden_mse(
+    student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, *, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per example: mean over its unmasked tokens and the D features of the squared error; summed.
 
     Args:
@@ -72,8 +78,9 @@ def hidden_mse(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, *,
     return ((sq * m).sum(-1) / m.sum(-1).clamp_min(1)).sum()
 
 
-def attention_mse(student_attn: torch.Tensor, teacher_attn: torch.Tensor, *,
-                  mask: torch.Tensor | None = None) -> torch.Tensor:
+def attention_mse(
+    student_attn: torch.Tensor, teacher_attn: torch.Tensor, *, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per example: mean over heads and unmasked (query, key) pairs of the squared error; summed.
 
     Args:
@@ -89,8 +96,9 @@ def attention_mse(student_attn: torch.Tensor, teacher_attn: torch.Tensor, *,
     return ((sq * pairs).sum((-2, -1)) / pairs.sum((-2, -1)).clamp_min(1)).sum()
 
 
-def cosine_loss(student: torch.Tensor, teacher: torch.Tensor, *,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+def cosine_loss(
+    student: torch.Tensor, teacher: torch.Tensor, *, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Sum over examples of 1 - cos(student_i, teacher_i); inputs (B, D), or (B, T, D) per token.
 
     Args:
@@ -117,5 +125,6 @@ def uniform_layer_map(student_layers: int, teacher_layers: int) -> list[int]:
     """TinyBERT's map g(m) = m x N / M: student layer m (1..M) learns teacher layer g(m)
     (rounded, and at least 1: a layer never learns the embeddings, which have no attention
     map), and the embeddings (0) learn the teacher's embeddings (0). Returns M + 1 entries."""
-    return [0] + [max(1, round(m * teacher_layers / student_layers))
-                  for m in range(1, student_layers + 1)]
+    return [0] + [
+        max(1, round(m * teacher_layers / student_layers)) for m in range(1, student_layers + 1)
+    ]

@@ -28,8 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from scaletrain.data.sources import IGNORE_INDEX, Batch
-from scaletrain.distill.losses import (attention_mse, cosine_loss, hidden_mse, mean_pool,
-                                       soft_target_kl)
+from scaletrain.distill.losses import (
+    attention_mse,
+    cosine_loss,
+    hidden_mse,
+    mean_pool,
+    soft_target_kl,
+)
 from scaletrain.distill.student import StudentOutput
 from scaletrain.distill.teacher import Teacher, run_teacher
 from scaletrain.loss import LossFn
@@ -57,16 +62,22 @@ class Needs:
     attentions: tuple[int, ...]  # teacher blocks (1-based, as states)
 
     def keys(self) -> list[str]:
-        return ((["logits"] if self.logits else []) + (["pooled"] if self.pooled else [])
-                + [f"hidden.{i}" for i in self.hidden] + [f"attn.{i}" for i in self.attentions])
+        return (
+            (["logits"] if self.logits else [])
+            + (["pooled"] if self.pooled else [])
+            + [f"hidden.{i}" for i in self.hidden]
+            + [f"attn.{i}" for i in self.attentions]
+        )
 
 
 def needs_of(w: Weights, *, task_kind: str, layer_map: list[int]) -> Needs:
     logit_task = task_kind in LOGIT_KINDS
-    return Needs(logits=logit_task and (w.alpha > 0 or (w.cosine > 0 and w.cosine_on == "logits")),
-                 pooled=w.cosine > 0 and w.cosine_on == "pooled",
-                 hidden=tuple(sorted(set(layer_map))) if w.hidden > 0 else (),
-                 attentions=tuple(sorted(set(layer_map[1:]))) if w.attention > 0 else ())
+    return Needs(
+        logits=logit_task and (w.alpha > 0 or (w.cosine > 0 and w.cosine_on == "logits")),
+        pooled=w.cosine > 0 and w.cosine_on == "pooled",
+        hidden=tuple(sorted(set(layer_map))) if w.hidden > 0 else (),
+        attentions=tuple(sorted(set(layer_map[1:]))) if w.attention > 0 else (),
+    )
 
 
 def teacher_targets(teacher: Teacher, batch: Batch, needs: Needs) -> dict[str, torch.Tensor]:
@@ -89,8 +100,13 @@ def teacher_targets(teacher: Teacher, batch: Batch, needs: Needs) -> dict[str, t
 # normalised like the loss: loss = (1 - alpha) x hard_loss + alpha x distill/kl
 # + hidden_weight x distill/hidden + attention_weight x distill/attention
 # + cosine_weight x distill/cosine. distill/kl includes the T^2 factor.
-HARD, KL, HIDDEN, ATTENTION, COSINE = ("hard_loss", "distill/kl", "distill/hidden",
-                                       "distill/attention", "distill/cosine")
+HARD, KL, HIDDEN, ATTENTION, COSINE = (
+    "hard_loss",
+    "distill/kl",
+    "distill/hidden",
+    "distill/attention",
+    "distill/cosine",
+)
 
 
 class LossTerms:
@@ -124,9 +140,17 @@ def take_terms(loss_fn: LossFn) -> dict[str, float]:
 def term_names(w: Weights, *, task_kind: str) -> tuple[str, ...]:
     """The terms a run's loss has, in the order of the objective's formula."""
     logit_task = task_kind in LOGIT_KINDS
-    return tuple(name for name, on in (
-        (HARD, logit_task and w.alpha < 1), (KL, logit_task and w.alpha > 0),
-        (HIDDEN, w.hidden > 0), (ATTENTION, w.attention > 0), (COSINE, w.cosine > 0)) if on)
+    return tuple(
+        name
+        for name, on in (
+            (HARD, logit_task and w.alpha < 1),
+            (KL, logit_task and w.alpha > 0),
+            (HIDDEN, w.hidden > 0),
+            (ATTENTION, w.attention > 0),
+            (COSINE, w.cosine > 0),
+        )
+        if on
+    )
 
 
 class DistillationLoss:
@@ -141,8 +165,16 @@ class DistillationLoss:
         task_kind: the data's kind.
     """
 
-    def __init__(self, hard: LossFn | None, *, teacher: Teacher | None, weights: Weights,
-                 needs: Needs, layer_map: list[int], task_kind: str) -> None:
+    def __init__(
+        self,
+        hard: LossFn | None,
+        *,
+        teacher: Teacher | None,
+        weights: Weights,
+        needs: Needs,
+        layer_map: list[int],
+        task_kind: str,
+    ) -> None:
         self.hard, self.teacher, self.w, self.needs = hard, teacher, weights, needs
         self.layer_map, self.task_kind = layer_map, task_kind
         self.terms = LossTerms(term_names(weights, task_kind=task_kind))
@@ -150,8 +182,13 @@ class DistillationLoss:
     def __call__(self, output: StudentOutput, batch: Batch) -> tuple[torch.Tensor, int]:
         w = self.w
         terms = self.unweighted(output, batch)
-        weight = {HARD: 1 - w.alpha, KL: w.alpha, HIDDEN: w.hidden, ATTENTION: w.attention,
-                  COSINE: w.cosine}
+        weight = {
+            HARD: 1 - w.alpha,
+            KL: w.alpha,
+            HIDDEN: w.hidden,
+            ATTENTION: w.attention,
+            COSINE: w.cosine,
+        }
         total = torch.zeros((), device=batch.targets.device)
         for name, value in terms.items():
             total = total + weight[name] * value
@@ -170,14 +207,23 @@ class DistillationLoss:
             if w.alpha < 1:
                 terms[HARD] = self.hard(output, batch)[0]
             if w.alpha > 0:
-                terms[KL] = soft_target_kl(output.logits, t["logits"], temperature=w.temperature,
-                                           teacher_index=t.get("logits_index"), mask=lm_mask)
+                terms[KL] = soft_target_kl(
+                    output.logits,
+                    t["logits"],
+                    temperature=w.temperature,
+                    teacher_index=t.get("logits_index"),
+                    mask=lm_mask,
+                )
         if w.hidden > 0:
-            terms[HIDDEN] = sum(hidden_mse(state, t[f"hidden.{layer_map[m]}"], mask=mask)
-                                for m, state in output.hidden.items())
+            terms[HIDDEN] = sum(
+                hidden_mse(state, t[f"hidden.{layer_map[m]}"], mask=mask)
+                for m, state in output.hidden.items()
+            )
         if w.attention > 0:
-            terms[ATTENTION] = sum(attention_mse(attn, t[f"attn.{layer_map[m]}"], mask=mask)
-                                   for m, attn in output.attentions.items())
+            terms[ATTENTION] = sum(
+                attention_mse(attn, t[f"attn.{layer_map[m]}"], mask=mask)
+                for m, attn in output.attentions.items()
+            )
         if w.cosine > 0:
             if w.cosine_on == "pooled":
                 terms[COSINE] = cosine_loss(mean_pool(output.last_hidden, mask), t["pooled"])
@@ -186,8 +232,21 @@ class DistillationLoss:
         return terms
 
 
-def distillation_loss(hard: LossFn | None, *, teacher: Teacher | None, weights: Weights,
-                      needs: Needs, layer_map: list[int], task_kind: str) -> DistillationLoss:
+def distillation_loss(
+    hard: LossFn | None,
+    *,
+    teacher: Teacher | None,
+    weights: Weights,
+    needs: Needs,
+    layer_map: list[int],
+    task_kind: str,
+) -> DistillationLoss:
     """The combined loss (see `DistillationLoss`)."""
-    return DistillationLoss(hard, teacher=teacher, weights=weights, needs=needs,
-                            layer_map=layer_map, task_kind=task_kind)
+    return DistillationLoss(
+        hard,
+        teacher=teacher,
+        weights=weights,
+        needs=needs,
+        layer_map=layer_map,
+        task_kind=task_kind,
+    )

@@ -50,29 +50,51 @@ torch.utils._pytree.register_dataclass(StudentOutput)
 class Distilled(nn.Module):
     """The student and its hidden-state projections, trained together."""
 
-    def __init__(self, student: nn.Module, *, layer_map: list[int], teacher_width: int,
-                 hidden: bool, attentions: bool, hugging_face: bool) -> None:
+    def __init__(
+        self,
+        student: nn.Module,
+        *,
+        layer_map: list[int],
+        teacher_width: int,
+        hidden: bool,
+        attentions: bool,
+        hugging_face: bool,
+    ) -> None:
         super().__init__()
         self.student = student
         self.layer_map, self.want_hidden, self.want_attn = layer_map, hidden, attentions
         self.hugging_face = hugging_face
         width = _width(student) if hidden else 0
-        self.proj = nn.ModuleList(_projection(width, teacher_width) for _ in layer_map) \
-            if hidden else nn.ModuleList()
+        self.proj = (
+            nn.ModuleList(_projection(width, teacher_width) for _ in layer_map)
+            if hidden
+            else nn.ModuleList()
+        )
 
     def forward(self, inputs: torch.Tensor, **extras) -> StudentOutput:
         if not self.hugging_face:
             out = self.student(inputs, **extras)
-            return StudentOutput(logits=out if isinstance(out, torch.Tensor) else out.logits,
-                                 last_hidden=None)
-        out = self.student(inputs, output_hidden_states=self.want_hidden,
-                           output_attentions=self.want_attn, **extras)
+            return StudentOutput(
+                logits=out if isinstance(out, torch.Tensor) else out.logits, last_hidden=None
+            )
+        out = self.student(
+            inputs,
+            output_hidden_states=self.want_hidden,
+            output_attentions=self.want_attn,
+            **extras,
+        )
         logits = getattr(out, "logits", None)
         last = None if logits is not None else out.last_hidden_state
-        hidden = {m: self.proj[m](out.hidden_states[m]) for m in range(len(self.layer_map))} \
-            if self.want_hidden else {}
-        attn = {m: out.attentions[m - 1] for m in range(1, len(self.layer_map))} \
-            if self.want_attn else {}
+        hidden = (
+            {m: self.proj[m](out.hidden_states[m]) for m in range(len(self.layer_map))}
+            if self.want_hidden
+            else {}
+        )
+        attn = (
+            {m: out.attentions[m - 1] for m in range(1, len(self.layer_map))}
+            if self.want_attn
+            else {}
+        )
         return StudentOutput(logits=logits, last_hidden=last, hidden=hidden, attentions=attn)
 
 
@@ -91,8 +113,10 @@ def _width(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     width = getattr(config, "hidden_size", None)
     if width is None:
-        raise UserCodeError("distill.hidden_weight > 0 needs the student's hidden size "
-                            "(config.hidden_size of a Hugging Face model)")
+        raise UserCodeError(
+            "distill.hidden_weight > 0 needs the student's hidden size "
+            "(config.hidden_size of a Hugging Face model)"
+        )
     return int(width)
 
 
@@ -100,31 +124,40 @@ def n_blocks(model: nn.Module) -> int:
     """The number of repeated blocks (layers) of a model, from its ModelSpec."""
     spec = model_spec(model)
     if spec.blocks is None:
-        raise UserCodeError(f"{type(model).__name__} has no repeated blocks to map or copy "
-                            "(a ModelSpec's blocks); the layer map and init_layers need them")
+        raise UserCodeError(
+            f"{type(model).__name__} has no repeated blocks to map or copy "
+            "(a ModelSpec's blocks); the layer map and init_layers need them"
+        )
     return len(model.get_submodule(spec.blocks))
 
 
-def resolve_layer_map(layer_map: list[int], *, student_layers: int, teacher_layers: int,
-                      attention: bool = False) -> list[int]:
+def resolve_layer_map(
+    layer_map: list[int], *, student_layers: int, teacher_layers: int, attention: bool = False
+) -> list[int]:
     """distill.layer_map checked, or the uniform map: M + 1 entries, each a teacher state 0..N
     (under the attention loss, a student layer's entry 1..N: the embeddings have no attention
     map). Any order is allowed (a student layer may learn any teacher layer)."""
     mapping = list(layer_map) or uniform_layer_map(student_layers, teacher_layers)
     if len(mapping) != student_layers + 1:
-        raise UserCodeError(f"distill.layer_map = {layer_map} has {len(mapping)} entries; the "
-                            f"student has {student_layers} layers, so it needs "
-                            f"{student_layers + 1} (the embeddings' state first, then one per "
-                            f"layer), each a teacher state 0..{teacher_layers}")
+        raise UserCodeError(
+            f"distill.layer_map = {layer_map} has {len(mapping)} entries; the "
+            f"student has {student_layers} layers, so it needs "
+            f"{student_layers + 1} (the embeddings' state first, then one per "
+            f"layer), each a teacher state 0..{teacher_layers}"
+        )
     bad = [t for t in mapping if not 0 <= t <= teacher_layers]
     if bad:
-        raise UserCodeError(f"distill.layer_map = {mapping}: entries {bad} are not teacher "
-                            f"states 0..{teacher_layers} (0 = embeddings)")
+        raise UserCodeError(
+            f"distill.layer_map = {mapping}: entries {bad} are not teacher "
+            f"states 0..{teacher_layers} (0 = embeddings)"
+        )
     if attention and 0 in mapping[1:]:
-        raise UserCodeError(f"distill.layer_map = {mapping} maps a student layer to the teacher's "
-                            "embeddings (0), which have no attention map for "
-                            "distill.attention_weight; give student layers 1.."
-                            f"{teacher_layers}")
+        raise UserCodeError(
+            f"distill.layer_map = {mapping} maps a student layer to the teacher's "
+            "embeddings (0), which have no attention map for "
+            "distill.attention_weight; give student layers 1.."
+            f"{teacher_layers}"
+        )
     return mapping
 
 
@@ -140,15 +173,17 @@ def init_from_teacher(student: nn.Module, teacher: nn.Module, layers: list[int])
     s_blocks = student.get_submodule(model_spec(student).blocks or "")
     t_blocks = teacher.get_submodule(model_spec(teacher).blocks or "")
     if len(layers) != len(s_blocks) or not all(0 <= i < len(t_blocks) for i in layers):
-        raise UserCodeError(f"distill.init_layers = {layers}: the student has {len(s_blocks)} "
-                            f"blocks (one teacher block each) and the teacher {len(t_blocks)} "
-                            f"(0..{len(t_blocks) - 1})")
+        raise UserCodeError(
+            f"distill.init_layers = {layers}: the student has {len(s_blocks)} "
+            f"blocks (one teacher block each) and the teacher {len(t_blocks)} "
+            f"(0..{len(t_blocks) - 1})"
+        )
     s_prefix, t_prefix = model_spec(student).blocks + ".", model_spec(teacher).blocks + "."
     t_params = dict(teacher.state_dict())
     plan: dict[str, torch.Tensor] = {}
     for name, p in student.state_dict().items():
         if name.startswith(s_prefix):
-            index, rest = name[len(s_prefix):].split(".", 1)
+            index, rest = name[len(s_prefix) :].split(".", 1)
             source = f"{t_prefix}{layers[int(index)]}.{rest}"
         else:
             source = name
@@ -156,9 +191,11 @@ def init_from_teacher(student: nn.Module, teacher: nn.Module, layers: list[int])
         if t is None:
             continue
         if t.shape != p.shape:
-            raise UserCodeError(f"distill.init_layers: the student's {name} is {tuple(p.shape)} "
-                                f"but the teacher's {source} is {tuple(t.shape)}; initialising "
-                                "from teacher layers needs the teacher's widths")
+            raise UserCodeError(
+                f"distill.init_layers: the student's {name} is {tuple(p.shape)} "
+                f"but the teacher's {source} is {tuple(t.shape)}; initialising "
+                "from teacher layers needs the teacher's widths"
+            )
         plan[name] = t
     if not any(n.startswith(s_prefix) for n in plan):
         raise UserCodeError("distill.init_layers: no student block weight matches the teacher's")
@@ -168,8 +205,9 @@ def init_from_teacher(student: nn.Module, teacher: nn.Module, layers: list[int])
     return sorted(plan)
 
 
-def student_weights(net: nn.Module, weights: dict[str, torch.Tensor] | None
-                    ) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
+def student_weights(
+    net: nn.Module, weights: dict[str, torch.Tensor] | None
+) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
     """The student alone (and its gathered weights' names without the 'student.' prefix)."""
     if not isinstance(net, Distilled):
         return net, weights
@@ -180,6 +218,7 @@ def strip_wrapper(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Distilled module's weights as the bare student's: 'student.' removed, projections
     dropped. Other weights (a run without [distill]) are returned as they are."""
     if not all(k.startswith(("student.", "proj.")) for k in weights) or not any(
-            k.startswith("student.") for k in weights):
+        k.startswith("student.") for k in weights
+    ):
         return weights  # not a Distilled module's: a model that merely has a "student" part
     return {k.removeprefix("student."): v for k, v in weights.items() if k.startswith("student.")}

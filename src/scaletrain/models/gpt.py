@@ -69,7 +69,8 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape  # (B, T, C)
         # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
         q, k, v = (  # 3 x (B, nh, T, hs)
-            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v)
+            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q, self.k, self.v)
         )
         y = F.scaled_dot_product_attention(  # (B, nh, T, hs)
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
@@ -114,16 +115,26 @@ class GPT(nn.Module):
     # into the residual stream by rows), and the ends a pipeline's first and last stage keep.
     scaletrain_spec = ModelSpec(
         blocks="blocks",
-        tp_plan={"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
-                 "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
-                 "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"},
-        pipeline=PipelineSplit(first=("tok_emb", "pos_emb"), blocks="blocks",
-                               last=("ln_f", "lm_head")),
+        tp_plan={
+            "blocks.*.attn.q": "colwise",
+            "blocks.*.attn.k": "colwise",
+            "blocks.*.attn.v": "colwise",
+            "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.fc": "colwise",
+            "blocks.*.mlp.proj": "rowwise",
+        },
+        pipeline=PipelineSplit(
+            first=("tok_emb", "pos_emb"), blocks="blocks", last=("ln_f", "lm_head")
+        ),
         # Sequence parallelism: the stream is split by positions after the embeddings'
         # dropout, every norm runs on its share, attention and the MLP gather it back, and
         # the head gathers the last norm's output (logits come out whole on every rank).
-        sequence=SequenceSplit(enter="drop", norms=("blocks.*.ln_1", "blocks.*.ln_2", "ln_f"),
-                               gather=("blocks.*.attn", "blocks.*.mlp"), head="lm_head"),
+        sequence=SequenceSplit(
+            enter="drop",
+            norms=("blocks.*.ln_1", "blocks.*.ln_2", "ln_f"),
+            gather=("blocks.*.attn", "blocks.*.mlp"),
+            head="lm_head",
+        ),
     )
 
     def __init__(
@@ -143,7 +154,9 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(block_size, shape.n_embd)
         self.drop = nn.Dropout(dropout)
         block = dict(n_embd=shape.n_embd, n_head=shape.n_head, dropout=dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(**block) for i in range(shape.n_layer)})  # "0".."L-1"
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(**block) for i in range(shape.n_layer)}
+        )  # "0".."L-1"
         self.ln_f = nn.LayerNorm(shape.n_embd)
         self.lm_head = nn.Linear(shape.n_embd, vocab_size, bias=False)  # untied: safetensors
         self._init_weights(n_layer=shape.n_layer)
@@ -155,7 +168,9 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         for name, param in self.named_parameters():
-            if name.endswith("proj.weight"):  # attn.proj and mlp.proj write into the residual stream
+            if name.endswith(
+                "proj.weight"
+            ):  # attn.proj and mlp.proj write into the residual stream
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +182,9 @@ class GPT(nn.Module):
         if self.tok_emb is not None:
             T = x.shape[1]
             if T > self.block_size:
-                raise ValueError(f"sequence of {T} tokens is longer than block_size {self.block_size}")
+                raise ValueError(
+                    f"sequence of {T} tokens is longer than block_size {self.block_size}"
+                )
             pos = torch.arange(T, device=x.device)  # (T,)
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))  # (B, T, C) + (T, C)
         for block in self.blocks.values():

@@ -39,8 +39,9 @@ import difflib
 import fnmatch
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,9 +51,11 @@ from scaletrain.models.spec import TP_STYLES, ModelSpec, PipelineSplit, check_sp
 from scaletrain.user_code import UserCodeError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-CONVERT_HINT = ("convert it once, in a trusted environment, with `AutoModelForCausalLM."
-                "from_pretrained(dir).save_pretrained(new_dir)` (transformers 5 writes "
-                "safetensors) and point model.path at new_dir, or move the pickle files out")
+CONVERT_HINT = (
+    "convert it once, in a trusted environment, with `AutoModelForCausalLM."
+    "from_pretrained(dir).save_pretrained(new_dir)` (transformers 5 writes "
+    "safetensors) and point model.path at new_dir, or move the pickle files out"
+)
 TEXT_SOURCES = "data.source = 'wikitext', 'wikitext-paragraphs', 'synthetic-text', or text shards"
 
 
@@ -62,8 +65,14 @@ class HFModelError(UserCodeError):
     in the user's own model)."""
 
 
-def build_hf_model(*, path: str, hf_config: str, kwargs: dict[str, Any],
-                   task: TaskSpec, dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_hf_model(
+    *,
+    path: str,
+    hf_config: str,
+    kwargs: dict[str, Any],
+    task: TaskSpec,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     """A causal LM for `task`: loaded from a local directory, or built from a config.
 
     Args:
@@ -84,22 +93,31 @@ def build_hf_model(*, path: str, hf_config: str, kwargs: dict[str, Any],
             is no causal LM, or one too small for the data's vocabulary or sequence length.
     """
     if bool(path) == bool(hf_config):
-        raise HFModelError("model.name = 'hf' needs exactly one of model.path (a local model "
-                           "directory) and model.hf_config (a config.json or a config class); "
-                           f"got path = {path!r}, hf_config = {hf_config!r}")
+        raise HFModelError(
+            "model.name = 'hf' needs exactly one of model.path (a local model "
+            "directory) and model.hf_config (a config.json or a config class); "
+            f"got path = {path!r}, hf_config = {hf_config!r}"
+        )
     if path and kwargs:
-        raise HFModelError(f"model.kwargs = {kwargs!r} is only read with model.hf_config; a "
-                           "model directory (model.path) brings its own config.json")
+        raise HFModelError(
+            f"model.kwargs = {kwargs!r} is only read with model.hf_config; a "
+            "model directory (model.path) brings its own config.json"
+        )
     if task.kind not in ("lm", "encode"):
         raise HFModelError(
             "model.name = 'hf' trains causal language models on text (data kind 'lm'); the "
             f"data are {task.kind!r} (input shape {task.input_shape}). Choose a text source "
-            f"({TEXT_SOURCES}), or a built-in model (mlp, cnn) for these data")
+            f"({TEXT_SOURCES}), or a built-in model (mlp, cnn) for these data"
+        )
     transformers = _import_transformers()
     if path:
         weights_dir = _check_model_dir(path)
-        config = _call(f"model.path = {path!r}", lambda: transformers.AutoConfig.from_pretrained(
-            str(weights_dir), local_files_only=True, trust_remote_code=False))
+        config = _call(
+            f"model.path = {path!r}",
+            lambda: transformers.AutoConfig.from_pretrained(
+                str(weights_dir), local_files_only=True, trust_remote_code=False
+            ),
+        )
         origin = _Origin(f"model.path = {path!r} (its config.json)", {}, pretrained=True)
     else:
         config = _config_from(hf_config, kwargs, transformers)
@@ -117,11 +135,14 @@ def build_hf_model(*, path: str, hf_config: str, kwargs: dict[str, Any],
     # keeps fp32 master weights and casts in its precision policy. (5.x renamed torch_dtype
     # to dtype; the old name still works but warns.)
     if path:
-        model = _load_pretrained(auto, weights_dir, config=config, where=f"model.path = {path!r}",
-                                 dtype=dtype)
+        model = _load_pretrained(
+            auto, weights_dir, config=config, where=f"model.path = {path!r}", dtype=dtype
+        )
     else:
-        model = _call(f"model.hf_config = {hf_config!r}", lambda: auto.from_config(
-            config, trust_remote_code=False, dtype=dtype))
+        model = _call(
+            f"model.hf_config = {hf_config!r}",
+            lambda: auto.from_config(config, trust_remote_code=False, dtype=dtype),
+        )
     # Training never reuses past keys and values; a KV cache only costs memory. Attention
     # stays at HF's default ("sdpa"), which runs forward and backward in float64 on CPU, so
     # the parity tests need no "eager" fallback.
@@ -140,14 +161,23 @@ def hf_spec(model: nn.Module) -> ModelSpec:
     output head. A field whose metadata is missing is None.
     """
     base = _base_model_path(model)
-    spec = ModelSpec(blocks=_hf_blocks(model), tp_plan=_hf_tp_plan(model, base),
-                     pipeline=_hf_pipeline(model, base), source="hugging-face")
+    spec = ModelSpec(
+        blocks=_hf_blocks(model),
+        tp_plan=_hf_tp_plan(model, base),
+        pipeline=_hf_pipeline(model, base),
+        source="hugging-face",
+    )
     check_spec(model, spec)
     return spec
 
 
-def save_hf(model: nn.Module, out_dir: Path, *, state_dict: dict | None = None,
-            tokenizer_dir: Path | None = None) -> Path:
+def save_hf(
+    model: nn.Module,
+    out_dir: Path,
+    *,
+    state_dict: dict | None = None,
+    tokenizer_dir: Path | None = None,
+) -> Path:
     """Write `model` as a Hugging Face directory (config.json + safetensors) and return it.
 
     `build_hf_model(path=out_dir, ...)` and `AutoModelForCausalLM.from_pretrained(out_dir)`
@@ -163,8 +193,9 @@ def save_hf(model: nn.Module, out_dir: Path, *, state_dict: dict | None = None,
     """
     out_dir = Path(out_dir)
     if out_dir.is_file():  # save_pretrained only logs this and returns
-        raise HFModelError(f"cannot save the model to {str(out_dir)!r}: it is a file, not a "
-                           "directory")
+        raise HFModelError(
+            f"cannot save the model to {str(out_dir)!r}: it is a file, not a directory"
+        )
     # 5.x always writes safetensors: `safe_serialization` is no longer a parameter (it
     # would fall silently into **kwargs), so the format is checked afterwards instead.
     # The saved config says use_cache = True, as HF's inference expects: the cache is
@@ -177,16 +208,21 @@ def save_hf(model: nn.Module, out_dir: Path, *, state_dict: dict | None = None,
         config.use_cache = use_cache
     pickles = sorted(p.name for p in out_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles or not any(out_dir.glob("*.safetensors")):
-        raise HFModelError(f"save_pretrained wrote {pickles or 'no safetensors weights'} in "
-                           f"{str(out_dir)!r}; scaletrain writes only safetensors")
+        raise HFModelError(
+            f"save_pretrained wrote {pickles or 'no safetensors weights'} in "
+            f"{str(out_dir)!r}; scaletrain writes only safetensors"
+        )
     if tokenizer_dir is not None:
         tokenizer = _import_transformers().AutoTokenizer.from_pretrained(
-            str(tokenizer_dir), local_files_only=True)
+            str(tokenizer_dir), local_files_only=True
+        )
         tokenizer.save_pretrained(out_dir)
         if model.get_output_embeddings() is None:  # an encoder: its sentence embedding
-            _save_mean_pooling(out_dir, width=int(config.hidden_size),
-                               max_len=min(int(config.max_position_embeddings),
-                                           int(tokenizer.model_max_length)))
+            _save_mean_pooling(
+                out_dir,
+                width=int(config.hidden_size),
+                max_len=min(int(config.max_position_embeddings), int(tokenizer.model_max_length)),
+            )
     return out_dir
 
 
@@ -194,17 +230,33 @@ def _save_mean_pooling(out_dir: Path, *, width: int, max_len: int) -> None:
     """sentence-transformers' description of the encoder: the transformer, then the mean over
     the attention mask, the pooling every distillation loss and `scaletrain eval` use (no
     normalisation: cosines ignore the scale)."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
     (out_dir / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
-    (out_dir / "sentence_bert_config.json").write_text(json.dumps(
-        {"max_seq_length": max_len, "do_lower_case": False}, indent=2) + "\n")
+    (out_dir / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": max_len, "do_lower_case": False}, indent=2) + "\n"
+    )
     (out_dir / "1_Pooling").mkdir(exist_ok=True)
-    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": width, "pooling_mode_cls_token": False,
-         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
-         "pooling_mode_mean_sqrt_len_tokens": False}, indent=2) + "\n")
+    (out_dir / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": width,
+                "pooling_mode_cls_token": False,
+                "pooling_mode_mean_tokens": True,
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_mean_sqrt_len_tokens": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 # ----------------------------------------------------------------------------- loading
@@ -217,8 +269,9 @@ def _import_transformers():
     try:
         import transformers
     except ImportError as e:
-        raise HFModelError("model.name = 'hf' needs the transformers package: "
-                           f"pip install scaletrain[hf] ({e})") from e
+        raise HFModelError(
+            f"model.name = 'hf' needs the transformers package: pip install scaletrain[hf] ({e})"
+        ) from e
     # 5.x draws a "Loading weights" bar on stderr for every from_pretrained: noise in every
     # rank's log, and it would break the launcher's one-line refusals.
     transformers.utils.logging.disable_progress_bar()
@@ -230,8 +283,10 @@ def _check_model_dir(path: str) -> Path:
     where = f"model.path = {path!r}"
     d = Path(path).expanduser()
     if not d.is_dir():
-        raise HFModelError(f"{where}: no such directory (a local directory with config.json "
-                           "and *.safetensors weights; nothing is downloaded)")
+        raise HFModelError(
+            f"{where}: no such directory (a local directory with config.json "
+            "and *.safetensors weights; nothing is downloaded)"
+        )
     if not (d / "config.json").is_file():
         raise HFModelError(f"{where} has no config.json: {str(d / 'config.json')!r} is missing")
     # Only the top level: that is all from_pretrained reads (an `original/` subfolder of
@@ -244,33 +299,49 @@ def _check_model_dir(path: str) -> Path:
             raise HFModelError(
                 f"{where} holds {', '.join(pickles)} instead of safetensors weights: pickle "
                 "files can run code when loaded, so scaletrain loads only safetensors; "
-                f"{CONVERT_HINT}")
-        raise HFModelError(f"{where} has no weights: no *.safetensors file (model.safetensors, "
-                           "or model.safetensors.index.json and its shards)")
+                f"{CONVERT_HINT}"
+            )
+        raise HFModelError(
+            f"{where} has no weights: no *.safetensors file (model.safetensors, "
+            "or model.safetensors.index.json and its shards)"
+        )
     index = d / "model.safetensors.index.json"
     if index.is_file():
         shards = set(_read_json(index, where=where).get("weight_map", {}).values())
         missing = sorted(s for s in shards if not (d / s).is_file())
         if missing:
-            raise HFModelError(f"{where}: {index.name} names shards that are missing: "
-                               f"{', '.join(missing)}")
+            raise HFModelError(
+                f"{where}: {index.name} names shards that are missing: {', '.join(missing)}"
+            )
     return d
 
 
-def _load_pretrained(auto, weights_dir: Path, *, config: Any, where: str,
-                     dtype: torch.dtype) -> nn.Module:
+def _load_pretrained(
+    auto, weights_dir: Path, *, config: Any, where: str, dtype: torch.dtype
+) -> nn.Module:
     """from_pretrained, refusing a checkpoint that lacks or mis-sizes some weights: HF only
     warns and initialises those at random, which would fine-tune a partly untrained model."""
-    model, info = _call(where, lambda: auto.from_pretrained(
-        str(weights_dir), config=config, local_files_only=True, trust_remote_code=False,
-        use_safetensors=True, dtype=dtype, output_loading_info=True))
+    model, info = _call(
+        where,
+        lambda: auto.from_pretrained(
+            str(weights_dir),
+            config=config,
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+            dtype=dtype,
+            output_loading_info=True,
+        ),
+    )
     for kind in ("missing_keys", "mismatched_keys"):
         bad = sorted(map(str, info.get(kind) or ()))
         if bad:
             shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            raise HFModelError(f"{where}: the safetensors weights do not fit its config.json "
-                               f"({kind.replace('_', ' ')}: {shown}); HF would initialise "
-                               "those at random")
+            raise HFModelError(
+                f"{where}: the safetensors weights do not fit its config.json "
+                f"({kind.replace('_', ' ')}: {shown}); HF would initialise "
+                "those at random"
+            )
     return model
 
 
@@ -283,8 +354,10 @@ def _config_from(hf_config: str, kwargs: dict[str, Any], transformers) -> Any:
         file = file / "config.json"
     if file.is_file() or hf_config.endswith(".json") or os.sep in hf_config:
         if not file.is_file():
-            raise HFModelError(f"{where}: no such file (a local config.json, or a transformers "
-                               "config class such as 'LlamaConfig')")
+            raise HFModelError(
+                f"{where}: no such file (a local config.json, or a transformers "
+                "config class such as 'LlamaConfig')"
+            )
         values = _read_json(file, where=where)
         model_type = values.get("model_type")
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
@@ -292,12 +365,16 @@ def _config_from(hf_config: str, kwargs: dict[str, Any], transformers) -> Any:
         if model_type not in CONFIG_MAPPING_NAMES:
             close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING_NAMES), n=3)
             hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-            raise HFModelError(f"{where} has model_type = {model_type!r}, which transformers "
-                               f"{transformers.__version__} does not know (a config.json names "
-                               f"its architecture in \"model_type\"){hint}")
+            raise HFModelError(
+                f"{where} has model_type = {model_type!r}, which transformers "
+                f"{transformers.__version__} does not know (a config.json names "
+                f'its architecture in "model_type"){hint}'
+            )
         if "auto_map" in values:
-            raise HFModelError(f"{where} needs custom code from the Hub (\"auto_map\"); "
-                               "scaletrain never runs remote code (trust_remote_code=False)")
+            raise HFModelError(
+                f'{where} needs custom code from the Hub ("auto_map"); '
+                "scaletrain never runs remote code (trust_remote_code=False)"
+            )
         cls = CONFIG_MAPPING[model_type]
         # One dict, one constructor: the kwargs land exactly as the JSON's keys do.
         config = _call(where, lambda: cls.from_dict({**values, **kwargs}), given=kwargs)
@@ -315,13 +392,17 @@ def _config_class(name: str, transformers) -> type:
         return obj
     if obj is not None:  # GenerationConfig, BitsAndBytesConfig: not an architecture
         kind = "class" if isinstance(obj, type) else type(obj).__name__
-        raise HFModelError(f"{where} is a transformers {kind} but not a model config (a "
-                           "PreTrainedConfig such as 'LlamaConfig')")
+        raise HFModelError(
+            f"{where} is a transformers {kind} but not a model config (a "
+            "PreTrainedConfig such as 'LlamaConfig')"
+        )
     names = [n for n in dir(transformers) if n.endswith("Config")]
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.7)
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-    raise HFModelError(f"{where} is neither a local config.json nor a transformers model "
-                       f"config class (e.g. 'LlamaConfig', 'GPT2Config'){hint}")
+    raise HFModelError(
+        f"{where} is neither a local config.json nor a transformers model "
+        f"config class (e.g. 'LlamaConfig', 'GPT2Config'){hint}"
+    )
 
 
 def _check_kwargs_known(config: Any, kwargs: dict[str, Any]) -> None:
@@ -344,7 +425,8 @@ def _check_kwargs_known(config: Any, kwargs: dict[str, Any]) -> None:
             f"model.kwargs.{key} = {kwargs[key]!r} is not a field of {type(config).__name__}, "
             f"which would keep it as a stray attribute and train its default instead{hint} (a "
             "key that some modeling code reads although it is no field can be set in a "
-            "config.json given as model.hf_config)")
+            "config.json given as model.hf_config)"
+        )
 
 
 def _check_causal_lm(config: Any, origin: _Origin) -> None:
@@ -355,7 +437,8 @@ def _check_causal_lm(config: Any, origin: _Origin) -> None:
             f"{origin.where} is a {type(config).__name__} (model_type {config.model_type!r}), "
             "which has no causal-LM class in transformers (AutoModelForCausalLM); "
             "model.name = 'hf' trains decoder-only language models such as LlamaConfig, "
-            "GPT2Config, Qwen2Config")
+            "GPT2Config, Qwen2Config"
+        )
 
 
 def _check_fits_task(config: Any, task: TaskSpec, origin: _Origin) -> None:
@@ -366,14 +449,16 @@ def _check_fits_task(config: Any, task: TaskSpec, origin: _Origin) -> None:
         raise HFModelError(
             f"{origin.value(config, 'vocab_size', vocab)}, fewer output logits than the data's "
             f"{task.num_classes} token ids (task.num_classes: byte-level text has 256): "
-            f"{origin.fix(config, 'vocab_size', f'>= {task.num_classes}')}")
+            f"{origin.fix(config, 'vocab_size', f'>= {task.num_classes}')}"
+        )
     positions = getattr(text, "max_position_embeddings", None)
     seq_len = task.input_shape[0]
     if isinstance(positions, int) and positions < seq_len:
         raise HFModelError(
             f"{origin.value(config, 'max_position_embeddings', positions)}, fewer positions "
             f"than the data's sequence length {seq_len} (data.seq_len): "
-            f"{origin.fix(config, 'max_position_embeddings', f'>= {seq_len}', seq_len=True)}")
+            f"{origin.fix(config, 'max_position_embeddings', f'>= {seq_len}', seq_len=True)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,8 +501,9 @@ def _call(where: str, thunk: Callable[[], Any], *, given: dict[str, Any] | None 
         raise
     except errors as e:
         with_kwargs = f" with model.kwargs = {given!r}" if given else ""
-        raise HFModelError(f"{where}{with_kwargs}: transformers refused it: "
-                           f"{type(e).__name__}: {e}") from e
+        raise HFModelError(
+            f"{where}{with_kwargs}: transformers refused it: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _read_json(file: Path, *, where: str) -> dict[str, Any]:
@@ -426,8 +512,9 @@ def _read_json(file: Path, *, where: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HFModelError(f"{where}: {str(file)!r} is not readable JSON ({e})") from e
     if not isinstance(values, dict):
-        raise HFModelError(f"{where}: {str(file)!r} holds a JSON {type(values).__name__}, "
-                           "not an object")
+        raise HFModelError(
+            f"{where}: {str(file)!r} holds a JSON {type(values).__name__}, not an object"
+        )
     return values
 
 
@@ -449,8 +536,11 @@ def _hf_blocks(model: nn.Module) -> str | None:
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
     for name, module in model.named_modules():  # shallowest first
         children = list(module.children())
-        if (isinstance(module, nn.ModuleList) and children
-                and all(type(c).__name__ in block_classes for c in children)):
+        if (
+            isinstance(module, nn.ModuleList)
+            and children
+            and all(type(c).__name__ in block_classes for c in children)
+        ):
             return name
     return None
 
@@ -491,9 +581,13 @@ def _hf_pipeline(model: nn.Module, base: str) -> PipelineSplit | None:
         return None
     at = names.index(blocks[0])
     base_module = modules[base]
-    unplanned = [_join(base, n) for n, _ in base_module.named_children()
-                 if _join(base, n) not in names]
+    unplanned = [
+        _join(base, n) for n, _ in base_module.named_children() if _join(base, n) not in names
+    ]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = [n for n, m in modules.items() if head is not None and m is head][:1]
-    return PipelineSplit(first=tuple(names[:at] + unplanned), blocks=blocks[0],
-                         last=tuple(names[at + 1:] + head_name))
+    return PipelineSplit(
+        first=tuple(names[:at] + unplanned),
+        blocks=blocks[0],
+        last=tuple(names[at + 1 :] + head_name),
+    )

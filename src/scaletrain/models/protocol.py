@@ -50,10 +50,24 @@ from scaletrain.models.spec import (
     check_spec,
 )
 
-__all__ = ["REQUIRES", "SPEC_ATTR", "TECHNIQUES", "TP_STYLES", "ModelSpec", "ModelSpecError",
-           "PipelineSplit", "SequenceSplit", "block_modules", "check_spec",
-           "find_repeated_blocks", "model_spec", "output_logits", "require",
-           "sequence_targets", "tp_targets"]
+__all__ = [
+    "REQUIRES",
+    "SPEC_ATTR",
+    "TECHNIQUES",
+    "TP_STYLES",
+    "ModelSpec",
+    "ModelSpecError",
+    "PipelineSplit",
+    "SequenceSplit",
+    "block_modules",
+    "check_spec",
+    "find_repeated_blocks",
+    "model_spec",
+    "output_logits",
+    "require",
+    "sequence_targets",
+    "tp_targets",
+]
 
 # What each technique needs the model to declare: the ModelSpec field, and what it holds.
 REQUIRES: dict[str, tuple[str, str]] = {
@@ -77,8 +91,10 @@ def model_spec(model: nn.Module) -> ModelSpec:
     declared = getattr(model, SPEC_ATTR, None)
     if declared is not None:
         if not isinstance(declared, ModelSpec):
-            raise ModelSpecError(f"{type(model).__name__}.{SPEC_ATTR} is a "
-                                 f"{type(declared).__name__}, not a scaletrain ModelSpec")
+            raise ModelSpecError(
+                f"{type(model).__name__}.{SPEC_ATTR} is a "
+                f"{type(declared).__name__}, not a scaletrain ModelSpec"
+            )
         spec = declared
     elif _is_hugging_face(model):
         from scaletrain.models.hf import hf_spec
@@ -134,7 +150,8 @@ def require(spec: ModelSpec, technique: str, *, model_label: str) -> None:
     raise ModelSpecError(
         f"{model_label} declares no {what}, which {technique} needs: set "
         f"`{SPEC_ATTR} = scaletrain.ModelSpec({field_name}=...)` on the module the factory "
-        f"returns (docs/ARCHITECTURE.md, 'The model protocol'), or turn {technique} off")
+        f"returns (docs/ARCHITECTURE.md, 'The model protocol'), or turn {technique} off"
+    )
 
 
 def sequence_targets(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
@@ -143,10 +160,17 @@ def sequence_targets(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
     seq = spec.sequence
     if seq is None:
         return {}
-    patterns = [(seq.enter, "enter"), *((p, "norm") for p in seq.norms),
-                *((p, "gather") for p in seq.gather)] + ([(seq.head, "head")] if seq.head else [])
-    return {name: role for name, _ in model.named_modules() for pattern, role in patterns
-            if name and fnmatch.fnmatchcase(name, pattern)}
+    patterns = [
+        (seq.enter, "enter"),
+        *((p, "norm") for p in seq.norms),
+        *((p, "gather") for p in seq.gather),
+    ] + ([(seq.head, "head")] if seq.head else [])
+    return {
+        name: role
+        for name, _ in model.named_modules()
+        for pattern, role in patterns
+        if name and fnmatch.fnmatchcase(name, pattern)
+    }
 
 
 def tp_targets(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
@@ -169,5 +193,7 @@ def output_logits(output: Any) -> torch.Tensor:
         return logits
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise TypeError(f"the model returned a {type(output).__name__}; scaletrain's losses need a "
-                    "tensor, an object with .logits, or a tuple whose first item is a tensor")
+    raise TypeError(
+        f"the model returned a {type(output).__name__}; scaletrain's losses need a "
+        "tensor, an object with .logits, or a tuple whose first item is a tensor"
+    )

@@ -79,27 +79,34 @@ def check_spec(model: nn.Module, spec: ModelSpec) -> None:
         module = modules.get(path)
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             found = "no such module" if module is None else f"a {type(module).__name__}"
-            raise ModelSpecError(f"{where}: blocks {path!r} must name an nn.ModuleList, "
-                                 f"ModuleDict or Sequential of the model ({found})")
+            raise ModelSpecError(
+                f"{where}: blocks {path!r} must name an nn.ModuleList, "
+                f"ModuleDict or Sequential of the model ({found})"
+            )
     if spec.pipeline:
         for path in (*spec.pipeline.first, *spec.pipeline.last):
             if path not in modules:
-                raise ModelSpecError(f"{where}: pipeline module {path!r} is not a module of "
-                                     "the model")
+                raise ModelSpecError(
+                    f"{where}: pipeline module {path!r} is not a module of the model"
+                )
     if spec.sequence is not None:
         seq = spec.sequence
         for pattern in (seq.enter, *seq.norms, *seq.gather, *((seq.head,) if seq.head else ())):
             if not any(fnmatch.fnmatchcase(n, pattern) for n in modules if n):
-                raise ModelSpecError(f"{where}: sequence split pattern {pattern!r} matches no "
-                                     "module")
+                raise ModelSpecError(
+                    f"{where}: sequence split pattern {pattern!r} matches no module"
+                )
     for pattern, style in (spec.tp_plan or {}).items():
         if style not in TP_STYLES:
-            raise ModelSpecError(f"{where}: tp_plan[{pattern!r}] = {style!r}; allowed styles: "
-                                 f"{', '.join(TP_STYLES)}")
+            raise ModelSpecError(
+                f"{where}: tp_plan[{pattern!r}] = {style!r}; allowed styles: {', '.join(TP_STYLES)}"
+            )
         matched = [m for n, m in modules.items() if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             raise ModelSpecError(f"{where}: tp_plan pattern {pattern!r} matches no module")
         if not all(isinstance(m, (nn.Linear, nn.Embedding)) for m in matched):
             kinds = sorted({type(m).__name__ for m in matched})
-            raise ModelSpecError(f"{where}: tp_plan pattern {pattern!r} matches {kinds}; "
-                                 "only nn.Linear and nn.Embedding layers split")
+            raise ModelSpecError(
+                f"{where}: tp_plan pattern {pattern!r} matches {kinds}; "
+                "only nn.Linear and nn.Embedding layers split"
+            )

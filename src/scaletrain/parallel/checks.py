@@ -23,9 +23,16 @@ from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import PipelineConfigError, check_schedule
 
 
-def check_collective(layout: ParallelLayout, *, comm_hook: str, compile: bool,
-                     precision: str, optim_impl: str, sequence_parallel: bool,
-                     seq_len: int | None) -> None:
+def check_collective(
+    layout: ParallelLayout,
+    *,
+    comm_hook: str,
+    compile: bool,
+    precision: str,
+    optim_impl: str,
+    sequence_parallel: bool,
+    seq_len: int | None,
+) -> None:
     """Refuse combinations of the collective techniques that cannot work.
 
     Args:
@@ -39,31 +46,43 @@ def check_collective(layout: ParallelLayout, *, comm_hook: str, compile: bool,
         raise ConfigError(
             f"parallel.dp_replicate = {layout.dp_replicate} with tp = {layout.tp} and pp = "
             f"{layout.pp}: DDP replicates whole models and does not compose with tensor or "
-            "pipeline parallelism; shard instead (parallel.dp_shard=" + str(layout.dp_replicate)
-            + ", FSDP) or combine both as HSDP (dp_replicate x dp_shard)")
+            "pipeline parallelism; shard instead (parallel.dp_shard="
+            + str(layout.dp_replicate)
+            + ", FSDP) or combine both as HSDP (dp_replicate x dp_shard)"
+        )
     if layout.dp_shard > 1 and comm_hook != "none":
-        raise ConfigError(f"parallel.comm_hook = {comm_hook!r} compresses DDP's all-reduce, "
-                          f"but dp_shard = {layout.dp_shard} reduce-scatters with FSDP; use "
-                          "parallel.comm_hook='none' with sharding")
+        raise ConfigError(
+            f"parallel.comm_hook = {comm_hook!r} compresses DDP's all-reduce, "
+            f"but dp_shard = {layout.dp_shard} reduce-scatters with FSDP; use "
+            "parallel.comm_hook='none' with sharding"
+        )
     if (layout.tp > 1 or layout.pp > 1 or layout.dp_shard > 1) and compile:
-        raise ConfigError("train.compile = true is for the DDP path only here; with "
-                          f"{layout.describe()} set train.compile=false")
+        raise ConfigError(
+            "train.compile = true is for the DDP path only here; with "
+            f"{layout.describe()} set train.compile=false"
+        )
     if precision == "fp16-mixed" and optim_impl == "fused" and layout.splits_gradients:
-        raise ConfigError(f"optim.impl = 'fused' with precision.mode = 'fp16-mixed' under "
-                          f"{layout.describe()}: the fused kernels cannot take the loss "
-                          "scaler's overflow flag with sharded (DTensor) parameters; use "
-                          "optim.impl='foreach' or 'auto'")
+        raise ConfigError(
+            f"optim.impl = 'fused' with precision.mode = 'fp16-mixed' under "
+            f"{layout.describe()}: the fused kernels cannot take the loss "
+            "scaler's overflow flag with sharded (DTensor) parameters; use "
+            "optim.impl='foreach' or 'auto'"
+        )
     if precision == "fp16-mixed" and layout.tp > 1 and layout.dp_shard == 1:
-        raise ConfigError(f"precision.mode = 'fp16-mixed' with tp = {layout.tp} and no dp_shard: "
-                          "tensor parallelism leaves the norms and embeddings plain tensors "
-                          "beside its DTensors, and the loss scaler cannot unscale both in one "
-                          "call; add parallel.dp_shard (FSDP makes every parameter a DTensor) "
-                          "or use precision.mode='bf16-mixed' (no loss scaling)")
+        raise ConfigError(
+            f"precision.mode = 'fp16-mixed' with tp = {layout.tp} and no dp_shard: "
+            "tensor parallelism leaves the norms and embeddings plain tensors "
+            "beside its DTensors, and the loss scaler cannot unscale both in one "
+            "call; add parallel.dp_shard (FSDP makes every parameter a DTensor) "
+            "or use precision.mode='bf16-mixed' (no loss scaling)"
+        )
     if layout.tp > 1 and sequence_parallel and seq_len is not None and seq_len % layout.tp:
-        raise ConfigError(f"data.seq_len = {seq_len} is not divisible by parallel.tp "
-                          f"= {layout.tp}: sequence parallelism gives every tensor-parallel rank "
-                          "an equal share of the positions; use a seq_len that tp divides, or "
-                          "parallel.sequence_parallel=false")
+        raise ConfigError(
+            f"data.seq_len = {seq_len} is not divisible by parallel.tp "
+            f"= {layout.tp}: sequence parallelism gives every tensor-parallel rank "
+            "an equal share of the positions; use a seq_len that tp divides, or "
+            "parallel.sequence_parallel=false"
+        )
 
 
 @dataclass(frozen=True)
@@ -76,9 +95,15 @@ class PipelineShape:
     n_blocks: int | None  # the built-in GPT's depth (None: known once the model is built)
 
 
-def pipeline_shape(layout: ParallelLayout, *, schedule: str, microbatches: int,
-                   stages_per_rank: int, micro_batch: int,
-                   n_blocks: int | None) -> PipelineShape | None:
+def pipeline_shape(
+    layout: ParallelLayout,
+    *,
+    schedule: str,
+    microbatches: int,
+    stages_per_rank: int,
+    micro_batch: int,
+    n_blocks: int | None,
+) -> PipelineShape | None:
     """The pipeline's shape with its defaults filled in (None when pp = 1).
 
     Args:
@@ -95,16 +120,20 @@ def pipeline_shape(layout: ParallelLayout, *, schedule: str, microbatches: int,
     stages = stages_per_rank or (2 if interleaved else 1)
     chunks = microbatches or layout.pp * stages
     try:
-        check_schedule(schedule, pp=layout.pp, microbatches=chunks, stages_per_rank=stages,
-                       n_blocks=n_blocks)
+        check_schedule(
+            schedule, pp=layout.pp, microbatches=chunks, stages_per_rank=stages, n_blocks=n_blocks
+        )
     except PipelineConfigError as e:
         raise ConfigError(str(e)) from None
     if micro_batch % chunks:
-        raise ConfigError(f"train.micro_batch = {micro_batch} must be divisible by "
-                          f"parallel.pp_microbatches = {chunks} (each micro-batch is split into "
-                          f"that many equal chunks for the pipeline)")
-    return PipelineShape(schedule=schedule, microbatches=chunks, stages_per_rank=stages,
-                         n_blocks=n_blocks)
+        raise ConfigError(
+            f"train.micro_batch = {micro_batch} must be divisible by "
+            f"parallel.pp_microbatches = {chunks} (each micro-batch is split into "
+            f"that many equal chunks for the pipeline)"
+        )
+    return PipelineShape(
+        schedule=schedule, microbatches=chunks, stages_per_rank=stages, n_blocks=n_blocks
+    )
 
 
 @dataclass(frozen=True)
@@ -124,9 +153,18 @@ class PSShape:
 PS_REFUSES_DEGREES = ("dp_shard", "tp", "pp")
 
 
-def ps_layout(*, servers: int, world_size: int, dp: int, dp_replicate: int,
-              degrees: dict[str, int], comm_hook: str, compile: bool, precision: str,
-              slow_worker: int) -> tuple[ParallelLayout, PSShape]:
+def ps_layout(
+    *,
+    servers: int,
+    world_size: int,
+    dp: int,
+    dp_replicate: int,
+    degrees: dict[str, int],
+    comm_hook: str,
+    compile: bool,
+    precision: str,
+    slow_worker: int,
+) -> tuple[ParallelLayout, PSShape]:
     """The parameter-server roles, checked against the world: the workers are the
     data-parallel replicas (the sampler's dp), the servers hold the parameters.
 
@@ -139,35 +177,51 @@ def ps_layout(*, servers: int, world_size: int, dp: int, dp_replicate: int,
     """
     workers = world_size - servers
     if workers < 1:
-        raise ConfigError(f"parallel.strategy = 'ps' with ps.servers = {servers} needs at "
-                          f"least {servers + 1} processes (servers + one worker), but the "
-                          f"world has {world_size}; use --nproc {servers + 1} or more, or set "
-                          "parallel.dp to the number of workers")
+        raise ConfigError(
+            f"parallel.strategy = 'ps' with ps.servers = {servers} needs at "
+            f"least {servers + 1} processes (servers + one worker), but the "
+            f"world has {world_size}; use --nproc {servers + 1} or more, or set "
+            "parallel.dp to the number of workers"
+        )
     replicate = dp_replicate if dp_replicate != -1 else dp
     if replicate not in (-1, workers):
         key = "parallel.dp" if dp != -1 else "parallel.dp_replicate"
-        raise ConfigError(f"{key} = {replicate} under parallel.strategy = 'ps' is the number "
-                          f"of workers, but {world_size} processes - ps.servers = {servers} "
-                          f"leaves {workers}; use --nproc {servers + replicate} or "
-                          f"{key}={workers}")
+        raise ConfigError(
+            f"{key} = {replicate} under parallel.strategy = 'ps' is the number "
+            f"of workers, but {world_size} processes - ps.servers = {servers} "
+            f"leaves {workers}; use --nproc {servers + replicate} or "
+            f"{key}={workers}"
+        )
     for key in PS_REFUSES_DEGREES:
         value = degrees[key]
         if value not in (1, -1) or (key == "dp_shard" and value == -1):
-            raise ConfigError(f"parallel.{key} = {value} does not compose with parallel.strategy "
-                              "= 'ps': each worker holds the whole model and the servers hold "
-                              f"its parameters; use parallel.{key}=1, or the collective strategy")
+            raise ConfigError(
+                f"parallel.{key} = {value} does not compose with parallel.strategy "
+                "= 'ps': each worker holds the whole model and the servers hold "
+                f"its parameters; use parallel.{key}=1, or the collective strategy"
+            )
     if comm_hook != "none":
-        raise ConfigError(f"parallel.comm_hook = {comm_hook!r} compresses DDP's all-reduce, "
-                          "which parallel.strategy = 'ps' does not run; use comm_hook='none'")
+        raise ConfigError(
+            f"parallel.comm_hook = {comm_hook!r} compresses DDP's all-reduce, "
+            "which parallel.strategy = 'ps' does not run; use comm_hook='none'"
+        )
     if compile:
-        raise ConfigError("train.compile = true is for the collective strategy only here; set "
-                          "train.compile=false with parallel.strategy = 'ps'")
+        raise ConfigError(
+            "train.compile = true is for the collective strategy only here; set "
+            "train.compile=false with parallel.strategy = 'ps'"
+        )
     if precision == "fp16-mixed":
-        raise ConfigError("precision.mode = 'fp16-mixed' is not supported with parallel.strategy "
-                          "= 'ps' (a worker's loss scaler would have to skip pushes the servers "
-                          "wait for); use 'bf16-mixed', 'fp32' or 'fp64'")
+        raise ConfigError(
+            "precision.mode = 'fp16-mixed' is not supported with parallel.strategy "
+            "= 'ps' (a worker's loss scaler would have to skip pushes the servers "
+            "wait for); use 'bf16-mixed', 'fp32' or 'fp64'"
+        )
     if slow_worker >= workers:
-        raise ConfigError(f"ps.slow_worker = {slow_worker} is not a worker: the workers are "
-                          f"0 .. {workers - 1} (ranks {servers} .. {world_size - 1})")
-    return (ParallelLayout(dp_replicate=workers).resolve(workers),
-            PSShape(servers=servers, workers=workers))
+        raise ConfigError(
+            f"ps.slow_worker = {slow_worker} is not a worker: the workers are "
+            f"0 .. {workers - 1} (ranks {servers} .. {world_size - 1})"
+        )
+    return (
+        ParallelLayout(dp_replicate=workers).resolve(workers),
+        PSShape(servers=servers, workers=workers),
+    )

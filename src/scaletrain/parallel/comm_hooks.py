@@ -73,39 +73,64 @@ class HookState:
     def state_dict(self) -> dict[str, torch.Tensor | int]:
         """Stateful, flat: counters, per-bucket tensors as `<name>.<bucket>`, stock PowerSGD
         state as `powersgd.<name>`."""
-        state: dict[str, torch.Tensor | int] = {"iteration": self.iteration,
-                                                 "bytes_sent": self.bytes_sent}
-        for name, tensors in (("error", self.error), ("q_memory", self.q_memory),
-                              ("p_memory", self.p_memory)):
+        state: dict[str, torch.Tensor | int] = {
+            "iteration": self.iteration,
+            "bytes_sent": self.bytes_sent,
+        }
+        for name, tensors in (
+            ("error", self.error),
+            ("q_memory", self.q_memory),
+            ("p_memory", self.p_memory),
+        ):
             state.update({f"{name}.{index}": t for index, t in tensors.items()})
-        state.update({f"layout.{index}": torch.tensor(positions, dtype=torch.int64)
-                      for index, positions in self.layout.items()})
+        state.update(
+            {
+                f"layout.{index}": torch.tensor(positions, dtype=torch.int64)
+                for index, positions in self.layout.items()
+            }
+        )
         if self.powersgd is not None:
             state.update({f"powersgd.{k}": v for k, v in _powersgd_state(self.powersgd).items()})
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration, self.bytes_sent = int(state["iteration"]), int(state["bytes_sent"])
-        for name, tensors in (("error", self.error), ("q_memory", self.q_memory),
-                              ("p_memory", self.p_memory)):
+        for name, tensors in (
+            ("error", self.error),
+            ("q_memory", self.q_memory),
+            ("p_memory", self.p_memory),
+        ):
             tensors.clear()
             tensors.update(_by_bucket(state, f"{name}."))
-        self.layout = {index: tuple(t.tolist())
-                       for index, t in _by_bucket(state, "layout.").items()}
+        self.layout = {
+            index: tuple(t.tolist()) for index, t in _by_bucket(state, "layout.").items()
+        }
         self.unchecked = set(self.layout)
         if self.powersgd is not None:
-            _set_powersgd_state(self.powersgd, {k.removeprefix("powersgd."): v
-                                                for k, v in state.items()
-                                                if k.startswith("powersgd.")})
+            _set_powersgd_state(
+                self.powersgd,
+                {
+                    k.removeprefix("powersgd."): v
+                    for k, v in state.items()
+                    if k.startswith("powersgd.")
+                },
+            )
 
 
 # Stock PowerSGDState slots that change as it runs (the others are its hyperparameters,
 # which come from the config). Its __getstate__ would pickle the numpy RandomState, which
 # a weights_only load refuses, so the RNG goes in as tensors.
-_POWERSGD_BUCKETS = {"error": "error_dict", "p_memory": "p_memory_dict",
-                     "q_memory": "q_memory_dict"}
-_POWERSGD_COUNTERS = ("iter", "total_numel_before_compression",
-                      "total_numel_after_compression", "next_stats_report")
+_POWERSGD_BUCKETS = {
+    "error": "error_dict",
+    "p_memory": "p_memory_dict",
+    "q_memory": "q_memory_dict",
+}
+_POWERSGD_COUNTERS = (
+    "iter",
+    "total_numel_before_compression",
+    "total_numel_after_compression",
+    "next_stats_report",
+)
 
 
 def _powersgd_state(ps: stock_powersgd.PowerSGDState) -> dict[str, torch.Tensor | int]:
@@ -113,9 +138,13 @@ def _powersgd_state(ps: stock_powersgd.PowerSGDState) -> dict[str, torch.Tensor 
     for name, slot in _POWERSGD_BUCKETS.items():
         state.update({f"{name}.{index}": t for index, t in getattr(ps, slot).items()})
     _, key, pos, has_gauss, gauss = ps.rng.get_state()
-    state.update({"rng.key": torch.from_numpy(key.astype(np.int64)),
-                  "rng.pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
-                  "rng.gauss": torch.tensor([gauss], dtype=torch.float64)})
+    state.update(
+        {
+            "rng.key": torch.from_numpy(key.astype(np.int64)),
+            "rng.pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+            "rng.gauss": torch.tensor([gauss], dtype=torch.float64),
+        }
+    )
     return state
 
 
@@ -125,13 +154,23 @@ def _set_powersgd_state(ps: stock_powersgd.PowerSGDState, state: dict) -> None:
     for name, slot in _POWERSGD_BUCKETS.items():
         setattr(ps, slot, _by_bucket(state, f"{name}."))
     pos, has_gauss = (int(x) for x in state["rng.pos"])
-    ps.rng.set_state(("MT19937", state["rng.key"].numpy().astype(np.uint32), pos, has_gauss,
-                      float(state["rng.gauss"][0])))
+    ps.rng.set_state(
+        (
+            "MT19937",
+            state["rng.key"].numpy().astype(np.uint32),
+            pos,
+            has_gauss,
+            float(state["rng.gauss"][0]),
+        )
+    )
 
 
 def _by_bucket(state: dict, prefix: str) -> dict[int, torch.Tensor]:
-    return {int(k.removeprefix(prefix)): v for k, v in state.items()
-            if k.startswith(prefix) and k.removeprefix(prefix).isdigit()}
+    return {
+        int(k.removeprefix(prefix)): v
+        for k, v in state.items()
+        if k.startswith(prefix) and k.removeprefix(prefix).isdigit()
+    }
 
 
 def _record_layout(state: HookState, bucket: dist.GradBucket) -> None:
@@ -141,10 +180,12 @@ def _record_layout(state: HookState, bucket: dist.GradBucket) -> None:
     if index in state.unchecked:
         state.unchecked.discard(index)
         if state.layout.get(index) != layout:  # e.g. parallel.bucket_cap_mb changed
-            warnings.warn(f"comm hook: bucket {index} holds other parameters than when the "
-                          "checkpoint was saved; its error feedback and P/Q memory start "
-                          "afresh (the run no longer matches an uninterrupted one)",
-                          stacklevel=2)
+            warnings.warn(
+                f"comm hook: bucket {index} holds other parameters than when the "
+                "checkpoint was saved; its error feedback and P/Q memory start "
+                "afresh (the run no longer matches an uninterrupted one)",
+                stacklevel=2,
+            )
             for tensors in (state.error, state.q_memory, state.p_memory):
                 tensors.pop(index, None)
             if state.powersgd is not None:
@@ -165,8 +206,10 @@ def _all_reduce(state: HookState, tensor: torch.Tensor) -> torch.futures.Future:
 
 
 # The stock casting hooks, by the dtype they send (HookState.dtype).
-_STOCK_COMPRESS = {torch.float16: stock_default.fp16_compress_hook,
-                   torch.bfloat16: stock_default.bf16_compress_hook}
+_STOCK_COMPRESS = {
+    torch.float16: stock_default.fp16_compress_hook,
+    torch.bfloat16: stock_default.bf16_compress_hook,
+}
 
 
 def compress_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -193,8 +236,9 @@ def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     return fut
 
 
-def batched_powersgd_hook(state: HookState,
-                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def batched_powersgd_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Rank-r PowerSGD of the whole bucket viewed as one square matrix, with error feedback.
 
     M (side, side) = bucket + error;  P = M Q -> all-reduce -> orthogonalise;
@@ -242,8 +286,13 @@ def batched_powersgd_hook(state: HookState,
     return _all_reduce(state, matrix @ q).then(compute_q).then(decompress)
 
 
-def register_comm_hook(model: torch.nn.parallel.DistributedDataParallel, *, name: str,
-                       powersgd_rank: int, powersgd_start_iter: int) -> HookState | None:
+def register_comm_hook(
+    model: torch.nn.parallel.DistributedDataParallel,
+    *,
+    name: str,
+    powersgd_rank: int,
+    powersgd_start_iter: int,
+) -> HookState | None:
     """Register the named hook on a DDP model; return its state (None for "none").
 
     Args:
@@ -254,17 +303,24 @@ def register_comm_hook(model: torch.nn.parallel.DistributedDataParallel, *, name
     """
     if name == "none":
         return None
-    state = HookState(process_group=None, name=name, rank=powersgd_rank,
-                      start_iter=powersgd_start_iter,
-                      positions={id(p): i for i, p in enumerate(model.parameters())})
+    state = HookState(
+        process_group=None,
+        name=name,
+        rank=powersgd_rank,
+        start_iter=powersgd_start_iter,
+        positions={id(p): i for i, p in enumerate(model.parameters())},
+    )
     match name:
         case "fp16" | "bf16":
             state.dtype = torch.float16 if name == "fp16" else torch.bfloat16
             model.register_comm_hook(state, compress_hook)
         case "powersgd":
             state.powersgd = stock_powersgd.PowerSGDState(
-                process_group=None, matrix_approximation_rank=powersgd_rank,
-                start_powerSGD_iter=max(2, powersgd_start_iter), min_compression_rate=1)
+                process_group=None,
+                matrix_approximation_rank=powersgd_rank,
+                start_powerSGD_iter=max(2, powersgd_start_iter),
+                min_compression_rate=1,
+            )
             model.register_comm_hook(state, powersgd_hook)
         case "batched-powersgd":
             model.register_comm_hook(state, batched_powersgd_hook)
@@ -273,8 +329,13 @@ def register_comm_hook(model: torch.nn.parallel.DistributedDataParallel, *, name
     return state
 
 
-def rebuild_buckets(model: torch.nn.parallel.DistributedDataParallel, state: HookState, *,
-                    forward_backward: Callable[[], None], device: torch.device) -> None:
+def rebuild_buckets(
+    model: torch.nn.parallel.DistributedDataParallel,
+    state: HookState,
+    *,
+    forward_backward: Callable[[], None],
+    device: torch.device,
+) -> None:
     """Make a fresh DDP take its rebuilt bucket layout now, before a resumed run's first step.
 
     DDP rebuilds its buckets in the order gradients became ready in the first backward, at

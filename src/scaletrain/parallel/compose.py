@@ -30,19 +30,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import ContextManager, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletrain.models.protocol import (ModelSpec, block_modules, require,
-                                        sequence_targets, tp_targets)
+from scaletrain.models.protocol import (
+    ModelSpec,
+    block_modules,
+    require,
+    sequence_targets,
+    tp_targets,
+)
 from scaletrain.parallel.checkpointing import apply_activation_checkpointing
+from scaletrain.parallel.checks import PipelineShape
 from scaletrain.parallel.comm_hooks import HookState, register_comm_hook
 from scaletrain.parallel.ddp import apply_ddp
-from scaletrain.parallel.checks import PipelineShape
 from scaletrain.parallel.fsdp import allow_tensor_parallel_output_view, apply_fsdp
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.tensor import apply_tp, check_tp_fit
@@ -70,7 +76,9 @@ class ParallelKeys(Protocol):
 NEEDS_DECLARATION: dict[str, Callable[[ParallelLayout, ParallelKeys], bool]] = {
     "tp": lambda layout, parallel: layout.tp > 1,
     "pp": lambda layout, parallel: layout.pp > 1,
-    "activation-checkpointing": lambda layout, parallel: parallel.activation_checkpointing != "none",
+    "activation-checkpointing": lambda layout, parallel: (
+        parallel.activation_checkpointing != "none"
+    ),
 }
 
 
@@ -87,9 +95,15 @@ class Parallelized:
     hook_state: HookState | None = None  # the DDP comm hook's state (bytes sent, PowerSGD)
 
 
-def check_model_fits(model: nn.Module, spec: ModelSpec, *, layout: ParallelLayout,
-                     parallel: ParallelKeys, pipeline: PipelineShape | None,
-                     model_label: str) -> None:
+def check_model_fits(
+    model: nn.Module,
+    spec: ModelSpec,
+    *,
+    layout: ParallelLayout,
+    parallel: ParallelKeys,
+    pipeline: PipelineShape | None,
+    model_label: str,
+) -> None:
     """Refuse a layout this model cannot take (no TP plan, heads that do not split, fewer
     blocks than stages), naming the model and the key. Runs on the bare model, before any
     technique: in the launcher, and on every rank before `parallelize`."""
@@ -98,25 +112,45 @@ def check_model_fits(model: nn.Module, spec: ModelSpec, *, layout: ParallelLayou
     for technique in techniques_needing_the_model(layout, parallel):
         require(spec, technique, model_label=model_label)
     if layout.tp > 1:
-        heads = {p: "colwise" for p, role in sequence_targets(model, spec).items()
-                 if role == "head" and parallel.sequence_parallel}
-        check_tp_fit(model, {**tp_targets(model, spec), **heads}, tp=layout.tp,
-                     model_label=model_label)
+        heads = {
+            p: "colwise"
+            for p, role in sequence_targets(model, spec).items()
+            if role == "head" and parallel.sequence_parallel
+        }
+        check_tp_fit(
+            model, {**tp_targets(model, spec), **heads}, tp=layout.tp, model_label=model_label
+        )
     if layout.pp > 1:
         if spec.source == "hugging-face":
             raise PipelineConfigError(
                 f"parallel.pp = {layout.pp}: pipeline stages of a Hugging Face model "
                 f"({model_label}) are not supported yet (its base model computes the rotary "
                 "embeddings once for every layer); use dp_shard and tp with it, or the "
-                "built-in gpt for pp")
+                "built-in gpt for pp"
+            )
         n_blocks = len(list(model.get_submodule(spec.pipeline.blocks).children()))
-        check_schedule(pipeline.schedule, pp=layout.pp, microbatches=pipeline.microbatches,
-                       stages_per_rank=pipeline.stages_per_rank, n_blocks=n_blocks)
+        check_schedule(
+            pipeline.schedule,
+            pp=layout.pp,
+            microbatches=pipeline.microbatches,
+            stages_per_rank=pipeline.stages_per_rank,
+            n_blocks=n_blocks,
+        )
 
 
-def parallelize(model: nn.Module, *, spec: ModelSpec, layout: ParallelLayout, rank: int,
-                device: torch.device, parallel: ParallelKeys, pipeline: PipelineShape | None,
-                precision, loss_fn=None, compile: bool = False) -> Parallelized:
+def parallelize(
+    model: nn.Module,
+    *,
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    rank: int,
+    device: torch.device,
+    parallel: ParallelKeys,
+    pipeline: PipelineShape | None,
+    precision,
+    loss_fn=None,
+    compile: bool = False,
+) -> Parallelized:
     """Apply the layout's techniques to `model` in the documented order.
 
     Args:
@@ -138,45 +172,66 @@ def parallelize(model: nn.Module, *, spec: ModelSpec, layout: ParallelLayout, ra
     if layout.pp > 1:  # 1. pipeline split: this rank's stages of the model
         from scaletrain.parallel.pipeline import split_model, stage_ids
 
-        stages = stage_ids(pp_rank=coords["pp"], pp=layout.pp,
-                           stages_per_rank=pipeline.stages_per_rank, schedule=pipeline.schedule)
-        parts = split_model(model, spec, stage_ids=stages,
-                            num_stages=layout.pp * pipeline.stages_per_rank)
+        stages = stage_ids(
+            pp_rank=coords["pp"],
+            pp=layout.pp,
+            stages_per_rank=pipeline.stages_per_rank,
+            schedule=pipeline.schedule,
+        )
+        parts = split_model(
+            model, spec, stage_ids=stages, num_stages=layout.pp * pipeline.stages_per_rank
+        )
         owner = parts[0] if len(parts) == 1 else _share_parts(model, spec, parts)
     targets = tp_targets(model, spec) if layout.tp > 1 else {}
-    sequence = (sequence_targets(model, spec) if layout.tp > 1 and parallel.sequence_parallel
-                else {})
+    sequence = sequence_targets(model, spec) if layout.tp > 1 and parallel.sequence_parallel else {}
     for part in parts:
         if layout.tp > 1:  # 2. tensor parallel (and sequence parallel where declared)
             apply_tp(part, mesh["tp"], targets=targets, sequence=sequence)
         if parallel.activation_checkpointing != "none":  # 3. activation checkpointing
-            apply_activation_checkpointing(part, blocks_path=spec.blocks,
-                                           mode=parallel.activation_checkpointing)
+            apply_activation_checkpointing(
+                part, blocks_path=spec.blocks, mode=parallel.activation_checkpointing
+            )
         if layout.dp_shard > 1:  # 4. FSDP, per stage
             dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-            apply_fsdp(part, mesh[dims], blocks=block_modules(part, spec) if spec.blocks else [],
-                       mp_policy=precision.fsdp_policy(),
-                       reshard_after_forward=parallel.reshard_after_forward,
-                       offload=parallel.fsdp_offload)
+            apply_fsdp(
+                part,
+                mesh[dims],
+                blocks=block_modules(part, spec) if spec.blocks else [],
+                mp_policy=precision.fsdp_policy(),
+                reshard_after_forward=parallel.reshard_after_forward,
+                offload=parallel.fsdp_offload,
+            )
             if layout.tp > 1:  # its output is TP's to_local() view: see the function
                 allow_tensor_parallel_output_view(part)
     if compile:
         owner.compile()  # in place: the same module and parameter names, a compiled forward
     out = Parallelized(model=owner, mesh=mesh)
     if layout.dp_replicate > 1 and layout.dp_shard == 1:  # 5. DDP (nothing else is on)
-        out.model = apply_ddp(owner, device=device, bucket_cap_mb=parallel.bucket_cap_mb,
-                              gradient_as_bucket_view=parallel.gradient_as_bucket_view)
-        out.hook_state = register_comm_hook(out.model, name=parallel.comm_hook,  # 6.
-                                            powersgd_rank=parallel.powersgd_rank,
-                                            powersgd_start_iter=parallel.powersgd_start_iter)
+        out.model = apply_ddp(
+            owner,
+            device=device,
+            bucket_cap_mb=parallel.bucket_cap_mb,
+            gradient_as_bucket_view=parallel.gradient_as_bucket_view,
+        )
+        out.hook_state = register_comm_hook(
+            out.model,
+            name=parallel.comm_hook,  # 6.
+            powersgd_rank=parallel.powersgd_rank,
+            powersgd_start_iter=parallel.powersgd_start_iter,
+        )
     if layout.pp > 1:  # 7. the schedule over the finished stages
         from scaletrain.parallel.pipeline import build_pipeline
 
-        out.pipeline = build_pipeline(parts, stage_ids=stages,
-                                      num_stages=layout.pp * pipeline.stages_per_rank,
-                                      group=_pipeline_group(mesh, layout), device=device,
-                                      schedule=pipeline.schedule,
-                                      microbatches=pipeline.microbatches, loss_fn=loss_fn)
+        out.pipeline = build_pipeline(
+            parts,
+            stage_ids=stages,
+            num_stages=layout.pp * pipeline.stages_per_rank,
+            group=_pipeline_group(mesh, layout),
+            device=device,
+            schedule=pipeline.schedule,
+            microbatches=pipeline.microbatches,
+            loss_fn=loss_fn,
+        )
     return out
 
 
@@ -216,8 +271,7 @@ def _share_parts(model: nn.Module, spec: ModelSpec, parts: list[nn.Module]) -> n
     for path in (*pipe.first, *pipe.last):
         parent, _, leaf = path.rpartition(".")
         found = [getattr(p.get_submodule(parent), leaf) for p in parts]
-        setattr(owner.get_submodule(parent), leaf,
-                next((m for m in found if m is not None), None))
+        setattr(owner.get_submodule(parent), leaf, next((m for m in found if m is not None), None))
     return owner
 
 
@@ -261,8 +315,9 @@ def full_state_dict(model: nn.Module, *, layout: ParallelLayout) -> dict | None:
     leader = c["dp_replicate"] == c["dp_shard"] == c["tp"] == 0  # the stage's first rank
     # torch keeps a gathered tensor on global rank 0 alone; a stage's first rank is another
     # rank, so the same gather-then-drop is written out per tensor here.
-    mine = {k: _gather_tensor(v, keep=leader)
-            for k, v in get_model_state_dict(unwrap(model)).items()}
+    mine = {
+        k: _gather_tensor(v, keep=leader) for k, v in get_model_state_dict(unwrap(model)).items()
+    }
     mine = mine if leader else {}
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)

@@ -12,8 +12,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 
-def apply_ddp(model: torch.nn.Module, *, device: torch.device, bucket_cap_mb: float,
-              gradient_as_bucket_view: bool) -> DistributedDataParallel:
+def apply_ddp(
+    model: torch.nn.Module,
+    *,
+    device: torch.device,
+    bucket_cap_mb: float,
+    gradient_as_bucket_view: bool,
+) -> DistributedDataParallel:
     """Wrap `model` for data parallelism over the default process group.
 
     Args:

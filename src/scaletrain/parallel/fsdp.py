@@ -31,8 +31,15 @@ import torch
 from torch import nn
 
 
-def apply_fsdp(model: nn.Module, mesh, *, blocks: list[nn.Module], mp_policy,
-               reshard_after_forward: bool, offload: bool) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh,
+    *,
+    blocks: list[nn.Module],
+    mp_policy,
+    reshard_after_forward: bool,
+    offload: bool,
+) -> nn.Module:
     """Shard `model` (in place: its class becomes an FSDPModule) and return it.
 
     Args:
@@ -79,5 +86,8 @@ def allow_tensor_parallel_output_view(model: nn.Module) -> None:
     still warns.
     """
     name = re.escape(type(model).__name__)
-    warnings.filterwarnings("ignore", category=UserWarning,
-                            message=rf"FSDP2-wrapped module \({name}\) returned a view tensor")
+    warnings.filterwarnings(
+        "ignore",
+        category=UserWarning,
+        message=rf"FSDP2-wrapped module \({name}\) returned a view tensor",
+    )

@@ -70,12 +70,17 @@ class ParallelLayout:
         fixed = self.tp * self.pp * max(replicate, 1) * max(self.dp_shard, 1)
         if -1 in (replicate, self.dp_shard):
             if world_size % fixed:
-                raise LayoutError(f"{self._product(replicate)} = {fixed} does not divide the "
-                                  f"world size {world_size}, so the -1 degree cannot be "
-                                  f"inferred; launch a multiple of {fixed} processes")
+                raise LayoutError(
+                    f"{self._product(replicate)} = {fixed} does not divide the "
+                    f"world size {world_size}, so the -1 degree cannot be "
+                    f"inferred; launch a multiple of {fixed} processes"
+                )
             inferred = world_size // fixed
-            resolved = replace(self, dp_replicate=inferred if replicate == -1 else replicate,
-                               dp_shard=inferred if self.dp_shard == -1 else self.dp_shard)
+            resolved = replace(
+                self,
+                dp_replicate=inferred if replicate == -1 else replicate,
+                dp_shard=inferred if self.dp_shard == -1 else self.dp_shard,
+            )
         else:
             resolved = replace(self, dp_replicate=replicate)
         if resolved.world_size != world_size:
@@ -84,12 +89,15 @@ class ParallelLayout:
                 f"{resolved.world_size} do not match the world size {world_size} (processes "
                 f"launched); change the degrees, set parallel.dp_replicate=-1 or "
                 f"parallel.dp_shard=-1 to infer one, or launch {resolved.world_size} "
-                f"processes (--nproc {resolved.world_size})")
+                f"processes (--nproc {resolved.world_size})"
+            )
         return resolved
 
     def _product(self, replicate: int) -> str:
-        return (f"parallel.pp = {self.pp} x parallel.dp_replicate = {replicate} x "
-                f"parallel.dp_shard = {self.dp_shard} x parallel.tp = {self.tp}")
+        return (
+            f"parallel.pp = {self.pp} x parallel.dp_replicate = {replicate} x "
+            f"parallel.dp_shard = {self.dp_shard} x parallel.tp = {self.tp}"
+        )
 
     @property
     def world_size(self) -> int:
@@ -144,8 +152,7 @@ class ParallelLayout:
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes = self.sizes
-        mesh = init_device_mesh(device_type, tuple(sizes.values()),
-                                mesh_dim_names=tuple(sizes))
+        mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
         # torch 2.13 names this private; torchtitan builds its "dp" and "dp_shard_cp" so.
         if self.dp_replicate > 1 and self.dp_shard > 1:
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
@@ -172,8 +179,9 @@ class ParallelLayout:
         return " x ".join(f"{k}={v}" for k, v in sizes.items()) + f" ({self.world_size} ranks)"
 
 
-def layout_of(*, dp: int, dp_replicate: int, dp_shard: int, tp: int, pp: int,
-              world_size: int) -> ParallelLayout:
+def layout_of(
+    *, dp: int, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int
+) -> ParallelLayout:
     """The [parallel] degrees, checked against the world size.
 
     `dp` is the older name of `dp_replicate` (-1 = not given); a message names the one the
@@ -183,12 +191,15 @@ def layout_of(*, dp: int, dp_replicate: int, dp_shard: int, tp: int, pp: int,
         LayoutError: the two names disagree, or the degrees do not fit `world_size`.
     """
     if dp != -1 and dp_replicate != -1 and dp != dp_replicate:
-        raise LayoutError(f"parallel.dp = {dp} and parallel.dp_replicate = {dp_replicate} "
-                          "disagree: parallel.dp is the older name of dp_replicate; give one")
+        raise LayoutError(
+            f"parallel.dp = {dp} and parallel.dp_replicate = {dp_replicate} "
+            "disagree: parallel.dp is the older name of dp_replicate; give one"
+        )
     replicate = dp_replicate if dp_replicate != -1 else dp
     try:
-        return ParallelLayout(dp_replicate=replicate, dp_shard=dp_shard, tp=tp,
-                              pp=pp).resolve(world_size)
+        return ParallelLayout(dp_replicate=replicate, dp_shard=dp_shard, tp=tp, pp=pp).resolve(
+            world_size
+        )
     except LayoutError as e:
         if dp == -1:
             raise

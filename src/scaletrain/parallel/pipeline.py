@@ -40,16 +40,17 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletrain.errors import UserError
 from scaletrain.data.sources import Batch
+from scaletrain.errors import UserError
 from scaletrain.models.protocol import ModelSpec, PipelineSplit
 
 if TYPE_CHECKING:  # importing pipelining costs ~1 s (it pulls in dynamo): only to build
@@ -63,8 +64,9 @@ class PipelineConfigError(UserError):
     """A pipeline layout torch's schedules cannot run."""
 
 
-def check_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int,
-                   n_blocks: int | None) -> None:
+def check_schedule(
+    schedule: str, *, pp: int, microbatches: int, stages_per_rank: int, n_blocks: int | None
+) -> None:
     """Refuse a layout the schedule cannot run, before any process group exists.
 
     torch's rules (schedules.py, torch 2.13; each also run): gpipe takes any number of
@@ -81,8 +83,10 @@ def check_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_rank
         stages_per_rank: stages each rank holds.
         n_blocks: the model's blocks, when known (each stage needs one).
     """
-    layout = (f"parallel.pp = {pp}, parallel.pp_schedule = {schedule!r}, parallel."
-              f"pp_microbatches = {microbatches}, parallel.pp_stages_per_rank = {stages_per_rank}")
+    layout = (
+        f"parallel.pp = {pp}, parallel.pp_schedule = {schedule!r}, parallel."
+        f"pp_microbatches = {microbatches}, parallel.pp_stages_per_rank = {stages_per_rank}"
+    )
 
     def refuse(why: str) -> None:
         raise PipelineConfigError(f"{layout}: {why}")
@@ -92,24 +96,33 @@ def check_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_rank
     if min(pp, microbatches, stages_per_rank) < 1:
         refuse("parallel.pp, parallel.pp_microbatches and parallel.pp_stages_per_rank must be >= 1")
     if schedule in SINGLE_STAGE and stages_per_rank != 1:
-        refuse(f"{schedule} holds one stage per rank; set parallel.pp_stages_per_rank = 1, or "
-               "use interleaved-1f1b or zero-bubble for several")
+        refuse(
+            f"{schedule} holds one stage per rank; set parallel.pp_stages_per_rank = 1, or "
+            "use interleaved-1f1b or zero-bubble for several"
+        )
     if schedule == "interleaved-1f1b" and stages_per_rank < 2:
-        refuse("interleaved-1f1b interleaves several stages per rank; set parallel."
-               "pp_stages_per_rank >= 2, or use 1f1b for one (what torch would run)")
+        refuse(
+            "interleaved-1f1b interleaves several stages per rank; set parallel."
+            "pp_stages_per_rank >= 2, or use 1f1b for one (what torch would run)"
+        )
     stages = pp * stages_per_rank
     if n_blocks is not None and stages > n_blocks:
-        refuse(f"{stages} stages (parallel.pp x parallel.pp_stages_per_rank) but the model has "
-               f"{n_blocks} blocks, and every stage needs at least one")
+        refuse(
+            f"{stages} stages (parallel.pp x parallel.pp_stages_per_rank) but the model has "
+            f"{n_blocks} blocks, and every stage needs at least one"
+        )
     if schedule == "1f1b" and microbatches < pp:
-        refuse(f"1f1b needs parallel.pp_microbatches >= parallel.pp = {pp} (torch: chunks >= "
-               "stages)")
+        refuse(
+            f"1f1b needs parallel.pp_microbatches >= parallel.pp = {pp} (torch: chunks >= stages)"
+        )
     rounds = max(1, microbatches // pp)
     if schedule not in SINGLE_STAGE and microbatches % rounds:
         ok = [m for m in range(1, 4 * pp + 1) if m % max(1, m // pp) == 0]
-        refuse(f"{schedule} runs max(1, pp_microbatches // pp) = {rounds} rounds and needs "
-               f"parallel.pp_microbatches to be a multiple of that; allowed up to {4 * pp}: "
-               f"{', '.join(map(str, ok))}")
+        refuse(
+            f"{schedule} runs max(1, pp_microbatches // pp) = {rounds} rounds and needs "
+            f"parallel.pp_microbatches to be a multiple of that; allowed up to {4 * pp}: "
+            f"{', '.join(map(str, ok))}"
+        )
 
 
 def stage_ids(*, pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
@@ -140,8 +153,10 @@ def split_blocks(model: nn.Module, spec: ModelSpec, *, num_stages: int) -> list[
     split = _split_of(spec)
     names = [name for name, _ in model.get_submodule(split.blocks).named_children()]
     if not 1 <= num_stages <= len(names):
-        raise PipelineConfigError(f"{num_stages} pipeline stages for the {len(names)} blocks of "
-                                  f"{split.blocks!r}: every stage needs at least one block")
+        raise PipelineConfigError(
+            f"{num_stages} pipeline stages for the {len(names)} blocks of "
+            f"{split.blocks!r}: every stage needs at least one block"
+        )
     weights = [_numel(model.get_submodule(f"{split.blocks}.{n}")) for n in names]
     first = sum(_numel(model.get_submodule(p)) for p in split.first)
     last = sum(_numel(model.get_submodule(p)) for p in split.last)
@@ -150,8 +165,12 @@ def split_blocks(model: nn.Module, spec: ModelSpec, *, num_stages: int) -> list[
         prefix.append(prefix[-1] + w)
 
     def cost(stage: int, lo: int, hi: int) -> int:  # blocks [lo, hi) on `stage`
-        return (prefix[hi] - prefix[lo] + (first if stage == 0 else 0)
-                + (last if stage == num_stages - 1 else 0))
+        return (
+            prefix[hi]
+            - prefix[lo]
+            + (first if stage == 0 else 0)
+            + (last if stage == num_stages - 1 else 0)
+        )
 
     # best[s][i]: the smallest largest-stage cost putting blocks [0, i) on stages [0, s).
     n, inf = len(names), float("inf")
@@ -171,8 +190,9 @@ def split_blocks(model: nn.Module, spec: ModelSpec, *, num_stages: int) -> list[
     return [names[lo:hi] for lo, hi in reversed(bounds)]
 
 
-def split_model(model: nn.Module, spec: ModelSpec, *, stage_ids: list[int],
-                num_stages: int) -> list[nn.Module]:
+def split_model(
+    model: nn.Module, spec: ModelSpec, *, stage_ids: list[int], num_stages: int
+) -> list[nn.Module]:
     """One copy of `model` per stage in `stage_ids`, holding only that stage's pieces.
 
     The other stages' blocks are deleted from the blocks container by name (so a kept block
@@ -195,7 +215,8 @@ def split_model(model: nn.Module, spec: ModelSpec, *, stage_ids: list[int],
         keep = set(per_stage[sid])
         dropped_blocks = [n for n, _ in container.named_children() if n not in keep]
         dropped_ends = ([] if sid == 0 else list(split.first)) + (
-            [] if sid == num_stages - 1 else list(split.last))
+            [] if sid == num_stages - 1 else list(split.last)
+        )
         memo: dict[int, Any] = {id(container.get_submodule(n)): None for n in dropped_blocks}
         memo.update({id(model.get_submodule(p)): None for p in dropped_ends})
         part = copy.deepcopy(model, memo)
@@ -228,9 +249,17 @@ class Pipeline:
     chunk_losses: list[torch.Tensor] = field(default_factory=list)  # detached sums, per chunk
 
 
-def build_pipeline(parts: list[nn.Module], *, stage_ids: list[int], num_stages: int, group,
-                   device: torch.device, schedule: str, microbatches: int,
-                   loss_fn: Callable[[Any, Batch], tuple[torch.Tensor, Any]]) -> Pipeline:
+def build_pipeline(
+    parts: list[nn.Module],
+    *,
+    stage_ids: list[int],
+    num_stages: int,
+    group,
+    device: torch.device,
+    schedule: str,
+    microbatches: int,
+    loss_fn: Callable[[Any, Batch], tuple[torch.Tensor, Any]],
+) -> Pipeline:
     """Wrap this rank's parts in PipelineStages and build the schedule over them.
 
     The parts may already be tensor-parallel, checkpointed and FSDP-wrapped (the order is
@@ -248,24 +277,47 @@ def build_pipeline(parts: list[nn.Module], *, stage_ids: list[int], num_stages: 
     """
     if len(parts) != len(stage_ids):
         raise ValueError(f"{len(parts)} parts for stage ids {stage_ids}")
-    check_schedule(schedule, pp=dist.get_world_size(group), microbatches=microbatches,
-                   stages_per_rank=len(stage_ids), n_blocks=None)
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+    check_schedule(
+        schedule,
+        pp=dist.get_world_size(group),
+        microbatches=microbatches,
+        stages_per_rank=len(stage_ids),
+        n_blocks=None,
+    )
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
-    stages = [PipelineStage(part, sid, num_stages, device, group=group)
-              for part, sid in zip(parts, stage_ids)]
-    pipeline = Pipeline(schedule=None, stages=stages, parts=parts,
-                        has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids,
-                        microbatches=microbatches)
+    stages = [
+        PipelineStage(part, sid, num_stages, device, group=group)
+        for part, sid in zip(parts, stage_ids)
+    ]
+    pipeline = Pipeline(
+        schedule=None,
+        stages=stages,
+        parts=parts,
+        has_first=0 in stage_ids,
+        has_last=num_stages - 1 in stage_ids,
+        microbatches=microbatches,
+    )
     # scale_grads=False: the loss is already a sum times 1 / global count (module docstring).
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-           "interleaved-1f1b": ScheduleInterleaved1F1B,
-           "zero-bubble": ScheduleInterleavedZeroBubble}[schedule]
+    cls = {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved-1f1b": ScheduleInterleaved1F1B,
+        "zero-bubble": ScheduleInterleavedZeroBubble,
+    }[schedule]
     held = {"stage": stages[0]} if schedule in SINGLE_STAGE else {"stages": stages}
-    pipeline.schedule = cls(**held, n_microbatches=microbatches, scale_grads=False,
-                            loss_fn=partial(_chunk_loss, pipeline, loss_fn))
+    pipeline.schedule = cls(
+        **held,
+        n_microbatches=microbatches,
+        scale_grads=False,
+        loss_fn=partial(_chunk_loss, pipeline, loss_fn),
+    )
     return pipeline
 
 
@@ -275,16 +327,23 @@ def _chunk_loss(pipeline: Pipeline, loss_fn, output: Any, target: torch.Tensor) 
     # batch.inputs or batch.extras cannot run under pp. count is the chunk's own count
     # (count_fn) or 0: the step normalises by the global count through loss_weight.
     count = pipeline.count_fn(target) if pipeline.count_fn is not None else 0
-    total, _ = loss_fn(output, Batch(inputs=target.new_empty(0), targets=target, count=count,
-                                     tokens=0))
+    total, _ = loss_fn(
+        output, Batch(inputs=target.new_empty(0), targets=target, count=count, tokens=0)
+    )
     pipeline.chunk_losses.append(total.detach())
     weighted = total * pipeline.loss_weight
     return pipeline.scale(weighted) if pipeline.scale is not None else weighted
 
 
-def run_pipeline(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, *,
-                 loss_weight: float, scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 count_fn: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
+def run_pipeline(
+    pipeline: Pipeline,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    loss_weight: float,
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    count_fn: Callable[[torch.Tensor], int] | None = None,
+) -> torch.Tensor:
     """Forward and backward of one train micro-batch, split into `pipeline.microbatches` chunks.
 
     Gradients accumulate into the parts' .grad. Precision is the caller's: run this inside
@@ -308,18 +367,20 @@ def run_pipeline(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.Tensor
     pipeline.loss_weight, pipeline.scale, pipeline.count_fn = loss_weight, scale, count_fn
     pipeline.chunk_losses.clear()
     args = (inputs,) if pipeline.has_first else ()
-    pipeline.schedule.step(*args, target=targets if pipeline.has_last else None,
-                           return_outputs=False)
+    pipeline.schedule.step(
+        *args, target=targets if pipeline.has_last else None, return_outputs=False
+    )
     if not pipeline.has_last:
         return torch.zeros((), dtype=torch.float64)
     # Shape inference (first call, and after each eval) runs the loss once more, first:
     # the real chunks' losses are the last `microbatches` recorded.
-    chunks = pipeline.chunk_losses[-pipeline.microbatches:]
+    chunks = pipeline.chunk_losses[-pipeline.microbatches :]
     return torch.stack([c.double() for c in chunks]).sum()
 
 
-def eval_pipeline(pipeline: Pipeline, inputs: torch.Tensor,
-                  targets: torch.Tensor) -> torch.Tensor | None:
+def eval_pipeline(
+    pipeline: Pipeline, inputs: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor | None:
     """Forward only (no backward, works under torch.no_grad()) of an eval batch of any size.
 
     The stages' buffers keep one shape per mode, so the batch runs in pieces of
@@ -343,10 +404,10 @@ def eval_pipeline(pipeline: Pipeline, inputs: torch.Tensor,
         pipeline.eval_rows = pipeline.train_rows or -(-n // m) * m  # n rounded up to whole chunks
     rows, outputs = pipeline.eval_rows, []
     for lo in range(0, n, rows):
-        x, y = (_pad_rows(t[lo:lo + rows], rows) for t in (inputs, targets))
+        x, y = (_pad_rows(t[lo : lo + rows], rows) for t in (inputs, targets))
         args = (x,) if pipeline.has_first else ()
         out = pipeline.schedule.eval(*args, target=y if pipeline.has_last else None)
-        outputs.append(out[:min(rows, n - lo)] if pipeline.has_last else None)
+        outputs.append(out[: min(rows, n - lo)] if pipeline.has_last else None)
     pipeline.chunk_losses.clear()
     return torch.cat(outputs) if pipeline.has_last else None
 
@@ -355,13 +416,17 @@ def _check_rows(pipeline: Pipeline, rows: int) -> None:
     # Unequal chunks, or a second shape, would meet receive buffers of the first chunk's
     # shape: seen as a shape error on one rank and a hang on the other.
     if rows % pipeline.microbatches:
-        raise ValueError(f"a batch of {rows} rows does not split into parallel.pp_microbatches = "
-                         f"{pipeline.microbatches} equal chunks")
+        raise ValueError(
+            f"a batch of {rows} rows does not split into parallel.pp_microbatches = "
+            f"{pipeline.microbatches} equal chunks"
+        )
     if pipeline.train_rows is None:
         pipeline.train_rows = rows
     elif rows != pipeline.train_rows:
-        raise ValueError(f"a train batch of {rows} rows, but the pipeline's buffers were shaped "
-                         f"for {pipeline.train_rows}: every micro-batch must have the same size")
+        raise ValueError(
+            f"a train batch of {rows} rows, but the pipeline's buffers were shaped "
+            f"for {pipeline.train_rows}: every micro-batch must have the same size"
+        )
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -369,8 +434,9 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) if pad else t
 
 
-def idle_fraction_theory(schedule: str, *, pp: int, microbatches: int,
-                         stages_per_rank: int) -> float:
+def idle_fraction_theory(
+    schedule: str, *, pp: int, microbatches: int, stages_per_rank: int
+) -> float:
     """The idle fraction of each rank's wall time in one step, with stages equally fast and
     communication free; p ranks, m chunks, v stages per rank, (p - 1) slots of bubble:
 
@@ -393,8 +459,14 @@ def idle_fraction_theory(schedule: str, *, pp: int, microbatches: int,
     return (p - 1) / (work[schedule] + p - 1)
 
 
-def measure_idle(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, *,
-                 loss_weight: float, warmup: bool = True) -> float:
+def measure_idle(
+    pipeline: Pipeline,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    loss_weight: float,
+    warmup: bool = True,
+) -> float:
     """The pipeline's idle fraction in one `run_pipeline`, the same on every pp rank:
     1 - (compute time summed over ranks) / (pp x the step's wall time, barrier to last end).
 
@@ -420,6 +492,7 @@ def measure_idle(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.Tensor
             out = fn(*args, **kwargs)
             busy[0] += time.perf_counter() - start
             return out
+
         return wrapper
 
     # Instance attributes shadow the methods for this one call and are deleted after: the
@@ -446,8 +519,9 @@ def measure_idle(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.Tensor
 
 def _split_of(spec: ModelSpec) -> PipelineSplit:
     if spec.pipeline is None:
-        raise PipelineConfigError("the model declares no pipeline split (ModelSpec.pipeline); "
-                                  "see models/protocol.py")
+        raise PipelineConfigError(
+            "the model declares no pipeline split (ModelSpec.pipeline); see models/protocol.py"
+        )
     return spec.pipeline
 
 

@@ -50,16 +50,19 @@ def check_tp_fit(model: nn.Module, targets: dict[str, str], *, tp: int, model_la
                 raise TensorParallelError(
                     f"parallel.tp = {tp} does not divide the {heads} heads of {path!r} in "
                     f"{model_label}: each tensor-parallel rank computes whole heads; use a tp "
-                    f"that divides {heads}")
+                    f"that divides {heads}"
+                )
         if features % tp:
             raise TensorParallelError(
                 f"parallel.tp = {tp} does not divide the {features} "
                 f"{'output' if style == 'colwise' else 'input'} features of {path!r} "
-                f"({style}) in {model_label}; use a tp that divides {features}")
+                f"({style}) in {model_label}; use a tp that divides {features}"
+            )
 
 
-def apply_tp(model: nn.Module, tp_mesh, *, targets: dict[str, str],
-             sequence: dict[str, str] | None = None) -> nn.Module:
+def apply_tp(
+    model: nn.Module, tp_mesh, *, targets: dict[str, str], sequence: dict[str, str] | None = None
+) -> nn.Module:
     """Split the planned layers of `model` over `tp_mesh` (in place) and return it.
 
     Args:
@@ -71,9 +74,14 @@ def apply_tp(model: nn.Module, tp_mesh, *, targets: dict[str, str],
             (protocol.sequence_targets) to add sequence parallelism; None or {}: plain TP.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   PrepareModuleOutput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     held = dict(model.named_modules())
     sp = bool(sequence)
@@ -89,13 +97,15 @@ def apply_tp(model: nn.Module, tp_mesh, *, targets: dict[str, str],
         if path not in held:
             continue
         if role == "enter":  # (B, T, C) whole -> this rank's (B, T/tp, C): a local slice
-            plan[path] = PrepareModuleOutput(output_layouts=Replicate(),
-                                             desired_output_layouts=Shard(1))
+            plan[path] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1)
+            )
         elif role == "norm":
             plan[path] = SequenceParallel()
         elif role == "gather":  # all-gather the positions before the column-wise matmuls
-            plan[path] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                            desired_input_layouts=(Replicate(),))
+            plan[path] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
         else:  # head: gather positions in, columns (vocabulary) out: whole logits
             plan[path] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     parallelize_module(model, tp_mesh, plan)

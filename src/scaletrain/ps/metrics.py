@@ -47,8 +47,9 @@ class ServerMetrics:
     the last loss survive a resume.
     """
 
-    def __init__(self, config: Config, derived: Derived, *, logger, start_step: int,
-                 evaluate, versions) -> None:
+    def __init__(
+        self, config: Config, derived: Derived, *, logger, start_step: int, evaluate, versions
+    ) -> None:
         self.global_batch, self.every = config.train.global_batch, config.log.every
         self.eval_every, self.steps = config.train.eval_every, config.train.steps
         self.logger, self.evaluate, self.versions = logger, evaluate, versions
@@ -91,8 +92,9 @@ class ServerMetrics:
             self.last_loss = w.loss_sum / max(w.count, 1)
             # Timed here, where the window closes, not when the writer gets to it (it may
             # be busy evaluating).
-            self._queue.put(("train", step, w, lr, version, dict(self.worker_rate), alive,
-                             time.perf_counter()))
+            self._queue.put(
+                ("train", step, w, lr, version, dict(self.worker_rate), alive, time.perf_counter())
+            )
             self.window = _Window()
         if self.eval_every and step % self.eval_every == 0 and step < self.steps:
             self._queue.put(("eval", step, time.perf_counter()))
@@ -108,9 +110,13 @@ class ServerMetrics:
             except Exception as e:  # noqa: BLE001  raised again by close()
                 if self.failure is None:
                     self.failure = e
-                print(f"scaletrain: error: server 0's {item[0]} record at step {item[1]} "
-                      f"raised {type(e).__name__}: {e}; training goes on, the run ends with "
-                      "this error", file=sys.stderr, flush=True)
+                print(
+                    f"scaletrain: error: server 0's {item[0]} record at step {item[1]} "
+                    f"raised {type(e).__name__}: {e}; training goes on, the run ends with "
+                    "this error",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _write_one(self, item: tuple, last_versions: dict[int, tuple[int, float]]) -> None:
         """Write one queued record: an evaluation, or a window of train steps."""
@@ -124,18 +130,31 @@ class ServerMetrics:
         ups = {}
         for k, v in versions.items():
             v0, t0 = last_versions.get(k, (v, self.started))
-            ups[str(k)] = (v - v0) / max(now - t0, 1e-9) if k in last_versions else \
-                v / max(now - self.started, 1e-9)
+            ups[str(k)] = (
+                (v - v0) / max(now - t0, 1e-9)
+                if k in last_versions
+                else v / max(now - self.started, 1e-9)
+            )
             last_versions[k] = (v, now)
         steps_in = max(w.examples / self.global_batch, 1e-9)  # global steps in the window
-        self.logger.log_step({
-            "step": step, "loss": w.loss_sum / max(w.count, 1), "lr": lr,
-            "examples": w.examples, "examples_per_s": w.examples / max(elapsed, 1e-9),
-            "step_time_s": elapsed / steps_in, "skipped_steps": self.skipped,
-            "staleness": w.staleness, "staleness_max": max(w.staleness, default=0),
-            "delay": w.delay, "updates_per_s": ups,
-            "worker_examples_per_s": {str(k): r for k, r in sorted(rates.items())},
-            "workers_alive": alive, "time_s": now - self.started})
+        self.logger.log_step(
+            {
+                "step": step,
+                "loss": w.loss_sum / max(w.count, 1),
+                "lr": lr,
+                "examples": w.examples,
+                "examples_per_s": w.examples / max(elapsed, 1e-9),
+                "step_time_s": elapsed / steps_in,
+                "skipped_steps": self.skipped,
+                "staleness": w.staleness,
+                "staleness_max": max(w.staleness, default=0),
+                "delay": w.delay,
+                "updates_per_s": ups,
+                "worker_examples_per_s": {str(k): r for k, r in sorted(rates.items())},
+                "workers_alive": alive,
+                "time_s": now - self.started,
+            }
+        )
         self.logger.advance(max(step - self._logged_step - 1, 0))  # the bar: global steps
         self._logged_step = step
 
@@ -148,22 +167,37 @@ class ServerMetrics:
 
     def state_dict(self) -> dict:
         w = self.window  # open: gradients in flight at the cut were applied before the save
-        window = {"examples": w.examples, "loss_sum": w.loss_sum, "count": w.count,
-                  "staleness": w.staleness, "delay": w.delay, "skipped": w.skipped,
-                  "elapsed_s": time.perf_counter() - w.started}
-        return {"staleness_hist": json.dumps(sorted(self.staleness_hist.items())),
-                "delay_hist": json.dumps(sorted(self.delay_hist.items())),
-                "skipped": self.skipped, "last_loss": self.last_loss,
-                "window": json.dumps(window)}
+        window = {
+            "examples": w.examples,
+            "loss_sum": w.loss_sum,
+            "count": w.count,
+            "staleness": w.staleness,
+            "delay": w.delay,
+            "skipped": w.skipped,
+            "elapsed_s": time.perf_counter() - w.started,
+        }
+        return {
+            "staleness_hist": json.dumps(sorted(self.staleness_hist.items())),
+            "delay_hist": json.dumps(sorted(self.delay_hist.items())),
+            "skipped": self.skipped,
+            "last_loss": self.last_loss,
+            "window": json.dumps(window),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.staleness_hist = Counter(dict(json.loads(state["staleness_hist"])))
         self.delay_hist = Counter(dict(json.loads(state["delay_hist"])))
         self.skipped, self.last_loss = int(state["skipped"]), float(state["last_loss"])
         w = json.loads(state["window"])
-        self.window = _Window(examples=w["examples"], loss_sum=w["loss_sum"], count=w["count"],
-                              staleness=w["staleness"], delay=w["delay"], skipped=w["skipped"],
-                              started=time.perf_counter() - w["elapsed_s"])
+        self.window = _Window(
+            examples=w["examples"],
+            loss_sum=w["loss_sum"],
+            count=w["count"],
+            staleness=w["staleness"],
+            delay=w["delay"],
+            skipped=w["skipped"],
+            started=time.perf_counter() - w["elapsed_s"],
+        )
 
 
 class ServerProgress:

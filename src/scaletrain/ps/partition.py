@@ -25,9 +25,11 @@ def partition_by_bytes(sizes: dict[str, int], *, servers: int) -> list[list[str]
         servers: how many servers share them.
     """
     if len(sizes) < servers:
-        raise PartitionError(f"ps.servers = {servers} but the model has only {len(sizes)} "
-                             f"parameter tensors: every server needs at least one; use "
-                             f"ps.servers <= {len(sizes)}")
+        raise PartitionError(
+            f"ps.servers = {servers} but the model has only {len(sizes)} "
+            f"parameter tensors: every server needs at least one; use "
+            f"ps.servers <= {len(sizes)}"
+        )
     load, owner = [0] * servers, {}
     for name in sorted(sizes, key=lambda n: -sizes[n]):  # stable: ties keep model order
         k = min(range(servers), key=lambda i: (load[i], i))
@@ -38,6 +40,7 @@ def partition_by_bytes(sizes: dict[str, int], *, servers: int) -> list[list[str]
 
 def model_partition(model: torch.nn.Module, *, servers: int) -> list[list[str]]:
     """`partition_by_bytes` over the model's trainable parameters."""
-    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()
-             if p.requires_grad}
+    sizes = {
+        n: p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad
+    }
     return partition_by_bytes(sizes, servers=servers)

@@ -48,11 +48,12 @@ from scaletrain.allocator import configure_allocator
 from scaletrain.config import Config, ConfigError, config_to_toml
 from scaletrain.plan import Derived, resolve
 from scaletrain.ps import server as ps_server
-from scaletrain.ps.partition import model_partition
 from scaletrain.ps.metrics import ServerMetrics, ServerProgress
+from scaletrain.ps.partition import model_partition
 from scaletrain.ps.server import ParameterServer, Update
 from scaletrain.ps.supervisor import EXIT_REFUSED, EXIT_SERVER_LOST, FINISHED_MARKER
 from scaletrain.ps.worker import ServerLost, run_worker, server_name, worker_name
+
 
 class AllWorkersDead(RuntimeError):
     """The servers outlived every worker: the run has no result to speak of."""
@@ -72,8 +73,11 @@ def run_role(config: Config, run_dir: Path) -> int:
     role, index = derived.ps.role(penv.rank)
     set_threads(derived.threads)
     configure_allocator(config.train.allocator, device_type="cpu")
-    print(f"# scaletrain ps {role} {index}: rank {penv.rank}, pid {os.getpid()}", file=sys.stderr,
-          flush=True)  # tests and operators find the process to signal here
+    print(
+        f"# scaletrain ps {role} {index}: rank {penv.rank}, pid {os.getpid()}",
+        file=sys.stderr,
+        flush=True,
+    )  # tests and operators find the process to signal here
     code = 0
     store = _init_rpc(config, penv.rank, penv.world_size, role=role, index=index)
     try:
@@ -107,15 +111,19 @@ def _init_rpc(config: Config, rank: int, world: int, *, role: str, index: int):
     os.environ["GLOO_SOCKET_IFNAME"] = config.ps.interface
     store = _store(config, rank, world)
     # init_rpc meets on a store it makes from a URL: hand it ours through a scheme of our own.
-    dist.register_rendezvous_handler("scaletrain-ps",
-                                     lambda url, **kw: iter([(store, rank, world)]))
+    dist.register_rendezvous_handler(
+        "scaletrain-ps", lambda url, **kw: iter([(store, rank, world)])
+    )
     # The uv (TCP) transport and basic channel only: TensorPipe's shared-memory transport
     # busy-polls, about a quarter of a core per process measured here, which on a CPU host
     # is taken from the workers' compute.
-    options = rpc.TensorPipeRpcBackendOptions(init_method="scaletrain-ps://",
-                                              rpc_timeout=config.parallel.timeout_s,
-                                              num_worker_threads=16, _transports=["uv"],
-                                              _channels=["basic"])
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method="scaletrain-ps://",
+        rpc_timeout=config.parallel.timeout_s,
+        num_worker_threads=16,
+        _transports=["uv"],
+        _channels=["basic"],
+    )
     name = server_name(index) if role == "server" else worker_name(index)
     with warnings.catch_warnings():  # init_rpc's unrelated deprecation notice (pytorch#149393)
         warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
@@ -133,8 +141,10 @@ def interface_address(name: str) -> str:
         try:  # SIOCGIFADDR
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
         except OSError as e:
-            raise ConfigError(f"ps.interface = {name!r} has no IPv4 address on this machine "
-                              f"({e.strerror}); use an interface `ip -brief addr` lists") from None
+            raise ConfigError(
+                f"ps.interface = {name!r} has no IPv4 address on this machine "
+                f"({e.strerror}); use an interface `ip -brief addr` lists"
+            ) from None
     return socket.inet_ntoa(packed[20:24])
 
 
@@ -154,8 +164,15 @@ def _store(config: Config, rank: int, world: int) -> dist.TCPStore:
         sock.bind((address, port))
         sock.listen(128)
         # detach(): the store listens on the fd; the Python socket must not close it.
-        return dist.TCPStore(address, port, world, True, timeout, wait_for_workers=False,
-                             master_listen_fd=sock.detach())
+        return dist.TCPStore(
+            address,
+            port,
+            world,
+            True,
+            timeout,
+            wait_for_workers=False,
+            master_listen_fd=sock.detach(),
+        )
     host = address if config.ps.interface == "lo" else os.environ["MASTER_ADDR"]
     return dist.TCPStore(host, port, world, False, timeout)
 
@@ -165,8 +182,13 @@ def _init_server_group(config: Config, store, index: int, *, servers: int) -> No
     store (a PrefixStore keeps its keys apart from RPC's)."""
     if servers == 1:
         return
-    dist.init_process_group("gloo", store=dist.PrefixStore("ps-servers", store), rank=index,
-                            world_size=servers, timeout=timedelta(seconds=config.parallel.timeout_s))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("ps-servers", store),
+        rank=index,
+        world_size=servers,
+        timeout=timedelta(seconds=config.parallel.timeout_s),
+    )
 
 
 def _build_model(config: Config, derived: Derived):
@@ -190,26 +212,46 @@ def _work(config: Config, derived: Derived, *, index: int) -> int:
 
     model, precision, train_ds, loss_fn = _build_model(config, derived)
     t, ps = config.train, config.ps
-    sampler = GlobalBatchSampler(len(train_ds), global_batch=t.global_batch,
-                                 micro_batch=t.micro_batch, dp_rank=index,
-                                 dp_size=derived.ps.workers, seed=t.seed,
-                                 shard_rows=train_ds.shard_rows,
-                                 shuffle_window=config.data.shuffle_window)
-    outcome = run_worker(model, worker=index,
-                         partition=model_partition(model, servers=derived.ps.servers),
-                         sampler=sampler, train_ds=train_ds, loss_fn=loss_fn,
-                         precision=precision,
-                         # sync: the servers clip the averaged gradient, as DDP does
-                         grad_clip=0.0 if ps.mode == "sync" else config.optim.grad_clip,
-                         device=torch.device("cpu"), timeout_s=config.parallel.timeout_s,
-                         lease_s=ps.worker_timeout_s, seed=t.seed,
-                         slow_factor=ps.slow_factor if ps.slow_worker == index else 1.0)
-    print(f"scaletrain: worker {index}: {outcome.status} after {outcome.steps_done} steps "
-          f"(last loss {outcome.last_loss:.4g})", file=sys.stderr, flush=True)
+    sampler = GlobalBatchSampler(
+        len(train_ds),
+        global_batch=t.global_batch,
+        micro_batch=t.micro_batch,
+        dp_rank=index,
+        dp_size=derived.ps.workers,
+        seed=t.seed,
+        shard_rows=train_ds.shard_rows,
+        shuffle_window=config.data.shuffle_window,
+    )
+    outcome = run_worker(
+        model,
+        worker=index,
+        partition=model_partition(model, servers=derived.ps.servers),
+        sampler=sampler,
+        train_ds=train_ds,
+        loss_fn=loss_fn,
+        precision=precision,
+        # sync: the servers clip the averaged gradient, as DDP does
+        grad_clip=0.0 if ps.mode == "sync" else config.optim.grad_clip,
+        device=torch.device("cpu"),
+        timeout_s=config.parallel.timeout_s,
+        lease_s=ps.worker_timeout_s,
+        seed=t.seed,
+        slow_factor=ps.slow_factor if ps.slow_worker == index else 1.0,
+    )
+    print(
+        f"scaletrain: worker {index}: {outcome.status} after {outcome.steps_done} steps "
+        f"(last loss {outcome.last_loss:.4g})",
+        file=sys.stderr,
+        flush=True,
+    )
     if outcome.status == "refused":
-        print(f"scaletrain: worker {index} was declared dead by the servers (silent for more "
-              f"than ps.worker_timeout_s = {ps.worker_timeout_s:g} s); its late gradients were "
-              "refused; leaving", file=sys.stderr, flush=True)
+        print(
+            f"scaletrain: worker {index} was declared dead by the servers (silent for more "
+            f"than ps.worker_timeout_s = {ps.worker_timeout_s:g} s); its late gradients were "
+            "refused; leaving",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_REFUSED
     return 0
 
@@ -246,11 +288,22 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
     names = model_partition(model, servers=shape.servers)[index]
     shard = shard_module({n: full[n] for n in names})
     per_step = 1 if ps.mode == "sync" else shape.workers  # gradients per global step
-    optimizer = build_optimizer(shard, name=o.name, lr=o.lr, weight_decay=o.weight_decay,
-                                betas=o.betas, momentum=o.momentum, impl=o.impl)
-    scheduler = build_scheduler(optimizer, warmup_steps=o.warmup_steps * per_step,
-                                total_steps=t.steps * per_step, schedule=o.schedule,
-                                min_lr_ratio=o.min_lr_ratio)
+    optimizer = build_optimizer(
+        shard,
+        name=o.name,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=o.betas,
+        momentum=o.momentum,
+        impl=o.impl,
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=o.warmup_steps * per_step,
+        total_steps=t.steps * per_step,
+        schedule=o.schedule,
+        min_lr_ratio=o.min_lr_ratio,
+    )
     progress = ServerProgress()
     state = TrainState(shard, optimizer, scheduler, precision, loop=progress)
     main = index == 0
@@ -260,10 +313,20 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
     elif main:
         write_config(run_dir, config)
     c = config.checkpoint
-    checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.keep, async_save=c.async_save,
-                                config_toml=config_to_toml(config))
-    logger = MetricsLogger(run_dir, total_steps=t.steps, enabled=main, quiet=config.log.quiet,
-                           tensorboard=config.log.tensorboard, start_step=state.step)
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints",
+        keep=c.keep,
+        async_save=c.async_save,
+        config_toml=config_to_toml(config),
+    )
+    logger = MetricsLogger(
+        run_dir,
+        total_steps=t.steps,
+        enabled=main,
+        quiet=config.log.quiet,
+        tensorboard=config.log.tensorboard,
+        start_step=state.step,
+    )
     if resume_from is not None:
         logger.message(f"scaletrain: resumed from {resume_from} at step {state.step}")
     for warning in derived.warnings:
@@ -273,10 +336,20 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
     if main:
         eval_ds = _eval_data(config)
         metrics = ServerMetrics(
-            config, derived, logger=logger, start_step=state.step,
-            evaluate=lambda: _evaluate(eval_model, config, shape.servers, eval_ds=eval_ds,
-                                       precision=precision, loss_fn=loss_fn),
-            versions=lambda own: _versions(own, shape.servers))
+            config,
+            derived,
+            logger=logger,
+            start_step=state.step,
+            evaluate=lambda: _evaluate(
+                eval_model,
+                config,
+                shape.servers,
+                eval_ds=eval_ds,
+                precision=precision,
+                loss_fn=loss_fn,
+            ),
+            versions=lambda own: _versions(own, shape.servers),
+        )
         progress.metrics = metrics
 
     def save(step: int) -> None:
@@ -289,30 +362,57 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
 
     def on_update(u: Update) -> None:
         if metrics is not None:
-            metrics.update(u, alive=len(server.clocks.live),
-                           lr=optimizer.param_groups[0]["lr"], version=server.version)
+            metrics.update(
+                u,
+                alive=len(server.clocks.live),
+                lr=optimizer.param_groups[0]["lr"],
+                version=server.version,
+            )
 
     server = ParameterServer(
-        index=index, params={n: full[n] for n in names}, optimizer=optimizer,
-        scheduler=scheduler, workers=shape.workers, mode=ps.mode, staleness=ps.staleness,
-        inverse_lr=ps.staleness_lr == "inverse", lease_s=ps.worker_timeout_s,
-        join_s=config.parallel.timeout_s, steps=t.steps, global_batch=t.global_batch,
+        index=index,
+        params={n: full[n] for n in names},
+        optimizer=optimizer,
+        scheduler=scheduler,
+        workers=shape.workers,
+        mode=ps.mode,
+        staleness=ps.staleness,
+        inverse_lr=ps.staleness_lr == "inverse",
+        lease_s=ps.worker_timeout_s,
+        join_s=config.parallel.timeout_s,
+        steps=t.steps,
+        global_batch=t.global_batch,
         start_step=state.step,
-        checkpoint_every=c.every, stop_after=t.stop_after, save=save, on_update=on_update,
+        checkpoint_every=c.every,
+        stop_after=t.stop_after,
+        save=save,
+        on_update=on_update,
         report=lambda m: print(m, file=sys.stderr, flush=True),
         authority=main,  # server 0 decides who is alive, and tells the others
-        announce=lambda w, why: announced.extend(_announce(w, why, shape.servers,
-                                                           timeout_s=ps.worker_timeout_s)),
+        announce=lambda w, why: announced.extend(
+            _announce(w, why, shape.servers, timeout_s=ps.worker_timeout_s)
+        ),
         grad_clip=o.grad_clip if ps.mode == "sync" else 0.0,
-        reduce_squares=all_reduce_sum, schedule_examples=t.global_batch // per_step)
+        reduce_squares=all_reduce_sum,
+        schedule_examples=t.global_batch // per_step,
+    )
     progress.server = server
     if progress.loaded:
-        server.load_state_dict({k.removeprefix("server."): v for k, v in progress.loaded.items()
-                                if k.startswith("server.")})
+        server.load_state_dict(
+            {
+                k.removeprefix("server."): v
+                for k, v in progress.loaded.items()
+                if k.startswith("server.")
+            }
+        )
         if metrics is not None:
-            metrics.load_state_dict({k.removeprefix("metrics."): v
-                                     for k, v in progress.loaded.items()
-                                     if k.startswith("metrics.")})
+            metrics.load_state_dict(
+                {
+                    k.removeprefix("metrics."): v
+                    for k, v in progress.loaded.items()
+                    if k.startswith("metrics.")
+                }
+            )
     if metrics is not None:  # the run's position in examples, as the server counts it
         metrics.examples = metrics.start_examples = server.examples
     started = time.perf_counter()
@@ -324,27 +424,45 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         if metrics is not None:
             metrics.close()
         if main and not server.stopping:
-            _finish(run_dir, config, derived, model=eval_model, server=server, metrics=metrics,
-                    wall=wall, precision=precision, loss_fn=loss_fn, eval_ds=eval_ds)
+            _finish(
+                run_dir,
+                config,
+                derived,
+                model=eval_model,
+                server=server,
+                metrics=metrics,
+                wall=wall,
+                precision=precision,
+                loss_fn=loss_fn,
+                eval_ds=eval_ds,
+            )
         elif main:
-            logger.message(f"scaletrain: stopped after step {t.stop_after} (train.stop_after); "
-                           f"continue with: scaletrain train ... --run-dir {run_dir} --resume")
+            logger.message(
+                f"scaletrain: stopped after step {t.stop_after} (train.stop_after); "
+                f"continue with: scaletrain train ... --run-dir {run_dir} --resume"
+            )
     finally:
         checkpointer.close()
         logger.close()
     barrier()  # the other servers serve server 0's final gather until here
     if main:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs" / FINISHED_MARKER).write_text(json.dumps(
-            {"dead_workers": {str(w): why for w, why in server.clocks.dead.items()}}) + "\n")
+        (run_dir / "logs" / FINISHED_MARKER).write_text(
+            json.dumps({"dead_workers": {str(w): why for w, why in server.clocks.dead.items()}})
+            + "\n"
+        )
 
 
 def _announce(worker: int, why: str | None, servers: int, *, timeout_s: float) -> list:
     """Server 0 (the membership authority) tells the other servers that `worker` died (why)
     or left (None); the calls' futures, not waited for (ParameterServer.membership says
     why)."""
-    return [rpc.rpc_async(server_name(k), ps_server.rpc_membership, args=(worker, why),
-                          timeout=timeout_s) for k in range(1, servers)]
+    return [
+        rpc.rpc_async(
+            server_name(k), ps_server.rpc_membership, args=(worker, why), timeout=timeout_s
+        )
+        for k in range(1, servers)
+    ]
 
 
 def _settle(calls: list) -> None:
@@ -360,8 +478,9 @@ def _settle(calls: list) -> None:
 def _latest_checkpoint(run_dir: Path) -> str | None:
     from scaletrain.checkpoint_files import latest_valid
 
-    found = latest_valid(run_dir / "checkpoints", report=lambda m: print(m, file=sys.stderr),
-                         quarantine=True)
+    found = latest_valid(
+        run_dir / "checkpoints", report=lambda m: print(m, file=sys.stderr), quarantine=True
+    )
     return str(found) if found else None
 
 
@@ -394,50 +513,85 @@ def _gather(model: torch.nn.Module, servers: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _evaluate(model: torch.nn.Module, config: Config, servers: int, *, eval_ds, precision,
-              loss_fn) -> dict:
+def _evaluate(
+    model: torch.nn.Module, config: Config, servers: int, *, eval_ds, precision, loss_fn
+) -> dict:
     from scaletrain.training.evaluate import eval_record, eval_totals
 
     _gather(model, servers)
-    totals = eval_totals(model, eval_ds, limit=config.train.eval_examples,
-                         batch=config.train.micro_batch, dp_rank=0, dp_size=1, counts=True,
-                         precision=precision, device=torch.device("cpu"), loss_fn=loss_fn)
+    totals = eval_totals(
+        model,
+        eval_ds,
+        limit=config.train.eval_examples,
+        batch=config.train.micro_batch,
+        dp_rank=0,
+        dp_size=1,
+        counts=True,
+        precision=precision,
+        device=torch.device("cpu"),
+        loss_fn=loss_fn,
+    )
     return eval_record(totals, kind=eval_ds.spec.kind, loss_name=config.train.loss)
 
 
-def _finish(run_dir: Path, config: Config, derived: Derived, *, model: torch.nn.Module,
-            server: ParameterServer, metrics: ServerMetrics, wall: float, precision, loss_fn,
-            eval_ds) -> None:
+def _finish(
+    run_dir: Path,
+    config: Config,
+    derived: Derived,
+    *,
+    model: torch.nn.Module,
+    server: ParameterServer,
+    metrics: ServerMetrics,
+    wall: float,
+    precision,
+    loss_fn,
+    eval_ds,
+) -> None:
     """Server 0: the final evaluation, then what a collective run writes (training/finish.py:
     model.safetensors with the model's buffers and tied weights, hf-model/, summary.json),
     with the servers' own section in the summary."""
     from scaletrain.training.finish import finish_run
 
-    record = _evaluate(model, config, derived.ps.servers, eval_ds=eval_ds, precision=precision,
-                       loss_fn=loss_fn)  # `model` now holds every server's parameters
+    record = _evaluate(
+        model, config, derived.ps.servers, eval_ds=eval_ds, precision=precision, loss_fn=loss_fn
+    )  # `model` now holds every server's parameters
     metrics.logger.log_eval({"step": config.train.steps, **record})
     dead = {str(w): why for w, why in sorted(server.clocks.dead.items())}
     ps = {
-        "mode": config.ps.mode, "servers": derived.ps.servers,
-        "workers": derived.ps.workers, "workers_alive": derived.ps.workers - len(dead),
-        "dead_workers": dead, "updates": server.version,
+        "mode": config.ps.mode,
+        "servers": derived.ps.servers,
+        "workers": derived.ps.workers,
+        "workers_alive": derived.ps.workers - len(dead),
+        "dead_workers": dead,
+        "updates": server.version,
         # Every server's count: under sync they are equal, or the shards took different steps.
-        "updates_by_server": {str(k): v for k, v in
-                              _versions(server.version, derived.ps.servers).items()},
+        "updates_by_server": {
+            str(k): v for k, v in _versions(server.version, derived.ps.servers).items()
+        },
         "staleness_histogram": {str(k): n for k, n in sorted(metrics.staleness_hist.items())},
         "delay_histogram": {str(k): n for k, n in sorted(metrics.delay_hist.items())},
         "staleness_bound": config.ps.staleness if config.ps.mode == "ssp" else None,
     }
-    summary = finish_run(run_dir, model=model, weights=None, config=config, derived=derived,
-                         wall=wall, last_loss=metrics.last_loss, eval_record=record,
-                         skipped=metrics.skipped, precision_mode=precision.mode,
-                         examples=metrics.examples - metrics.start_examples,  # by this run
-                         extra={"ps": ps})
+    summary = finish_run(
+        run_dir,
+        model=model,
+        weights=None,
+        config=config,
+        derived=derived,
+        wall=wall,
+        last_loss=metrics.last_loss,
+        eval_record=record,
+        skipped=metrics.skipped,
+        precision_mode=precision.mode,
+        examples=metrics.examples - metrics.start_examples,  # by this run
+        extra={"ps": ps},
+    )
     metrics.logger.message(
         f"scaletrain: parameter servers done: {server.version} updates on server 0, "
         f"{summary['ps']['workers_alive']} of {derived.ps.workers} workers alive"
-        + (f" (dead: {', '.join(f'worker {w}: {why}' for w, why in dead.items())})"
-           if dead else ""))
+        + (f" (dead: {', '.join(f'worker {w}: {why}' for w, why in dead.items())})" if dead else "")
+    )
     if len(dead) == derived.ps.workers:
-        raise AllWorkersDead(f"every worker died (the summary is written); their logs are in "
-                             f"{run_dir / 'logs'}")
+        raise AllWorkersDead(
+            f"every worker died (the summary is written); their logs are in {run_dir / 'logs'}"
+        )

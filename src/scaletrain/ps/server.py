@@ -128,18 +128,35 @@ class ParameterServer:
         schedule_examples: examples per step of the LR schedule (default global_batch).
     """
 
-    def __init__(self, *, index: int, params: dict[str, torch.nn.Parameter],
-                 optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, workers: int, mode: str,
-                 staleness: int, inverse_lr: bool, lease_s: float, join_s: float, steps: int,
-                 global_batch: int, start_step: int, checkpoint_every: int, stop_after: int,
-                 start_clocks: list[int] | None = None, start_examples: int | None = None,
-                 save: Callable[[int], None], on_update: Callable[[Update], None],
-                 report: Callable[[str], None] = print, authority: bool = True,
-                 announce: Callable[[int, str | None], None] | None = None,
-                 grad_clip: float = 0.0,
-                 reduce_squares: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-                 schedule_examples: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        index: int,
+        params: dict[str, torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        workers: int,
+        mode: str,
+        staleness: int,
+        inverse_lr: bool,
+        lease_s: float,
+        join_s: float,
+        steps: int,
+        global_batch: int,
+        start_step: int,
+        checkpoint_every: int,
+        stop_after: int,
+        start_clocks: list[int] | None = None,
+        start_examples: int | None = None,
+        save: Callable[[int], None],
+        on_update: Callable[[Update], None],
+        report: Callable[[str], None] = print,
+        authority: bool = True,
+        announce: Callable[[int, str | None], None] | None = None,
+        grad_clip: float = 0.0,
+        reduce_squares: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        schedule_examples: int | None = None,
+    ) -> None:
         self.index, self.names, self.params = index, list(params), list(params.values())
         self.optimizer, self.scheduler = optimizer, scheduler
         self.mode, self.staleness, self.inverse_lr = mode, staleness, inverse_lr
@@ -150,8 +167,11 @@ class ParameterServer:
         self.grad_clip, self.reduce_squares = grad_clip, reduce_squares
         self.schedule_examples = schedule_examples or global_batch
         self.cond = threading.Condition()
-        self.clocks = Clocks(clock={w: start_step if start_clocks is None else start_clocks[w]
-                                    for w in range(workers)})
+        self.clocks = Clocks(
+            clock={
+                w: start_step if start_clocks is None else start_clocks[w] for w in range(workers)
+            }
+        )
         # Examples whose gradients this server applied: the run's progress in global steps.
         self.examples = start_step * global_batch if start_examples is None else start_examples
         first_contact = time.monotonic() + join_s  # a worker's first lease runs from here
@@ -165,8 +185,9 @@ class ParameterServer:
         self._stop = threading.Event()  # set once the run is over: the watcher ends
         self._watcher: threading.Thread | None = None
         if authority:  # the others learn of deaths from it (`membership`)
-            self._watcher = threading.Thread(target=self._watch_leases, daemon=True,
-                                             name=f"ps-server-{index}-leases")
+            self._watcher = threading.Thread(
+                target=self._watch_leases, daemon=True, name=f"ps-server-{index}-leases"
+            )
             self._watcher.start()
 
     # ------------------------------------------------------------------ worker calls
@@ -229,9 +250,11 @@ class ParameterServer:
             else:
                 self.clocks.dead[worker] = why
                 by = "" if self.authority else " by server 0"  # who decided: one authority
-                self.report(f"scaletrain: parameter server {self.index}: worker {worker} "
-                            f"declared dead{by} ({why}); going on with {len(self.clocks.live)} "
-                            "worker(s), its later messages refused")
+                self.report(
+                    f"scaletrain: parameter server {self.index}: worker {worker} "
+                    f"declared dead{by} ({why}); going on with {len(self.clocks.live)} "
+                    "worker(s), its later messages refused"
+                )
             # Under sync its gradient for the step may be in here and not on another server
             # (stopped between its pushes): no server applies it.
             self.pending.pop(worker, None)
@@ -267,7 +290,8 @@ class ParameterServer:
 
     def _done(self) -> bool:
         return self.failure is not None or all(
-            w in self.clocks.left or w in self.clocks.dead for w in self.clocks.clock)
+            w in self.clocks.left or w in self.clocks.dead for w in self.clocks.clock
+        )
 
     def declare_dead(self, worker: int, why: str) -> None:
         """`worker` is dead from now on: refused, waited for by nobody; the authority tells
@@ -280,10 +304,16 @@ class ParameterServer:
         while not self._stop.wait(tick):
             now = time.monotonic()
             for w, seen in list(self.last_seen.items()):
-                if (w not in self.clocks.dead and w not in self.clocks.left
-                        and now - seen > self.lease_s):
-                    self.declare_dead(w, f"not heard from for {now - seen:.1f} s "
-                                         f"(ps.worker_timeout_s = {self.lease_s:g})")
+                if (
+                    w not in self.clocks.dead
+                    and w not in self.clocks.left
+                    and now - seen > self.lease_s
+                ):
+                    self.declare_dead(
+                        w,
+                        f"not heard from for {now - seen:.1f} s "
+                        f"(ps.worker_timeout_s = {self.lease_s:g})",
+                    )
             if self._done():
                 return
 
@@ -294,8 +324,9 @@ class ParameterServer:
         read = Read(version=self.version, slowest=self.clocks.slowest() or 0)
         # Copies: the RPC agent serializes after this returns, and the next update would
         # change a tensor it still reads.
-        return Reply("go", self.clocks.clock[worker], [p.detach().clone() for p in self.params],
-                     read)
+        return Reply(
+            "go", self.clocks.clock[worker], [p.detach().clone() for p in self.params], read
+        )
 
     def _apply_one(self, push: Push) -> None:
         """async / ssp: this gradient alone is the update."""
@@ -306,8 +337,15 @@ class ParameterServer:
         self.clocks.clock[push.worker] += 1
         self.examples += push.examples
         self._advance_schedule()
-        self.on_update(Update(push, staleness_of(push.step, slowest_at_read=push.read.slowest),
-                              delay, self.version, applied))
+        self.on_update(
+            Update(
+                push,
+                staleness_of(push.step, slowest_at_read=push.read.slowest),
+                delay,
+                self.version,
+                applied,
+            )
+        )
 
     def _apply_sync_if_complete(self) -> None:
         """sync: once every live worker's gradient for the step is in, apply their mean,
@@ -323,8 +361,9 @@ class ParameterServer:
         # Every server sees the same pushes (a worker sends None to all), so all of them take
         # this branch, and its all-reduce, together.
         if finite and total > 0:
-            mean = [sum(p.grads[i] * (p.count / total) for p in finite)
-                    for i in range(len(self.params))]
+            mean = [
+                sum(p.grads[i] * (p.count / total) for p in finite) for i in range(len(self.params))
+            ]
             if self._clip_mean(mean):  # False: the mean overflowed, as DDP would skip it
                 self._step(mean, lr_scale=1.0)
         for p in pushes:
@@ -332,9 +371,15 @@ class ParameterServer:
             self.examples += p.examples
         self._advance_schedule()
         for p in pushes:
-            self.on_update(Update(p, staleness_of(p.step, slowest_at_read=p.read.slowest),
-                                  before - p.read.version, self.version,
-                                  p.grads is not None))
+            self.on_update(
+                Update(
+                    p,
+                    staleness_of(p.step, slowest_at_read=p.read.slowest),
+                    before - p.read.version,
+                    self.version,
+                    p.grads is not None,
+                )
+            )
 
     def _clip_mean(self, mean: list[torch.Tensor]) -> bool:
         """Clip the step's mean gradient (this server's shard of it) to grad_clip by the norm
@@ -398,8 +443,12 @@ class ParameterServer:
         """
         cut = self._due_cut()
         parked = {w for w, _ in self.parked}
-        if (cut is not None and self.failure is None and not self.pending
-                and all(w in parked for w in self.clocks.live)):
+        if (
+            cut is not None
+            and self.failure is None
+            and not self.pending
+            and all(w in parked for w in self.clocks.live)
+        ):
             try:
                 self.save(cut)  # every live worker waits for an answer: nothing moves
                 self.saved = cut
@@ -413,8 +462,9 @@ class ParameterServer:
             if w in self.clocks.dead:
                 reply.set_result(Reply("refused", s))
             elif self.failure is not None:
-                reply.set_exception(RuntimeError(f"parameter server {self.index} failed: "
-                                                 f"{self.failure}"))
+                reply.set_exception(
+                    RuntimeError(f"parameter server {self.index} failed: {self.failure}")
+                )
             elif w in self.pending or cut is not None:  # sync: not applied yet; a cut: hold
                 still.append((w, reply))
             elif self.stopping:
@@ -433,10 +483,13 @@ class ParameterServer:
     def state_dict(self) -> dict:
         """The counters a checkpoint keeps: every worker's clock, examples applied (the run's
         position and the LR schedule's), version, and the membership at the cut."""
-        return {"version": self.version, "examples": self.examples,
-                "clocks": ",".join(str(self.clocks.clock[w]) for w in sorted(self.clocks.clock)),
-                "dead": ",".join(map(str, sorted(self.clocks.dead))),
-                "left": ",".join(map(str, sorted(self.clocks.left)))}
+        return {
+            "version": self.version,
+            "examples": self.examples,
+            "clocks": ",".join(str(self.clocks.clock[w]) for w in sorted(self.clocks.clock)),
+            "dead": ",".join(map(str, sorted(self.clocks.dead))),
+            "left": ",".join(map(str, sorted(self.clocks.left))),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the counters; a worker dead or gone at the checkpoint is a member again

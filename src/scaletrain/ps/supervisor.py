@@ -37,8 +37,12 @@ def supervise(config: Config, run_dir: Path | None, argv: list[str]) -> int:
     derived = resolve(config, world_size=penv.world_size, nproc_per_node=penv.local_world_size)
     role, index = derived.ps.role(penv.rank)
     if run_dir is None:
-        print("scaletrain: error: parallel.strategy = 'ps' under torchrun needs --run-dir "
-              "(every rank writes into one run directory)", file=sys.stderr, flush=True)
+        print(
+            "scaletrain: error: parallel.strategy = 'ps' under torchrun needs --run-dir "
+            "(every rank writes into one run directory)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     started = time.time()
     env = {**os.environ, CHILD_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())}
@@ -56,8 +60,12 @@ def supervise(config: Config, run_dir: Path | None, argv: list[str]) -> int:
         time.sleep(0.2)
         if role == "worker" and _finished_since(marker, started):
             if time.time() - marker.stat().st_mtime > _KILL_GRACE_S and not killed:
-                print(f"scaletrain: worker {index} (rank {penv.rank}) did not leave after the run "
-                      "ended (stopped or hung); killed it", file=sys.stderr, flush=True)
+                print(
+                    f"scaletrain: worker {index} (rank {penv.rank}) did not leave after the run "
+                    "ended (stopped or hung); killed it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 child.kill()
                 killed = True
     code = child.returncode
@@ -67,16 +75,24 @@ def supervise(config: Config, run_dir: Path | None, argv: list[str]) -> int:
         return 128 + forwarded[0] if code < 0 else code
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
     if role == "server":
-        print(f"scaletrain: error: parameter server {index} (rank {penv.rank}, pid {child.pid}) "
-              f"{how}; the run ends. Its checkpoints survive: continue with scaletrain train ... "
-              f"--run-dir {run_dir} --resume", file=sys.stderr, flush=True)
+        print(
+            f"scaletrain: error: parameter server {index} (rank {penv.rank}, pid {child.pid}) "
+            f"{how}; the run ends. Its checkpoints survive: continue with scaletrain train ... "
+            f"--run-dir {run_dir} --resume",
+            file=sys.stderr,
+            flush=True,
+        )
         return code if code > 0 else 1
     if code == 2:  # the user's mistake, seen by a worker: every worker would make it
         return 2
     if code not in (EXIT_SERVER_LOST, EXIT_REFUSED):
-        print(f"scaletrain: worker {index} (rank {penv.rank}, pid {child.pid}) {how}; the "
-              f"servers go on without it once ps.worker_timeout_s = "
-              f"{config.ps.worker_timeout_s:g} s has passed", file=sys.stderr, flush=True)
+        print(
+            f"scaletrain: worker {index} (rank {penv.rank}, pid {child.pid}) {how}; the "
+            f"servers go on without it once ps.worker_timeout_s = "
+            f"{config.ps.worker_timeout_s:g} s has passed",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 

@@ -33,10 +33,10 @@ import torch.distributed.rpc as rpc
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.sources import Batch
+from scaletrain.loss import LossFn
 from scaletrain.precision import Precision
 from scaletrain.ps import server as ps_server
 from scaletrain.ps.server import Push, Read, Reply
-from scaletrain.loss import LossFn
 from scaletrain.training.step import accumulate_gradients, clip_gradients
 
 
@@ -59,8 +59,14 @@ def worker_name(w: int) -> str:
     return f"ps-worker-{w}"
 
 
-def gradient(model: torch.nn.Module, micro_batches: list[Batch], *, precision: Precision,
-             loss_fn: LossFn, grad_clip: float) -> tuple[list[torch.Tensor] | None, float, int]:
+def gradient(
+    model: torch.nn.Module,
+    micro_batches: list[Batch],
+    *,
+    precision: Precision,
+    loss_fn: LossFn,
+    grad_clip: float,
+) -> tuple[list[torch.Tensor] | None, float, int]:
     """This worker's gradient for one step: (gradients by parameter, or None if non-finite;
     summed loss; count).
 
@@ -70,8 +76,9 @@ def gradient(model: torch.nn.Module, micro_batches: list[Batch], *, precision: P
     gradient alone is an update); under sync it is 0 and the servers clip the average, as
     DDP does (ps/server.py).
     """
-    loss_sum, count = accumulate_gradients(model, micro_batches, precision=precision,
-                                           dp_size=1, ragged_counts=False, loss_fn=loss_fn)
+    loss_sum, count = accumulate_gradients(
+        model, micro_batches, precision=precision, dp_size=1, ragged_counts=False, loss_fn=loss_fn
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     _, finite = clip_gradients(grads, grad_clip=grad_clip)
@@ -96,8 +103,9 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.lease_s / 4):
-            call = rpc.rpc_async(server_name(0), ps_server.rpc_heartbeat, args=(self.worker,),
-                                 timeout=self.lease_s)
+            call = rpc.rpc_async(
+                server_name(0), ps_server.rpc_heartbeat, args=(self.worker,), timeout=self.lease_s
+            )
             try:
                 if not call.wait():
                     self.refused.set()
@@ -108,11 +116,22 @@ class _Heartbeat:
         self._stop.set()
 
 
-def run_worker(model: torch.nn.Module, *, worker: int, partition: list[list[str]],
-               sampler: GlobalBatchSampler, train_ds: Dataset, loss_fn: LossFn,
-               precision: Precision, grad_clip: float, device: torch.device,
-               timeout_s: float, lease_s: float, seed: int = 0, slow_factor: float = 1.0,
-               ) -> WorkerOutcome:
+def run_worker(
+    model: torch.nn.Module,
+    *,
+    worker: int,
+    partition: list[list[str]],
+    sampler: GlobalBatchSampler,
+    train_ds: Dataset,
+    loss_fn: LossFn,
+    precision: Precision,
+    grad_clip: float,
+    device: torch.device,
+    timeout_s: float,
+    lease_s: float,
+    seed: int = 0,
+    slow_factor: float = 1.0,
+) -> WorkerOutcome:
     """Train as worker `worker` until the servers say done, stop or refused.
 
     Args:
@@ -134,8 +153,10 @@ def run_worker(model: torch.nn.Module, *, worker: int, partition: list[list[str]
     shards = [[params[n] for n in names] for names in partition]
     order = [n for n, p in params.items() if p.requires_grad]  # `gradient`'s order
     positions = [[order.index(n) for n in names] for names in partition]
-    replies = _all(rpc.rpc_async(server_name(k), ps_server.rpc_join, args=(worker,),
-                                 timeout=timeout_s) for k in range(len(partition)))
+    replies = _all(
+        rpc.rpc_async(server_name(k), ps_server.rpc_join, args=(worker,), timeout=timeout_s)
+        for k in range(len(partition))
+    )
     heartbeat = _Heartbeat(worker, lease_s=lease_s)
     last_loss, step = float("nan"), replies[0].step
     try:
@@ -145,29 +166,50 @@ def run_worker(model: torch.nn.Module, *, worker: int, partition: list[list[str]
             started = time.perf_counter()
             torch.manual_seed(hash((seed, worker, step)) % 2**63)  # ints hash the same everywhere
             micro = [train_ds.get(idx).to(device) for idx in sampler.micro_batches(step)]
-            grads, loss_sum, count = gradient(model, micro, precision=precision,
-                                              loss_fn=loss_fn, grad_clip=grad_clip)
+            grads, loss_sum, count = gradient(
+                model, micro, precision=precision, loss_fn=loss_fn, grad_clip=grad_clip
+            )
             if slow_factor > 1:  # the benchmark's straggler (ps.slow_worker)
                 time.sleep((slow_factor - 1) * (time.perf_counter() - started))
             examples = sum(len(mb.targets) for mb in micro)
             rate = examples / max(time.perf_counter() - started, 1e-9)
             last_loss = loss_sum / max(count, 1)
-            replies = _all(rpc.rpc_async(server_name(k), ps_server.rpc_push, args=(Push(
-                worker=worker, step=step,
-                grads=None if grads is None else [grads[i] for i in positions[k]],
-                read=replies[k].read, loss_sum=loss_sum, count=count, examples=examples,
-                examples_per_s=rate),), timeout=timeout_s) for k in range(len(partition)))
+            replies = _all(
+                rpc.rpc_async(
+                    server_name(k),
+                    ps_server.rpc_push,
+                    args=(
+                        Push(
+                            worker=worker,
+                            step=step,
+                            grads=None if grads is None else [grads[i] for i in positions[k]],
+                            read=replies[k].read,
+                            loss_sum=loss_sum,
+                            count=count,
+                            examples=examples,
+                            examples_per_s=rate,
+                        ),
+                    ),
+                    timeout=timeout_s,
+                )
+                for k in range(len(partition))
+            )
             step += 1
             if heartbeat.refused.is_set():
                 break
     finally:
         heartbeat.stop()
-    status = ("refused" if heartbeat.refused.is_set() or any(r.status == "refused" for r in replies)
-              else replies[0].status)
+    status = (
+        "refused"
+        if heartbeat.refused.is_set() or any(r.status == "refused" for r in replies)
+        else replies[0].status
+    )
     # Every server at once (best effort: one that is gone cannot be told): a server whose
     # sync step completes without this worker waits for the others to do the same.
-    goodbyes = [rpc.rpc_async(server_name(k), ps_server.rpc_leave, args=(worker,),
-                              timeout=lease_s) for k in range(len(partition))]
+    goodbyes = [
+        rpc.rpc_async(server_name(k), ps_server.rpc_leave, args=(worker,), timeout=lease_s)
+        for k in range(len(partition))
+    ]
     for call in goodbyes:
         try:
             call.wait()
@@ -196,5 +238,12 @@ def _load(shards: list[list[torch.nn.Parameter]], replies: list[Reply]) -> None:
             p.copy_(t)
 
 
-__all__ = ["Read", "ServerLost", "WorkerOutcome", "gradient", "run_worker", "server_name",
-           "worker_name"]
+__all__ = [
+    "Read",
+    "ServerLost",
+    "WorkerOutcome",
+    "gradient",
+    "run_worker",
+    "server_name",
+    "worker_name",
+]

@@ -11,8 +11,9 @@ every rank a minute later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -20,9 +21,9 @@ from scaletrain.config import Config
 from scaletrain.data.loader import Dataset, load_dataset
 from scaletrain.data.sources import Batch
 from scaletrain.errors import UserError
+from scaletrain.loss import LossFn, builtin_loss, check_summed
 from scaletrain.models import build_model
 from scaletrain.precision import Precision
-from scaletrain.loss import LossFn, builtin_loss, check_summed
 from scaletrain.user_code import UserCodeError, is_import_path, load_object
 
 
@@ -41,9 +42,14 @@ NO_CODE = UserCode()
 def brings_own_code(config: Config, code: UserCode = NO_CODE) -> bool:
     """True when the model, data or loss is the user's (or a Hugging Face model), or a teacher
     is distilled from: all are built and run once in the launcher first."""
-    return (code != NO_CODE or config.model.name == "hf" or is_import_path(config.model.name)
-            or bool(config.distill.teacher or config.distill.cache)
-            or is_import_path(config.data.source) or is_import_path(config.train.loss))
+    return (
+        code != NO_CODE
+        or config.model.name == "hf"
+        or is_import_path(config.model.name)
+        or bool(config.distill.teacher or config.distill.cache)
+        or is_import_path(config.data.source)
+        or is_import_path(config.train.loss)
+    )
 
 
 def build_data(config: Config, *, split: str, code: UserCode = NO_CODE) -> Dataset:
@@ -51,20 +57,35 @@ def build_data(config: Config, *, split: str, code: UserCode = NO_CODE) -> Datas
     from scaletrain.distill.build import sentence_tokenizer_dir
 
     d = config.data
-    return load_dataset(d.source, split=split, path=d.path, seq_len=d.seq_len,
-                        synthetic_examples=d.synthetic_examples, seed=config.train.seed,
-                        shuffle_window=d.shuffle_window if split == "train" else None,
-                        kwargs=d.kwargs, fn=code.data,
-                        tokenizer_dir=sentence_tokenizer_dir(config))
+    return load_dataset(
+        d.source,
+        split=split,
+        path=d.path,
+        seq_len=d.seq_len,
+        synthetic_examples=d.synthetic_examples,
+        seed=config.train.seed,
+        shuffle_window=d.shuffle_window if split == "train" else None,
+        kwargs=d.kwargs,
+        fn=code.data,
+        tokenizer_dir=sentence_tokenizer_dir(config),
+    )
 
 
 def build_net(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) -> torch.nn.Module:
     """The configured model, sized for the data's task (freshly initialised, global RNG)."""
     m = config.model
     dtype = torch.float64 if config.precision.mode == "fp64" else torch.float32
-    return build_model(m.name, size=m.size, task=dataset.spec, dropout=m.dropout,
-                       kwargs=m.kwargs, path=m.path, hf_config=m.hf_config, factory=code.model,
-                       param_dtype=dtype)
+    return build_model(
+        m.name,
+        size=m.size,
+        task=dataset.spec,
+        dropout=m.dropout,
+        kwargs=m.kwargs,
+        path=m.path,
+        hf_config=m.hf_config,
+        factory=code.model,
+        param_dtype=dtype,
+    )
 
 
 def build_loss(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) -> LossFn:
@@ -80,8 +101,14 @@ def build_loss(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) ->
         raise UserCodeError(str(e)) from None
 
 
-def build_objective(config: Config, net: torch.nn.Module, dataset: Dataset, *,
-                    precision: Precision, code: UserCode = NO_CODE):
+def build_objective(
+    config: Config,
+    net: torch.nn.Module,
+    dataset: Dataset,
+    *,
+    precision: Precision,
+    code: UserCode = NO_CODE,
+):
     """The model the trainer trains and its loss: (net, configured loss, None), or under
     [distill] the student wrapped with its projections, the distillation loss and the
     `Distillation` (distill/build.py)."""
@@ -90,17 +117,20 @@ def build_objective(config: Config, net: torch.nn.Module, dataset: Dataset, *,
     hard = None if dataset.spec.kind == "encode" else build_loss(config, dataset, code=code)
     if not distilling(config):
         if hard is None:
-            raise UserCodeError(f"data.source = {config.data.source!r} gives sentences without "
-                                "labels (kind 'encode'): they train a student from a teacher, "
-                                "so set distill.teacher (README, 'Knowledge distillation')")
+            raise UserCodeError(
+                f"data.source = {config.data.source!r} gives sentences without "
+                "labels (kind 'encode'): they train a student from a teacher, "
+                "so set distill.teacher (README, 'Knowledge distillation')"
+            )
         return net, hard, None
     cache_info = None
     if config.distill.cache:
         from scaletrain.distill.cache import read_info
 
         cache_info = read_info(config.distill.cache)
-    kd = build_distillation(config, net, task=dataset.spec, hard=hard, precision=precision,
-                            cache_info=cache_info)
+    kd = build_distillation(
+        config, net, task=dataset.spec, hard=hard, precision=precision, cache_info=cache_info
+    )
     return kd.model, kd.loss_fn, kd
 
 
@@ -108,8 +138,15 @@ def is_user_loss(config: Config, code: UserCode = NO_CODE) -> bool:
     return code.loss is not None or is_import_path(config.train.loss)
 
 
-def check_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, config: Config,
-               precision: Precision, task_kind: str) -> None:
+def check_loss(
+    loss_fn: LossFn,
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    config: Config,
+    precision: Precision,
+    task_kind: str,
+) -> None:
     """The user's loss returns (sum, count) on this batch: `train.loss.check_summed`."""
     from scaletrain.training.step import forward
 
@@ -118,8 +155,14 @@ def check_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, config:
             return forward(net, b, precision)
 
     try:
-        check_summed(loss_fn, model, batch, task_kind=task_kind, forward=run,
-                     label=f"train.loss = {config.train.loss!r}")
+        check_summed(
+            loss_fn,
+            model,
+            batch,
+            task_kind=task_kind,
+            forward=run,
+            label=f"train.loss = {config.train.loss!r}",
+        )
     except UserCodeError:
         raise
     except UserError as e:  # LossError: not (sum, count), or a mean
@@ -144,25 +187,31 @@ def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
         model_spec(model)
     except UserError as e:  # ModelSpecError
         raise UserCodeError(f"model.name = {config.model.name!r}: {e}") from None
-    precision = make_precision(config.precision.mode, device_type="cpu",
-                               init_scale=config.precision.init_scale,
-                               growth_interval=config.precision.growth_interval)
+    precision = make_precision(
+        config.precision.mode,
+        device_type="cpu",
+        init_scale=config.precision.init_scale,
+        growth_interval=config.precision.growth_interval,
+    )
     model, loss_fn, kd = build_objective(config, model, train_ds, precision=precision, code=code)
     if config.distill.cache:  # checked against the data and teacher before any worker starts
         from scaletrain.distill.build import cached_splits
 
-        train_ds = cached_splits(config, kd, precision=precision,
-                                 splits={"train": train_ds, "eval": eval_ds})["train"]
+        train_ds = cached_splits(
+            config, kd, precision=precision, splits={"train": train_ds, "eval": eval_ds}
+        )["train"]
     model = precision.convert_module(model)
     batch = train_ds.get(torch.arange(min(2, len(train_ds))))
     check_fit(model, batch, loss_fn=loss_fn, precision=precision, config=config)
     if is_user_loss(config, code):
-        check_loss(loss_fn, model, batch, config=config, precision=precision,
-                   task_kind=train_ds.spec.kind)
+        check_loss(
+            loss_fn, model, batch, config=config, precision=precision, task_kind=train_ds.spec.kind
+        )
 
 
-def check_fit(model: torch.nn.Module, batch: Batch, *, loss_fn: LossFn, precision: Precision,
-              config: Config) -> None:
+def check_fit(
+    model: torch.nn.Module, batch: Batch, *, loss_fn: LossFn, precision: Precision, config: Config
+) -> None:
     """One forward and loss on `batch`: a dataset whose items do not fit the model fails here
     with the model, the data and the shapes named, instead of inside a worker's step."""
     from scaletrain.training.step import forward
@@ -175,7 +224,8 @@ def check_fit(model: torch.nn.Module, batch: Batch, *, loss_fn: LossFn, precisio
             raise UserCodeError(
                 f"model.name = {config.model.name!r} cannot run on data.source = "
                 f"{config.data.source!r}: a batch of inputs {tuple(batch.inputs.shape)} "
-                f"{batch.inputs.dtype} raised {describe_error(e)}") from e
+                f"{batch.inputs.dtype} raised {describe_error(e)}"
+            ) from e
         try:
             loss_fn(output, batch)
         except Exception as e:
@@ -183,4 +233,5 @@ def check_fit(model: torch.nn.Module, batch: Batch, *, loss_fn: LossFn, precisio
                 f"train.loss = {config.train.loss!r} cannot compare the output of model.name = "
                 f"{config.model.name!r} with the targets {tuple(batch.targets.shape)} "
                 f"{batch.targets.dtype} of data.source = {config.data.source!r}: "
-                f"{describe_error(e)}") from e
+                f"{describe_error(e)}"
+            ) from e

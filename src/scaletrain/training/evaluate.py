@@ -16,21 +16,31 @@ import torch
 from scaletrain.config import Config
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sampler import eval_indices
+from scaletrain.loss import LossFn, mse
 from scaletrain.models.protocol import output_logits
 from scaletrain.parallel.compose import unwrap
 from scaletrain.parallel.pipeline import Pipeline, eval_pipeline
 from scaletrain.plan import Derived
 from scaletrain.precision import Precision
 from scaletrain.runtime import ProcessEnv, all_reduce_sum
-from scaletrain.loss import LossFn, mse
 from scaletrain.training.step import forward
 
 
 @torch.no_grad()
-def eval_totals(net: torch.nn.Module, eval_ds: Dataset, *, limit: int, batch: int,
-                dp_rank: int, dp_size: int, counts: bool, precision: Precision,
-                device: torch.device, loss_fn: LossFn,
-                pipeline: Pipeline | None = None) -> torch.Tensor:
+def eval_totals(
+    net: torch.nn.Module,
+    eval_ds: Dataset,
+    *,
+    limit: int,
+    batch: int,
+    dp_rank: int,
+    dp_size: int,
+    counts: bool,
+    precision: Precision,
+    device: torch.device,
+    loss_fn: LossFn,
+    pipeline: Pipeline | None = None,
+) -> torch.Tensor:
     """(loss sum, correct or squared error, count, *terms) over this share, in float64.
 
     The terms are a loss's parts (`loss_fn.terms`: under [distill] the hard loss and each
@@ -54,8 +64,9 @@ def eval_totals(net: torch.nn.Module, eval_ds: Dataset, *, limit: int, batch: in
     totals = torch.zeros(3 + len(names), dtype=torch.float64)
     if terms is not None:
         terms.take()  # the sums start here: nothing a training call left counts
-    for idx in eval_indices(len(eval_ds), limit=limit, dp_rank=dp_rank, dp_size=dp_size,
-                            batch=batch):
+    for idx in eval_indices(
+        len(eval_ds), limit=limit, dp_rank=dp_rank, dp_size=dp_size, batch=batch
+    ):
         b = eval_ds.get(idx).to(device, non_blocking=True)
         with precision.forward_context():
             if pipeline is None:
@@ -83,8 +94,9 @@ def term_names(loss_fn: LossFn) -> tuple[str, ...]:
     return tuple(terms.names) if terms is not None else ()
 
 
-def eval_record(totals: torch.Tensor, *, kind: str, loss_name: str,
-                terms: tuple[str, ...] = ()) -> dict:
+def eval_record(
+    totals: torch.Tensor, *, kind: str, loss_name: str, terms: tuple[str, ...] = ()
+) -> dict:
     """The evaluation's record from summed totals: loss and accuracy, mse or perplexity, then
     each of the loss's terms (`terms`, totals[3:]) over the same count as the loss."""
     record = _metrics(totals, kind=kind, loss_name=loss_name)
@@ -105,19 +117,37 @@ def _metrics(totals: torch.Tensor, *, kind: str, loss_name: str) -> dict:
     return {"loss": loss, "accuracy": float(totals[1] / totals[2])}
 
 
-def evaluate(model: torch.nn.Module, eval_ds: Dataset, config: Config, penv: ProcessEnv,
-             derived: Derived, *, precision: Precision, device: torch.device,
-             loss_fn: LossFn, pipeline: Pipeline | None = None) -> dict:
+def evaluate(
+    model: torch.nn.Module,
+    eval_ds: Dataset,
+    config: Config,
+    penv: ProcessEnv,
+    derived: Derived,
+    *,
+    precision: Precision,
+    device: torch.device,
+    loss_fn: LossFn,
+    pipeline: Pipeline | None = None,
+) -> dict:
     """Held-out loss, and the task's metric (accuracy; mse for regression; perplexity for
     text under cross-entropy), each data-parallel share a strided part. Tensor-parallel
     peers evaluate the same examples (their forward is collective) and count them once;
     under pipeline parallelism the last stage has the output."""
     layout = derived.layout
-    totals = eval_totals(unwrap(model), eval_ds, limit=config.train.eval_examples,
-                         batch=config.train.micro_batch, dp_rank=layout.dp_rank(penv.rank),
-                         dp_size=layout.dp, counts=layout.reports_loss(penv.rank),
-                         precision=precision, device=device, loss_fn=loss_fn,
-                         pipeline=pipeline)
+    totals = eval_totals(
+        unwrap(model),
+        eval_ds,
+        limit=config.train.eval_examples,
+        batch=config.train.micro_batch,
+        dp_rank=layout.dp_rank(penv.rank),
+        dp_size=layout.dp,
+        counts=layout.reports_loss(penv.rank),
+        precision=precision,
+        device=device,
+        loss_fn=loss_fn,
+        pipeline=pipeline,
+    )
     all_reduce_sum(totals)  # the terms with the loss: one sum over the data-parallel shares
-    return eval_record(totals, kind=eval_ds.spec.kind, loss_name=config.train.loss,
-                       terms=term_names(loss_fn))
+    return eval_record(
+        totals, kind=eval_ds.spec.kind, loss_name=config.train.loss, terms=term_names(loss_fn)
+    )

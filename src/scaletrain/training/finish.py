@@ -24,8 +24,13 @@ from scaletrain.rundir import write_summary
 from scaletrain.runtime import honour_umask
 
 
-def write_weights(run_dir: Path, *, model: torch.nn.Module,
-                  weights: dict[str, torch.Tensor] | None, config: Config) -> None:
+def write_weights(
+    run_dir: Path,
+    *,
+    model: torch.nn.Module,
+    weights: dict[str, torch.Tensor] | None,
+    config: Config,
+) -> None:
     """model.safetensors (and hf-model/ for model.name = "hf") in the dtype that was trained.
 
     Args:
@@ -45,15 +50,31 @@ def write_weights(run_dir: Path, *, model: torch.nn.Module,
     if config.model.name == "hf":  # also as a model directory: model.path can fine-tune it
         from scaletrain.models.hf import save_hf
 
-        save_hf(net, run_dir / "hf-model", state_dict=weights,
-                tokenizer_dir=sentence_tokenizer_dir(config))  # sentences: a whole encoder
+        save_hf(
+            net,
+            run_dir / "hf-model",
+            state_dict=weights,
+            tokenizer_dir=sentence_tokenizer_dir(config),
+        )  # sentences: a whole encoder
 
 
-def finish_run(run_dir: Path, *, model: torch.nn.Module,
-               weights: dict[str, torch.Tensor] | None, config: Config, derived: Derived,
-               wall: float, last_loss: float, eval_record: dict, skipped: int,
-               precision_mode: str, steps_run: int | None = None, examples: int | None = None,
-               tokens_per_example: int = 0, extra: dict | None = None) -> dict:
+def finish_run(
+    run_dir: Path,
+    *,
+    model: torch.nn.Module,
+    weights: dict[str, torch.Tensor] | None,
+    config: Config,
+    derived: Derived,
+    wall: float,
+    last_loss: float,
+    eval_record: dict,
+    skipped: int,
+    precision_mode: str,
+    steps_run: int | None = None,
+    examples: int | None = None,
+    tokens_per_example: int = 0,
+    extra: dict | None = None,
+) -> dict:
     """Rank 0 (server 0 under "ps") writes the final weights and the summary; returns it.
 
     Args:

@@ -27,6 +27,7 @@ def step_hooks(config: Config, *, dp_rank: int) -> tuple[StepHook, ...]:
 
 def straggler(factor: float) -> StepHook:
     """Make this rank `factor` times slower: sleep (factor - 1) x each step's time."""
+
     def slow_down(step: int, seconds: float) -> None:
         time.sleep((factor - 1) * seconds)
 

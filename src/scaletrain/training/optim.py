@@ -6,7 +6,6 @@ import math
 
 import torch
 
-
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 
 
@@ -26,7 +25,7 @@ def fused_supported(params: list[torch.Tensor]) -> tuple[bool, str]:
 
 
 def resolve_impl(impl: str, params: list[torch.Tensor]) -> str:
-    """"auto" -> "fused" where the device has fused kernels, else "foreach"."""
+    """ "auto" -> "fused" where the device has fused kernels, else "foreach"."""
     if impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer impl {impl!r} is not one of {OPTIMIZER_IMPLS}")
     if impl == "auto":
@@ -34,9 +33,16 @@ def resolve_impl(impl: str, params: list[torch.Tensor]) -> str:
     return impl
 
 
-def build_optimizer(model: torch.nn.Module, *, name: str, lr: float, weight_decay: float,
-                    betas: tuple[float, float], momentum: float,
-                    impl: str = "auto") -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module,
+    *,
+    name: str,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    momentum: float,
+    impl: str = "auto",
+) -> torch.optim.Optimizer:
     """AdamW or SGD over every trainable parameter.
 
     Args:
@@ -53,16 +59,19 @@ def build_optimizer(model: torch.nn.Module, *, name: str, lr: float, weight_deca
     groups = _kernel_groups(params)
     match name:
         case "adamw":
-            return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                                     **kernels)
+            return torch.optim.AdamW(
+                groups, lr=lr, betas=betas, weight_decay=weight_decay, **kernels
+            )
         case "sgd":
-            return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                   **kernels)
+            return torch.optim.SGD(
+                groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **kernels
+            )
     raise ValueError(f"optimizer {name!r} is not one of ('adamw', 'sgd')")
 
 
-def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str,
-                  min_lr_ratio: float) -> float:
+def lr_multiplier(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float
+) -> float:
     """LR / peak LR at optimizer step `step` (0-based): linear warmup, then cosine or constant."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -73,13 +82,24 @@ def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: s
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
-                    schedule: str, min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    schedule: str,
+    min_lr_ratio: float,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over `lr_multiplier`, advanced once per optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_multiplier(step, warmup_steps=warmup_steps, total_steps=total_steps,
-                                   schedule=schedule, min_lr_ratio=min_lr_ratio),
+        lambda step: lr_multiplier(
+            step,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            schedule=schedule,
+            min_lr_ratio=min_lr_ratio,
+        ),
     )
 
 

@@ -60,8 +60,11 @@ class Startup:
 
     def say(self, what: str) -> None:
         if self.enabled:
-            print(f"scaletrain: {what} ({time.perf_counter() - self.started:.1f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"scaletrain: {what} ({time.perf_counter() - self.started:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 @dataclass
@@ -86,8 +89,11 @@ class CommCounter:
 
     def __init__(self, model: torch.nn.Module, hook_state, *, ddp: bool) -> None:
         self.hook_state = hook_state
-        self.plain = 0 if not ddp else sum(p.numel() * p.element_size()
-                                           for p in model.parameters() if p.requires_grad)
+        self.plain = (
+            0
+            if not ddp
+            else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        )
         self.seen = 0
 
     def per_step(self, steps: int) -> float:
@@ -118,27 +124,46 @@ class RunProgress:
 
     def state_dict(self) -> dict:
         w = self.window
-        return {"bad_in_row": self.bad_in_row, "first_bad": self.first_bad or "",
-                "last_loss": self.last_loss, "window.loss_sum": w.loss_sum,
-                "window.terms": json.dumps(w.terms),
-                "window.count": w.count, "window.steps": w.steps,
-                "window.elapsed_s": time.perf_counter() - w.start,
-                "comm_seen": self.comm.seen if self.comm is not None else 0}
+        return {
+            "bad_in_row": self.bad_in_row,
+            "first_bad": self.first_bad or "",
+            "last_loss": self.last_loss,
+            "window.loss_sum": w.loss_sum,
+            "window.terms": json.dumps(w.terms),
+            "window.count": w.count,
+            "window.steps": w.steps,
+            "window.elapsed_s": time.perf_counter() - w.start,
+            "comm_seen": self.comm.seen if self.comm is not None else 0,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.bad_in_row, self.first_bad = int(state["bad_in_row"]), state["first_bad"] or None
         self.last_loss = float(state["last_loss"])
-        self.window = Window(loss_sum=float(state["window.loss_sum"]),
-                             terms=json.loads(state.get("window.terms", "{}")),
-                             count=int(state["window.count"]), steps=int(state["window.steps"]),
-                             start=time.perf_counter() - float(state["window.elapsed_s"]))
+        self.window = Window(
+            loss_sum=float(state["window.loss_sum"]),
+            terms=json.loads(state.get("window.terms", "{}")),
+            count=int(state["window.count"]),
+            steps=int(state["window.steps"]),
+            start=time.perf_counter() - float(state["window.elapsed_s"]),
+        )
         if self.comm is not None:
             self.comm.seen = int(state["comm_seen"])
 
 
-def log_window(state, result: StepResult, micro: list[Batch], run: RunProgress, *,
-               reports_loss: bool, logger: MetricsLogger, every: int, total_steps: int,
-               compiled: bool, dp: int, terms: dict[str, float] | None = None) -> None:
+def log_window(
+    state,
+    result: StepResult,
+    micro: list[Batch],
+    run: RunProgress,
+    *,
+    reports_loss: bool,
+    logger: MetricsLogger,
+    every: int,
+    total_steps: int,
+    compiled: bool,
+    dp: int,
+    terms: dict[str, float] | None = None,
+) -> None:
     """Add the step to the window; every `every` steps (and at the last) write one record
     and start a new window.
 
@@ -166,8 +191,16 @@ def log_window(state, result: StepResult, micro: list[Batch], run: RunProgress, 
         logger.advance()
         return
     with collective_guard("metrics all-reduce", step=state.step - 1):
-        record = train_record(state.step - 1, result, window, micro, state.optimizer,
-                              state.precision, skipped=state.skipped_steps, dp=dp)
+        record = train_record(
+            state.step - 1,
+            result,
+            window,
+            micro,
+            state.optimizer,
+            state.precision,
+            skipped=state.skipped_steps,
+            dp=dp,
+        )
     record["comm_bytes_per_step"] = run.comm.per_step(window.steps) if run.comm else 0.0
     record["examples_seen"], record["tokens_seen"] = state.examples_seen, state.tokens_seen
     record.update(run.memory.record() if run.memory else {})
@@ -182,14 +215,24 @@ def log_window(state, result: StepResult, micro: list[Batch], run: RunProgress, 
     run.window = Window()
 
 
-def train_record(step: int, result: StepResult, window: Window, micro: list[Batch], optimizer,
-                 precision: Precision, *, skipped: int, dp: int) -> dict:
+def train_record(
+    step: int,
+    result: StepResult,
+    window: Window,
+    micro: list[Batch],
+    optimizer,
+    precision: Precision,
+    *,
+    skipped: int,
+    dp: int,
+) -> dict:
     """One metrics record for the window that ends at `step` (0-based)."""
     # One all-reduce per record: the window's summed loss (and its terms, under [distill])
     # over every rank. Counts are global.
     names = sorted(window.terms)
-    sums = all_reduce_sum(torch.tensor([window.loss_sum, *(window.terms[n] for n in names)],
-                                       dtype=torch.float64))
+    sums = all_reduce_sum(
+        torch.tensor([window.loss_sum, *(window.terms[n] for n in names)], dtype=torch.float64)
+    )
     loss_sum = sums[0]
     elapsed = time.perf_counter() - window.start
     examples = sum(len(mb.targets) for mb in micro) * dp * window.steps

@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.data.sources import Batch
+from scaletrain.loss import LossFn, cross_entropy
 from scaletrain.memory import local_bytes
 from scaletrain.parallel.compose import gradient_sync
 from scaletrain.parallel.pipeline import Pipeline, run_pipeline
 from scaletrain.precision import Precision
 from scaletrain.runtime import all_reduce_sum
 from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
-from scaletrain.loss import LossFn, cross_entropy
 from scaletrain.user_code import UserCodeError
 
 
@@ -64,10 +64,17 @@ class StepResult:
     grad_bytes: int = 0  # bytes of the gradients this rank held (its local shards)
 
 
-def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], *,
-                         precision: Precision, dp_size: int, ragged_counts: bool,
-                         loss_fn: LossFn = cross_entropy, pipeline: Pipeline | None = None,
-                         dp_group=None) -> tuple[torch.Tensor, int]:
+def accumulate_gradients(
+    model: torch.nn.Module,
+    micro_batches: list[Batch],
+    *,
+    precision: Precision,
+    dp_size: int,
+    ragged_counts: bool,
+    loss_fn: LossFn = cross_entropy,
+    pipeline: Pipeline | None = None,
+    dp_group=None,
+) -> tuple[torch.Tensor, int]:
     """Forward and backward over this rank's micro-batches, leaving in each parameter's
     .grad the gradient of (sum of the step's losses over every rank) / (their global count).
 
@@ -90,10 +97,13 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], *,
         # Over the data-parallel ranks only: tensor-parallel and pipeline peers hold the
         # same micro-batches, and a sum over the world would count them tp x pp times.
         if dist.get_world_size(dp_group) != dp_size:
-            raise RuntimeError(f"the count's group has {dist.get_world_size(dp_group)} ranks, "
-                               f"the data-parallel degree is {dp_size}: pass its dp_group")
-        count = torch.tensor([local_count], dtype=torch.float64,
-                             device=micro_batches[0].targets.device)
+            raise RuntimeError(
+                f"the count's group has {dist.get_world_size(dp_group)} ranks, "
+                f"the data-parallel degree is {dp_size}: pass its dp_group"
+            )
+        count = torch.tensor(
+            [local_count], dtype=torch.float64, device=micro_batches[0].targets.device
+        )
         global_count = int(all_reduce_sum(count, group=dp_group).item())
     else:
         global_count = local_count * dp_size
@@ -118,21 +128,27 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], *,
                     raise UserCodeError(
                         f"the dataset's items carry {sorted(mb.extras)} for the model's forward, "
                         "which a pipeline's stages do not pass along; parallel.pp > 1 takes "
-                        "(inputs, targets) items only")
+                        "(inputs, targets) items only"
+                    )
                 precision.init_scale_on(loss_sum.device)  # fp16: every stage unscales
                 # The schedule splits the micro-batch into pp_microbatches chunks, runs their
                 # forwards and backwards through the stages in its order, and backpropagates
                 # each chunk's summed loss x loss_weight: the same normaliser as above.
                 with precision.forward_context():
-                    loss = run_pipeline(pipeline, precision.convert_input(mb.inputs),
-                                        mb.targets, loss_weight=loss_weight,
-                                        scale=precision.scale)
+                    loss = run_pipeline(
+                        pipeline,
+                        precision.convert_input(mb.inputs),
+                        mb.targets,
+                        loss_weight=loss_weight,
+                        scale=precision.scale,
+                    )
         loss_sum += loss  # on a pipeline's other stages: 0 (the loss is on the last)
     return loss_sum, global_count
 
 
-def clip_gradients(grads: list[torch.Tensor], *, grad_clip: float,
-                   pp_group=None) -> tuple[torch.Tensor, bool]:
+def clip_gradients(
+    grads: list[torch.Tensor], *, grad_clip: float, pp_group=None
+) -> tuple[torch.Tensor, bool]:
     """The global norm of (unscaled) gradients and, when it is finite, clipping to grad_clip.
 
     Args:
@@ -155,11 +171,21 @@ def clip_gradients(grads: list[torch.Tensor], *, grad_clip: float,
     return grad_norm, grads_finite
 
 
-def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
-               optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-               precision: Precision, grad_clip: float, dp_size: int,
-               ragged_counts: bool, loss_fn: LossFn = cross_entropy,
-               pipeline: Pipeline | None = None, pp_group=None, dp_group=None) -> StepResult:
+def train_step(
+    model: torch.nn.Module,
+    micro_batches: list[Batch],
+    *,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    precision: Precision,
+    grad_clip: float,
+    dp_size: int,
+    ragged_counts: bool,
+    loss_fn: LossFn = cross_entropy,
+    pipeline: Pipeline | None = None,
+    pp_group=None,
+    dp_group=None,
+) -> StepResult:
     """Run one optimizer step over this rank's micro-batches.
 
     Args:
@@ -181,8 +207,15 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
             counts are summed over; None means every rank is a data-parallel rank.
     """
     loss_sum, global_count = accumulate_gradients(
-        model, micro_batches, precision=precision, dp_size=dp_size,
-        ragged_counts=ragged_counts, loss_fn=loss_fn, pipeline=pipeline, dp_group=dp_group)
+        model,
+        micro_batches,
+        precision=precision,
+        dp_size=dp_size,
+        ragged_counts=ragged_counts,
+        loss_fn=loss_fn,
+        pipeline=pipeline,
+        dp_group=dp_group,
+    )
 
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
@@ -201,8 +234,14 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], *,
             scheduler.step()
     grad_bytes = local_bytes(grads)  # what this rank held, before the gradients are freed
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum=loss_sum, count=global_count, grad_norm=float(grad_norm),
-                      stepped=stepped, first_nonfinite=first_nonfinite, grad_bytes=grad_bytes)
+    return StepResult(
+        loss_sum=loss_sum,
+        count=global_count,
+        grad_norm=float(grad_norm),
+        stepped=stepped,
+        first_nonfinite=first_nonfinite,
+        grad_bytes=grad_bytes,
+    )
 
 
 def _first_nonfinite(model: torch.nn.Module) -> str | None:

@@ -25,42 +25,57 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from scaletrain.allocator import configure_allocator
-from scaletrain.launch import under_elastic_agent
 from scaletrain.checkpoint import Checkpointer, TrainState
-from scaletrain.checkpoint_files import latest_valid
 from scaletrain.checkpoint import load as load_checkpoint
+from scaletrain.checkpoint_files import latest_valid
 from scaletrain.config import Config, config_to_toml
-from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.loader import Dataset
+from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.sources import Batch
+from scaletrain.distill.build import cached_splits
+from scaletrain.distill.objective import take_terms
+from scaletrain.distill.teacher import describe_teacher, place_teacher
+from scaletrain.errors import UserError
+from scaletrain.launch import under_elastic_agent
+from scaletrain.loss import LossFn
 from scaletrain.memory import WindowPeak
-from scaletrain.models.protocol import model_spec
 from scaletrain.metrics import MetricsLogger
+from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
 from scaletrain.parallel.compose import check_model_fits, full_state_dict, parallelize
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.plan import Derived, resolve
 from scaletrain.precision import Precision, make_precision
-from scaletrain.rundir import (default_run_dir, describe_finished, finished_run, write_config)
-from scaletrain.runtime import (ProcessEnv, all_reduce_sum, broadcast_object, collective_guard,
-                                init_distributed, read_env, seed_everything,
-                                set_threads)
+from scaletrain.rundir import default_run_dir, describe_finished, finished_run, write_config
+from scaletrain.runtime import (
+    ProcessEnv,
+    all_reduce_sum,
+    broadcast_object,
+    collective_guard,
+    init_distributed,
+    read_env,
+    seed_everything,
+    set_threads,
+)
 from scaletrain.training import signals
-from scaletrain.training.finish import finish_run as _finish
-from scaletrain.training.optim import build_optimizer, build_scheduler
-from scaletrain.distill.build import cached_splits
-from scaletrain.distill.objective import take_terms
-from scaletrain.distill.teacher import describe_teacher, place_teacher
-from scaletrain.training.assemble import (NO_CODE, UserCode, brings_own_code, build_data,
-                                         build_objective, build_net, check_fit, check_loss,
-                                         is_user_loss)
-from scaletrain.loss import LossFn
+from scaletrain.training.assemble import (
+    NO_CODE,
+    UserCode,
+    brings_own_code,
+    build_data,
+    build_net,
+    build_objective,
+    check_fit,
+    check_loss,
+    is_user_loss,
+)
 from scaletrain.training.evaluate import evaluate
+from scaletrain.training.finish import finish_run as _finish
 from scaletrain.training.hooks import step_hooks
+from scaletrain.training.optim import build_optimizer, build_scheduler
 from scaletrain.training.progress import CommCounter, RunProgress, Startup, Window, log_window
 from scaletrain.training.step import StepResult, forward, train_step
-from scaletrain.errors import UserError
 from scaletrain.user_code import UserCodeError
 
 
@@ -110,8 +125,9 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
     penv = read_env()
     derived = resolve(config, world_size=penv.world_size, nproc_per_node=penv.local_world_size)
     set_threads(derived.threads)
-    heap = configure_allocator(config.train.allocator,
-                               device_type="cuda" if derived.backend == "nccl" else "cpu")
+    heap = configure_allocator(
+        config.train.allocator, device_type="cuda" if derived.backend == "nccl" else "cpu"
+    )
     device = init_distributed(penv, backend=derived.backend, timeout_s=config.parallel.timeout_s)
     startup = Startup(enabled=penv.is_main and not config.log.quiet)
     startup.say(f"{penv.world_size} process(es) up, {derived.threads} thread(s) each")
@@ -126,17 +142,21 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
     if penv.is_main and resume_from is None:
         write_config(run_dir, config)
     seed_everything(config.train.seed)
-    parts = build(config, derived, penv, device=device, run_dir=run_dir, code=code,
-                  startup=startup)
+    parts = build(config, derived, penv, device=device, run_dir=run_dir, code=code, startup=startup)
     if resume_from is not None:
         load_checkpoint(Path(resume_from), parts.state)
         if keyed_by_bucket(parts.comm.hook_state):
             _rebuild_buckets(parts)
         if penv.is_main:  # only now: a resume that fails leaves the run's config.toml as it was
             write_config(run_dir, config)
-    logger = MetricsLogger(run_dir, total_steps=config.train.steps, enabled=penv.is_main,
-                           quiet=config.log.quiet, tensorboard=config.log.tensorboard,
-                           start_step=parts.state.step)
+    logger = MetricsLogger(
+        run_dir,
+        total_steps=config.train.steps,
+        enabled=penv.is_main,
+        quiet=config.log.quiet,
+        tensorboard=config.log.tensorboard,
+        start_step=parts.state.step,
+    )
     if resume_from is not None:
         logger.message(f"scaletrain: resumed from {resume_from} at step {parts.state.step}")
     for warning in derived.warnings:
@@ -145,8 +165,10 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
         logger.message(f"scaletrain: {describe_teacher(parts.teacher)}")
     if heap != "system":
         logger.message(f"scaletrain: CPU heap policy: {heap} (train.allocator)")
-    startup.say(f"ready: step {parts.state.step + 1} of {config.train.steps} starting (the "
-                "first is slower: warm-up)")
+    startup.say(
+        f"ready: step {parts.state.step + 1} of {config.train.steps} starting (the "
+        "first is slower: warm-up)"
+    )
     try:
         summary = _loop(config, derived, penv, parts, logger=logger, run_dir=run_dir)
         return None if summary is None else {**summary, "run_dir": str(run_dir)}
@@ -155,87 +177,169 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
         logger.close()
 
 
-def build(config: Config, derived: Derived, penv: ProcessEnv, *, device: torch.device,
-          run_dir: Path, code: UserCode = NO_CODE, startup: Startup | None = None) -> Parts:
+def build(
+    config: Config,
+    derived: Derived,
+    penv: ProcessEnv,
+    *,
+    device: torch.device,
+    run_dir: Path,
+    code: UserCode = NO_CODE,
+    startup: Startup | None = None,
+) -> Parts:
     """Data, model, loss, precision, parallelism, optimizer, schedule, sampler: in that order."""
     d, layout = config.data, derived.layout
     startup = startup or Startup(enabled=False)
     train_ds, eval_ds = (build_data(config, split=split, code=code) for split in ("train", "eval"))
-    startup.say(f"data: {len(train_ds)} training and {len(eval_ds)} evaluation examples "
-                f"(data.source = {d.source!r})")
+    startup.say(
+        f"data: {len(train_ds)} training and {len(eval_ds)} evaluation examples "
+        f"(data.source = {d.source!r})"
+    )
     # Tensor-parallel and pipeline peers read the same examples: the sampler takes the
     # data-parallel rank, not the global one.
-    sampler = GlobalBatchSampler(len(train_ds), global_batch=config.train.global_batch,
-                                 micro_batch=config.train.micro_batch,
-                                 dp_rank=layout.dp_rank(penv.rank), dp_size=layout.dp,
-                                 seed=config.train.seed, shard_rows=train_ds.shard_rows,
-                                 shuffle_window=d.shuffle_window)
-    precision = make_precision(config.precision.mode, device_type=device.type,
-                               init_scale=config.precision.init_scale,
-                               growth_interval=config.precision.growth_interval,
-                               sharded=layout.splits_gradients)
+    sampler = GlobalBatchSampler(
+        len(train_ds),
+        global_batch=config.train.global_batch,
+        micro_batch=config.train.micro_batch,
+        dp_rank=layout.dp_rank(penv.rank),
+        dp_size=layout.dp,
+        seed=config.train.seed,
+        shard_rows=train_ds.shard_rows,
+        shuffle_window=d.shuffle_window,
+    )
+    precision = make_precision(
+        config.precision.mode,
+        device_type=device.type,
+        init_scale=config.precision.init_scale,
+        growth_interval=config.precision.growth_interval,
+        sharded=layout.splits_gradients,
+    )
     model = build_net(config, train_ds, code=code)
     # The loss, or under [distill] the student wrapped with its projections and the
     # distillation loss (the teacher lives in the loss; a cache rides with the batches).
     model, loss_fn, kd = build_objective(config, model, train_ds, precision=precision, code=code)
     if config.distill.cache:
-        cached = cached_splits(config, kd, precision=precision,
-                               splits={"train": train_ds, "eval": eval_ds})
+        cached = cached_splits(
+            config, kd, precision=precision, splits={"train": train_ds, "eval": eval_ds}
+        )
         train_ds, eval_ds = cached["train"], cached["eval"]
     model = precision.convert_module(model)
     if brings_own_code(config, code):  # on the bare model, before any technique splits it
-        _check_user_code(model, train_ds, config, code=code, precision=precision,
-                         loss_fn=loss_fn, first=sampler.micro_batches(0)[0], device=device)
+        _check_user_code(
+            model,
+            train_ds,
+            config,
+            code=code,
+            precision=precision,
+            loss_fn=loss_fn,
+            first=sampler.micro_batches(0)[0],
+            device=device,
+        )
     spec = model_spec(model)
     try:
-        check_model_fits(model, spec, layout=layout, parallel=config.parallel,
-                         pipeline=derived.pipeline,
-                         model_label=f"model.name = {config.model.name!r}")
+        check_model_fits(
+            model,
+            spec,
+            layout=layout,
+            parallel=config.parallel,
+            pipeline=derived.pipeline,
+            model_label=f"model.name = {config.model.name!r}",
+        )
     except UserError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
         raise UserCodeError(str(e)) from None
-    par = parallelize(model, spec=spec, layout=layout, rank=penv.rank, device=device,
-                      parallel=config.parallel, pipeline=derived.pipeline,
-                      precision=precision, loss_fn=loss_fn,
-                      compile=config.train.compile)
+    par = parallelize(
+        model,
+        spec=spec,
+        layout=layout,
+        rank=penv.rank,
+        device=device,
+        parallel=config.parallel,
+        pipeline=derived.pipeline,
+        precision=precision,
+        loss_fn=loss_fn,
+        compile=config.train.compile,
+    )
     model, hook_state = par.model, par.hook_state
     held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
-    startup.say(f"model: {held:,} parameters on this rank (model.name = "
-                f"{config.model.name!r}), layout {layout.describe()}")
+    startup.say(
+        f"model: {held:,} parameters on this rank (model.name = "
+        f"{config.model.name!r}), layout {layout.describe()}"
+    )
     if kd is not None and kd.teacher is not None:  # replicated, or sharded like the student
-        place_teacher(kd.teacher, device=device,
-                      mesh=par.mesh["dp_shard"] if layout.dp_shard > 1 else None)
+        place_teacher(
+            kd.teacher, device=device, mesh=par.mesh["dp_shard"] if layout.dp_shard > 1 else None
+        )
     o = config.optim
     # A fused kernel takes the fp16 scaler's found-inf flag as a plain tensor, which it
     # cannot mix with DTensor parameters, and fused SGD has no DTensor sharding rule at all
     # (torch 2.13): sharded fp16, and sharded SGD, run the foreach kernels.
     sharded_unfusable = precision.scaler is not None or o.name == "sgd"
     impl = "foreach" if sharded_unfusable and layout.splits_gradients else o.impl
-    optimizer = build_optimizer(model, name=o.name, lr=o.lr, weight_decay=o.weight_decay,
-                                betas=o.betas, momentum=o.momentum, impl=impl)
-    scheduler = build_scheduler(optimizer, warmup_steps=o.warmup_steps,
-                                total_steps=config.train.steps, schedule=o.schedule,
-                                min_lr_ratio=o.min_lr_ratio)
+    optimizer = build_optimizer(
+        model,
+        name=o.name,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=o.betas,
+        momentum=o.momentum,
+        impl=impl,
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=o.warmup_steps,
+        total_steps=config.train.steps,
+        schedule=o.schedule,
+        min_lr_ratio=o.min_lr_ratio,
+    )
     c = config.checkpoint
-    checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.keep, async_save=c.async_save,
-                                config_toml=config_to_toml(config), every=c.every)
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints",
+        keep=c.keep,
+        async_save=c.async_save,
+        config_toml=config_to_toml(config),
+        every=c.every,
+    )
     comm = CommCounter(model, hook_state, ddp=isinstance(model, DistributedDataParallel))
     # The loop's streak and window: a checkpoint loads into this RunProgress, the loop runs on it.
-    state = TrainState(model, optimizer, scheduler, precision, hook=hook_state,
-                       loop=RunProgress(first_step=0, comm=comm),
-                       tokens_per_example=train_ds.spec.input_shape[0]
-                       if train_ds.spec.kind == "lm" else 0)
-    return Parts(state=state, sampler=sampler, train_ds=train_ds, eval_ds=eval_ds,
-                 device=device, comm=comm, checkpointer=checkpointer, loss_fn=loss_fn,
-                 layout=layout, rank=penv.rank, pipeline=par.pipeline,
-                 pp_group=par.pipeline.stages[0].group if par.pipeline else None,
-                 dp_group=layout.dp_group(par.mesh),
-                 teacher=kd.teacher if kd is not None else None,
-                 after_step=step_hooks(config, dp_rank=layout.dp_rank(penv.rank)))
+    state = TrainState(
+        model,
+        optimizer,
+        scheduler,
+        precision,
+        hook=hook_state,
+        loop=RunProgress(first_step=0, comm=comm),
+        tokens_per_example=train_ds.spec.input_shape[0] if train_ds.spec.kind == "lm" else 0,
+    )
+    return Parts(
+        state=state,
+        sampler=sampler,
+        train_ds=train_ds,
+        eval_ds=eval_ds,
+        device=device,
+        comm=comm,
+        checkpointer=checkpointer,
+        loss_fn=loss_fn,
+        layout=layout,
+        rank=penv.rank,
+        pipeline=par.pipeline,
+        pp_group=par.pipeline.stages[0].group if par.pipeline else None,
+        dp_group=layout.dp_group(par.mesh),
+        teacher=kd.teacher if kd is not None else None,
+        after_step=step_hooks(config, dp_rank=layout.dp_rank(penv.rank)),
+    )
 
 
-def _check_user_code(net: torch.nn.Module, train_ds: Dataset, config: Config, *,
-                     code: UserCode, precision: Precision, loss_fn: LossFn,
-                     first: torch.Tensor, device: torch.device) -> None:
+def _check_user_code(
+    net: torch.nn.Module,
+    train_ds: Dataset,
+    config: Config,
+    *,
+    code: UserCode,
+    precision: Precision,
+    loss_fn: LossFn,
+    first: torch.Tensor,
+    device: torch.device,
+) -> None:
     """Before the first step, every rank runs the user's model and loss on its first
     micro-batch (`check_fit`), and checks a user's loss sums (loss.py,
     `check_summed`): the launcher checked two examples, this checks what each rank will
@@ -247,17 +351,25 @@ def _check_user_code(net: torch.nn.Module, train_ds: Dataset, config: Config, *,
     try:
         check_fit(net, batch, loss_fn=loss_fn, precision=precision, config=config)
         if is_user_loss(config, code):
-            check_loss(loss_fn, net, batch, config=config, precision=precision,
-                       task_kind=train_ds.spec.kind)
+            check_loss(
+                loss_fn,
+                net,
+                batch,
+                config=config,
+                precision=precision,
+                task_kind=train_ds.spec.kind,
+            )
     except UserCodeError as e:
         problem = e
     refused = all_reduce_sum(torch.tensor([float(problem is not None)], dtype=torch.float64))
     if problem is not None:
         raise problem
     if float(refused.item()) > 0:
-        raise UserCodeError(f"the model, data or loss was refused on another rank (its log "
-                            f"says why: model.name = {config.model.name!r}, data.source = "
-                            f"{config.data.source!r}, train.loss = {config.train.loss!r})")
+        raise UserCodeError(
+            f"the model, data or loss was refused on another rank (its log "
+            f"says why: model.name = {config.model.name!r}, data.source = "
+            f"{config.data.source!r}, train.loss = {config.train.loss!r})"
+        )
 
 
 def _rebuild_buckets(parts: Parts) -> None:
@@ -272,19 +384,28 @@ def _rebuild_buckets(parts: Parts) -> None:
             loss, _ = parts.loss_fn(forward(state.model, batch, state.precision), batch)
         loss.backward()
 
-    rebuild_buckets(state.model, parts.comm.hook_state, forward_backward=forward_backward,
-                    device=parts.device)
+    rebuild_buckets(
+        state.model, parts.comm.hook_state, forward_backward=forward_backward, device=parts.device
+    )
 
 
 def _latest_checkpoint(run_dir: Path, penv: ProcessEnv) -> str | None:
     # Rank 0 moves a damaged checkpoint aside, so the run's next save of that step succeeds.
-    found = latest_valid(run_dir / "checkpoints", report=lambda m: print(m, file=sys.stderr),
-                         quarantine=True)
+    found = latest_valid(
+        run_dir / "checkpoints", report=lambda m: print(m, file=sys.stderr), quarantine=True
+    )
     return str(found) if found else None
 
 
-def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
-          logger: MetricsLogger, run_dir: Path) -> dict | None:
+def _loop(
+    config: Config,
+    derived: Derived,
+    penv: ProcessEnv,
+    parts: Parts,
+    *,
+    logger: MetricsLogger,
+    run_dir: Path,
+) -> dict | None:
     """Run steps state.step .. train.steps, then the final evaluation; None on a planned stop."""
     t, state = config.train, parts.state
     run = state.loop  # fresh from build, or the streak and open window a checkpoint restored
@@ -297,52 +418,99 @@ def _loop(config: Config, derived: Derived, penv: ProcessEnv, parts: Parts, *,
         micro, indices = _fetch(parts, indices, step=step, total_steps=t.steps)
         step_started = time.perf_counter()
         with collective_guard("gradient all-reduce (DDP backward)", step=step):
-            result = train_step(state.model, micro, optimizer=state.optimizer,
-                                scheduler=state.scheduler, precision=state.precision,
-                                grad_clip=config.optim.grad_clip, dp_size=derived.layout.dp,
-                                ragged_counts=parts.train_ds.spec.ragged, loss_fn=parts.loss_fn,
-                                pipeline=parts.pipeline, pp_group=parts.pp_group,
-                                dp_group=parts.dp_group)
+            result = train_step(
+                state.model,
+                micro,
+                optimizer=state.optimizer,
+                scheduler=state.scheduler,
+                precision=state.precision,
+                grad_clip=config.optim.grad_clip,
+                dp_size=derived.layout.dp,
+                ragged_counts=parts.train_ds.spec.ragged,
+                loss_fn=parts.loss_fn,
+                pipeline=parts.pipeline,
+                pp_group=parts.pp_group,
+                dp_group=parts.dp_group,
+            )
         for hook in parts.after_step:  # e.g. the benchmark's straggler (training/hooks.py)
             hook(step, time.perf_counter() - step_started)
         state.step = step + 1
         _count_bad_steps(state, result, run, config=config)
-        log_window(state, result, micro, run, reports_loss=parts.reports_loss, logger=logger,
-                   terms=take_terms(parts.loss_fn),  # [distill]: each term of the loss
-                   every=config.log.every, total_steps=t.steps, compiled=config.train.compile,
-                   dp=derived.layout.dp)
+        log_window(
+            state,
+            result,
+            micro,
+            run,
+            reports_loss=parts.reports_loss,
+            logger=logger,
+            terms=take_terms(parts.loss_fn),  # [distill]: each term of the loss
+            every=config.log.every,
+            total_steps=t.steps,
+            compiled=config.train.compile,
+            dp=derived.layout.dp,
+        )
         if _checkpoint_or_stop(state, parts, logger=logger, config=config, run_dir=run_dir):
             return None
         if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
             eval_started = time.perf_counter()
             with collective_guard("evaluation all-reduce", step=step):
-                record = {"step": state.step, **evaluate(
-                    state.model, parts.eval_ds, config, penv, derived,
-                    precision=state.precision, device=parts.device, loss_fn=parts.loss_fn,
-                    pipeline=parts.pipeline)}
+                record = {
+                    "step": state.step,
+                    **evaluate(
+                        state.model,
+                        parts.eval_ds,
+                        config,
+                        penv,
+                        derived,
+                        precision=state.precision,
+                        device=parts.device,
+                        loss_fn=parts.loss_fn,
+                        pipeline=parts.pipeline,
+                    ),
+                }
             logger.log_eval(record)
-            logger.message(f"scaletrain: eval at step {state.step}: " + ", ".join(
-                f"{k} {v:.4g}" for k, v in record.items() if k != "step"))
+            logger.message(
+                f"scaletrain: eval at step {state.step}: "
+                + ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step")
+            )
             run.window.start += time.perf_counter() - eval_started  # throughput is training only
     wall = time.perf_counter() - run.started
     with collective_guard("evaluation all-reduce", step=t.steps):
-        eval_record = evaluate(state.model, parts.eval_ds, config, penv, derived,
-                               precision=state.precision, device=parts.device,
-                               loss_fn=parts.loss_fn, pipeline=parts.pipeline)
+        eval_record = evaluate(
+            state.model,
+            parts.eval_ds,
+            config,
+            penv,
+            derived,
+            precision=state.precision,
+            device=parts.device,
+            loss_fn=parts.loss_fn,
+            pipeline=parts.pipeline,
+        )
     weights = full_state_dict(state.model, layout=parts.layout)  # every rank takes part
     logger.log_eval({"step": t.steps, **eval_record})
     if not penv.is_main:
         return None
     # summary.json is JSON: a non-finite loss or metric is written as null (finish.py).
-    return _finish(run_dir, model=state.model, weights=weights, config=config, derived=derived, wall=wall,
-                   last_loss=run.last_loss, eval_record=eval_record,
-                   skipped=state.skipped_steps,
-                   steps_run=t.steps - run.first_step, precision_mode=state.precision.mode,
-                   tokens_per_example=state.tokens_per_example)
+    return _finish(
+        run_dir,
+        model=state.model,
+        weights=weights,
+        config=config,
+        derived=derived,
+        wall=wall,
+        last_loss=run.last_loss,
+        eval_record=eval_record,
+        skipped=state.skipped_steps,
+        steps_run=t.steps - run.first_step,
+        precision_mode=state.precision.mode,
+        tokens_per_example=state.tokens_per_example,
+    )
 
 
-def _fetch(parts: Parts, indices: list[torch.Tensor], *, step: int,
-           total_steps: int) -> tuple[list[Batch], list[torch.Tensor]]:
+def _fetch(
+    parts: Parts, indices: list[torch.Tensor], *, step: int, total_steps: int
+) -> tuple[list[Batch], list[torch.Tensor]]:
     """This step's micro-batches; starts reading the next step's rows in the background."""
     micro = [parts.train_ds.get(idx).to(parts.device, non_blocking=True) for idx in indices]
     if step + 1 < total_steps:
@@ -351,8 +519,9 @@ def _fetch(parts: Parts, indices: list[torch.Tensor], *, step: int,
     return micro, indices
 
 
-def _count_bad_steps(state: TrainState, result: StepResult, run: RunProgress, *,
-                     config: Config) -> None:
+def _count_bad_steps(
+    state: TrainState, result: StepResult, run: RunProgress, *, config: Config
+) -> None:
     """Per-step counters: skipped steps and the streak of them (fp16 overflows are the loss
     scaler's business; only a streak stops the run), examples and tokens seen."""
     run.bad_in_row = 0 if result.stepped else run.bad_in_row + 1
@@ -361,12 +530,21 @@ def _count_bad_steps(state: TrainState, result: StepResult, run: RunProgress, *,
     state.tokens_seen += config.train.global_batch * state.tokens_per_example
     run.first_bad = result.first_nonfinite if run.bad_in_row == 1 else run.first_bad
     if run.bad_in_row >= config.train.max_bad_steps:
-        raise TrainingDiverged(_diverged_message(state.step - 1, run.bad_in_row, run.last_loss,
-                                                 config, run.first_bad, state.precision))
+        raise TrainingDiverged(
+            _diverged_message(
+                state.step - 1,
+                run.bad_in_row,
+                run.last_loss,
+                config,
+                run.first_bad,
+                state.precision,
+            )
+        )
 
 
-def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogger,
-                        config: Config, run_dir: Path) -> bool:
+def _checkpoint_or_stop(
+    state: TrainState, parts: Parts, *, logger: MetricsLogger, config: Config, run_dir: Path
+) -> bool:
     """Save on the checkpoint schedule; on a planned stop or a SIGTERM save, wait, return True.
 
     SIGTERM (a scheduler's preemption, forwarded by torchrun's agent) only sets a flag; the
@@ -387,21 +565,28 @@ def _checkpoint_or_stop(state: TrainState, parts: Parts, *, logger: MetricsLogge
     # On SIGTERM the launcher of a single process, or ours for its workers, prints the line.
     if planned or under_elastic_agent():
         why = "train.stop_after" if planned else "SIGTERM"
-        logger.message(f"scaletrain: stopped after step {state.step} ({why}); "
-                       f"continue with: scaletrain train ... --run-dir {run_dir} --resume")
+        logger.message(
+            f"scaletrain: stopped after step {state.step} ({why}); "
+            f"continue with: scaletrain train ... --run-dir {run_dir} --resume"
+        )
     return True
 
 
-def _diverged_message(step: int, bad: int, last_loss: float, config: Config,
-                      first_bad: str | None, precision: Precision) -> str:
+def _diverged_message(
+    step: int,
+    bad: int,
+    last_loss: float,
+    config: Config,
+    first_bad: str | None,
+    precision: Precision,
+) -> str:
     where = f"; the first gradient to overflow was {first_bad!r}" if first_bad else ""
-    scale = (f" (loss scale now {precision.loss_scale:g})" if precision.loss_scale is not None
-             else "")
+    scale = (
+        f" (loss scale now {precision.loss_scale:g})" if precision.loss_scale is not None else ""
+    )
     return (
         f"training stopped at step {step + 1}: the loss or gradients were non-finite for {bad} "
         f"consecutive steps (train.max_bad_steps = {config.train.max_bad_steps}){where}{scale}; "
         f"last logged loss {last_loss:.4g}. Try a lower optim.lr (now {config.optim.lr}), "
         f"gradient clipping (optim.grad_clip), or precision.mode='fp32'/'bf16-mixed'."
     )
-
-
