@@ -207,9 +207,9 @@ def _file_frames(
         reader = reader.option("header", True).option("inferSchema", True)
     df = reader.load([str(f) for f in files])
     kind = task_kind(df.columns, where=path)  # before any job runs on the rows
-    df = df.withColumn(
-        "_file", F.input_file_name()
-    ).withColumn("_mono", F.monotonically_increasing_id())  # file order first, then position in it
+    df = df.withColumn("_file", F.input_file_name()).withColumn(
+        "_mono", F.monotonically_increasing_id()
+    )  # file order first, then position in it
     if kind == "lm":
         return _text_frames(df, seq_len=seq_len), (None, ("text",))
     df, totals = _running_sum(df, ["_file", "_mono"], {"row_id": F.lit(1)})
