@@ -145,7 +145,7 @@ _NOISE = re.compile(
       \[?[WEIF]\d{4}\ \d\d:\d\d:\d\d   # a glog-style header: c10d's C++ log, torch's Python log
     | \s*frame\ \#\d+:                  # a C++ stack frame
     | \s*<omitting\ python\ frames>
-    | Exception\ raised\ from\
+    | Exception\ raised\ from[ ]  # the space is part of the pattern
     | \#\ scaletrain\ worker:           # the first line of every rank's log
     | scaletrain:\ error:               # quoted by the launcher's failure paragraph instead
     )""",
