@@ -355,8 +355,9 @@ def test_final_gather_puts_the_whole_model_on_rank_0_only(probes: dict[int, list
     assert rank1["keys"] == 0, rank1  # rank 1 gets an empty dict
     if not rank1["resettable"]:
         pytest.skip("this kernel cannot reset the peak RSS (/proc/self/clear_refs)")
-    # Rank 0 keeps the model (about `full` more); rank 1 holds one whole tensor at a time.
-    assert rank0["peak_above"] > 0.75 * full, rank0
+    # Rank 1 holds one whole tensor at a time (the old gather gave it the whole model: 28.8 MB
+    # of a 25.2 MB model). Rank 0's own rise is not asserted: it keeps the model, but how much
+    # of it shows as new RSS depends on how many freed pages the heap reuses (16 to 25 MB seen).
     assert rank1["peak_above"] < 0.5 * full, rank1
 
 
