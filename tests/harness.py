@@ -57,6 +57,23 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def rank_env(rank: int, *, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives one rank of a `world_size` job on this machine."""
+    # OMP_NUM_THREADS as the launcher sets it: some kernels (stock PowerSGD's QR) pick
+    # their thread count at start-up from it and are not reproducible without it.
+    threads = str(max(1, len(os.sched_getaffinity(0)) // world_size))
+    return cli_env(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID="test",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
+    )
+
+
 def run_workers(
     config: Path,
     overrides: list[str],
@@ -72,19 +89,7 @@ def run_workers(
     port = free_port()
     procs = []
     for rank in range(world_size):
-        # OMP_NUM_THREADS as the launcher sets it: some kernels (stock PowerSGD's QR) pick
-        # their thread count at start-up from it and are not reproducible without it.
-        threads = str(max(1, len(os.sched_getaffinity(0)) // world_size))
-        env = cli_env(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TORCHELASTIC_RUN_ID="test",
-            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
-        )
+        env = rank_env(rank, world_size=world_size, port=port)
         cmd = [
             sys.executable,
             "-m",
@@ -337,17 +342,7 @@ def run_job(
     port = free_port()
     procs = []
     for rank in range(world_size):
-        threads = str(max(1, len(os.sched_getaffinity(0)) // world_size))  # as run_workers
-        env = cli_env(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TORCHELASTIC_RUN_ID="test",
-            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
-        )
+        env = rank_env(rank, world_size=world_size, port=port)
         with job.with_suffix(f".rank{rank}.log").open("w") as log:  # a file: never blocks
             procs.append(
                 subprocess.Popen(
