@@ -9,6 +9,7 @@ computed by hand in float64 from the gradients the test pushed.
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -683,6 +684,54 @@ def test_server_zero_alone_decides_who_is_dead_and_tells_the_others() -> None:
     assert s1.clocks.left == {0}
     s0.wait_until_done()
     s1.wait_until_done()
+
+
+def test_two_servers_cut_one_checkpoint_when_the_pushes_reach_them_in_other_orders() -> None:
+    """Async, checkpoint at global step 1 (8 examples). Server 1 gets worker 0's push first
+    and worker 1's second; server 0 the other way round. Server 1 reaches the cut having
+    answered worker 0 already, server 0 having answered worker 1: a server that held its own
+    answers at the cut would wait for a worker parked on the other server, forever. Server 0
+    alone holds; once every worker waits on it, it tells server 1 (`tell_cut`), which saves
+    once the gradient still in flight to it has arrived: both hold the same examples."""
+    rec0, rec1 = Recorder(), Recorder()
+    s1 = make_server(rec1, mode="async", index=1, authority=False, checkpoint_every=1)
+    told: list[threading.Thread] = []
+
+    def tell_cut(step: int, examples: int) -> list:
+        done: torch.futures.Future = torch.futures.Future()
+
+        def run() -> None:
+            s1.cut(step, examples, timeout_s=30)
+            done.set_result(None)
+
+        told.append(threading.Thread(target=run, daemon=True))
+        told[-1].start()
+        return [done]
+
+    s0 = make_server(rec0, mode="async", checkpoint_every=1, tell_cut=tell_cut)
+    a0, b0, a1, b1 = s0.join(0), s0.join(1), s1.join(0), s1.join(1)
+    a1 = done_reply(push(s1, a1, 0, G0))  # server 1: 4 examples
+    b0 = done_reply(push(s0, b0, 1, G1))  # server 0: 4
+    b1 = done_reply(push(s1, b1, 1, G1))  # server 1: 8, the cut; worker 1 goes on there
+    held_a = push(s0, a0, 0, G0)  # server 0: 8, the cut; worker 0 waits on it
+    assert not held_a.done() and rec0.saves == rec1.saves == []
+    # Worker 1's next step reaches server 0 first: every worker waits there now.
+    answers: list[torch.futures.Future] = []
+    closing = threading.Thread(target=lambda: answers.append(push(s0, b0, 1, G1)), daemon=True)
+    closing.start()
+    deadline = time.monotonic() + 30
+    while not told and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert told, "server 0 never told server 1 of the cut"
+    assert rec1.saves == []  # server 1 waits for worker 1's gradient still in flight
+    late = push(s1, b1, 1, G1)  # ... which arrives: server 1 has 12 examples, as server 0
+    closing.join(timeout=30)
+    assert not closing.is_alive(), "the cut did not complete"
+
+    assert rec0.saves == rec1.saves == [1]
+    assert s0.examples == s1.examples == 12
+    assert s0.clocks.clock == s1.clocks.clock == {0: 1, 1: 2}
+    assert [done_reply(f).status for f in (held_a, late, *answers)] == ["go", "go", "go"]
 
 
 def test_under_sync_a_dead_workers_waiting_gradient_is_applied_nowhere() -> None:

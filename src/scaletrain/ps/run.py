@@ -395,6 +395,9 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         grad_clip=o.grad_clip if ps.mode == "sync" else 0.0,
         reduce_squares=all_reduce_sum,
         schedule_examples=t.global_batch // per_step,
+        tell_cut=lambda step, examples: _tell_cut(
+            step, examples, shape.servers, timeout_s=config.parallel.timeout_s
+        ),
     )
     progress.server = server
     if progress.loaded:
@@ -460,6 +463,20 @@ def _announce(worker: int, why: str | None, servers: int, *, timeout_s: float) -
     return [
         rpc.rpc_async(
             server_name(k), ps_server.rpc_membership, args=(worker, why), timeout=timeout_s
+        )
+        for k in range(1, servers)
+    ]
+
+
+def _tell_cut(step: int, examples: int, servers: int, *, timeout_s: float) -> list:
+    """Server 0 tells the other servers to write their part of the checkpoint of global
+    `step` once they have applied `examples`; the calls' futures, which answer when done."""
+    return [
+        rpc.rpc_async(
+            server_name(k),
+            ps_server.rpc_cut,
+            args=(step, examples, timeout_s),
+            timeout=2 * timeout_s,
         )
         for k in range(1, servers)
     ]

@@ -27,6 +27,11 @@ The LR schedule follows examples applied (`schedule_examples` per schedule step)
 updates: under sync with a worker dead an update is a fraction of a global step, and
 counting updates would end the schedule early.
 
+The checkpoint cut is decided by server 0 too: once every live worker waits for its answer,
+it tells the others (`tell_cut` -> `rpc_cut`) the step and how many examples it has applied;
+each waits until it has applied as many (gradients still in flight) and all write the step
+together.
+
 Threads: the RPC agent's pool runs the handlers; one Condition guards the state.
 Heartbeats only write a timestamp (atomic under the GIL) and take no lock, so a checkpoint
 written under the lock does not make the workers waiting for it look dead.
@@ -117,7 +122,8 @@ class ParameterServer:
         checkpoint_every: save at every multiple of this global step (0: never).
         stop_after: save and tell the workers to stop at this global step (0: never).
         save: writes a checkpoint of global step N; called under the lock at a consistent
-            cut (every live worker waiting here, so every server holds the same gradients).
+            cut (every live worker waiting on server 0, so every server holds the same
+            gradients): on server 0 when it sees that, on the others when told (`cut`).
         on_update: told of every gradient applied or skipped, under the lock.
         report: where one-line messages go (a worker declared dead).
         authority: this server decides membership (server 0): it keeps the leases.
@@ -126,6 +132,9 @@ class ParameterServer:
         grad_clip: sync only: max global norm of the step's mean gradient; 0: no clipping.
         reduce_squares: sums a float64 scalar over every server (identity for one server).
         schedule_examples: examples per step of the LR schedule (default global_batch).
+        tell_cut: the authority's messenger for a checkpoint: called under the lock with
+            (global step, examples applied) just before it saves; it starts the other
+            servers' part of the save (`cut`) and returns their calls' futures.
     """
 
     def __init__(
@@ -156,6 +165,7 @@ class ParameterServer:
         grad_clip: float = 0.0,
         reduce_squares: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         schedule_examples: int | None = None,
+        tell_cut: Callable[[int, int], list] | None = None,
     ) -> None:
         self.index, self.names, self.params = index, list(params), list(params.values())
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -166,6 +176,7 @@ class ParameterServer:
         self.authority, self.announce = authority, announce
         self.grad_clip, self.reduce_squares = grad_clip, reduce_squares
         self.schedule_examples = schedule_examples or global_batch
+        self.tell_cut = tell_cut
         self.cond = threading.Condition()
         self.clocks = Clocks(
             clock={
@@ -441,7 +452,9 @@ class ParameterServer:
         server, every server has applied exactly the same gradients (up to each worker's
         clock): the servers' shards and clocks in the checkpoint are of one instant.
         """
-        cut = self._due_cut()
+        # Server 0 alone holds its answers at a cut; another server that held its own would
+        # deadlock with it when the workers' gradients reached the two in different orders.
+        cut = self._due_cut() if self.authority else None
         parked = {w for w, _ in self.parked}
         if (
             cut is not None
@@ -449,13 +462,17 @@ class ParameterServer:
             and not self.pending
             and all(w in parked for w in self.clocks.live)
         ):
-            try:
-                self.save(cut)  # every live worker waits for an answer: nothing moves
-                self.saved = cut
-                self.stopping = cut == self.stop_after
-                cut = None
-            except BaseException as e:  # noqa: BLE001  ended by wait_until_done
-                self.failure = e
+            # Every live worker waits for server 0's answer, so none sends another gradient:
+            # the others have (or will have, once what is in flight arrives) applied exactly
+            # what server 0 applied, and save when told.
+            told = self.tell_cut(cut, self.examples) if self.tell_cut is not None else []
+            self._save_cut(cut)
+            for call in told:  # each answers once its part of the same collective save is done
+                try:
+                    call.wait()
+                except RuntimeError as e:
+                    self.failure = self.failure or e
+            cut = None if self.failure is None else cut
         still = []
         for w, reply in self.parked:
             s = self.clocks.clock[w]
@@ -477,6 +494,32 @@ class ParameterServer:
                 still.append((w, reply))
         self.parked = still
         self.cond.notify_all()
+
+    def _save_cut(self, cut: int) -> None:
+        try:
+            self.save(cut)  # every live worker waits for an answer: nothing moves
+            self.saved = cut
+            self.stopping = cut == self.stop_after
+        except BaseException as e:  # noqa: BLE001  ended by wait_until_done
+            self.failure = e
+
+    def cut(self, step: int, examples: int, *, timeout_s: float) -> None:
+        """Server 0 is writing the checkpoint of global `step` with `examples` applied: wait
+        until this server has applied as many (the pushes still in flight), then write its
+        part of the same (collective) checkpoint and answer the workers it held."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while self.examples < examples and self.failure is None:
+                if time.monotonic() > deadline:
+                    self.failure = RuntimeError(
+                        f"parameter server {self.index} had {self.examples} examples applied "
+                        f"when server 0 wrote the checkpoint of step {step} with {examples}"
+                    )
+                    break
+                self.cond.wait(timeout=0.1)
+            if self.failure is None:
+                self._save_cut(step)
+            self._release()
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -540,6 +583,10 @@ def rpc_leave(worker: int) -> None:
 
 def rpc_membership(worker: int, why: str | None) -> None:
     _server().membership(worker, why)
+
+
+def rpc_cut(step: int, examples: int, timeout_s: float) -> None:
+    _server().cut(step, examples, timeout_s=timeout_s)
 
 
 def rpc_snapshot() -> dict[str, torch.Tensor]:
