@@ -3,15 +3,22 @@ same run: checkpoints hold parameters and optimizer state by the model's own nam
 (torch.distributed.checkpoint reshards them), so FSDP shards, tensor-parallel slices and
 pipeline stages load into whatever layout the resumed run has.
 
-Each case runs the CLI as a user does (`scaletrain train ... --nproc N`, launcher included):
-a GPT stopped after step 3 (`train.stop_after`, which checkpoints and exits) under one
-layout, then `--resume` with other [parallel] degrees and another process count, without
---allow-config-change (the degrees are resume-safe keys). Every step's loss, and the final
-weights, are compared with one uninterrupted process. fp32: losses hold to 1e-6 whatever
-the layout; the weights after six Adam steps carry the layout's summation-order noise
-(Adam turns it into parameter differences of ~1e-5, shared/PLATFORM-NOTES.md), so they are
-held to WEIGHT_TOL, and exactly to an uninterrupted run of the same layout in the
+A GPT is stopped after step 3 (`train.stop_after`, which checkpoints and exits) under one
+layout, then resumed with other [parallel] degrees on another number of ranks. The
+launcher's resume check (`rundir.check_resumable`, which `scaletrain train --resume` runs
+before any process starts) accepts the new degrees without --allow-config-change (they are
+resume-safe keys) and still refuses a key that changes the run. Every step's loss, and the
+final weights, are compared with one uninterrupted process. fp32: losses hold to 1e-6
+whatever the layout; the weights after six Adam steps carry the layout's summation-order
+noise (Adam turns it into parameter differences of ~1e-5, shared/PLATFORM-NOTES.md), so they
+are held to WEIGHT_TOL, and exactly to an uninterrupted run of the same layout in the
 bit-identical case.
+
+Speed: the runs go through `harness.run_job` (the workers' own entry, one process group per
+world size, many runs in it), four jobs in all: the stops on 4 ranks, the stops on 2 ranks,
+the resumes on 2 ranks, then the reference and the resume on 1 rank, all in one root, so a
+resume finds the run directory its stop wrote. test_resume and test_launch_* keep the CLI's
+own path, launcher included.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch
 
 from scaletrain.checkpoint_files import list_checkpoints
 
-from harness import load_weights, max_abs_diff, records, run_cli
+from harness import Case, load_weights, max_abs_diff, records, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -51,29 +58,88 @@ LOSS_TOL = 1e-6
 # process 1.7e-5 (as much as an uninterrupted dp_shard=2 x tp=2 run: the layout's noise, not
 # the resume's), pp=2 -> dp_shard=2 5.9e-6, dp=2 -> pp=2 6.0e-7.
 WEIGHT_TOL = 1e-4
-TIMEOUT = 240.0  # each command; 4 ranks on 2 busy cores take ~40 s for 3 steps
+TIMEOUT = 240.0  # per run in a job; 4 ranks on 2 busy cores take ~40 s for 3 steps
+
+SHARDED = ["parallel.dp_shard=2"]
+# name -> (layout before, ranks before, layout after, ranks after)
+CHANGES = {
+    "fsdp2xtp2-to-1": (["parallel.dp_shard=2", "parallel.tp=2"], 4, [], 1),
+    "pp2-to-fsdp2": (["parallel.pp=2", "parallel.pp_schedule=1f1b"], 2, SHARDED, 2),
+    "ddp2-to-pp2": (["parallel.dp=2"], 2, ["parallel.pp=2"], 2),
+    "sharded-resumed": (SHARDED, 2, SHARDED, 2),
+}
+
+
+class Runs:
+    """Every run of this file, in one root: name -> run directory; and what was seen
+    between a stop and its resume."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.stopped: dict[str, dict] = {}  # name -> facts about the stopped run
+        self.refusal: tuple[str, dict, dict] | None = None
+
+    def __getitem__(self, name: str) -> Path:
+        return self.root / name
+
+
+def load_config_text(text: str, overrides: list[str]):
+    import tempfile
+
+    from scaletrain.config import load_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cfg.toml"
+        path.write_text(text)
+        return load_config(path, overrides)
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("layout-resume") / "cfg.toml"
-    path.write_text(CONFIG)
-    return path
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Stops on 4 and 2 ranks, the launcher's resume checks, resumes on 2 and 1 rank."""
+    from scaletrain.errors import ConfigError
+    from scaletrain.rundir import check_resumable
 
-
-def train(config: Path, run_dir: Path, overrides: list[str], *, nproc: int, resume: bool = False):
-    args = ["train", str(config), *overrides, "--nproc", str(nproc), "--run-dir", str(run_dir)]
-    r = run_cli([*args, "--resume"] if resume else args, timeout=TIMEOUT)
-    assert r.returncode == 0, f"{' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}"
-    return r
-
-
-@pytest.fixture(scope="module")
-def reference(config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run in one process."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    train(config, run_dir, [], nproc=1)
-    return run_dir
+    runs = Runs(tmp_path_factory.mktemp("layout-resume"))
+    stop = f"train.stop_after={STOP}"
+    for world in (4, 2):
+        cases = {
+            name: Case.of(CONFIG, *before, stop)
+            for name, (before, n, _, _) in CHANGES.items()
+            if n == world
+        }
+        if world == 2:
+            cases["sharded-uninterrupted"] = Case.of(CONFIG, *SHARDED)
+        run_job(cases, world_size=world, root=runs.root, timeout=TIMEOUT)
+    for name, (_, _, after, _) in CHANGES.items():
+        run_dir = runs[name]
+        runs.stopped[name] = {
+            "checkpoints": [p.name for p in list_checkpoints(run_dir / "checkpoints")],
+            "final_weights": (run_dir / "model.safetensors").exists(),
+            "steps": sorted(step_losses(run_dir)),
+            # What `scaletrain train ... --resume` checks before it starts the workers.
+            "resume_warnings": check_resumable(run_dir, load_config_text(CONFIG, after)),
+        }
+    # The control for "degrees need no --allow-config-change": a key that changes the run
+    # (optim.lr), given with new degrees, is refused by the same check; nothing is written.
+    run_dir = runs["sharded-resumed"]
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    try:
+        check_resumable(run_dir, load_config_text(CONFIG, ["parallel.tp=2", "optim.lr=0.002"]))
+        message = ""
+    except ConfigError as e:
+        message = str(e)
+    runs.refusal = (message, before, {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()})
+    for world in (2, 1):
+        cases = {
+            name: Case.of(CONFIG, *after)
+            for name, (_, _, after, n) in CHANGES.items()
+            if n == world
+        }
+        if world == 1:
+            cases["reference"] = Case.of(CONFIG)  # the uninterrupted run in one process
+        run_job(cases, world_size=world, root=runs.root, timeout=TIMEOUT)
+    return runs
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:
@@ -81,67 +147,34 @@ def step_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(run_dir) if "grad_norm" in r}
 
 
-def stop(config: Path, run_dir: Path, overrides: list[str], *, nproc: int) -> None:
-    """Train until step STOP, which checkpoints and exits."""
-    train(config, run_dir, [*overrides, f"train.stop_after={STOP}"], nproc=nproc)
-    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == [f"step-{STOP:08d}"]
-    assert not (run_dir / "model.safetensors").exists()
-    assert sorted(step_losses(run_dir)) == list(range(1, STOP + 1))
-
-
-def resume(config: Path, run_dir: Path, overrides: list[str], *, nproc: int) -> None:
-    r = train(config, run_dir, overrides, nproc=nproc, resume=True)
-    # The new degrees are not a config change to allow: no warning, no --allow-config-change.
-    assert "--allow-config-change" not in r.stderr, r.stderr
-
-
-@pytest.mark.parametrize(
-    "before, nproc_before, after, nproc_after",
-    [
-        pytest.param(["parallel.dp_shard=2", "parallel.tp=2"], 4, [], 1, id="fsdp2xtp2-to-1"),
-        pytest.param(
-            ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
-            2,
-            ["parallel.dp_shard=2"],
-            2,
-            id="pp2-to-fsdp2",
-        ),
-        pytest.param(["parallel.dp=2"], 2, ["parallel.pp=2"], 2, id="ddp2-to-pp2"),
-    ],
-)
-def test_resume_under_another_layout_continues_the_run(
-    config: Path,
-    reference: Path,
-    tmp_path: Path,
-    before: list[str],
-    nproc_before: int,
-    after: list[str],
-    nproc_after: int,
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_a_stop_checkpoints_and_the_new_degrees_need_no_allow_config_change(
+    runs: Runs, name: str
 ) -> None:
-    run_dir = tmp_path / "run"
-    stop(config, run_dir, before, nproc=nproc_before)
-    resume(config, run_dir, after, nproc=nproc_after)
-    ref, got = step_losses(reference), step_losses(run_dir)
+    seen = runs.stopped[name]
+    assert seen["checkpoints"] == [f"step-{STOP:08d}"], seen
+    assert not seen["final_weights"], seen
+    assert seen["steps"] == list(range(1, STOP + 1)), seen
+    assert seen["resume_warnings"] == [], seen  # accepted, and not as an allowed change
+
+
+@pytest.mark.parametrize("name", [n for n in CHANGES if n != "sharded-resumed"])
+def test_resume_under_another_layout_continues_the_run(runs: Runs, name: str) -> None:
+    ref, got = step_losses(runs["reference"]), step_losses(runs[name])
     assert sorted(got) == sorted(ref) == list(range(1, 7))
     diffs = {step: abs(got[step] - ref[step]) for step in ref}
     print(f"loss differences by step: {diffs}")
     for step in range(1, 7):  # 1-3 under the first layout, 4-6 resumed under the second
         assert got[step] == pytest.approx(ref[step], abs=LOSS_TOL), (step, diffs)
     assert abs(ref[STOP + 1] - ref[6]) > 1e-2  # not vacuous: the loss moved meanwhile
-    a, b = load_weights(reference), load_weights(run_dir)
+    a, b = load_weights(runs["reference"]), load_weights(runs[name])
     weight_diff = max_abs_diff(a, b)
     print(f"max |weight difference| = {weight_diff:.3g}")
     assert weight_diff <= WEIGHT_TOL
 
 
-def test_resume_with_sharding_is_bit_identical(config: Path, tmp_path: Path) -> None:
-    layout = ["parallel.dp_shard=2"]
-    uninterrupted = tmp_path / "uninterrupted"
-    train(config, uninterrupted, layout, nproc=2)
-    resumed = tmp_path / "resumed"
-    stop(config, resumed, layout, nproc=2)
-    assert_refuses_a_change_that_is_not_a_layout(config, resumed)
-    resume(config, resumed, layout, nproc=2)
+def test_resume_with_sharding_is_bit_identical(runs: Runs) -> None:
+    uninterrupted, resumed = runs["sharded-uninterrupted"], runs["sharded-resumed"]
     ref, got = step_losses(uninterrupted), step_losses(resumed)
     assert sorted(got) == list(range(1, 7))
     assert got == ref  # exactly: same layout, same order of every sum
@@ -151,28 +184,8 @@ def test_resume_with_sharding_is_bit_identical(config: Path, tmp_path: Path) -> 
     assert not different, f"resumed run differs in {different}"
 
 
-def assert_refuses_a_change_that_is_not_a_layout(config: Path, run_dir: Path) -> None:
-    """The control for "degrees need no --allow-config-change": a key that changes the run
-    (optim.lr), given with new degrees, is refused by the same check, alone, before any
-    process starts; the run directory is left as it was."""
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    r = run_cli(
-        [
-            "train",
-            str(config),
-            "parallel.tp=2",
-            "optim.lr=0.002",
-            "--nproc",
-            "2",
-            "--run-dir",
-            str(run_dir),
-            "--resume",
-        ],
-        timeout=TIMEOUT,
-    )
-    assert r.returncode == 2, r.stderr[-3000:]
-    message = [line for line in r.stderr.splitlines() if line.startswith("scaletrain: error: ")]
-    assert len(message) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "optim.lr (0.001 -> 0.002)" in message[0], message[0]
-    assert "parallel.tp" not in message[0] and "parallel.dp_shard" not in message[0]
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+def test_a_change_that_is_not_a_layout_is_still_refused(runs: Runs) -> None:
+    message, before, after = runs.refusal
+    assert "optim.lr (0.001 -> 0.002)" in message, message
+    assert "parallel.tp" not in message and "parallel.dp_shard" not in message, message
+    assert after == before  # the run directory is left as it was
