@@ -39,7 +39,16 @@ from test_distill_parity import (
     train_mlp_teacher,
 )
 
-from harness import file_tree, load_weights, max_abs_diff, records, run_cli, run_workers
+from harness import (
+    cli_main,
+    file_tree,
+    forbid_starting,
+    load_weights,
+    max_abs_diff,
+    records,
+    run_cli,
+    run_workers,
+)
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -199,8 +208,10 @@ def _perturbed_copy(teacher: Path, out: Path) -> Path:
     return out
 
 
-def _refused(config: Path, overrides: list[str], run_dir: Path) -> str:
-    result = run_cli(
+def _refused(capsys, config: Path, overrides: list[str], run_dir: Path) -> str:
+    """`scaletrain train` in this process (no worker may start: forbid_starting): the launcher
+    refuses before anything starts, in one line, and writes nothing."""
+    code = cli_main(
         [
             "train",
             str(config),
@@ -212,14 +223,18 @@ def _refused(config: Path, overrides: list[str], run_dir: Path) -> str:
             str(run_dir),
         ]
     )
-    assert result.returncode == 2, result.stderr[-3000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("scaletrain: error: "), result.stderr
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scaletrain: error: "), err
     assert not run_dir.exists()
     return lines[0]
 
 
 def test_a_cache_that_does_not_fit_the_run_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
     work: Path,
     configs: dict[str, Path],
     mlp_teacher: Path,
@@ -228,8 +243,11 @@ def test_a_cache_that_does_not_fit_the_run_is_refused(
     bert_cache: Path,
 ) -> None:
     before = file_tree(work / "mlp-cache"), file_tree(work / "bert-cache")
+    forbid_starting(monkeypatch, tmp_path)
+    capsys.readouterr()  # what the fixtures printed
     other = _perturbed_copy(mlp_teacher, work / "other-teacher")
     line = _refused(
+        capsys,
         configs["mlp"],
         [f"distill.teacher={other}", f"distill.cache={mlp_cache}"],
         work / "refused-teacher",
@@ -239,12 +257,14 @@ def test_a_cache_that_does_not_fit_the_run_is_refused(
     # weights the cache was written from.
     step20 = mlp_teacher / "checkpoints" / "step-00000020"
     line = _refused(
+        capsys,
         configs["mlp"],
         [f"distill.teacher={step20}", f"distill.cache={mlp_cache}"],
         work / "refused-checkpoint",
     )
     assert "another teacher" in line and "distill.teacher gives" in line
     line = _refused(
+        capsys,
         configs["mlp"],
         [f"distill.cache={mlp_cache}", "distill.teacher_precision=fp32"],
         work / "refused-dtype",
@@ -252,11 +272,11 @@ def test_a_cache_that_does_not_fit_the_run_is_refused(
     assert "float64" in line and "float32" in line
     bert = [f"distill.teacher={bert_teacher}", f"distill.cache={bert_cache}"]
     # The same words, tokenized to 12 tokens instead of 16: as many rows, other data.
-    line = _refused(configs["bert"], [*bert, "data.seq_len=12"], work / "refused-data")
+    line = _refused(capsys, configs["bert"], [*bert, "data.seq_len=12"], work / "refused-data")
     assert "other train data" in line
     # Teacher state 1 (and block 1's attention) were not cached: layer map [0, 1, 4].
     line = _refused(
-        configs["bert"], [*bert, "distill.layer_map=[0, 1, 4]"], work / "refused-output"
+        capsys, configs["bert"], [*bert, "distill.layer_map=[0, 1, 4]"], work / "refused-output"
     )
     assert "lacks the teacher outputs" in line and "hidden.1" in line
     assert (file_tree(work / "mlp-cache"), file_tree(work / "bert-cache")) == before

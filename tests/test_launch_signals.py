@@ -59,7 +59,7 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
             "parallel.timeout_s=20",
             *extra,
         ],
-        env=cli_env(),
+        env=cli_env(PYTHONFAULTHANDLER="1"),  # a hang in _stop shows every thread's stack
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -82,7 +82,12 @@ def _stop(launcher: subprocess.Popen, signum: int) -> tuple[str, list[str]]:
                 f"signal:\n{launcher.communicate()[1][-3000:]}"
             )
         launcher.send_signal(signum)
-        out, err = launcher.communicate(timeout=90)
+        try:
+            out, err = launcher.communicate(timeout=90)
+        except subprocess.TimeoutExpired:  # hung: every thread's stack (PYTHONFAULTHANDLER)
+            launcher.send_signal(signal.SIGABRT)
+            _, err = launcher.communicate(timeout=30)
+            raise AssertionError(f"the launcher did not exit after {signum!r}:\n{err[-8000:]}")
     finally:
         launcher.kill()
     return out, [line for line in err.splitlines() if line.strip()]

@@ -81,7 +81,7 @@ size = "tiny"
 source = "wikitext"
 seq_len = 64
 [train]
-steps = 300
+steps = 150
 global_batch = 16
 micro_batch = 8
 eval_examples = 32
@@ -137,7 +137,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
     a, b = load_weights(clean), load_weights(run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a), "restarted run differs from the clean run"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 300
+    assert summary["steps"] == 150
 
 
 # ---------------------------------------------------------------------------- in-process
