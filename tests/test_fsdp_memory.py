@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import cli_env, free_port, records, run_workers
+from harness import Case, cli_env, free_port, records
 
 TIMEOUT = 240.0  # per run: the machine is shared with other multi-process tests
 F64 = 8  # bytes per element: the runs are fp64
@@ -123,15 +123,19 @@ def expected_local_numel(*, dp_shard: int, tp: int, sequence_parallel: bool = Fa
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """The first (only) train record of one process and of each layout."""
-    root = tmp_path_factory.mktemp("fsdp-memory")
-    config = root / "cfg.toml"
-    config.write_text(CONFIG)
+def runs(trained) -> dict[str, dict]:
+    """The first (only) train record of one process and of each layout: one job per world
+    size (conftest's `trained`)."""
+    layouts = {"one-process": (1, []), **LAYOUTS}
     out = {}
-    for name, (world_size, *_, overrides) in {"one-process": (1, []), **LAYOUTS}.items():
-        run_workers(config, overrides, world_size=world_size, run_dir=root / name, timeout=TIMEOUT)
-        (out[name],) = records(root / name)
+    for world in sorted({w for w, *_ in layouts.values()}):
+        cases = {
+            name: Case.of(CONFIG, *overrides)
+            for name, (w, *_, overrides) in layouts.items()
+            if w == world
+        }
+        for name, result in trained(cases, world_size=world, timeout=TIMEOUT).items():
+            (out[name],) = records(result.run_dir)
     return out
 
 
@@ -140,7 +144,6 @@ def _held(record: dict) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(6 * TIMEOUT)  # the fixture's five runs, each bounded by TIMEOUT
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_rank_holds_its_share(runs: dict[str, dict], name: str) -> None:
     _, dp_shard, tp, sequence_parallel, _ = LAYOUTS[name]
@@ -369,4 +372,7 @@ def test_final_gather_puts_the_whole_model_on_rank_0_only(probes: dict[int, list
 
 
 if __name__ == "__main__":
+    from scaletrain.runtime import exit_worker
+
     print(json.dumps(_probe(reshard_after_forward=bool(int(sys.argv[1])))))
+    exit_worker(0)  # without gloo's shutdown abort ("terminate called ..."), as a worker leaves

@@ -87,7 +87,9 @@ def _stop(launcher: subprocess.Popen, signum: int) -> tuple[str, list[str]]:
         except subprocess.TimeoutExpired:  # hung: every thread's stack (PYTHONFAULTHANDLER)
             launcher.send_signal(signal.SIGABRT)
             _, err = launcher.communicate(timeout=30)
-            raise AssertionError(f"the launcher did not exit after {signum!r}:\n{err[-8000:]}")
+            raise AssertionError(
+                f"the launcher did not exit after {signum!r}:\n{err[-8000:]}"
+            ) from None
     finally:
         launcher.kill()
     return out, [line for line in err.splitlines() if line.strip()]
