@@ -30,7 +30,7 @@ import torch
 
 from scaletrain.checkpoint_files import list_checkpoints
 
-from harness import Case, load_weights, max_abs_diff, records, run_job
+from harness import Case, file_tree, load_weights, max_abs_diff, records, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -83,24 +83,16 @@ class Runs:
         return self.root / name
 
 
-def load_config_text(text: str, overrides: list[str]):
-    import tempfile
-
-    from scaletrain.config import load_config
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "cfg.toml"
-        path.write_text(text)
-        return load_config(path, overrides)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """Stops on 4 and 2 ranks, the launcher's resume checks, resumes on 2 and 1 rank."""
+    from scaletrain.config import load_config
     from scaletrain.errors import ConfigError
     from scaletrain.rundir import check_resumable
 
     runs = Runs(tmp_path_factory.mktemp("layout-resume"))
+    config = runs.root / "cfg.toml"  # what `scaletrain train CONFIG ... --resume` reads
+    config.write_text(CONFIG)
     stop = f"train.stop_after={STOP}"
     for world in (4, 2):
         cases = {
@@ -118,18 +110,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             "final_weights": (run_dir / "model.safetensors").exists(),
             "steps": sorted(step_losses(run_dir)),
             # What `scaletrain train ... --resume` checks before it starts the workers.
-            "resume_warnings": check_resumable(run_dir, load_config_text(CONFIG, after)),
+            "resume_warnings": check_resumable(run_dir, load_config(config, after)),
         }
     # The control for "degrees need no --allow-config-change": a key that changes the run
     # (optim.lr), given with new degrees, is refused by the same check; nothing is written.
     run_dir = runs["sharded-resumed"]
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    before = file_tree(run_dir)
     try:
-        check_resumable(run_dir, load_config_text(CONFIG, ["parallel.tp=2", "optim.lr=0.002"]))
+        check_resumable(run_dir, load_config(config, ["parallel.tp=2", "optim.lr=0.002"]))
         message = ""
     except ConfigError as e:
         message = str(e)
-    runs.refusal = (message, before, {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()})
+    runs.refusal = (message, before, file_tree(run_dir))
     for world in (2, 1):
         cases = {
             name: Case.of(CONFIG, *after)

@@ -446,14 +446,14 @@ class ParameterServer:
     def _release(self) -> None:
         """Answer every parked worker that may go on now; write a checkpoint at a cut.
 
-        A cut: once the run has reached a checkpoint's global step, no worker gets an answer
-        until every live worker is parked here. A worker pushes its step to every server and
-        waits for all of them before its next, so when every live worker is parked on this
-        server, every server has applied exactly the same gradients (up to each worker's
-        clock): the servers' shards and clocks in the checkpoint are of one instant.
+        A cut (server 0 only): once the run has reached a checkpoint's global step, no worker
+        gets an answer until every live worker is parked here. A worker pushes its step to
+        every server and waits for all of them before its next, so then every server has
+        applied, or will once what is in flight arrives, exactly the same gradients: the
+        servers' shards and clocks in the checkpoint are of one instant. The other servers
+        hold nobody (one that held its own answers deadlocked with server 0 when the
+        gradients reached the two in different orders) and save when told (`cut`).
         """
-        # Server 0 alone holds its answers at a cut; another server that held its own would
-        # deadlock with it when the workers' gradients reached the two in different orders.
         cut = self._due_cut() if self.authority else None
         parked = {w for w, _ in self.parked}
         if (
@@ -462,9 +462,6 @@ class ParameterServer:
             and not self.pending
             and all(w in parked for w in self.clocks.live)
         ):
-            # Every live worker waits for server 0's answer, so none sends another gradient:
-            # the others have (or will have, once what is in flight arrives) applied exactly
-            # what server 0 applied, and save when told.
             told = self.tell_cut(cut, self.examples) if self.tell_cut is not None else []
             self._save_cut(cut)
             for call in told:  # each answers once its part of the same collective save is done
@@ -505,18 +502,17 @@ class ParameterServer:
 
     def cut(self, step: int, examples: int, *, timeout_s: float) -> None:
         """Server 0 is writing the checkpoint of global `step` with `examples` applied: wait
-        until this server has applied as many (the pushes still in flight), then write its
-        part of the same (collective) checkpoint and answer the workers it held."""
-        deadline = time.monotonic() + timeout_s
+        until this server has applied as many (the pushes still in flight; each applied one
+        notifies the condition), then write its part of the same collective checkpoint."""
         with self.cond:
-            while self.examples < examples and self.failure is None:
-                if time.monotonic() > deadline:
-                    self.failure = RuntimeError(
-                        f"parameter server {self.index} had {self.examples} examples applied "
-                        f"when server 0 wrote the checkpoint of step {step} with {examples}"
-                    )
-                    break
-                self.cond.wait(timeout=0.1)
+            arrived = self.cond.wait_for(
+                lambda: self.examples >= examples or self.failure is not None, timeout=timeout_s
+            )
+            if not arrived:
+                self.failure = RuntimeError(
+                    f"parameter server {self.index} had {self.examples} examples applied "
+                    f"when server 0 wrote the checkpoint of step {step} with {examples}"
+                )
             if self.failure is None:
                 self._save_cut(step)
             self._release()
