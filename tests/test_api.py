@@ -16,7 +16,10 @@ The user's package (`apipkg`: a factory, a data function, a summed loss) is writ
 per module into a pytest temporary directory and put on sys.path for the in-process
 tests (both undone at the end). The multi-process runs go through driver scripts in a
 subprocess with a timeout: the launcher installs signal handlers, and torchrun is a
-process of its own.
+process of its own. The refusal of a callable the workers cannot import needs no process:
+it runs in this process with the launcher and the worker replaced by functions that fail
+the test (harness.forbid_starting), the `__main__` function made by exec in a namespace
+named `__main__`, as a script's functions are.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 import scaletrain
 from scaletrain.api import train as api_train  # = scaletrain.train
 
-from harness import cli_env, load_weights, losses, max_abs_diff, run_cli
+from harness import cli_env, forbid_starting, load_weights, losses, max_abs_diff, run_cli
 
 TOL = 1e-9
 PKG = "apipkg"
@@ -386,27 +389,59 @@ def test_two_processes_through_the_elastic_agent_match_one(
     )
 
 
-@pytest.mark.slow
+def defined_in_main(build):
+    """`main_build`, defined in `__main__` as a script or a notebook defines it: a function
+    whose globals are a `__main__` module's (the driver's `main_build`, in this process)."""
+    namespace = {"__name__": "__main__", "build": build}
+    exec(
+        "def main_build(task, **kwargs):\n    return build(task, **kwargs)\n",
+        namespace,
+    )
+    return namespace["main_build"]
+
+
 @pytest.mark.parametrize(
     "mode, expect", [("main", "main_build is defined in __main__"), ("lambda", "a lambda")]
 )
 def test_a_callable_workers_cannot_import_is_refused_before_they_start(
-    pkg, tmp_path: Path, mode: str, expect: str
+    pkg,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    mode: str,
+    expect: str,
 ) -> None:
+    """In this process, with the launcher and the worker replaced by functions that fail
+    the test (harness.forbid_starting): the API refuses before it would launch."""
     # "main" asks for nproc=2; "lambda" for parallel.dp=2 (the API infers nproc from it).
     config = copy.deepcopy(CONFIG)
     if mode == "lambda":
         config["parallel"] = {"dp": 2}
-    r, out = run_driver(pkg, tmp_path, mode, config)
-    assert r.returncode == 3 and out["tag"] == "ERROR", r.stderr[-3000:]
-    assert out["type"] == "UserCodeError"
-    assert out["message"].startswith("model.name: ")
-    assert expect in out["message"]
+    models = {
+        "main": defined_in_main(pkg.build),
+        "lambda": lambda task, **kw: pkg.build(task, **kw),
+    }
+    assert models["main"].__module__ == "__main__"
+    forbid_starting(monkeypatch, tmp_path)
+    run_dir = tmp_path / mode
+    with pytest.raises(scaletrain.UserCodeError) as caught:
+        api_train(
+            config,
+            model=models[mode],
+            data=pkg.blobs,
+            loss=pkg.summed,
+            run_dir=run_dir,
+            **({"nproc": 2} if mode != "lambda" else {}),
+        )
+    message = str(caught.value)
+    assert type(caught.value).__name__ == "UserCodeError"
+    assert message.startswith("model.name: ")
+    assert expect in message
     if mode == "main":
-        assert "move it into a module" in out["message"]
-    assert "Traceback" not in r.stderr
-    assert not (tmp_path / mode / "logs").exists()  # no worker started
-    assert not (tmp_path / mode / "metrics.jsonl").exists()
+        assert "move it into a module" in message
+    assert "Traceback" not in capsys.readouterr().err
+    assert not (run_dir / "logs").exists()  # no worker started
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 # --------------------------------------------------------------------------- torchrun

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 import scaletrain.cli
 from scaletrain.checkpoint import Checkpointer, TrainState
@@ -23,7 +24,7 @@ from scaletrain.precision import make_precision
 from scaletrain.rundir import check_resumable
 from scaletrain.training.optim import build_optimizer, build_scheduler
 
-from harness import run_cli
+from harness import cli_main, forbid_starting
 
 TOML = """\
 [model]
@@ -182,27 +183,43 @@ def test_cli_refuses_before_anything_starts_and_keeps_config_toml(
     assert len(launches) == 1
 
 
-@pytest.mark.slow
-def test_a_checkpoint_that_does_not_fit_fails_cleanly_and_keeps_config_toml(tmp_path: Path) -> None:
-    # The checkpoint is saved in this process (what a run stopped at step 2 leaves); only the
-    # refused resume goes through the real CLI, launcher and worker.
+def test_a_checkpoint_that_does_not_fit_fails_cleanly_and_keeps_config_toml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The checkpoint is saved in this process (what a run stopped at step 2 leaves); the
+    # refused resume goes through the CLI and the trainer, in this process as well: one
+    # process runs the trainer in the launcher's own process (cli.cmd_train: in_process).
+    # No launcher may start; torch's thread count and OMP_NUM_THREADS (the trainer sets
+    # both) are put back after.
     cfg, run_dir = _run_dir_with_checkpoint(tmp_path)
     before = (run_dir / "config.toml").read_bytes()
-    r = run_cli(
-        [
-            "train",
-            str(cfg),
-            "--run-dir",
-            str(run_dir),
-            "--resume",
-            "--allow-config-change",
-            "model.size=small",
-            "optim.name=sgd",
-        ]
-    )
-    assert r.returncode == 1, r.stderr[-2000:]
-    assert "scaletrain: warning: --allow-config-change" in r.stderr
-    error = [line for line in r.stderr.splitlines() if line.startswith("scaletrain: error:")]
-    assert error and "does not fit this run's model and optimizer" in error[-1], r.stderr[-2000:]
-    assert "Traceback" not in r.stderr and "KeyError" not in r.stderr
+    run_worker = scaletrain.cli._run_worker
+    forbid_starting(monkeypatch, tmp_path)
+    monkeypatch.setattr(scaletrain.cli, "_run_worker", run_worker)  # the in-process trainer
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    try:
+        code = cli_main(
+            [
+                "train",
+                str(cfg),
+                "--run-dir",
+                str(run_dir),
+                "--resume",
+                "--allow-config-change",
+                "model.size=small",
+                "optim.name=sgd",
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+    err = capsys.readouterr().err
+    assert code == 1, err[-2000:]
+    assert "scaletrain: warning: --allow-config-change" in err
+    error = [line for line in err.splitlines() if line.startswith("scaletrain: error:")]
+    assert error and "does not fit this run's model and optimizer" in error[-1], err[-2000:]
+    assert "Traceback" not in err and "KeyError" not in err
     assert (run_dir / "config.toml").read_bytes() == before

@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import Case, load_weights, losses, max_abs_diff, records, run_cli
+from harness import (
+    Case,
+    cli_main,
+    forbid_starting,
+    load_weights,
+    losses,
+    max_abs_diff,
+    records,
+)
 
 pytest.importorskip("transformers")
 
@@ -124,14 +132,19 @@ def test_saved_model_directory_fine_tunes_from_its_weights(runs: dict, trained) 
     assert losses(tuned)[0] < losses(first)[0]
 
 
-def test_directory_with_a_pickle_file_is_refused(tmp_path: Path) -> None:
+def test_directory_with_a_pickle_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In this process, with the launcher and the worker replaced by functions that fail the
+    test (harness.forbid_starting): the launcher's checks refuse it."""
     model_dir = tmp_path / "pickled"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "llama", "vocab_size": 256}')
     torch.save({"w": torch.zeros(1)}, model_dir / "pytorch_model.bin")
     config = tmp_path / "hf.toml"
     config.write_text(CONFIG)
-    result = run_cli(
+    forbid_starting(monkeypatch, tmp_path)
+    code = cli_main(
         [
             "train",
             str(config),
@@ -146,7 +159,10 @@ def test_directory_with_a_pickle_file_is_refused(tmp_path: Path) -> None:
             "model.kwargs={}",
         ]
     )
-    assert result.returncode == 2, result.stderr
-    assert "pytorch_model.bin" in result.stderr and "pickle" in result.stderr
-    assert "Traceback" not in result.stderr
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scaletrain: error: "), err
+    assert "pytorch_model.bin" in err and "pickle" in err
+    assert "Traceback" not in err
     assert not (tmp_path / "run" / "logs").exists()  # refused before any worker started

@@ -9,7 +9,9 @@ Three layers, all without a process group:
   each a ConfigError naming the key and the value.
 - The command line: `scaletrain train` refuses a layout the world or the model cannot take
   (exit 2, one line, no traceback, no run directory); `scaletrain explain` prints who holds
-  what, the pipeline's arithmetic, and infers --nproc from the degrees.
+  what, the pipeline's arithmetic, and infers --nproc from the degrees. Both run
+  `scaletrain.cli.main` in this process (as test_cli_errors.py does), with the launcher and
+  the worker replaced by functions that fail the test.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from scaletrain.config import ConfigError, load_config
 from scaletrain.parallel.layout import MESH_DIMS, LayoutError, ParallelLayout
 from scaletrain.plan import resolve
 
-from harness import run_cli
+from harness import cli_main, file_tree, forbid_starting
 
 # GPT tiny: 2 blocks, 2 heads of 32. micro_batch 4 splits into 1, 2 or 4 pipeline chunks.
 GPT_TOML = """\
@@ -44,8 +46,6 @@ micro_batch = 4
 [log]
 quiet = true
 """
-
-CLI_TIMEOUT = 240.0  # a refused command imports torch and exits: seconds, on a busy machine
 
 
 @pytest.fixture
@@ -462,11 +462,11 @@ def test_config_accepts_layouts_that_work(
 # ---------------------------------------------------------------------------- the command line
 
 
-def _assert_refused(r, expect: tuple) -> None:
-    assert r.returncode == 2, f"exit {r.returncode}:\n{r.stderr[-3000:]}"
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("scaletrain: error: "), r.stderr
+def _assert_refused(code: int, err: str, expect: tuple) -> None:
+    assert code == 2, f"exit {code}:\n{err[-3000:]}"
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("scaletrain: error: "), err
     says(lines[0], expect)
 
 
@@ -521,15 +521,24 @@ def _assert_refused(r, expect: tuple) -> None:
     ],
 )
 def test_train_refuses_a_layout_before_launch(
-    gpt_toml: Path, tmp_path: Path, argv: list[str], expect: tuple[str, ...]
+    gpt_toml: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    expect: tuple[str, ...],
 ) -> None:
+    """In this process: no launcher or worker may start (harness.forbid_starting)."""
+    forbid_starting(monkeypatch, tmp_path)
+    before = file_tree(tmp_path)
     run_dir = tmp_path / "run"
-    r = run_cli(["train", str(gpt_toml), *argv, "--run-dir", str(run_dir)], timeout=CLI_TIMEOUT)
-    _assert_refused(r, expect)
+    code = cli_main(["train", str(gpt_toml), *argv, "--run-dir", str(run_dir)])
+    _assert_refused(code, capsys.readouterr().err, expect)
     assert not run_dir.exists(), sorted(p.name for p in run_dir.rglob("*"))
+    assert file_tree(tmp_path) == before  # cwd too: no default run directory either
 
 
-# explain runs in this process (as test_cli_errors does): the same main(), no start-up cost.
+# explain runs in this process too: the same main(), no start-up cost.
 
 
 @pytest.fixture

@@ -8,7 +8,17 @@ faulty function. The contract checked for every case: exit status 2, one line
 no "Traceback". With `--nproc 2` the launcher must refuse before any worker starts
 (`api.prepare_run` -> `assemble.check_user_code`), so RUN_DIR/logs (where the workers'
 output goes) must not exist; a few cases run in one process, where the trainer itself
-meets the mistake. Each CLI case is a subprocess (~4 s), so they are marked slow.
+meets the mistake.
+
+The CLI cases call `scaletrain.cli.main` in this process (as test_cli_errors.py does), in
+the package's directory with sys.path and sys.modules restored after (`imported`), with
+the launcher replaced by a function that fails the test (`harness.forbid_starting`); a
+`--nproc 2` case forbids the worker too, a `--nproc 1` case lets the trainer run here,
+as the CLI runs it (`_run_worker(..., exit_process=False)`). Two cases stay real
+`python -m scaletrain` processes (slow): one `--nproc 2` refusal, for the contract as a
+user's shell sees it (the interpreter's own start, imports from the working directory,
+anything torch prints to stderr), and the good package training in a real process
+(the control: what the cases refuse is the one key changed, not the setup).
 
 The unit tests below them need no subprocess: `load_object`, `import_path_of`,
 `check_summed` (a summed loss passes, a mean fails: the check can fail for the defect it
@@ -18,6 +28,7 @@ is for) and the config's refusals of model keys.
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 import textwrap
@@ -26,7 +37,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import run_cli
+import scaletrain.cli
+
+from harness import cli_main, forbid_starting, run_cli
 
 PKG = "ucpkg"
 
@@ -203,99 +216,144 @@ def imported(user_dir: Path, monkeypatch: pytest.MonkeyPatch):
         del sys.modules[name]
 
 
-def refuse(user_dir: Path, *overrides: str, nproc: int = 2, flags: tuple[str, ...] = ()) -> str:
-    """Run `scaletrain train cfg.toml OVERRIDES` in user_dir; check the one-line refusal
-    before anything started and return the error line."""
-    run_dir = user_dir / "run"
+def train_argv(
+    run_dir: Path, overrides: tuple[str, ...], nproc: int, flags: tuple[str, ...] = ()
+) -> list[str]:
+    """`train cfg.toml OVERRIDES --run-dir RUN_DIR FLAGS [--nproc N]`."""
     args = ["train", "cfg.toml", *overrides, "--run-dir", str(run_dir), *flags]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
-    r = run_cli(args, cwd=user_dir, timeout=120)
-    assert r.returncode == 2, (
-        f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
-    )
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    errors = [line for line in r.stderr.splitlines() if "scaletrain: error:" in line]
-    assert len(errors) == 1, r.stderr[-3000:]
-    assert "done in" not in r.stdout
+    return args
+
+
+def check_refused(code: int, out: str, err: str, run_dir: Path, nproc: int) -> str:
+    """The one-line refusal before anything started; return the error line."""
+    assert code == 2, f"exit {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if "scaletrain: error:" in line]
+    assert len(errors) == 1, err[-3000:]
+    assert "done in" not in out
     if nproc > 1:  # refused in the launcher: no worker ever started or wrote its log
         assert not (run_dir / "logs").exists(), sorted(p.name for p in run_dir.iterdir())
         assert not (run_dir / "metrics.jsonl").exists()
     return errors[0]
 
 
+def refuse_in_a_process(user_dir: Path, *overrides: str, nproc: int = 2) -> str:
+    """Run `scaletrain train cfg.toml OVERRIDES` as a real process in user_dir; check the
+    one-line refusal before anything started and return the error line."""
+    run_dir = user_dir / "run"
+    r = run_cli(train_argv(run_dir, overrides, nproc), cwd=user_dir, timeout=120)
+    return check_refused(r.returncode, r.stdout, r.stderr, run_dir, nproc)
+
+
+@pytest.fixture
+def cli_here(imported: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """`scaletrain train cfg.toml ...` in this process, in the package's directory:
+    run(*overrides, nproc=, flags=) -> (status, stdout, stderr). No launcher may start; with
+    nproc > 1 no worker either (the launcher must refuse), with nproc = 1 the trainer runs
+    here as the CLI runs it. Torch's thread count and OMP_NUM_THREADS (the trainer sets
+    both) are put back after."""
+    run_worker = scaletrain.cli._run_worker
+    forbid_starting(monkeypatch, imported)
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+    def run(*overrides: str, nproc: int = 2, flags: tuple[str, ...] = ()) -> tuple[int, str, str]:
+        if nproc == 1:  # one process: cli.cmd_train trains right here (spec.in_process)
+            monkeypatch.setattr(scaletrain.cli, "_run_worker", run_worker)
+        capsys.readouterr()
+        code = cli_main(train_argv(imported / "run", overrides, nproc, flags))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    try:
+        yield run
+    finally:
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+
+
+@pytest.fixture
+def refuse(cli_here, imported: Path):
+    """refuse(*overrides, nproc=2): `scaletrain train cfg.toml OVERRIDES` in this process;
+    check the one-line refusal before anything started and return the error line."""
+
+    def run(*overrides: str, nproc: int = 2) -> str:
+        code, out, err = cli_here(*overrides, nproc=nproc)
+        return check_refused(code, out, err, imported / "run", nproc)
+
+    return run
+
+
 # --------------------------------------------------------------------------- the CLI
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_module_that_does_not_exist(user_dir: Path) -> None:
-    line = refuse(user_dir, "model.name=ucpkg.nosuch:build")
+def test_module_that_does_not_exist(user_dir: Path, refuse) -> None:
+    line = refuse("model.name=ucpkg.nosuch:build")
     assert "model.name = 'ucpkg.nosuch:build'" in line
     assert "no module named 'ucpkg.nosuch'" in line
     assert f"searched the working directory {user_dir}" in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_package_that_does_not_exist(user_dir: Path) -> None:
+def test_package_that_does_not_exist(user_dir: Path, refuse) -> None:
     """A missing top-level package is named as such (not the module path)."""
-    line = refuse(user_dir, "data.source=nosuchpkg.data:blobs")
+    line = refuse("data.source=nosuchpkg.data:blobs")
     assert "data.source = 'nosuchpkg.data:blobs'" in line
     assert "no module named 'nosuchpkg'" in line
     assert "searched the working directory" in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_module_that_raises_while_importing(user_dir: Path) -> None:
-    line = refuse(user_dir, "model.name=ucpkg.boom:build")
+def test_module_that_raises_while_importing(user_dir: Path, refuse) -> None:
+    line = refuse("model.name=ucpkg.boom:build")
     assert "model.name = 'ucpkg.boom:build'" in line
     assert "importing 'ucpkg.boom' failed" in line
     assert "RuntimeError: boom" in line
     assert line_of(user_dir, "ucpkg/boom.py", "boom") in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_attribute_the_module_lacks(user_dir: Path) -> None:
-    line = refuse(user_dir, "train.loss=ucpkg.loss:sumed")
+def test_attribute_the_module_lacks(user_dir: Path, refuse) -> None:
+    line = refuse("train.loss=ucpkg.loss:sumed")
     assert "train.loss = 'ucpkg.loss:sumed'" in line
     assert "has no attribute 'sumed'" in line
     assert str(user_dir / "ucpkg" / "loss.py") in line
     assert "summed" in line.split("its callables:")[1]  # what is there, to choose from
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_factory_that_raises(user_dir: Path) -> None:
-    line = refuse(user_dir, "model.name=ucpkg.bad:raises")
+def test_factory_that_raises(user_dir: Path, refuse) -> None:
+    line = refuse("model.name=ucpkg.bad:raises")
     assert "model.name = 'ucpkg.bad:raises' raised ValueError: width must be even" in line
     assert line_of(user_dir, "ucpkg/bad.py", "raises") in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_factory_that_raises_in_one_process(user_dir: Path) -> None:
+def test_factory_that_raises_in_one_process(user_dir: Path, refuse) -> None:
     """No launcher: the trainer builds the model and meets the same mistake."""
-    line = refuse(user_dir, "model.name=ucpkg.bad:raises", nproc=1)
+    line = refuse("model.name=ucpkg.bad:raises", nproc=1)
     assert "model.name = 'ucpkg.bad:raises' raised ValueError: width must be even" in line
     assert line_of(user_dir, "ucpkg/bad.py", "raises") in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_factory_that_returns_no_module(user_dir: Path) -> None:
-    line = refuse(user_dir, "model.name=ucpkg.bad:returns_dict")
+def test_factory_that_returns_no_module(user_dir: Path, refuse) -> None:
+    line = refuse("model.name=ucpkg.bad:returns_dict")
     assert "model.name = 'ucpkg.bad:returns_dict' returned a dict" in line
     assert "not a torch.nn.Module" in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_factory_whose_signature_does_not_fit(user_dir: Path) -> None:
-    line = refuse(user_dir, "model.name=ucpkg.bad:noargs")
+def test_factory_whose_signature_does_not_fit(user_dir: Path, refuse) -> None:
+    line = refuse("model.name=ucpkg.bad:noargs")
     assert "model.name = 'ucpkg.bad:noargs' cannot be called as scaletrain calls it" in line
     assert "noargs() takes 0 positional arguments but 1 was given" in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
+@pytest.mark.slow  # a real `python -m scaletrain` process (~4 s)
 def test_data_that_do_not_fit_the_model(user_dir: Path) -> None:
     """The task says 6 features (and the items have 6), the model's Linear takes 10: the
     launcher's one forward fails, naming both keys and the user's line."""
-    line = refuse(user_dir, "model.name=ucpkg.bad:ten_inputs", "data.source=ucpkg.bad:six_features")
+    line = refuse_in_a_process(
+        user_dir, "model.name=ucpkg.bad:ten_inputs", "data.source=ucpkg.bad:six_features"
+    )
     assert (
         "model.name = 'ucpkg.bad:ten_inputs' cannot run on data.source = 'ucpkg.bad:six_features'"
     ) in line
@@ -304,56 +362,48 @@ def test_data_that_do_not_fit_the_model(user_dir: Path) -> None:
     assert line_of(user_dir, "ucpkg/bad.py", "forward") in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_data_that_do_not_fit_the_model_in_one_process(user_dir: Path) -> None:
-    line = refuse(
-        user_dir, "model.name=ucpkg.bad:ten_inputs", "data.source=ucpkg.bad:six_features", nproc=1
-    )
+def test_data_that_do_not_fit_the_model_in_one_process(user_dir: Path, refuse) -> None:
+    line = refuse("model.name=ucpkg.bad:ten_inputs", "data.source=ucpkg.bad:six_features", nproc=1)
     assert "model.name = 'ucpkg.bad:ten_inputs'" in line
     assert "data.source = 'ucpkg.bad:six_features'" in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_item_that_does_not_fit_its_own_task(user_dir: Path) -> None:
-    line = refuse(user_dir, "data.source=ucpkg.bad:wrong_last_item")
+def test_item_that_does_not_fit_its_own_task(user_dir: Path, refuse) -> None:
+    line = refuse("data.source=ucpkg.bad:wrong_last_item")
     assert "data.source = 'ucpkg.bad:wrong_last_item' (split 'train')" in line
     assert "item 7 has inputs of shape (5,), but the task says input_shape = (4,)" in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_data_function_that_returns_a_dataset_alone(user_dir: Path) -> None:
-    line = refuse(user_dir, "data.source=ucpkg.bad:alone")
+def test_data_function_that_returns_a_dataset_alone(user_dir: Path, refuse) -> None:
+    line = refuse("data.source=ucpkg.bad:alone")
     assert "data.source = 'ucpkg.bad:alone'" in line
     assert "returned a Blobs; a data function returns (dataset, task)" in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_loss_that_returns_a_mean(user_dir: Path) -> None:
-    line = refuse(user_dir, "train.loss=ucpkg.loss:mean")
+def test_loss_that_returns_a_mean(user_dir: Path, refuse) -> None:
+    line = refuse("train.loss=ucpkg.loss:mean")
     assert "train.loss = 'ucpkg.loss:mean' must return the loss summed over the batch" in line
     assert "it looks like a mean" in line
     assert "reduction='sum'" in line
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_loss_that_returns_a_mean_in_one_process(user_dir: Path) -> None:
+def test_loss_that_returns_a_mean_in_one_process(user_dir: Path, refuse) -> None:
     """The trainer checks the loss on its first micro-batch before step 1."""
-    line = refuse(user_dir, "train.loss=ucpkg.loss:mean", nproc=1)
+    line = refuse("train.loss=ucpkg.loss:mean", nproc=1)
     assert "train.loss = 'ucpkg.loss:mean'" in line
     assert "it looks like a mean" in line
     assert not (user_dir / "run" / "metrics.jsonl").exists()  # no step ran
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_loss_that_returns_the_wrong_count(user_dir: Path) -> None:
-    line = refuse(user_dir, "train.loss=ucpkg.loss:wrong_count")
+def test_loss_that_returns_the_wrong_count(user_dir: Path, refuse) -> None:
+    line = refuse("train.loss=ucpkg.loss:wrong_count")
     assert "train.loss = 'ucpkg.loss:wrong_count'" in line
     m = re.search(r"returned count (\d+) for a micro-batch whose loss normaliser is (\d+)", line)
     assert m, line
     assert int(m.group(1)) == int(m.group(2)) + 1  # both counts named: the loss's and the batch's
 
 
-@pytest.mark.slow  # a CLI subprocess (~4 s)
+@pytest.mark.slow  # a real `python -m scaletrain` process that trains (~4 s)
 def test_summed_loss_is_accepted(user_dir: Path) -> None:
     """The good package trains through the same launcher checks (the control for the cases
     above: what they refuse is the one key changed, not the setup)."""
@@ -364,31 +414,17 @@ def test_summed_loss_is_accepted(user_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.slow  # a CLI subprocess (~4 s)
-def test_debug_shows_the_traceback(user_dir: Path, nproc: int) -> None:
+def test_debug_shows_the_traceback(user_dir: Path, cli_here, nproc: int) -> None:
     """--debug is the escape hatch: the user's own frames, then the same one line, status 2
     (in one process the trainer meets the error; with two the launcher does)."""
     run_dir = user_dir / "run"
-    r = run_cli(
-        [
-            "train",
-            "cfg.toml",
-            "model.name=ucpkg.bad:raises",
-            "--run-dir",
-            str(run_dir),
-            "--nproc",
-            str(nproc),
-            "--debug",
-        ],
-        cwd=user_dir,
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "Traceback (most recent call last)" in r.stderr
+    code, _, err = cli_here("model.name=ucpkg.bad:raises", nproc=nproc, flags=("--debug",))
+    assert code == 2, err[-3000:]
+    assert "Traceback (most recent call last)" in err
     file, line = line_of(user_dir, "ucpkg/bad.py", "raises").rsplit(":", 1)
-    assert f'File "{file}", line {line}, in raises' in r.stderr  # the user's frame
+    assert f'File "{file}", line {line}, in raises' in err  # the user's frame
     assert (
-        r.stderr.strip()
+        err.strip()
         .splitlines()[-1]
         .startswith("scaletrain: error: model.name = 'ucpkg.bad:raises' raised ValueError")
     )
