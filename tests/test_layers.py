@@ -269,6 +269,8 @@ def test_a_room_checks_plain_values_without_the_config():
         compile=False,
         precision="fp32",
         slow_worker=-1,
+        lease_s=10.0,
+        timeout_s=300.0,
     )
     assert (roles.workers, roles.role(0), roles.role(2)) == (2, ("server", 0), ("worker", 1))
 

@@ -123,6 +123,13 @@ CASES = [
         "parallel.dp_replicate = 3",
         "leaves 2",
     ),
+    # a lease the collectives' timeout cannot outwait
+    case(
+        "lease-not-below-the-timeout",
+        "train {cfg} ps.worker_timeout_s=60 parallel.timeout_s=60",
+        "ps.worker_timeout_s = 60",
+        "parallel.timeout_s = 60",
+    ),
     # degrees and features of the collective strategy
     case(
         "dp-shard",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -217,9 +218,11 @@ def push(
     *,
     count: int = EXAMPLES,
     step: int | None = None,
+    settle: bool = True,
 ) -> torch.futures.Future:
-    """Worker `worker` pushes gradient g for the step `reply` told it to run."""
-    return server.push(
+    """Worker `worker` pushes gradient g for the step `reply` told it to run (under sync, if
+    `settle`: and the step is applied, if the push completed it)."""
+    future = server.push(
         Push(
             worker=worker,
             step=reply.step if step is None else step,
@@ -231,6 +234,18 @@ def push(
             examples_per_s=100.0,
         )
     )
+    if settle:
+        settled(server)
+    return future
+
+
+def settled(server: ParameterServer) -> None:
+    """Sync applies a complete step on its own thread: wait until it has (a no-op when no
+    step is complete, and under async and ssp)."""
+    with server.cond:
+        assert server.cond.wait_for(
+            lambda: not server.applying and not server._step_complete(), timeout=10
+        ), "a complete sync step was not applied"
 
 
 def params_of(server: ParameterServer) -> torch.Tensor:
@@ -243,6 +258,10 @@ def as_vec(g: tuple[float, ...]) -> torch.Tensor:
 
 
 def done_reply(f: torch.futures.Future) -> Reply:
+    """The worker's answer; under sync the applier thread may still be giving it."""
+    deadline = time.monotonic() + 10
+    while not f.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert f.done(), "the worker is still parked"
     return f.wait()
 
@@ -662,7 +681,7 @@ def test_server_zero_alone_decides_who_is_dead_and_tells_the_others() -> None:
     rec0, rec1 = Recorder(), Recorder()
     lease = 0.3
     s0, s1 = _two_servers(rec0, rec1, mode="async", lease_s=lease, join_s=0)
-    assert s1._watcher is None  # no lease clock of its own: it cannot disagree
+    assert [t.name for t in s1._threads] == []  # no lease clock of its own: it cannot disagree
     r1 = s1.join(1)
     deadline = time.monotonic() + 20 * lease
     while 1 not in s1.clocks.dead and time.monotonic() < deadline:
@@ -756,14 +775,75 @@ def test_under_sync_a_dead_workers_waiting_gradient_is_applied_nowhere() -> None
     assert done_reply(a0).status == done_reply(a1).status == "go"
 
 
-def test_the_lease_watcher_ends_with_the_run() -> None:
+class PairedCollective:
+    """Two in-process servers' all-reduces, paired as their gloo group pairs them: each call
+    waits (10 s at most) for the other server's, and both get the reduced tensor."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.slot: dict[int, torch.Tensor] = {}
+
+    def reducer(self, index: int, op) -> Callable[[torch.Tensor], torch.Tensor]:
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            self.slot[index] = t.clone()
+            self.barrier.wait()
+            out = op(self.slot[0], self.slot[1])
+            self.barrier.wait()  # both have read the slots before the next call fills them
+            return t.copy_(out)
+
+        return reduce
+
+
+def test_under_sync_a_gradient_one_server_lacks_is_left_out_by_both() -> None:
+    """Worker 1 was stopped between its pushes: its gradient reached server 0, not server 1.
+    Server 0 completes the step at once (every live worker has pushed to it) and waits in
+    the agreement for server 1, which waits for worker 1 until server 0's lease watcher
+    declares it dead. Both then apply worker 0's gradient alone. Before, server 0 ran the
+    step's all-reduce on the thread that completed it, holding the lock (the lease watcher's
+    too, once a death completed the step): the watcher could not declare worker 1 dead and
+    the two servers waited for each other until gloo's timeout (seen in test_ps_faults); and
+    without the agreement each would apply what it holds, and the shards split."""
+    rec0, rec1 = Recorder(), Recorder()
+    pair, lease = PairedCollective(), 0.3
+    s1 = make_server(
+        rec1, mode="sync", index=1, authority=False, reduce_min=pair.reducer(1, torch.minimum)
+    )
+    s0 = make_server(
+        rec0,
+        mode="sync",
+        lease_s=lease,
+        join_s=0,
+        announce=lambda w, why: s1.membership(w, why),
+        reduce_min=pair.reducer(0, torch.minimum),
+    )
+    r0_0, r1_0, r0_1 = s0.join(0), s0.join(1), s1.join(0)
+    s1.join(1)
+    stopped = push(s0, r1_0, 1, G1, settle=False)  # never reaches server 1
+    a0 = push(s0, r0_0, 0, G0, settle=False)  # server 0's step is complete: it agrees ...
+    a1 = push(s1, r0_1, 0, G0, settle=False)  # ... with server 1, which waits for worker 1
+    deadline = time.monotonic() + 30 * lease
+    while not (a0.done() and a1.done()) and time.monotonic() < deadline:
+        s0.heartbeat(0)  # worker 0 stays alive; worker 1 is silent
+        time.sleep(lease / 10)
+
+    assert done_reply(a0).status == done_reply(a1).status == "go"
+    assert done_reply(stopped).status == "refused"
+    assert list(s0.clocks.dead) == list(s1.clocks.dead) == [1]
+    torch.testing.assert_close(params_of(s0), -LR * as_vec(G0), rtol=0, atol=1e-15)
+    torch.testing.assert_close(params_of(s1), params_of(s0), rtol=0, atol=0)
+    assert [u.push.worker for u in rec0.updates] == [u.push.worker for u in rec1.updates] == [0]
+    assert s0.clocks.clock == s1.clocks.clock == {0: 1, 1: 0}
+
+
+def test_the_lease_watcher_and_the_sync_applier_end_with_the_run() -> None:
     rec = Recorder()
-    server = make_server(rec, mode="async", lease_s=0.2)
-    assert server._watcher.is_alive()
+    server = make_server(rec, mode="sync", lease_s=0.2)
+    assert [t.name for t in server._threads] == ["ps-server-0-leases", "ps-server-0-sync"]
+    assert all(t.is_alive() for t in server._threads)
     server.leave(0)
     server.declare_dead(1, "test")
     server.wait_until_done()
-    assert not server._watcher.is_alive()
+    assert not any(t.is_alive() for t in server._threads)
 
 
 # ---------------------------------------------------------------------- sync: DDP's rules

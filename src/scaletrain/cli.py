@@ -176,8 +176,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         prepare_worker_process()  # first: die with the launcher, write into the rank's log
         config = load_config(args.config, args.overrides)
-        if config.parallel.strategy == "ps":  # a supervisor, or the role it runs (ps/run.py)
-            return _run_ps_rank(config, args.run_dir, argv=sys.argv[1:])
+        if config.parallel.strategy == "ps":  # a supervisor; it forks the role (ps/run.py)
+            return _run_ps_rank(config, args.run_dir)
         return _run_worker(config, args.run_dir)
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
@@ -279,17 +279,13 @@ def _run_worker(
     return code
 
 
-def _run_ps_rank(config: Config, run_dir: Path | None, *, argv: list[str]) -> int:
-    """Under parallel.strategy = 'ps': this rank's supervisor, or (in its child) the role."""
-    import os
-
+def _run_ps_rank(config: Config, run_dir: Path | None) -> int:
+    """Under parallel.strategy = 'ps': this rank's supervisor, which forks the role."""
     from scaletrain.ps.run import run_role
-    from scaletrain.ps.supervisor import CHILD_ENV, supervise
+    from scaletrain.ps.supervisor import supervise
     from scaletrain.runtime import exit_worker
 
-    if os.environ.get(CHILD_ENV) != "1":
-        exit_worker(supervise(config, run_dir, argv))
-    exit_worker(run_role(config, Path(run_dir)))
+    exit_worker(supervise(config, run_dir, role_main=run_role))
 
 
 def _print_outcome(run_dir: Path) -> None:

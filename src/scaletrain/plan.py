@@ -125,6 +125,8 @@ def _layout(config: Config, *, world_size: int) -> tuple[ParallelLayout, PSShape
             compile=config.train.compile,
             precision=config.precision.mode,
             slow_worker=config.ps.slow_worker,
+            lease_s=config.ps.worker_timeout_s,
+            timeout_s=pc.timeout_s,
         )
     layout = layout_of(
         dp=pc.dp,

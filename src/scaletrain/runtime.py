@@ -167,6 +167,13 @@ def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = No
     return tensor
 
 
+def all_reduce_min(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place element-wise minimum over the ranks of `group`; a no-op in a single process."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return tensor
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -164,6 +164,8 @@ def ps_layout(
     compile: bool,
     precision: str,
     slow_worker: int,
+    lease_s: float,
+    timeout_s: float,
 ) -> tuple[ParallelLayout, PSShape]:
     """The parameter-server roles, checked against the world: the workers are the
     data-parallel replicas (the sampler's dp), the servers hold the parameters.
@@ -174,6 +176,7 @@ def ps_layout(
         degrees: parallel.dp_shard, tp and pp by name (PS_REFUSES_DEGREES).
         comm_hook, compile, precision: parallel.comm_hook, train.compile, precision.mode.
         slow_worker: ps.slow_worker (-1 = none).
+        lease_s, timeout_s: ps.worker_timeout_s and parallel.timeout_s.
     """
     workers = world_size - servers
     if workers < 1:
@@ -215,6 +218,14 @@ def ps_layout(
             "precision.mode = 'fp16-mixed' is not supported with parallel.strategy "
             "= 'ps' (a worker's loss scaler would have to skip pushes the servers "
             "wait for); use 'bf16-mixed', 'fp32' or 'fp64'"
+        )
+    if lease_s >= timeout_s:
+        raise ConfigError(
+            f"ps.worker_timeout_s = {lease_s:g} must be below parallel.timeout_s = "
+            f"{timeout_s:g}: the servers wait for a silent worker (in their RPCs, the sync "
+            "step's agreement and a checkpoint cut) until it is declared dead, so a lease "
+            "that long times the run out first; lower ps.worker_timeout_s or raise "
+            "parallel.timeout_s"
         )
     if slow_worker >= workers:
         raise ConfigError(

@@ -279,7 +279,7 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
     from scaletrain.checkpoint import load as load_checkpoint
     from scaletrain.metrics import MetricsLogger
     from scaletrain.rundir import write_config
-    from scaletrain.runtime import all_reduce_sum, barrier, broadcast_object
+    from scaletrain.runtime import all_reduce_min, all_reduce_sum, barrier, broadcast_object
     from scaletrain.training.optim import build_optimizer, build_scheduler
 
     t, o, ps, shape = config.train, config.optim, config.ps, derived.ps
@@ -394,6 +394,7 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         ),
         grad_clip=o.grad_clip if ps.mode == "sync" else 0.0,
         reduce_squares=all_reduce_sum,
+        reduce_min=all_reduce_min,
         schedule_examples=t.global_batch // per_step,
         tell_cut=lambda step, examples: _tell_cut(
             step, examples, shape.servers, timeout_s=config.parallel.timeout_s

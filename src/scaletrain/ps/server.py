@@ -16,8 +16,16 @@ others refuse. A worker that leaves (done, stopped, refused) tells every server 
 server 0 tells them again (a worker killed half-way through its goodbyes). Neither a dead
 nor a departed worker is live: sync, ssp and the checkpoint cut stop waiting for it, and
 under sync a dead worker's gradient still waiting for its step is dropped on every server.
-One window is left open: a worker stopped between its pushes of one step to two servers,
-for longer than the lease, has that step's gradient on one server and not on the other.
+
+Sync steps are applied by one thread per server (`_apply_sync_steps`), which first agrees
+with the other servers on whose gradients every one of them holds (`reduce_min` over a
+mask of workers: an all-reduce over the servers' gloo group) and applies the mean of those
+alone. A worker stopped between its pushes of one step to two servers has its gradient on
+one and not the other: the one holding it may complete the step at once, the other only
+once server 0 has declared the worker dead; the agreement then leaves that gradient out on
+both, so the shards stay one model. The collectives run on that thread, off the lock and
+off the lease watcher: a server waiting in one for another server must still be able to
+declare the stopped worker dead, or the two wait for each other (seen: a gloo timeout).
 
 Sync clips like DDP: the mean gradient of the step, not each worker's. Each server holds a
 shard, so the servers sum their shards' squared norms (`reduce_squares`: an all-reduce over
@@ -32,7 +40,8 @@ it tells the others (`tell_cut` -> `rpc_cut`) the step and how many examples it 
 each waits until it has applied as many (gradients still in flight) and all write the step
 together.
 
-Threads: the RPC agent's pool runs the handlers; one Condition guards the state.
+Threads: the RPC agent's pool runs the handlers; the lease watcher (server 0); the sync
+applier (sync); one Condition guards the state.
 Heartbeats only write a timestamp (atomic under the GIL) and take no lock, so a checkpoint
 written under the lock does not make the workers waiting for it look dead.
 """
@@ -131,6 +140,8 @@ class ParameterServer:
             (worker, why it died) or (worker, None) when it left; it must not wait for them.
         grad_clip: sync only: max global norm of the step's mean gradient; 0: no clipping.
         reduce_squares: sums a float64 scalar over every server (identity for one server).
+        reduce_min: sync only: the element-wise minimum of an int64 tensor over every server
+            (identity for one server): which workers' gradients every server holds.
         schedule_examples: examples per step of the LR schedule (default global_batch).
         tell_cut: the authority's messenger for a checkpoint: called under the lock with
             (global step, examples applied) just before it saves; it starts the other
@@ -164,6 +175,7 @@ class ParameterServer:
         announce: Callable[[int, str | None], None] | None = None,
         grad_clip: float = 0.0,
         reduce_squares: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        reduce_min: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         schedule_examples: int | None = None,
         tell_cut: Callable[[int, int], list] | None = None,
     ) -> None:
@@ -174,7 +186,7 @@ class ParameterServer:
         self.checkpoint_every, self.stop_after = checkpoint_every, stop_after
         self.save, self.on_update, self.report = save, on_update, report
         self.authority, self.announce = authority, announce
-        self.grad_clip, self.reduce_squares = grad_clip, reduce_squares
+        self.grad_clip, self.reduce_squares, self.reduce_min = grad_clip, reduce_squares, reduce_min
         self.schedule_examples = schedule_examples or global_batch
         self.tell_cut = tell_cut
         self.cond = threading.Condition()
@@ -192,14 +204,27 @@ class ParameterServer:
         self.stopping = False  # a planned stop's checkpoint is written
         self.parked: list[tuple[int, torch.futures.Future]] = []
         self.pending: dict[int, Push] = {}  # sync: this step's gradients so far
+        self.applying: dict[int, Push] = {}  # sync: the step the applier works on, off the lock
+        # sync: workers whose gradient the servers agreed to leave out (server 0 declared them
+        # dead; this server may not know yet): held until it does, then refused.
+        self.left_out: set[int] = set()
         self.failure: BaseException | None = None  # a save that failed ends the server
         self._stop = threading.Event()  # set once the run is over: the watcher ends
-        self._watcher: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         if authority:  # the others learn of deaths from it (`membership`)
-            self._watcher = threading.Thread(
-                target=self._watch_leases, daemon=True, name=f"ps-server-{index}-leases"
+            self._threads.append(
+                threading.Thread(
+                    target=self._watch_leases, daemon=True, name=f"ps-server-{index}-leases"
+                )
             )
-            self._watcher.start()
+        if mode == "sync":
+            self._threads.append(
+                threading.Thread(
+                    target=self._apply_sync_steps, daemon=True, name=f"ps-server-{index}-sync"
+                )
+            )
+        for thread in self._threads:
+            thread.start()
 
     # ------------------------------------------------------------------ worker calls
 
@@ -224,9 +249,8 @@ class ParameterServer:
             if self._finished():  # the run's examples are in (another worker's came first)
                 reply.set_result(Reply("done", self.clocks.clock[w]))
                 return reply
-            if self.mode == "sync":
+            if self.mode == "sync":  # the applier thread takes the step once it is complete
                 self.pending[w] = push
-                self._apply_sync_if_complete()
             else:
                 self._apply_one(push)
             self.parked.append((w, reply))
@@ -249,9 +273,8 @@ class ParameterServer:
         server is the authority, nowhere.
 
         In three moves: mark it under the lock; (the authority) announce it to the other
-        servers, without waiting; then complete what waited for it. In that order because
-        completing a sync step all-reduces the clipping norm with the other servers, which
-        complete theirs only once they know.
+        servers, without waiting; then release what waited for it (a sync step may be
+        complete without it now: the applier thread is woken).
         """
         with self.cond:
             if worker in self.clocks.left or worker in self.clocks.dead:
@@ -272,8 +295,6 @@ class ParameterServer:
         if self.authority and self.announce is not None:  # off the lock: RPCs
             self.announce(worker, why)
         with self.cond:
-            if self.mode == "sync":  # the step may be complete without it now
-                self._apply_sync_if_complete()
             self._release()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -294,10 +315,13 @@ class ParameterServer:
             raise self.failure
 
     def close(self) -> None:
-        """Stop the lease watcher (idempotent)."""
+        """Stop the lease watcher and the sync applier (idempotent)."""
         self._stop.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join()
+        with self.cond:
+            self.cond.notify_all()  # the applier waits on the condition
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
     def _done(self) -> bool:
         return self.failure is not None or all(
@@ -358,25 +382,58 @@ class ParameterServer:
             )
         )
 
-    def _apply_sync_if_complete(self) -> None:
-        """sync: once every live worker's gradient for the step is in, apply their mean,
-        weighted by the loss's counts (so it is the gradient of the mean loss over every
-        example of the step, as DDP's all-reduce makes it), clipped by its global norm."""
-        live = self.clocks.live
-        if not self.pending or any(w not in self.pending for w in live):
-            return
-        pushes = [self.pending[w] for w in sorted(self.pending)]  # a fixed order: reproducible
-        self.pending = {}
+    def _apply_sync_steps(self) -> None:
+        """sync's applier thread: once every live worker's gradient for the step is in,
+        agree with the other servers on which of them all hold (off the lock: collectives),
+        then apply their mean, weighted by the loss's counts (so it is the gradient of the
+        mean loss over every example of the step, as DDP's all-reduce makes it), clipped by
+        its global norm. A failed collective ends the server (wait_until_done raises it)."""
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self._stop.is_set() or self._step_complete())
+                if self._stop.is_set():
+                    return
+                self.applying, self.pending = self.pending, {}
+            try:
+                pushes, mean = self._agree_on_mean(self.applying)
+            except BaseException as e:  # noqa: BLE001  a collective failed or timed out
+                with self.cond:
+                    self.failure = self.failure or e
+                    self.applying = {}
+                    self._release()
+                return
+            with self.cond:
+                self._apply_sync(pushes, mean)
+                self.left_out |= set(self.applying) - {p.worker for p in pushes}
+                self.applying = {}
+                self._release()
+
+    def _step_complete(self) -> bool:
+        return bool(self.pending) and all(w in self.pending for w in self.clocks.live)
+
+    def _agree_on_mean(self, held: dict[int, Push]) -> tuple[list[Push], list | None]:
+        """The step's pushes every server holds (in worker order: reproducible) and their
+        clipped mean (None: nothing to apply, or it overflowed, as DDP would skip it). Every
+        server reaches this for every step, and takes the same branches: a worker sends a
+        non-finite gradient as None to all."""
+        mask = torch.zeros(len(self.clocks.clock), dtype=torch.int64)
+        mask[sorted(held)] = 1
+        everywhere = self.reduce_min(mask)
+        pushes = [held[w] for w in sorted(held) if everywhere[w]]
         finite = [p for p in pushes if p.grads is not None]
-        total, before = sum(p.count for p in finite), self.version
-        # Every server sees the same pushes (a worker sends None to all), so all of them take
-        # this branch, and its all-reduce, together.
-        if finite and total > 0:
-            mean = [
-                sum(p.grads[i] * (p.count / total) for p in finite) for i in range(len(self.params))
-            ]
-            if self._clip_mean(mean):  # False: the mean overflowed, as DDP would skip it
-                self._step(mean, lr_scale=1.0)
+        total = sum(p.count for p in finite)
+        if not finite or total == 0:
+            return pushes, None
+        mean = [
+            sum(p.grads[i] * (p.count / total) for p in finite) for i in range(len(self.params))
+        ]
+        return pushes, mean if self._clip_mean(mean) else None
+
+    def _apply_sync(self, pushes: list[Push], mean: list[torch.Tensor] | None) -> None:
+        """Under the lock: the agreed step's update, clocks, examples and records."""
+        before = self.version
+        if mean is not None:
+            self._step(mean, lr_scale=1.0)
         for p in pushes:
             self.clocks.clock[p.worker] += 1
             self.examples += p.examples
@@ -460,6 +517,7 @@ class ParameterServer:
             cut is not None
             and self.failure is None
             and not self.pending
+            and not self.applying
             and all(w in parked for w in self.clocks.live)
         ):
             told = self.tell_cut(cut, self.examples) if self.tell_cut is not None else []
@@ -479,7 +537,9 @@ class ParameterServer:
                 reply.set_exception(
                     RuntimeError(f"parameter server {self.index} failed: {self.failure}")
                 )
-            elif w in self.pending or cut is not None:  # sync: not applied yet; a cut: hold
+            elif w in self.pending or w in self.applying or w in self.left_out or cut is not None:
+                # sync: not applied yet (or left out, until this server hears it is dead); a
+                # cut: hold
                 still.append((w, reply))
             elif self.stopping:
                 reply.set_result(Reply("stop", s))

@@ -2,8 +2,11 @@
 
 torchrun's agent tears the whole group down when any rank exits non-zero, so a worker
 killed by the OOM killer would end the run. Under parallel.strategy = "ps" each rank the
-agent starts is this supervisor: it runs the rank's role (ps/run.py, `run_role`) as a child
-process and decides what the child's end means for the agent. A worker's child dying is
+agent starts is this supervisor: it runs the rank's role (ps/run.py, `run_role`) in a child
+process and decides what the child's end means for the agent. The child is forked, not a
+new interpreter: it inherits torch and the role's modules, already imported, so a rank
+starts one Python instead of two (forking after torch's import is what DataLoader workers
+do; the supervisor has started no thread of its own and no process group). A worker's child dying is
 exit 0 (the servers declare it dead after ps.worker_timeout_s and go on without it); a
 server's is non-zero, with a message naming it (the run ends; the last checkpoint
 survives). It forwards SIGTERM/SIGINT/SIGHUP to the child, and once server 0 has written
@@ -13,25 +16,29 @@ would otherwise hold the agent forever.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from scaletrain.config import Config
+from scaletrain.errors import UserError
 from scaletrain.plan import resolve
 
-CHILD_ENV = "SCALETRAIN_PS_CHILD"  # set in the supervisor's child: run the role
 FINISHED_MARKER = "ps-finished"  # RUN_DIR/logs/ps-finished: the servers are done
 EXIT_SERVER_LOST, EXIT_REFUSED = 3, 4  # a worker's child: a server is gone; declared dead
 _KILL_GRACE_S = 5.0  # after the run ends, a child still running this long is killed
 
 
-def supervise(config: Config, run_dir: Path | None, argv: list[str]) -> int:
-    """Run this rank's role in a child process; decide what its end means for torchrun."""
-    from scaletrain.runtime import LAUNCHER_PID_ENV, read_env
+def supervise(
+    config: Config, run_dir: Path | None, *, role_main: Callable[[Config, Path], int]
+) -> int:
+    """Run this rank's role (`role_main`, ps/run.py's `run_role`) in a forked child; decide
+    what the child's end means for torchrun."""
+    from scaletrain.runtime import read_env
 
     penv = read_env()
     derived = resolve(config, world_size=penv.world_size, nproc_per_node=penv.local_world_size)
@@ -45,19 +52,21 @@ def supervise(config: Config, run_dir: Path | None, argv: list[str]) -> int:
         )
         return 2
     started = time.time()
-    env = {**os.environ, CHILD_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())}
-    child = subprocess.Popen([sys.executable, "-m", "scaletrain", *argv], env=env)
+    child = multiprocessing.get_context("fork").Process(
+        target=_child, args=(config, Path(run_dir), role_main, os.getpid()), daemon=False
+    )
+    child.start()
     forwarded: list[int] = []
 
     def forward(signum, frame):
         forwarded.append(signum)
-        child.send_signal(signum)
+        os.kill(child.pid, signum)
 
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, forward)
     marker, killed = Path(run_dir) / "logs" / FINISHED_MARKER, False
-    while child.poll() is None:
-        time.sleep(0.2)
+    while child.exitcode is None:
+        child.join(timeout=0.2)
         if role == "worker" and _finished_since(marker, started):
             if time.time() - marker.stat().st_mtime > _KILL_GRACE_S and not killed:
                 print(
@@ -68,7 +77,7 @@ def supervise(config: Config, run_dir: Path | None, argv: list[str]) -> int:
                 )
                 child.kill()
                 killed = True
-    code = child.returncode
+    code = child.exitcode
     if code == 0 or killed:
         return 0
     if forwarded:  # interrupted: the launcher reports it
@@ -94,6 +103,22 @@ def supervise(config: Config, run_dir: Path | None, argv: list[str]) -> int:
             flush=True,
         )
     return 0
+
+
+def _child(
+    config: Config, run_dir: Path, role_main: Callable[[Config, Path], int], supervisor: int
+) -> None:
+    """The forked child: die with the supervisor, run the role, leave with its status."""
+    from scaletrain.runtime import LAUNCHER_PID_ENV, exit_worker, prepare_worker_process
+
+    os.environ[LAUNCHER_PID_ENV] = str(supervisor)  # PR_SET_PDEATHSIG is not inherited
+    prepare_worker_process()
+    try:
+        code = role_main(config, run_dir)
+    except UserError as e:  # as cli.main shows it: one line, status 2
+        print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    exit_worker(code)  # a bug's exception leaves through multiprocessing: traceback, 1
 
 
 def _finished_since(marker: Path, since: float) -> bool:
