@@ -1,7 +1,8 @@
 """Session-wide fixtures shared by the test files.
 
-`trained`: trainings run through `harness.run_job` (one process group per world size, many
-cases in it), cached for the whole session by what they are (world size, config text,
+`trained`: trainings run through `harness.run_job` in the session's pool of ranks for their
+world size (started on first use, one process group each, job after job in it, stopped at
+the session's end), cached for the whole session by what they are (world size, config text,
 overrides, working directory). A file asking for a run another file already made gets the
 same run directory back: the single-process references of the dp, accumulation and
 model-parallel parity files are computed once per session. Cached run directories are
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from harness import Case, CaseResult, run_job
+from harness import Case, CaseResult, run_job, stop_pools
 
 
 class Trained:
@@ -57,6 +59,7 @@ class Trained:
                 timeout=timeout,
                 cwd=cwd,
                 root=self.root / f"job{self.jobs}-w{world_size}",
+                keep=True,  # one pool of ranks per world size for the whole session
             )
             for run_name, result in got.items():
                 self.done[run_name[-12:]] = result
@@ -64,8 +67,9 @@ class Trained:
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    return Trained(tmp_path_factory.mktemp("trained"))
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
+    yield Trained(tmp_path_factory.mktemp("trained"))
+    stop_pools()
 
 
 # A test that uses `trained` may be the one that pays for its module's jobs (each has its

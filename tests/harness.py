@@ -6,16 +6,17 @@ the elastic agent's start-up cost. A process still running at the deadline is ki
 test fails with every rank's output, so a hang cannot stall CI.
 
 `run_job` is the cheap way to run many trainings: N processes join one process group once
-and train case after case in it (`python harness.py JOB`, the `__main__` below), each case
-through the worker's own entry (`cli._run_worker`, as `scaletrain train` under an agent
-runs it), writing its usual run directory. Interpreter start-up, imports and rendezvous,
-which cost more than a small run's training on 2 cores, are paid once per world size
-instead of once per rank per run. `conftest.py`'s session fixture `trained` caches the runs,
+and train case after case in it (a `JobPool`: `python harness.py POOL_DIR`, the `__main__`
+below), each case through the worker's own entry (`cli._run_worker`, as `scaletrain train`
+under an agent runs it), writing its usual run directory. Interpreter start-up, imports and
+rendezvous, which cost more than a small run's training on 2 cores, are paid once per world
+size for the whole session (`keep=True`) instead of once per rank per run. `conftest.py`'s session fixture `trained` caches the runs,
 so files asking for the same run (a single-process reference) share it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -307,6 +308,95 @@ class CaseResult:
     stderr: list[str] = field(default_factory=list)
 
 
+class JobPool:
+    """`world_size` ranks that joined one gloo process group and run job after job.
+
+    A job is a spec file the ranks find in the pool's directory (`job-K.json`, K = 0, 1,
+    ...); they run its cases and rank 0 writes `job-K.done`. A `stop` file ends them. The
+    ranks' interpreters, imports and process group are paid for once per pool, not once per
+    job. A pool whose rank failed or timed out is killed (a job's caller starts another).
+    """
+
+    def __init__(self, world_size: int, directory: Path) -> None:
+        self.world_size, self.dir, self.jobs = world_size, directory, 0
+        directory.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.procs = []
+        for rank in range(world_size):
+            env = rank_env(rank, world_size=world_size, port=port)
+            with (directory / f"rank{rank}.log").open("w") as log:  # a file: never blocks
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, str(directory)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        cwd=directory,
+                    )
+                )
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+    def stop(self) -> None:
+        """Let the ranks leave by themselves (their group destroyed); kill what does not."""
+        (self.dir / "stop").touch()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def run(self, spec: dict, *, timeout: float) -> list[dict]:
+        """Run one job; rank 0's record of every leg. A job that finishes no leg within
+        `timeout` seconds (a fresh pool's start-up included) kills the pool and fails."""
+        job = self.dir / f"job-{self.jobs}"
+        self.jobs += 1
+        progress = job.with_suffix(".jsonl")
+        job.with_suffix(".tmp").write_text(json.dumps(spec))
+        job.with_suffix(".tmp").rename(job.with_suffix(".json"))  # whole, or not there
+        done_legs, deadline = -1, 0.0
+        while not job.with_suffix(".done").exists():
+            if not self.alive():
+                self.kill()  # a rank failed: the others would wait for it in a collective
+                logs = [
+                    (self.dir / f"rank{r}.log").read_text()[-5000:] for r in range(self.world_size)
+                ]
+                raise AssertionError(
+                    f"a rank of the {self.world_size}-rank job failed:\n" + "\n".join(logs)
+                )
+            legs = len(progress.read_text().splitlines()) if progress.exists() else 0
+            if legs != done_legs:  # a leg ended: the next one gets its own `timeout`
+                done_legs, deadline = legs, time.monotonic() + timeout
+            if time.monotonic() > deadline:
+                self.kill()
+                tails = [
+                    (self.dir / f"rank{r}.log").read_text()[-2000:] for r in range(self.world_size)
+                ]
+                raise AssertionError(
+                    f"the {self.world_size}-rank job finished no leg of its cases within "
+                    f"{timeout} s ({done_legs} done):\n" + "\n".join(tails)
+                )
+            time.sleep(0.05)
+        return [json.loads(line) for line in progress.read_text().splitlines()]
+
+
+# world size -> the pool kept for the whole session (run_job(..., keep=True))
+_POOLS: dict[int, JobPool] = {}
+
+
+def stop_pools() -> None:
+    """End the kept pools (conftest calls this at the session's end)."""
+    while _POOLS:
+        _POOLS.popitem()[1].stop()
+
+
 def run_job(
     cases: dict[str, Case],
     *,
@@ -314,8 +404,13 @@ def run_job(
     root: Path,
     timeout: float = 300.0,
     cwd: Path | None = None,
+    keep: bool = False,
 ) -> dict[str, CaseResult]:
     """Train every case on `world_size` gloo ranks of one job; run directories root/<name>.
+
+    keep: run it in the session's pool of `world_size` ranks, started on first use and
+    kept for the next job (conftest's `trained` does). Without it the ranks are started for
+    this job alone: a test that reads a process's lifetime peak memory needs its own.
 
     A job that finishes no leg within `timeout` seconds (start-up included) is killed and
     the test fails with every rank's output: a hang cannot stall CI, and a job of many
@@ -337,53 +432,18 @@ def run_job(
         "root": str(root),
         "cwd": str(cwd or root),
     }
-    job = root / f"job-{time.monotonic_ns()}.json"
-    job.write_text(json.dumps(spec))
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = rank_env(rank, world_size=world_size, port=port)
-        with job.with_suffix(f".rank{rank}.log").open("w") as log:  # a file: never blocks
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, str(job)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=cwd or root,
-                )
-            )
-    progress = job.with_suffix(".rank0.jsonl")
-    done_legs, deadline = -1, 0.0
+    pool = _POOLS.pop(world_size, None) if keep else None
+    if pool is None or not pool.alive():
+        pool = JobPool(world_size, root / f"pool-{time.monotonic_ns()}")
     try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                break  # a rank failed: the others would wait for it in a collective
-            legs = len(progress.read_text().splitlines()) if progress.exists() else 0
-            if legs != done_legs:  # a leg ended: the next one gets its own `timeout`
-                done_legs, deadline = legs, time.monotonic() + timeout
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(procs[0].args, timeout)
-            try:
-                procs[0].wait(timeout=0.5)  # or any rank: the loop checks them all
-            except subprocess.TimeoutExpired:
-                pass
-    except subprocess.TimeoutExpired:
-        for q in procs:
-            q.kill()
-            q.wait()
-        tails = [job.with_suffix(f".rank{r}.log").read_text()[-2000:] for r in range(world_size)]
-        raise AssertionError(
-            f"the {world_size}-rank job finished no leg of its cases within "
-            f"{timeout} s ({done_legs} done):\n" + "\n".join(tails)
-        ) from None
-    finally:  # pytest-timeout or Ctrl-C in the test: no rank outlives it
-        for q in procs:
-            q.kill()
-    for rank, p in enumerate(procs):
-        log = job.with_suffix(f".rank{rank}.log").read_text()
-        assert p.returncode == 0, f"job rank {rank} failed ({p.returncode}):\n{log[-5000:]}"
-    done = [json.loads(line) for line in job.with_suffix(".rank0.jsonl").read_text().splitlines()]
+        done = pool.run(spec, timeout=timeout)
+    except BaseException:  # a failed rank, a timeout, pytest-timeout or Ctrl-C in the test
+        pool.kill()
+        raise
+    if keep:
+        _POOLS[world_size] = pool
+    else:
+        pool.stop()
     results = {name: CaseResult(run_dir=root / name) for name in cases}
     for row in done:
         r = results[row["case"]]
@@ -400,28 +460,52 @@ def run_job(
     return results
 
 
-def _job_main(job: Path) -> None:
-    """One rank of a job: join the group once, run every case's legs, record each outcome."""
+def _pool_main(directory: Path) -> None:
+    """One rank of a pool: join the group once, then run each job that appears."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    print(f"job rank {os.environ['RANK']}: started after imports", flush=True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world > 1:  # the trainer joins no group when one exists: every case uses this one
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    for k in itertools.count():
+        job = directory / f"job-{k}.json"
+        while not job.exists():  # between jobs no rank waits in a collective
+            if (directory / "stop").exists():
+                from scaletrain.runtime import exit_worker
+
+                exit_worker(0)  # destroy the group and leave without gloo's shutdown abort
+            time.sleep(0.02)
+        _run_cases(json.loads(job.read_text()), job, rank=rank, world=world)
+        if world > 1:
+            dist.barrier()  # every rank is done with the job
+        if rank == 0:
+            job.with_suffix(".done").touch()
+
+
+def _run_cases(spec: dict, job: Path, *, rank: int, world: int) -> None:
+    """One job's cases, in its working directory (a user's package is imported from there,
+    as the CLI imports it; it is forgotten afterwards, so the next job's package of the same
+    name is its own); rank 0 records each leg's outcome in job-K.jsonl."""
     import contextlib
     import gc
     import importlib
     import io
     import traceback
-    from datetime import timedelta
 
     import torch.distributed as dist
 
-    spec = json.loads(job.read_text())
-    print(f"job rank {os.environ['RANK']}: started after imports", flush=True)
-    os.chdir(spec["cwd"])
-    sys.path.insert(0, spec["cwd"])  # a user's package, as the CLI imports it from the cwd
     from scaletrain.cli import _run_worker
     from scaletrain.config import load_config
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world > 1:  # the trainer joins no group when one exists: every case uses this one
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    out = job.with_suffix(f".rank{rank}.jsonl").open("w")
+    cwd = os.path.realpath(spec["cwd"])
+    os.chdir(cwd)
+    sys.path.insert(0, cwd)
+    importlib.invalidate_caches()
+    before = set(sys.modules)
+    out = job.with_suffix(".jsonl").open("w") if rank == 0 else io.StringIO()
     root = Path(spec["root"])
     for name, case in spec["cases"].items():
         run_dir = root / name
@@ -447,7 +531,7 @@ def _job_main(job: Path) -> None:
                         code = _run_worker(
                             load_config(config_path, list(leg)), run_dir, exit_process=False
                         )
-                    except BaseException:  # a bug: show it and end the job
+                    except BaseException:  # a bug: show it and end the pool
                         print(f"case {name}, overrides {leg}:", file=sys.__stderr__)
                         traceback.print_exc(file=sys.__stderr__)
                         sys.__stderr__.write(stderr.getvalue()[-3000:])
@@ -468,10 +552,12 @@ def _job_main(job: Path) -> None:
             )
             out.flush()
     out.close()
-    from scaletrain.runtime import exit_worker
-
-    exit_worker(0)  # destroy the group and leave without gloo's shutdown abort
+    sys.path.remove(cwd)
+    for module in set(sys.modules) - before:  # the job's own packages, not the libraries
+        file = getattr(sys.modules[module], "__file__", None) or ""
+        if os.path.realpath(file).startswith(cwd + os.sep) and not module.startswith("scaletrain"):
+            del sys.modules[module]
 
 
 if __name__ == "__main__":
-    _job_main(Path(sys.argv[1]))
+    _pool_main(Path(sys.argv[1]))

@@ -102,7 +102,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         }
         if world == 2:
             cases["sharded-uninterrupted"] = Case.of(CONFIG, *SHARDED)
-        run_job(cases, world_size=world, root=runs.root, timeout=TIMEOUT)
+        run_job(cases, world_size=world, root=runs.root, timeout=TIMEOUT, keep=True)
     for name, (_, _, after, _) in CHANGES.items():
         run_dir = runs[name]
         runs.stopped[name] = {
@@ -130,7 +130,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         }
         if world == 1:
             cases["reference"] = Case.of(CONFIG)  # the uninterrupted run in one process
-        run_job(cases, world_size=world, root=runs.root, timeout=TIMEOUT)
+        run_job(cases, world_size=world, root=runs.root, timeout=TIMEOUT, keep=True)
     return runs
 
 
