@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import run_workers
+from harness import Case, run_workers
 
 # About 2 epochs of MNIST: both reach their plateau (~97.5-98%), where the gap measures the
 # strategy and not how far along each run is. About 20 s (DDP) + 30 s (PS) on two cores.
@@ -42,11 +42,13 @@ def _accuracy(run_dir: Path) -> float:
 
 
 @pytest.mark.slow
-def test_async_ps_reaches_ddp_accuracy_on_mnist(tmp_path: Path) -> None:
+def test_async_ps_reaches_ddp_accuracy_on_mnist(tmp_path: Path, trained) -> None:
     config = tmp_path / "cfg.toml"
     config.write_text(CONFIG)
-    ddp, ps = tmp_path / "ddp", tmp_path / "ps"
-    run_workers(config, ["parallel.dp=2"], world_size=2, run_dir=ddp, timeout=150)
+    ps = tmp_path / "ps"
+    ddp = trained({"ddp": Case.of(CONFIG, "parallel.dp=2")}, world_size=2, timeout=150)[
+        "ddp"
+    ].run_dir
     run_workers(
         config,
         ["parallel.strategy=ps", "parallel.dp=2", "ps.mode=async"],

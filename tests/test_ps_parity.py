@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import load_weights, losses, max_abs_diff, run_workers
+from harness import Case, load_weights, losses, max_abs_diff, run_workers
 
 TOL = 1e-9
 STEPS = 6
@@ -60,8 +60,10 @@ CASES = {  # name -> (servers, workers, micro_batch, optimizer overrides)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory):
-    """run(overrides, world_size) -> run dir; each distinct run happens once per module."""
+def runs(tmp_path_factory: pytest.TempPathFactory, trained):
+    """run(overrides, world_size) -> run dir; each distinct run happens once per module. The
+    parameter-server runs start their ranks (a supervisor each, forking its role); the DDP
+    references run in the session's pool of ranks (conftest's `trained`)."""
     root = tmp_path_factory.mktemp("ps-parity")
     config = root / "cfg.toml"
     config.write_text(CONFIG)
@@ -69,6 +71,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
 
     def run(overrides: list[str], *, world_size: int, cwd: Path | None = None) -> Path:
         key = (tuple(overrides), world_size, cwd)
+        if key not in done and "parallel.strategy=ps" not in overrides:
+            case = Case.of(CONFIG, *overrides)
+            done[key] = trained({"ddp": case}, world_size=world_size, cwd=cwd)["ddp"].run_dir
         if key not in done:
             run_dir = root / f"run-{len(done)}"
             results = run_workers(
