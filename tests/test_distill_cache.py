@@ -12,17 +12,27 @@ bit-identically.
 - Refusals through the real launcher, exit status 2 with one line naming the difference:
   another teacher's cache, a cache of other data (the same rows, tokenized to another
   length), a cache lacking an output the run needs, a cache in another teacher dtype.
-- checkpoint.every = 5, train.stop_after = 5 and `scaletrain train --resume` to step 12
-  equals the uninterrupted 12 steps exactly (torch.equal, identical records, the
+- checkpoint.every = 5, train.stop_after = 5 and a resume to step 12 (which the launcher's
+  `--resume` check accepts) equals the uninterrupted 12 steps exactly (torch.equal, identical records, the
   distillation terms included), for that BERT student from the cache: its hidden-state
   projections and their optimizer state live in the checkpoint, and dropout is on, so the
   RNG state must be restored too; log.every = 2, so the checkpoint holds an open metrics
   window (its loss and terms sums).
 - A checkpoint teacher (checkpoints/step-N) is checked against the cache like any teacher.
+
+Speed: every training is one of the session's `trained` runs (harness.run_job: the workers'
+own entry, one process group per world size): the MLP teacher (test_distill_parity's, the
+same cached run), then, once the caches are written, every dp = 2 run of this file in one
+job, the stopped BERT run and its resume as two legs of one case (the workers resume from
+the newest checkpoint by themselves, as `--resume` has them; between the legs, on rank 0,
+the launcher's resume check). `scaletrain distill-cache` (one process) and `scaletrain
+export` run in this process, through cli.main.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -35,19 +45,18 @@ from test_distill_parity import (
     BERT_STUDENT,
     MLP_STUDENT,
     assert_same_run,
+    mlp_teacher_run,
     save_bert_teacher,
-    train_mlp_teacher,
 )
 
 from harness import (
+    Case,
     cli_main,
     file_tree,
     forbid_starting,
     load_weights,
     max_abs_diff,
     records,
-    run_cli,
-    run_workers,
 )
 
 pytestmark = pytest.mark.slow
@@ -82,9 +91,9 @@ def configs(work: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def mlp_teacher(work: Path) -> Path:
+def mlp_teacher(trained) -> Path:
     """With checkpoints at steps 20 and 40: a checkpoint is a teacher too."""
-    return train_mlp_teacher(work, ["checkpoint.every=20"])
+    return mlp_teacher_run(trained)
 
 
 @pytest.fixture(scope="module")
@@ -93,28 +102,34 @@ def bert_teacher(work: Path) -> Path:
 
 
 def write_cache(config: Path, out_dir: Path, overrides: list[str]) -> Path:
-    result = run_cli(["distill-cache", str(config), str(out_dir), *overrides])
-    assert result.returncode == 0, result.stderr[-3000:]
+    """`scaletrain distill-cache CONFIG OUT_DIR overrides` in this process (a one-process
+    command); what it sets for its own process (threads, OMP_NUM_THREADS, the torch seed)
+    is put back after."""
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with torch.random.fork_rng(), contextlib.redirect_stdout(out):
+            with contextlib.redirect_stderr(err):
+                code = cli_main(["distill-cache", str(config), str(out_dir), *overrides])
+    finally:
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+    assert code == 0, (out.getvalue() + err.getvalue())[-3000:]
     assert (out_dir / "cache.json").is_file()
     return out_dir
 
 
-def train(
-    config: Path, run_dir: Path, overrides: list[str], *, global_batch: int, dp: int = 2
-) -> Path:
-    """dp ranks, 2 micro-batches each."""
-    run_workers(
-        config,
-        [
-            f"parallel.dp={dp}",
-            f"train.global_batch={global_batch}",
-            f"train.micro_batch={global_batch // (2 * dp)}",
-            *overrides,
-        ],
-        world_size=dp,
-        run_dir=run_dir,
-    )
-    return run_dir
+def student(overrides: list[str], *, global_batch: int, dp: int = 2) -> list[str]:
+    """A student run's overrides: dp ranks, 2 micro-batches each."""
+    return [
+        f"parallel.dp={dp}",
+        f"train.global_batch={global_batch}",
+        f"train.micro_batch={global_batch // (2 * dp)}",
+        *overrides,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +138,9 @@ def mlp_cache(work: Path, configs: dict[str, Path], mlp_teacher: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mlp_cached_run(work: Path, configs: dict[str, Path], mlp_cache: Path) -> Path:
-    return train(
-        configs["mlp"],
-        work / "mlp-cached",
-        [f"distill.cache={mlp_cache}", "model.dropout=0.1"],
-        global_batch=32,
+def top3_cache(work: Path, configs: dict[str, Path], mlp_teacher: Path) -> Path:
+    return write_cache(
+        configs["mlp"], work / "top3-cache", [f"distill.teacher={mlp_teacher}", "distill.top_k=3"]
     )
 
 
@@ -137,63 +149,98 @@ def bert_cache(work: Path, configs: dict[str, Path], bert_teacher: Path) -> Path
     return write_cache(configs["bert"], work / "bert-cache", [f"distill.teacher={bert_teacher}"])
 
 
-@pytest.fixture(scope="module")
-def bert_cached_run(
-    work: Path, configs: dict[str, Path], bert_teacher: Path, bert_cache: Path
-) -> Path:
-    """12 uninterrupted steps from the cache (the teacher is read for init_layers only)."""
-    return train(
-        configs["bert"],
-        work / "bert-cached",
+def bert_run_overrides(bert_teacher: Path, bert_cache: Path) -> list[str]:
+    """The BERT student from the cache (the teacher is read for init_layers only), 12 steps."""
+    return student(
         [f"distill.teacher={bert_teacher}", f"distill.cache={bert_cache}", *BERT_RUN],
         global_batch=16,
     )
 
 
-def test_mlp_run_from_the_cache_is_the_online_run(
-    work: Path, configs: dict[str, Path], mlp_teacher: Path, mlp_cache: Path, mlp_cached_run: Path
-) -> None:
-    info = json.loads((mlp_cache / "cache.json").read_text())
-    assert info["outputs"] == ["logits"] and info["teacher_dtype"] == "float64"
-    online = train(
-        configs["mlp"],
-        work / "mlp-online",
-        [f"distill.teacher={mlp_teacher}", "model.dropout=0.1"],
-        global_batch=32,
-    )
-    assert_same_run(online, mlp_cached_run)
+def between_stop_and_resume(run_dir: Path) -> None:
+    """Between the BERT run's stop and its resume (rank 0, in the job): the stop wrote no
+    final weights; the projections (trained away from their identity start) and their Adam
+    state are in the checkpoint it resumes from; and the launcher's `--resume` check
+    (rundir.check_resumable, on the config without the stop) accepts it, with no warning."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from scaletrain.config import load_config
+    from scaletrain.rundir import check_resumable
+
+    assert not (run_dir / "model.safetensors").exists()
+    saved = FileSystemReader(str(run_dir / "checkpoints" / "step-00000005")).read_metadata()
+    names = set(saved.state_dict_metadata)
+    assert {
+        "model.proj.0.weight",
+        "model.proj.2.bias",
+        "optim.state.proj.1.weight.exp_avg",
+    } <= names
+    resumed = load_config(run_dir / "config.toml", ["train.stop_after=0"])
+    assert check_resumable(run_dir, resumed) == []
 
 
-def test_bert_run_from_the_cache_is_the_online_run(
-    work: Path,
-    configs: dict[str, Path],
+@pytest.fixture(scope="module")
+def runs(
+    trained,
+    mlp_teacher: Path,
+    mlp_cache: Path,
+    top3_cache: Path,
     bert_teacher: Path,
     bert_cache: Path,
-    bert_cached_run: Path,
-) -> None:
+) -> dict[str, Path]:
+    """Every dp = 2 run of this file, in one job: name -> run directory."""
+    bert = bert_run_overrides(bert_teacher, bert_cache)
+    cases = {
+        "mlp-cached": Case.of(
+            MLP_STUDENT,
+            *student([f"distill.cache={mlp_cache}", "model.dropout=0.1"], global_batch=32),
+        ),
+        "mlp-online": Case.of(
+            MLP_STUDENT,
+            *student([f"distill.teacher={mlp_teacher}", "model.dropout=0.1"], global_batch=32),
+        ),
+        "top3": Case.of(MLP_STUDENT, *student([f"distill.cache={top3_cache}"], global_batch=32)),
+        # 12 uninterrupted steps from the cache.
+        "bert-cached": Case.of(BERT_STUDENT, *bert),
+        "bert-online": Case.of(
+            BERT_STUDENT,
+            *student(
+                [f"distill.teacher={bert_teacher}", *BERT_RUN, "checkpoint.every=0"],
+                global_batch=16,
+            ),
+        ),
+        # Stopped after step 5, then resumed to step 12 on the same run directory.
+        "bert-resumed": Case(
+            BERT_STUDENT,
+            (
+                (*bert, "train.stop_after=5"),
+                "test_distill_cache:between_stop_and_resume",
+                tuple(bert),
+            ),
+        ),
+    }
+    return {name: r.run_dir for name, r in trained(cases, world_size=2).items()}
+
+
+def test_mlp_run_from_the_cache_is_the_online_run(mlp_cache: Path, runs: dict[str, Path]) -> None:
+    info = json.loads((mlp_cache / "cache.json").read_text())
+    assert info["outputs"] == ["logits"] and info["teacher_dtype"] == "float64"
+    assert_same_run(runs["mlp-online"], runs["mlp-cached"])
+
+
+def test_bert_run_from_the_cache_is_the_online_run(bert_cache: Path, runs: dict[str, Path]) -> None:
     info = json.loads((bert_cache / "cache.json").read_text())
     # attention_weight > 0 is cached too: each mapped block's (H, T, T) maps.
     assert info["outputs"] == ["pooled", "hidden.0", "hidden.2", "hidden.4", "attn.2", "attn.4"]
     assert info["splits"]["train"]["shapes"]["attn.2"]["shape"] == [2, 16, 16]
-    online = train(
-        configs["bert"],
-        work / "bert-online",
-        [f"distill.teacher={bert_teacher}", *BERT_RUN, "checkpoint.every=0"],
-        global_batch=16,
-    )
-    assert_same_run(online, bert_cached_run, steps=6)
+    assert_same_run(runs["bert-online"], runs["bert-cached"], steps=6)
 
 
-def test_a_top_k_cache_trains_another_loss(
-    work: Path, configs: dict[str, Path], mlp_teacher: Path, mlp_cached_run: Path
-) -> None:
-    cache = write_cache(
-        configs["mlp"], work / "top3-cache", [f"distill.teacher={mlp_teacher}", "distill.top_k=3"]
-    )
-    shapes = json.loads((cache / "cache.json").read_text())["splits"]["train"]["shapes"]
+def test_a_top_k_cache_trains_another_loss(top3_cache: Path, runs: dict[str, Path]) -> None:
+    shapes = json.loads((top3_cache / "cache.json").read_text())["splits"]["train"]["shapes"]
     assert shapes["logits"]["shape"] == [3] and shapes["logits_index"]["dtype"] == "int64"
-    top3 = train(configs["mlp"], work / "top3", [f"distill.cache={cache}"], global_batch=32)
-    assert max_abs_diff(load_weights(top3), load_weights(mlp_cached_run)) > 1e-6
+    top3 = runs["top3"]
+    assert max_abs_diff(load_weights(top3), load_weights(runs["mlp-cached"])) > 1e-6
 
 
 def _perturbed_copy(teacher: Path, out: Path) -> Path:
@@ -299,55 +346,19 @@ SAME_IN_RECORDS = (
 
 
 def test_a_cached_bert_run_resumes_bit_identically(
-    work: Path,
-    configs: dict[str, Path],
-    bert_teacher: Path,
-    bert_cache: Path,
-    bert_cached_run: Path,
+    capsys: pytest.CaptureFixture[str], work: Path, runs: dict[str, Path]
 ) -> None:
-    overrides = [
-        f"distill.teacher={bert_teacher}",
-        f"distill.cache={bert_cache}",
-        *BERT_RUN,
-        "parallel.dp=2",
-        "train.global_batch=16",
-        "train.micro_batch=4",
-    ]
-    resumed = work / "bert-resumed"
-    run_workers(configs["bert"], [*overrides, "train.stop_after=5"], world_size=2, run_dir=resumed)
-    assert not (resumed / "model.safetensors").exists()
-    # The projections (trained away from their identity start) and their Adam state are
-    # in the checkpoint the run resumes from.
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(str(resumed / "checkpoints" / "step-00000005")).read_metadata()
-    names = set(saved.state_dict_metadata)
-    assert {
-        "model.proj.0.weight",
-        "model.proj.2.bias",
-        "optim.state.proj.1.weight.exp_avg",
-    } <= names
-    result = run_cli(
-        [
-            "train",
-            str(configs["bert"]),
-            "--nproc",
-            "2",
-            "--resume",
-            *overrides,
-            "--run-dir",
-            str(resumed),
-        ]
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    # The stop and the checks between the legs (between_stop_and_resume) passed in the job.
+    bert_cached_run, resumed = runs["bert-cached"], runs["bert-resumed"]
     a, b = load_weights(bert_cached_run), load_weights(resumed)
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"resumed run differs in {different}"
     # `scaletrain export` of a checkpoint writes the student's names, as model.safetensors.
     exported = work / "step-10.safetensors"
-    result = run_cli(["export", str(resumed / "checkpoints" / "step-00000010"), str(exported)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    capsys.readouterr()
+    code = cli_main(["export", str(resumed / "checkpoints" / "step-00000010"), str(exported)])
+    assert code == 0, capsys.readouterr().err[-3000:]
     assert sorted(load_file(str(exported))) == sorted(b)
     ref = {r["step"]: r for r in records(bert_cached_run)}
     got = {r["step"]: r for r in records(resumed)}  # a re-run step: its last record

@@ -4,6 +4,9 @@ The 4-layer BERT teacher is fully_shard-ed block by block over the same dp_shard
 student (distill/teacher.place_teacher): each rank keeps half of its weights and gathers a
 block's for its forward. The run must still be the one-process run, in float64 within 1e-9,
 and rank 0 must say the teacher is sharded and holds about half of its bytes.
+
+Both runs are the session's `trained` runs (harness.run_job: the workers' own entry), one
+job per world size; rank 0's output is each case's captured stdout and stderr.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 
 from test_distill_parity import BERT_STUDENT, TOL, save_bert_teacher
 
-from harness import load_weights, losses, max_abs_diff, run_workers
+from harness import Case, load_weights, losses, max_abs_diff
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
@@ -23,29 +26,25 @@ pytest.importorskip("transformers")
 TEACHER_LINE = re.compile(r"distillation teacher .*?([\d.]+) MiB on this rank \((\w+)")
 
 
-def test_fsdp_shards_the_teacher_and_matches_one_process(tmp_path: Path) -> None:
+def test_fsdp_shards_the_teacher_and_matches_one_process(trained, tmp_path: Path) -> None:
     teacher = save_bert_teacher(tmp_path / "bert-teacher")
-    config = tmp_path / "bert.toml"
-    config.write_text(BERT_STUDENT)
     common = [
         f"distill.teacher={teacher}",
         "train.global_batch=16",
         "train.micro_batch=4",
         "log.quiet=false",
     ]  # the teacher's line is a message
-    one = run_workers(config, [*common, "parallel.dp=1"], world_size=1, run_dir=tmp_path / "one")
-    fsdp = run_workers(
-        config,
-        [*common, "parallel.dp=1", "parallel.dp_shard=2"],
+    one = trained({"one": Case.of(BERT_STUDENT, *common, "parallel.dp=1")}, world_size=1)["one"]
+    fsdp = trained(
+        {"fsdp": Case.of(BERT_STUDENT, *common, "parallel.dp=1", "parallel.dp_shard=2")},
         world_size=2,
-        run_dir=tmp_path / "fsdp",
-    )
-    diff = max_abs_diff(load_weights(tmp_path / "one"), load_weights(tmp_path / "fsdp"))
+    )["fsdp"]
+    diff = max_abs_diff(load_weights(one.run_dir), load_weights(fsdp.run_dir))
     print(f"dp_shard=2 vs 1 process: max |difference| {diff:.3g}")
     assert diff < TOL
-    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), abs=TOL, rel=TOL)
-    ((whole_mib, whole_kind),) = TEACHER_LINE.findall(one[0].stdout + one[0].stderr)
-    ((shard_mib, shard_kind),) = TEACHER_LINE.findall(fsdp[0].stdout + fsdp[0].stderr)
+    assert losses(fsdp.run_dir) == pytest.approx(losses(one.run_dir), abs=TOL, rel=TOL)
+    ((whole_mib, whole_kind),) = TEACHER_LINE.findall(one.stdout[0] + one.stderr[0])
+    ((shard_mib, shard_kind),) = TEACHER_LINE.findall(fsdp.stdout[0] + fsdp.stderr[0])
     assert (whole_kind, shard_kind) == ("replicated", "sharded")
     # Half of every sharded parameter, rounded up per tensor (dim 0 split in 2).
     assert float(shard_mib) == pytest.approx(float(whole_mib) / 2, rel=0.05)

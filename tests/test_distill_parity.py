@@ -16,6 +16,12 @@ rank ends with the weights and per-step losses of one process, in float64 within
 
 Plain SGD with momentum and no clipping: Adam and clipping are blind to the gradient's
 scale, SGD shows a wrong normaliser.
+
+Speed: the trainings are the session's `trained` runs (harness.run_job: the workers' own
+entry, one process group per world size, many runs in it): the MLP teacher (shared with
+test_distill_cache), then the one-process students in one job and the dp=2 ones in another.
+The negative control's two runs are jobs of their own (run_job, not cached): their workers
+start with the defect on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import file_tree, load_weights, losses, max_abs_diff, records, run_workers
+from harness import Case, file_tree, load_weights, losses, max_abs_diff, records, run_job
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -146,13 +152,14 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("distill-parity")
 
 
-def train_mlp_teacher(work: Path, overrides: list[str] = ()) -> Path:
-    """A digits MLP trained in one process: a scaletrain run directory as a teacher."""
-    config = work / "teacher.toml"
-    config.write_text(TEACHER)
-    run_dir = work / "teacher"
-    run_workers(config, list(overrides), world_size=1, run_dir=run_dir)
-    return run_dir
+# The teacher's checkpoints at steps 20 and 40 are teachers too (test_distill_cache).
+MLP_TEACHER = Case.of(TEACHER, "checkpoint.every=20")
+
+
+def mlp_teacher_run(trained) -> Path:
+    """A digits MLP trained in one process: a scaletrain run directory as a teacher (the
+    session's one: a cached run, which tests read and never write into)."""
+    return trained({"mlp-teacher": MLP_TEACHER}, world_size=1)["mlp-teacher"].run_dir
 
 
 def save_bert_teacher(out: Path) -> Path:
@@ -164,8 +171,8 @@ def save_bert_teacher(out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mlp_teacher(work: Path) -> Path:
-    return train_mlp_teacher(work)
+def mlp_teacher(trained) -> Path:
+    return mlp_teacher_run(trained)
 
 
 @pytest.fixture(scope="module")
@@ -173,25 +180,15 @@ def bert_teacher(work: Path) -> Path:
     return save_bert_teacher(work / "bert-teacher")
 
 
-def _student(
-    work: Path, body: str, name: str, *, dp: int, global_batch: int, overrides: list[str] = ()
-) -> Path:
+def student_case(body: str, *, dp: int, global_batch: int, overrides: list[str] = ()) -> Case:
     """A student run with `dp` ranks, 2 micro-batches per rank (global = 2 x micro x dp)."""
-    config = work / f"{name}.toml"
-    config.write_text(body)
-    run_dir = work / f"{name}-dp{dp}"
-    run_workers(
-        config,
-        [
-            f"parallel.dp={dp}",
-            f"train.global_batch={global_batch}",
-            f"train.micro_batch={global_batch // (2 * dp)}",
-            *overrides,
-        ],
-        world_size=dp,
-        run_dir=run_dir,
+    return Case.of(
+        body,
+        f"parallel.dp={dp}",
+        f"train.global_batch={global_batch}",
+        f"train.micro_batch={global_batch // (2 * dp)}",
+        *overrides,
     )
-    return run_dir
 
 
 @pytest.fixture(scope="module")
@@ -201,12 +198,52 @@ def mlp_teacher_files(mlp_teacher: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def mlp_runs(work: Path, mlp_teacher: Path, mlp_teacher_files: dict) -> dict[int, Path]:
-    teacher = [f"distill.teacher={mlp_teacher}"]
-    return {
-        dp: _student(work, MLP_STUDENT, "mlp", dp=dp, global_batch=32, overrides=teacher)
-        for dp in (1, 2)
+def bert_teacher_files(bert_teacher: Path) -> dict:
+    """The teacher directory's bytes before any student ran."""
+    return file_tree(bert_teacher)
+
+
+@pytest.fixture(scope="module")
+def students(
+    trained,
+    mlp_teacher: Path,
+    mlp_teacher_files: dict,
+    bert_teacher: Path,
+    bert_teacher_files: dict,
+) -> dict[str, Path]:
+    """Every student run of this file but the negative control's: name -> run directory;
+    one job on 1 rank, one on 2."""
+    mlp = [f"distill.teacher={mlp_teacher}"]
+    bert = [f"distill.teacher={bert_teacher}"]
+    cases = {
+        1: {
+            "mlp-dp1": student_case(MLP_STUDENT, dp=1, global_batch=32, overrides=mlp),
+            "alone": student_case(
+                MLP_STUDENT, dp=1, global_batch=32, overrides=[*mlp, "distill.alpha=0.0"]
+            ),
+            "plain": student_case(MLP_STUDENT.replace(DISTILL_KEYS, ""), dp=1, global_batch=32),
+            "bert-dp1": student_case(BERT_STUDENT, dp=1, global_batch=16, overrides=bert),
+        },
+        2: {
+            "mlp-dp2": student_case(MLP_STUDENT, dp=2, global_batch=32, overrides=mlp),
+            "bert-dp2": student_case(BERT_STUDENT, dp=2, global_batch=16, overrides=bert),
+        },
     }
+    return {
+        name: result.run_dir
+        for world, asked in cases.items()
+        for name, result in trained(asked, world_size=world).items()
+    }
+
+
+@pytest.fixture(scope="module")
+def mlp_runs(students: dict[str, Path]) -> dict[int, Path]:
+    return {dp: students[f"mlp-dp{dp}"] for dp in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def bert_runs(students: dict[str, Path]) -> dict[int, Path]:
+    return {dp: students[f"bert-dp{dp}"] for dp in (1, 2)}
 
 
 def assert_same_run(a: Path, b: Path, *, steps: int = 4) -> None:
@@ -244,21 +281,6 @@ def test_mlp_distillation_dp2_matches_one_process(mlp_runs: dict[int, Path]) -> 
     assert_same_terms(mlp_runs[1], mlp_runs[2], {"hard_loss": 0.3, "distill/kl": 0.7})
 
 
-@pytest.fixture(scope="module")
-def bert_teacher_files(bert_teacher: Path) -> dict:
-    """The teacher directory's bytes before any student ran."""
-    return file_tree(bert_teacher)
-
-
-@pytest.fixture(scope="module")
-def bert_runs(work: Path, bert_teacher: Path, bert_teacher_files: dict) -> dict[int, Path]:
-    teacher = [f"distill.teacher={bert_teacher}"]
-    return {
-        dp: _student(work, BERT_STUDENT, "bert", dp=dp, global_batch=16, overrides=teacher)
-        for dp in (1, 2)
-    }
-
-
 def test_bert_distillation_dp2_matches_one_process(
     bert_runs: dict[int, Path], bert_teacher: Path
 ) -> None:
@@ -287,14 +309,20 @@ def test_bert_distillation_dp2_matches_one_process(
 def test_a_per_batch_mean_kl_breaks_the_parity(
     work: Path, mlp_teacher: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The negative control of the MLP parity: the workers' KL divided by its micro-batch."""
+    """The negative control of the MLP parity: the workers' KL divided by its micro-batch.
+    Not the session's cached runs (the same cases, the defect injected): jobs of their own."""
     inject = work / "mean-kl"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(MEAN_KL)
-    monkeypatch.setenv("PYTHONPATH", str(inject))
+    path = os.pathsep.join(filter(None, [str(inject), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
     teacher = [f"distill.teacher={mlp_teacher}"]
     runs = {
-        dp: _student(work, MLP_STUDENT, "mean-kl", dp=dp, global_batch=32, overrides=teacher)
+        dp: run_job(
+            {"mean-kl": student_case(MLP_STUDENT, dp=dp, global_batch=32, overrides=teacher)},
+            world_size=dp,
+            root=work / f"mean-kl-dp{dp}",
+        )["mean-kl"].run_dir
         for dp in (1, 2)
     }
     diff = max_abs_diff(load_weights(runs[1]), load_weights(runs[2]))
@@ -303,7 +331,7 @@ def test_a_per_batch_mean_kl_breaks_the_parity(
 
 
 def test_distilling_changes_the_student_and_not_the_teacher(
-    work: Path,
+    students: dict[str, Path],
     mlp_teacher: Path,
     mlp_teacher_files: dict,
     mlp_runs: dict[int, Path],
@@ -314,20 +342,13 @@ def test_distilling_changes_the_student_and_not_the_teacher(
     from scaletrain.data.loader import load_dataset
     from scaletrain.models import build_model
 
-    alone = _student(
-        work,
-        MLP_STUDENT,
-        "alone",
-        dp=1,
-        global_batch=32,
-        overrides=[f"distill.teacher={mlp_teacher}", "distill.alpha=0.0"],
-    )
+    alone = students["alone"]  # distill.alpha = 0
     assert file_tree(mlp_teacher) == mlp_teacher_files  # frozen: not a byte changed
     distilled = load_weights(mlp_runs[1])
     assert max_abs_diff(distilled, load_weights(alone)) > 1e-4
     # alpha = 0 is the hard loss alone: the run without [distill] (the teacher's load and
     # the wrapper change nothing else).
-    plain = _student(work, MLP_STUDENT.replace(DISTILL_KEYS, ""), "plain", dp=1, global_batch=32)
+    plain = students["plain"]  # MLP_STUDENT without [distill]
     assert_same_run(plain, alone)
     # The student's own names, as a run without [distill] writes them.
     task = load_dataset("digits", split="train").spec
