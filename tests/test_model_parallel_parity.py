@@ -20,11 +20,20 @@ with the CPU's kernels and the summation order, which every layout changes. Grad
 clipping (optim.grad_clip = 1.0, the default) is active in the first steps, so a wrong
 gradient scale shows in the weights as well as in the logged norm.
 
-Speed: the runs are not one launch each. One job per world size (1, 2 and 4 processes, one
-gloo process group each) runs its cases one after the other through the Python API
-(`scaletrain.train` as torchrun's ranks call it: it reuses the caller's process group), so
-the interpreters, imports and the process group are paid for once. Run as a script, this
-file is that job's worker.
+Speed: the runs are not one launch each. The 1- and 2-rank runs are cases of the
+session's pools of ranks (conftest's `trained`: one call per world size with all of its
+runs, one gloo process group per world size started once for the whole test session and
+shared with the other files), trained one after the other through the workers' own entry
+(`cli._run_worker`, as `scaletrain train` under torchrun runs it); this file starts no
+process for them. The 4-rank runs and the view probe stay a job of this file's own (this
+file run as a script, the runs through the Python API, `scaletrain.train` as torchrun's
+ranks call it: it reuses the caller's process group), for what a pool cannot show: the
+probe is code that runs on every rank of a 4-rank group (a pool runs trainings, and a
+check between them on rank 0 only), and test_fsdp_view_warning_does_not_apply_under_tp
+reads every rank's whole output from fresh processes, where a pool keeps only rank 0's
+Python output of a run, and torch's logger (which writes its "sequential all_reduce" to
+the process's own stderr once per process and mesh) may have spoken in an earlier job of
+another file. That job starts one interpreter: it imports once and forks its ranks 1..3.
 
 The final weights (RUN_DIR/model.safetensors) are gathered full tensors with plain names
 under every layout, so they compare name by name and shape by shape with the reference.
@@ -32,8 +41,10 @@ under every layout, so they compare name by name and shape by shape with the ref
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -44,14 +55,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import cli_env, free_port, load_weights, max_abs_diff, records
+from harness import Case, free_port, load_weights, max_abs_diff, rank_env, records
 
 TOL = 1e-9
 STEPS = 4
 GLOBAL_BATCH = 16
-# A whole job's limit: start-up, then per run (seen on a loaded 2-core machine: 30 s per
-# 2-rank run, 90 s to start); generous, as the machine is shared.
-PER_RUN_S = {1: 60.0, 2: 60.0, 4: 120.0}
 
 CONFIG = f"""
 [model]
@@ -162,30 +170,39 @@ FOUR_RANKS = {
 
 LAYOUTS = {**TWO_RANKS, **FOUR_RANKS}
 
-# world size -> [(run name, overrides)]: what each job runs, in order.
-JOBS: dict[int, list[tuple[str, list[str]]]] = {
-    1: [
-        *(
-            (f"one-process-{kind}", [*DATA[kind], f"train.micro_batch={GLOBAL_BATCH}"])
+# world size -> {run name: overrides}: the runs of each world size.
+RUNS: dict[int, dict[str, list[str]]] = {
+    1: {
+        **{
+            f"one-process-{kind}": [*DATA[kind], f"train.micro_batch={GLOBAL_BATCH}"]
             for kind in DATA
-        ),
-        (
-            "one-process-packed-1-step",
-            [*DATA["packed"], f"train.micro_batch={GLOBAL_BATCH}", "train.steps=1"],
-        ),
-    ],
+        },
+        "one-process-packed-1-step": [
+            *DATA["packed"],
+            f"train.micro_batch={GLOBAL_BATCH}",
+            "train.steps=1",
+        ],
+    },
     **{
-        world: [
-            (f"{name}-{kind}", [*DATA[kind], *overrides])
+        world: {
+            f"{name}-{kind}": [*DATA[kind], *overrides]
             for kind in DATA
             for name, (w, overrides, _) in LAYOUTS.items()
             if w == world
-        ]
+        }
         for world in (2, 4)
     },
 }
-JOBS[4].append(("view-probe", []))  # not a run: _view_probe, after the runs
-JOB_TIMEOUT = {world: 180.0 + PER_RUN_S[world] * len(cases) for world, cases in JOBS.items()}
+# The 4-rank job's own list, in order: its runs, then the view probe (not a run).
+FOUR_RANK_JOB = [*RUNS[4].items(), ("view-probe", [])]
+# Limits, per job: start-up, then per run (seen on a loaded 2-core machine: 30 s per 2-rank
+# run, 90 s to start); generous, as the machine is shared. A 1- or 2-rank job in the pool
+# is also held to harness.run_job's limit for each run (300 s); these are pytest's.
+PER_RUN_S = {1: 60.0, 2: 60.0, 4: 120.0}
+JOB_TIMEOUT = {
+    world: 180.0 + PER_RUN_S[world] * len(cases)
+    for world, cases in ((1, RUNS[1]), (2, RUNS[2]), (4, FOUR_RANK_JOB))
+}
 
 
 # ----------------------------------------------------------------------- the jobs
@@ -193,64 +210,53 @@ JOB_TIMEOUT = {world: 180.0 + PER_RUN_S[world] * len(cases) for world, cases in 
 
 @dataclass(frozen=True)
 class Job:
-    root: Path  # RUN_DIRs: root / run name
-    log: str  # every rank's output, for a failure's message
+    run_dirs: dict[str, Path]  # run name -> RUN_DIR
+    root: Path | None = None  # the 4-rank job's directory (its probe files)
+    log: str = ""  # the 4-rank job: every rank's whole output, for a failure's message
 
     def run_dir(self, name: str) -> Path:
-        run_dir = self.root / name
+        run_dir = self.run_dirs[name]
         assert (run_dir / "summary.json").exists(), (
             f"run {name!r} did not finish; the job's output ends:\n{self.log[-6000:]}"
         )
         return run_dir
 
 
-def _job(root: Path, world_size: int, *, only: set[str]) -> Job:
-    """Run the runs of JOBS[world_size] named in `only` in `world_size` processes of this
-    file, one process group."""
+def _four_rank_job(root: Path, *, only: set[str]) -> Job:
+    """The runs and the probe of FOUR_RANK_JOB named in `only`, on 4 ranks of one process
+    group: this file run as a script, one interpreter that imports once and forks ranks
+    1..3 (`_main`). A job still running at JOB_TIMEOUT[4] is killed, all its ranks."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "cfg.toml").write_text(CONFIG)
-    cases = [case for case in JOBS[world_size] if case[0] in only]
+    cases = [case for case in FOUR_RANK_JOB if case[0] in only]
     (root / "cases.json").write_text(json.dumps(cases))
-    port = str(free_port())
-    threads = str(max(1, len(os.sched_getaffinity(0)) // world_size))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(root)],
-            env=cli_env(
-                RANK=str(r),
-                WORLD_SIZE=str(world_size),
-                LOCAL_RANK=str(r),
-                LOCAL_WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-                TORCHELASTIC_RUN_ID="parity",
-                OMP_NUM_THREADS=threads,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world_size)
-    ]
-    logs = []
+    proc = subprocess.Popen(
+        [sys.executable, __file__, str(root)],
+        env=rank_env(0, world_size=4, port=free_port()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the ranks are one process group: killed together
+    )
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=JOB_TIMEOUT[world_size])[0])
+        out = proc.communicate(timeout=JOB_TIMEOUT[4])[0]
     except subprocess.TimeoutExpired:
-        logs.append(
-            f"(the {world_size}-process job did not finish within {JOB_TIMEOUT[world_size]} s)"
-        )
+        out = f"(the 4-rank job did not finish within {JOB_TIMEOUT[4]} s)"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return Job(root, "\n".join(f"--- rank {r}:\n{log}" for r, log in enumerate(logs)))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks left behind by a failed rank 0
+        proc.wait()
+    logs = [out] + [
+        f"--- rank {r}:\n{(root / f'rank{r}.log').read_text()}"
+        for r in range(4)
+        if (root / f"rank{r}.log").exists()
+    ]
+    return Job({name: root / name for name, _ in cases}, root, "\n".join(logs))
 
 
 def _selected_runs(session: pytest.Session) -> set[str]:
     """The runs the session's selected tests of this file compare (all of them unless -k
-    or a node id picks fewer): a selection starts only the jobs and runs it needs."""
+    or a node id picks fewer): a selection trains only the runs it needs."""
     runs = set()
     for item in session.items:
         if Path(str(item.path)) != Path(__file__):
@@ -267,15 +273,26 @@ def _selected_runs(session: pytest.Session) -> set[str]:
 
 @pytest.fixture(scope="module")
 def jobs(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, trained, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[int, Job]:
-    """world size -> its job, run on first use."""
-    root, only = tmp_path_factory.mktemp("parity"), _selected_runs(request.session)
+    """world size -> its job, run on first use: 1 and 2 ranks in the session's pools
+    (`trained`, one call each with all of the selected runs), 4 ranks in a job of its own."""
+    only = _selected_runs(request.session)
 
     class Lazy(dict):
         def __missing__(self, world_size: int) -> Job:
-            self[world_size] = _job(root / f"world{world_size}", world_size, only=only)
-            return self[world_size]
+            if world_size == 4:
+                job = _four_rank_job(tmp_path_factory.mktemp("parity4"), only=only)
+            else:
+                cases = {
+                    name: Case.of(CONFIG, *overrides)
+                    for name, overrides in RUNS[world_size].items()
+                    if name in only
+                }
+                got = trained(cases, world_size=world_size)
+                job = Job({name: result.run_dir for name, result in got.items()})
+            self[world_size] = job
+            return job
 
     return Lazy()
 
@@ -329,7 +346,7 @@ def assert_matches_reference(run_dir: Path, ref: Reference, label: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(JOB_TIMEOUT[1] + max(JOB_TIMEOUT[2], JOB_TIMEOUT[4]))  # the jobs it starts
+@pytest.mark.timeout(JOB_TIMEOUT[1] + max(JOB_TIMEOUT[2], JOB_TIMEOUT[4]))  # its jobs
 @pytest.mark.parametrize("kind", list(DATA))
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(jobs: dict[int, Job], name: str, kind: str) -> None:
@@ -407,7 +424,7 @@ def test_fsdp_view_warning_does_not_apply_under_tp(jobs: dict[int, Job]) -> None
     assert "sequential all_reduce" not in job.log, job.log[-6000:]
 
 
-# --------------------------------------------------- the worker (run as a script per rank)
+# ------------------------------------------- the 4-rank job (this file run as a script)
 
 
 def _view_probe(root: Path) -> None:
@@ -473,20 +490,23 @@ def _view_probe(root: Path) -> None:
     (root / f"view-probe-rank{dist.get_rank()}.json").write_text(json.dumps(probe))
 
 
-def _worker(root: Path) -> None:
-    """One rank of a job: join the process group once, then train every case in it.
+def _rank(root: Path, rank: int) -> int:
+    """One rank of the 4-rank job: its whole output into root/rankN.log, join the process
+    group once, then train every case in it (the Python API, as torchrun's ranks call it).
 
     A failing case ends this rank at once (its peers then fail in their next collective
     and end too), so the job stops early and the runs that finished stay comparable."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     import scaletrain
 
-    world_size = int(os.environ["WORLD_SIZE"])
-    if world_size > 1:
-        from datetime import timedelta
-
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    log = os.open(root / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)  # every byte this rank writes, Python's or a library's own
+    os.dup2(log, 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     code = 0
     for name, overrides in json.loads((root / "cases.json").read_text()):
         try:
@@ -499,10 +519,59 @@ def _worker(root: Path) -> None:
             code = 1
             break
     sys.stdout.flush()
-    if world_size > 1 and code == 0:
+    sys.stderr.flush()
+    if code == 0:
         dist.destroy_process_group()
-    os._exit(code)  # no gloo shutdown abort (shared/PLATFORM-NOTES.md, "exit crash")
+    return code
+
+
+def _main(root: Path) -> None:
+    """The 4-rank job: this process is rank 0 and forks ranks 1..3 once what every rank
+    needs is imported (no thread, no process group yet: what DataLoader workers and the ps
+    supervisor do), so the job starts one interpreter, not four. Ends with the first
+    non-zero status of its ranks."""
+    import importlib
+
+    # What every rank imports, once. None of it starts a thread (one OpenMP thread per
+    # rank); pyarrow, which starts jemalloc's at import, each rank imports for its data.
+    for module in (
+        "torch._dynamo",
+        "torch.distributed.checkpoint",
+        "torch.distributed.fsdp",
+        "torch.distributed.pipelining",
+        "torch.distributed.tensor.parallel",
+        "scaletrain.api",
+        "scaletrain.models.gpt",
+        "scaletrain.parallel.compose",
+        "scaletrain.parallel.pipeline",
+        "scaletrain.training.trainer",
+    ):
+        importlib.import_module(module)
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = []
+    for rank in range(1, world_size):
+        pid = os.fork()
+        if pid == 0:
+            # os._exit: no gloo shutdown abort (shared/PLATFORM-NOTES.md, "exit crash")
+            os._exit(_rank_status(root, rank))
+        children.append(pid)
+    codes = [_rank_status(root, 0)]
+    codes += [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    os._exit(next((c for c in codes if c != 0), 0))
+
+
+def _rank_status(root: Path, rank: int) -> int:
+    """`_rank`'s status; a failure outside the cases (joining the group) is shown, and 1."""
+    try:
+        return _rank(root, rank)
+    except BaseException:  # noqa: BLE001 - into the rank's log, then the job ends
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    _main(Path(sys.argv[1]))

@@ -1,7 +1,20 @@
 """Exact resume: a run stopped after step k continues on another world size with the same
 losses (1e-6); a worker killed with SIGKILL is restarted by the elastic agent and the run
 ends bit-identical to an uninterrupted one; a corrupted newest checkpoint is skipped; a
-checkpoint never runs pickled code; export writes the checkpoint's weights."""
+checkpoint never runs pickled code; export writes the checkpoint's weights.
+
+Speed: the runs that are not what a test is about go through the session's pools of ranks
+(conftest's `trained`, harness.run_job with keep=True), through the workers' own entry
+(`cli._run_worker`, as `scaletrain train` under torchrun runs it), without a process of
+their own: the references, the stops and the resumes on another world size (a stop in a
+job of one world size, its resume a case of the same name in a job of the other, both jobs
+in the test's own root so the resume finds the stop's run directory), and the run that is
+exported. Before, they were worker processes started for each run (`run_workers`, the same
+entry) or the launcher's. What stays a real process is the point of its test: the run whose
+worker is killed with SIGKILL goes through `scaletrain train` (launcher, torchrun's elastic
+agent, its restart). `scaletrain export` is cli.main in this process (as a command in a
+process of its own it is run by test_e2e and test_distill_cache).
+"""
 
 from __future__ import annotations
 
@@ -25,7 +38,7 @@ from scaletrain.models import build_model
 from scaletrain.precision import make_precision
 from scaletrain.training.optim import build_optimizer, build_scheduler
 
-from harness import cli_env, load_weights, records, run_cli, run_workers, worker_pids
+from harness import Case, cli_env, cli_main, load_weights, records, run_job, worker_pids
 
 CONFIG = """
 [model]
@@ -53,19 +66,24 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
-def test_stop_and_resume_on_another_world_size(tmp_path: Path, before: int, after: int) -> None:
-    config = tmp_path / "cfg.toml"
-    config.write_text(CONFIG)
-    reference = tmp_path / "reference"
-    run_workers(config, [f"parallel.dp={before}"], world_size=before, run_dir=reference)
-    run_dir = tmp_path / "resumed"
-    run_workers(
-        config, [f"parallel.dp={before}", "train.stop_after=4"], world_size=before, run_dir=run_dir
-    )
+def test_stop_and_resume_on_another_world_size(
+    trained, tmp_path: Path, before: int, after: int
+) -> None:
+    """Stopped after step 4 on `before` ranks (a job in that world size's pool), resumed
+    on `after` ranks (a job in the other pool, the same run directory): steps 5..10 log
+    the losses of an uninterrupted run on `before` ranks."""
+    reference = trained({"reference": Case.of(CONFIG, f"parallel.dp={before}")}, world_size=before)
+    ref = _losses(reference["reference"].run_dir)
+    # Both jobs in this test's root: the resume's run directory is the stop's.
+    stop = Case.of(CONFIG, f"parallel.dp={before}", "train.stop_after=4")
+    stopped = run_job({"resumed": stop}, world_size=before, root=tmp_path, keep=True)
+    run_dir = stopped["resumed"].run_dir
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-00000004"]
     assert not (run_dir / "summary.json").exists()
-    run_workers(config, [f"parallel.dp={after}"], world_size=after, run_dir=run_dir)
-    ref, got = _losses(reference), _losses(run_dir)
+    resume = Case.of(CONFIG, f"parallel.dp={after}")
+    resumed = run_job({"resumed": resume}, world_size=after, root=tmp_path, keep=True)
+    assert resumed["resumed"].run_dir == run_dir
+    got = _losses(run_dir)
     assert sorted(got) == list(range(1, 11))
     for step in range(5, 11):
         assert got[step] == pytest.approx(ref[step], abs=1e-6), step
@@ -96,12 +114,13 @@ quiet = true
 
 
 @pytest.mark.slow
-def test_killed_worker_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
+def test_killed_worker_restarts_and_ends_bit_identical(trained, tmp_path: Path) -> None:
+    """The killed run goes through `scaletrain train` (launcher, elastic agent, restart);
+    the uninterrupted run it must equal bit for bit is the same config in the 2-rank pool:
+    the same worker entry, with the threads per rank the launcher gives (cores / 2)."""
+    clean = trained({"clean": Case.of(KILL_CONFIG)}, world_size=2)["clean"].run_dir
     config = tmp_path / "cfg.toml"
     config.write_text(KILL_CONFIG)
-    clean = tmp_path / "clean"
-    r = run_cli(["train", str(config), "--run-dir", str(clean)], timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
 
     run_dir = tmp_path / "killed"
     launcher = subprocess.Popen(
@@ -234,14 +253,16 @@ def test_pickled_code_in_a_checkpoint_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_export_writes_the_checkpoint_weights(tmp_path: Path) -> None:
-    config = tmp_path / "cfg.toml"
-    config.write_text(CONFIG)
-    run_dir = tmp_path / "run"
-    run_workers(config, ["parallel.dp=1", "checkpoint.every=10"], world_size=1, run_dir=run_dir)
+def test_export_writes_the_checkpoint_weights(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`scaletrain export RUN_DIR OUT` (cli.main, in this process) writes the newest
+    checkpoint's weights: those of the run's final model.safetensors."""
+    run_dir = trained(
+        {"run": Case.of(CONFIG, "parallel.dp=1", "checkpoint.every=10")}, world_size=1
+    )["run"].run_dir
     out = tmp_path / "exported.safetensors"
-    r = run_cli(["export", str(run_dir), str(out)])
-    assert r.returncode == 0, r.stderr
+    assert cli_main(["export", str(run_dir), str(out)]) == 0, capsys.readouterr().err
     exported, final = load_file(str(out)), load_weights(run_dir)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)
