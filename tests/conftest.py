@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,9 +66,12 @@ class Trained:
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
-    yield Trained(tmp_path_factory.mktemp("trained"))
-    stop_pools()
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    return Trained(tmp_path_factory.mktemp("trained"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    stop_pools()  # the kept pools of ranks (run_job(keep=True), `trained` among them)
 
 
 # A test that uses `trained` may be the one that pays for its module's jobs (each has its

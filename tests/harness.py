@@ -461,19 +461,27 @@ def run_job(
 
 
 def _pool_main(directory: Path) -> None:
-    """One rank of a pool: join the group once, then run each job that appears."""
+    """One rank of a pool: join the group once, then run each job that appears, until
+    the stop file (or the end of the pytest process that started it)."""
+    import gc
     from datetime import timedelta
 
     import torch.distributed as dist
+
+    import scaletrain.cli  # noqa: F401  the workers' imports, then frozen (below)
 
     print(f"job rank {os.environ['RANK']}: started after imports", flush=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world > 1:  # the trainer joins no group when one exists: every case uses this one
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # What is imported lives as long as the pool: out of the collector's sight, the
+    # gc.collect() after every leg costs 0.02 s instead of 0.15 s.
+    gc.freeze()
+    pytest_pid = os.getppid()
     for k in itertools.count():
         job = directory / f"job-{k}.json"
         while not job.exists():  # between jobs no rank waits in a collective
-            if (directory / "stop").exists():
+            if (directory / "stop").exists() or os.getppid() != pytest_pid:  # or orphaned
                 from scaletrain.runtime import exit_worker
 
                 exit_worker(0)  # destroy the group and leave without gloo's shutdown abort
