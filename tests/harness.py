@@ -1,27 +1,36 @@
 """Run scaletrain's real worker path in N processes on gloo, with a timeout on every process.
 
-`run_workers` starts N `python -m scaletrain train ...` processes with the environment
-torchrun would give them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID), without
-the elastic agent's start-up cost. A process still running at the deadline is killed and the
-test fails with every rank's output, so a hang cannot stall CI.
+An interpreter that imports torch costs about 3 s of CPU, more than a small run's training
+on 2 cores, so the harness starts as few as it can.
+
+`run_workers` starts N ranks of `scaletrain train ...` with the environment torchrun would
+give them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID), without the elastic
+agent's start-up cost, each forked from the session's `Zygote` (an interpreter that has
+imported scaletrain once): `python -m scaletrain` without the interpreter's start. A rank
+still running at the deadline is killed and the test fails, so a hang cannot stall CI.
+`run_cli` is a real `python -m scaletrain` process: what a user runs, start-up included.
 
 `run_job` is the cheap way to run many trainings: N processes join one process group once
 and train case after case in it (a `JobPool`: `python harness.py POOL_DIR`, the `__main__`
 below), each case through the worker's own entry (`cli._run_worker`, as `scaletrain train`
 under an agent runs it), writing its usual run directory. Interpreter start-up, imports and
-rendezvous, which cost more than a small run's training on 2 cores, are paid once per world
-size for the whole session (`keep=True`) instead of once per rank per run. `conftest.py`'s session fixture `trained` caches the runs,
-so files asking for the same run (a single-process reference) share it.
+rendezvous are paid once per world size for the whole session (`keep=True`) instead of once
+per rank per run. `conftest.py`'s session fixture `trained` caches the runs, so files asking
+for the same run (a single-process reference) share it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,40 +95,204 @@ def run_workers(
     cwd: Path | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """Start `world_size` ranks of `scaletrain train CONFIG overrides --run-dir RUN_DIR`
-    (in `cwd`, where a user's own package would be imported from)."""
+    (in `cwd`, where a user's own package would be imported from), each forked from the
+    session's `Zygote`: `python -m scaletrain` without the interpreter's start."""
     port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = rank_env(rank, world_size=world_size, port=port)
-        cmd = [
-            sys.executable,
-            "-m",
-            "scaletrain",
-            "train",
-            str(config),
-            *overrides,
-            "--run-dir",
-            str(run_dir),
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
-            )
+    args = ["train", str(config), *overrides, "--run-dir", str(run_dir)]
+    zygote = zygote_for(world_size)
+    outputs = Path(tempfile.mkdtemp(prefix="ranks-"))
+    pids = [
+        zygote.spawn(
+            args,
+            env=rank_env(rank, world_size=world_size, port=port),
+            cwd=cwd or Path.cwd(),
+            out=outputs / f"{rank}.out",
+            err=outputs / f"{rank}.err",
         )
+        for rank in range(world_size)
+    ]
     deadline = time.monotonic() + timeout
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"a rank did not finish within {timeout} s") from None
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    codes = [zygote.wait(pid, timeout=max(0.1, deadline - time.monotonic())) for pid in pids]
+    if None in codes:
+        for pid in pids:
+            zygote.kill(pid)
+        raise AssertionError(f"a rank did not finish within {timeout} s")
+    results = [
+        subprocess.CompletedProcess(
+            ["scaletrain", *args],
+            code,
+            (outputs / f"{rank}.out").read_text(),
+            (outputs / f"{rank}.err").read_text(),
+        )
+        for rank, code in enumerate(codes)
+    ]
     if expect_ok:
         for rank, r in enumerate(results):
             assert r.returncode == 0, f"rank {rank} failed ({r.returncode}):\n{r.stderr[-3000:]}"
     return results
+
+
+class Zygote:
+    """A Python process that has imported scaletrain (torch, DDP's dynamo, RPC and DCP
+    included) and nothing else, and forks a child per request that runs `scaletrain ARGS`
+    as `python -m scaletrain ARGS` would (its own environment, working directory, stdout,
+    stderr, sys.path[0], exit status): a rank starts in milliseconds, not seconds of
+    imports. Forking after torch's import is what DataLoader workers do; the zygote starts
+    no thread of its own and joins no group. One per OMP_NUM_THREADS value (OpenMP reads it
+    when torch loads). It dies with the pytest process, and its children with it.
+    """
+
+    def __init__(self, threads: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--zygote"],
+            env=cli_env(OMP_NUM_THREADS=threads),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.cond = threading.Condition()
+        self.started: list[int] = []
+        self.exits: dict[int, int] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # "started PID" | "exit PID CODE"
+            kind, *numbers = line.split()
+            if kind not in ("started", "exit"):
+                continue
+            with self.cond:
+                if kind == "started":
+                    self.started.append(int(numbers[0]))
+                else:
+                    self.exits[int(numbers[0])] = int(numbers[1])
+                self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def spawn(self, args: list[str], *, env: dict, cwd: Path, out: Path, err: Path) -> int:
+        """Fork a child running `scaletrain ARGS`; its pid."""
+        request = {"args": args, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        with self.cond:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            if not self.cond.wait_for(lambda: self.started or self.proc.poll() is not None, 60):
+                raise AssertionError("the zygote did not fork a child within 60 s")
+            assert self.started, f"the zygote died ({self.proc.returncode})"
+            return self.started.pop(0)
+
+    def wait(self, pid: int, *, timeout: float) -> int | None:
+        """The child's exit status (negative: the signal), or None at the timeout."""
+        with self.cond:
+            self.cond.wait_for(lambda: pid in self.exits, timeout)
+            return self.exits.get(pid)
+
+    def kill(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        self.proc.stdin.close()  # its end of input: the zygote leaves
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+_ZYGOTES: dict[str, Zygote] = {}
+
+
+def zygote_for(world_size: int) -> Zygote:
+    """The session's zygote for ranks of a `world_size` job (their OMP_NUM_THREADS)."""
+    threads = rank_env(0, world_size=world_size, port=0)["OMP_NUM_THREADS"]
+    zygote = _ZYGOTES.get(threads)
+    if zygote is None or zygote.proc.poll() is not None:
+        zygote = _ZYGOTES[threads] = Zygote(threads)
+    return zygote
+
+
+def _zygote_main() -> None:
+    """The zygote: import, then fork a child per request line on stdin until stdin ends."""
+    import gc
+    import selectors
+
+    # The control channel moves off fds 0 and 1: whatever an import prints goes to stderr.
+    control_in, control_out = os.dup(0), os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(2, 1)
+    import torch._dynamo  # noqa: F401  DDP imports it in every worker
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.rpc  # noqa: F401
+
+    import scaletrain.cli
+    import scaletrain.ps.run  # noqa: F401
+    import scaletrain.training.trainer  # noqa: F401
+
+    _die_with_parent()
+    gc.freeze()
+    selector = selectors.DefaultSelector()
+    selector.register(control_in, selectors.EVENT_READ)
+    pending, children = b"", set()
+    while True:
+        for _ in selector.select(timeout=0.05):
+            chunk = os.read(control_in, 1 << 16)
+            if not chunk:  # the harness is done: leave (children die with us)
+                os._exit(0)
+            pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                _zygote_child(request, control_in, control_out, scaletrain.cli.main)
+            children.add(pid)
+            os.write(control_out, f"started {pid}\n".encode())
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                os.write(control_out, f"exit {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def _zygote_child(request: dict, control_in: int, control_out: int, main) -> None:
+    """In the forked child: become `python -m scaletrain ARGS` and never return."""
+    code = 1
+    try:
+        _die_with_parent()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in (null, out, err, control_in, control_out):
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [sys.argv[0], *request["args"]]
+        sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
+        try:
+            code = main(request["args"])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001  as the interpreter would: the traceback, status 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGKILL): a killed pytest leaves no zygote or rank behind."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
 
 
 def run_cli(
@@ -392,9 +565,11 @@ _POOLS: dict[int, JobPool] = {}
 
 
 def stop_pools() -> None:
-    """End the kept pools (conftest calls this at the session's end)."""
+    """End the kept pools and the zygotes (conftest calls this at the session's end)."""
     while _POOLS:
         _POOLS.popitem()[1].stop()
+    while _ZYGOTES:
+        _ZYGOTES.popitem()[1].stop()
 
 
 def run_job(
@@ -568,4 +743,7 @@ def _run_cases(spec: dict, job: Path, *, rank: int, world: int) -> None:
 
 
 if __name__ == "__main__":
-    _pool_main(Path(sys.argv[1]))
+    if sys.argv[1] == "--zygote":
+        _zygote_main()
+    else:
+        _pool_main(Path(sys.argv[1]))
