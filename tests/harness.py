@@ -660,7 +660,7 @@ def _pool_main(directory: Path) -> None:
                 from scaletrain.runtime import exit_worker
 
                 exit_worker(0)  # destroy the group and leave without gloo's shutdown abort
-            time.sleep(0.02)
+            time.sleep(0.05)
         _run_cases(json.loads(job.read_text()), job, rank=rank, world=world)
         if world > 1:
             dist.barrier()  # every rank is done with the job
