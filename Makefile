@@ -25,11 +25,15 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # --durations: the slowest tests are named in every run (budget: make test <= 12 min on 2 cores).
+# Two pytest workers, a test file each at a time (pytest-xdist, --dist loadfile: a file's
+# module fixtures and its jobs stay in one worker); a serial run leaves a core idle while
+# a test waits on its processes. tests/conftest.py deals the heaviest files out first.
+XDIST = -n 2 --dist loadfile
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q $(XDIST) --durations=25 tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" tests
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -r requirements-bench.txt

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,51 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 TRAINED_TIMEOUT_S = 1200
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# Seconds a file takes (its jobs included), as measured in a serial run on 2 cores; a file
+# not named counts as light. Only the order the files are dealt out in depends on them.
+FILE_SECONDS = {
+    "test_model_parallel_parity.py": 170,
+    "test_ps_resume.py": 85,
+    "test_resume.py": 75,
+    "test_ps_faults.py": 75,
+    "test_e2e.py": 60,
+    "test_spark.py": 55,
+    "test_ps_parity.py": 50,
+    "test_meta_init.py": 50,
+    "test_launch_signals.py": 45,
+    "test_ps_mnist.py": 40,
+    "test_ps_staleness.py": 35,
+    "test_ps_config.py": 30,
+    "test_api.py": 30,
+    "test_layout_resume.py": 25,
+    "test_accumulation.py": 20,
+    "test_fsdp_memory.py": 20,
+    "test_user_model_parity.py": 20,
+    "test_distill_cache.py": 20,
+    "test_dp_parity.py": 20,
+    "test_compile.py": 20,
+    "test_pipeline.py": 15,
+}
+
+
+def deal_files(files: list[str], *, workers: int) -> list[str]:
+    """The files in the order that balances xdist's loadfile workers: it gives each worker
+    its first max(files // 4 // workers, 2) files in collection order, then one file at a
+    time to whichever runs short. The heaviest files are dealt round-robin into those
+    first batches (worker i: the i-th, (i + workers)-th, ... heaviest), the rest follow
+    heaviest first, so no worker starts with all the long files or ends with one alone."""
+    ranked = sorted(files, key=lambda f: -FILE_SECONDS.get(Path(f).name, 1))
+    first = max(len(files) // 4 // workers, 2) * workers
+    batches = [ranked[:first][i::workers] for i in range(workers)]
+    return [f for batch in batches for f in batch] + ranked[first:]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        files = list(dict.fromkeys(str(item.path) for item in items))
+        place = {f: i for i, f in enumerate(deal_files(files, workers=workers))}
+        items.sort(key=lambda item: place[str(item.path)])  # stable: in-file order kept
     for item in items:
         if (
             "trained" in getattr(item, "fixturenames", ())

@@ -64,8 +64,9 @@ def _faults(*modes: str) -> list[int]:
 @pytest.mark.slow  # two subprocesses of a few dozen training steps each
 def test_retain_stops_the_per_step_page_faults() -> None:
     system, retain = _faults("system", "retain")
-    # Measured: ~1,400-2,800 faults per step with glibc's defaults, 0-65 with retain.
-    assert system > 500 and retain * 10 < system, (system, retain)
+    # Measured: ~1,400-2,800 faults per step with glibc's defaults, 0-65 with retain (400
+    # with glibc's defaults beside another test run on the second core).
+    assert system > 100 and retain * 10 < system, (system, retain)
 
 
 def test_modes() -> None:

@@ -376,3 +376,19 @@ if __name__ == "__main__":
 
     print(json.dumps(_probe(reshard_after_forward=bool(int(sys.argv[1])))))
     exit_worker(0)  # without gloo's shutdown abort ("terminate called ..."), as a worker leaves
+
+
+@pytest.mark.slow  # a subprocess, beside 1 GiB held here
+def test_the_peak_is_the_process_own_not_its_parents() -> None:
+    """Linux carries `ru_maxrss` over fork and exec: a worker started by a launcher that held
+    the data and a model would report the launcher's peak as its own. `peak_mem_bytes` reads
+    the process's own VmHWM: a child started while this process holds 1 GiB more reports
+    far less than that."""
+    held = bytearray(2**30)  # 1 GiB, touched: resident in this process
+    held[::4096] = b"x" * (len(held) // 4096)
+    probe = "from scaletrain.memory import lifetime_peak_bytes as p; print(p())"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    del held
+    assert int(out.stdout) < 2**30, f"the child reports {int(out.stdout) / 2**20:.0f} MiB"

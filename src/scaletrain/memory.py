@@ -1,6 +1,6 @@
 """Memory per logging window: the peak above what the run holds after set-up.
 
-The lifetime peak RSS (`ru_maxrss`) is dominated by the data and model floor loaded before
+The lifetime peak RSS is dominated by the data and model floor loaded before
 the first step, so it hides what the step itself costs (activations, gradients, optimizer
 state, communication buffers). Each logging window therefore also reports its own peak,
 read from the kernel's high-water mark (VmHWM in /proc/self/status) after resetting it at
@@ -8,6 +8,10 @@ the window's start (writing "5" to /proc/self/clear_refs), and that peak minus t
 measured right after set-up. On CUDA the allocator's own peak counters play these roles.
 Where /proc cannot be reset (another kernel, a sandbox), the window peak falls back to the
 lifetime peak and `window_resettable` is False.
+
+The lifetime peak is this process's own: VmHWM, kept across the windows' resets, not
+`ru_maxrss`, which Linux carries over fork and exec from the parent (a worker started by
+a launcher that had loaded the data and the model would report the launcher's peak).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 import torch
 
 _STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+_PEAK_BEFORE_RESETS = [0]  # the highest VmHWM seen before a window's reset cleared it
 
 
 def _status_bytes(field: str) -> int | None:
@@ -36,10 +41,14 @@ def _cuda() -> bool:
 
 
 def lifetime_peak_bytes() -> int:
-    """Peak memory of this process so far: CUDA allocator peak on GPU, else peak RSS."""
+    """Peak memory of this process so far: CUDA allocator peak on GPU, else peak RSS (its
+    own VmHWM; `ru_maxrss` where /proc has none)."""
     if _cuda():
         return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    hwm = _status_bytes("VmHWM")
+    if hwm is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return max(hwm, _PEAK_BEFORE_RESETS[0])
 
 
 def current_bytes() -> int:
@@ -68,6 +77,7 @@ class WindowPeak:
         if _cuda():
             torch.cuda.reset_peak_memory_stats()
             return
+        _PEAK_BEFORE_RESETS[0] = lifetime_peak_bytes()
         try:
             _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
         except OSError:
