@@ -202,7 +202,7 @@ def test_scaletrain_train_can_be_called_twice_in_a_fresh_interpreter(tmp_path: P
         "import scaletrain\n"
         "for _ in range(2):\n"
         "    try:\n"
-        "        scaletrain.train({'train': {'steps': 0}})\n"
+        "        scaletrain.train({'train': {'steps': -1}})\n"
         "    except Exception as e:\n"
         "        print(type(e).__name__)\n"
     )
@@ -290,10 +290,10 @@ def test_mean_loss_is_refused_in_process(pkg, tmp_path: Path) -> None:
 
 def test_bad_config_value_raises_config_error_naming_the_key(pkg, tmp_path: Path) -> None:
     bad = copy.deepcopy(CONFIG)
-    bad["train"]["steps"] = 0
+    bad["train"]["steps"] = -1
     with pytest.raises(scaletrain.ConfigError, match="train.steps") as e:
         train_here(pkg, tmp_path / "run", config=bad)
-    assert "0" in str(e.value)
+    assert "-1" in str(e.value)
     with pytest.raises(scaletrain.ConfigError, match="did you mean 'train.steps'"):
         train_here(pkg, tmp_path / "run", overrides=["train.stepz=3"])
     with pytest.raises(scaletrain.ConfigError, match=r"train.global_batch = 8 must be divisible"):

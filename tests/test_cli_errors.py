@@ -149,7 +149,10 @@ CASES = [
     case("float-given-bool", "train {cfg} optim.lr=true", "optim.lr", "True", "number"),
     # --- values out of range
     case(
-        "steps-zero", "train {cfg} train.steps=0", "train.steps = 0", "greater than or equal to 1"
+        "steps-negative",
+        "train {cfg} train.steps=-1",
+        "train.steps = -1",
+        "greater than or equal to 0",
     ),
     case("lr-negative", "train {cfg} optim.lr=-1", "optim.lr = -1", "greater than 0"),
     case("lr-too-large", "train {cfg} optim.lr=20", "optim.lr = 20", "less than or equal to 10"),
@@ -429,8 +432,8 @@ CASES = [
     ),
     case(
         "bad-config-before-run-dir",
-        "train {cfg} train.steps=0 --run-dir {tmp}/old",
-        "train.steps = 0",
+        "train {cfg} train.steps=-1 --run-dir {tmp}/old",
+        "train.steps = -1",
         files={"old/metrics.jsonl": RUN},
     ),
     # --- data that is not there (checked before any process starts)

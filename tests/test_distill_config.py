@@ -65,8 +65,9 @@ def _write_teacher(run: Path, *, source: str, seed: int, input_shape: tuple[int,
     config = Config.model_validate(
         {"model": {"name": "mlp", "size": "tiny"}, "data": {"source": source}}
     )
-    torch.manual_seed(seed)
-    model = build_model("mlp", size="tiny", task=TaskSpec("classification", input_shape, 10))
+    model = build_model(
+        "mlp", size="tiny", task=TaskSpec("classification", input_shape, 10), seed=seed
+    )
     run.mkdir(parents=True)
     (run / "config.toml").write_text(config_to_toml(config))
     save_file(

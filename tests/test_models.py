@@ -63,8 +63,8 @@ def test_gpt_accepts_shorter_sequences_and_refuses_longer():
 @pytest.mark.parametrize("name,task", CASES)
 def test_same_seed_same_weights_and_outputs(name, task):
     def build(seed):
-        torch.manual_seed(seed)
-        return build_model(name, size="small", task=task)
+        torch.manual_seed(0)  # the global stream plays no part: the seed argument decides
+        return build_model(name, size="small", task=task, seed=seed)
 
     a, b, c = build(1), build(1), build(2)
     for key, value in a.state_dict().items():

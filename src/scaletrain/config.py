@@ -79,6 +79,8 @@ class ModelConfig(_Section):
     """model.name = 'hf': a local model directory (config.json + safetensors weights) to fine-tune."""
     hf_config: str = ""
     """model.name = 'hf': a local config.json, or a transformers config class (e.g. LlamaConfig) built with model.kwargs, to train from scratch."""
+    meta_init: bool = True
+    """Build the model on the meta device and materialise each rank's shards only (README, 'Models bigger than one device'); false: every rank builds the whole model first, then the layout splits it (the same values; the whole model's memory on every rank)."""
 
     @field_validator("name")
     @classmethod
@@ -133,8 +135,8 @@ class OptimConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(1000, ge=1)
-    """Optimizer steps to run."""
+    steps: int = Field(1000, ge=0)
+    """Optimizer steps to run; 0 evaluates and saves the initial weights (an init-only run)."""
     global_batch: int = Field(64, ge=1)
     """Examples per optimizer step, summed over all ranks and micro-batches."""
     micro_batch: int = Field(32, ge=1)

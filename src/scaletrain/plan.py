@@ -77,7 +77,7 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
     _check_model_and_data(config)
     check_distill_config(config, layout)
     _check_sources(config)
-    if t.stop_after >= t.steps:
+    if t.stop_after and t.stop_after >= t.steps:
         raise ConfigError(
             f"train.stop_after = {t.stop_after} must be below train.steps = "
             f"{t.steps} (0 disables the planned stop)"

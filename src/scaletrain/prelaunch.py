@@ -34,7 +34,7 @@ def check_layout_fits(config: Config, derived: Derived, code: UserCode = NO_CODE
     torch.manual_seed(config.train.seed)
     train_ds = build_data(config, split="train", code=code)
     with torch.device("meta"):  # the shapes are enough: no memory, no init time
-        model = build_net(config, train_ds, code=code)
+        model = build_net(config, train_ds, code=code, meta=True)
     if derived.ps is not None:  # every server must hold at least one parameter tensor
         try:
             model_partition(model, servers=derived.ps.servers)

@@ -23,6 +23,7 @@ from torch import nn
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models.cnn import CNN, CNN_CHANNELS
 from scaletrain.models.gpt import GPT, GPT_SHAPES
+from scaletrain.models.init import init_plan, is_meta, materialize
 from scaletrain.models.mlp import MLP, MLP_WIDTHS
 from scaletrain.user_code import UserCodeError, call, is_import_path, load_object
 
@@ -72,8 +73,17 @@ def build_model(
     hf_config: str = "",
     factory: Callable[..., nn.Module] | None = None,
     param_dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    meta: bool = False,
 ) -> nn.Module:
     """Build a freshly initialised model for `task`.
+
+    The model is built on the meta device and initialised by models/init.py's module rule,
+    which gives the same values whatever the layout. With `meta` it comes back
+    unmaterialised (the trainer materialises each rank's shards once the layout has split
+    it). A model that cannot be built that way (a user factory whose model declares no
+    `init_module`, or one that fails on the meta device; a pretrained Hugging Face
+    directory) is built whole, initialised from the global torch RNG; `is_meta` tells which.
 
     Args:
         name: one of MODEL_NAMES, "hf", or an import path 'package.module:function'.
@@ -87,18 +97,67 @@ def build_model(
         param_dtype: the dtype "hf" loads its weights in (float64 for the fp64 precision
             mode, so that float64 checkpoints are not rounded); other models are built in
             float32 and cast by the precision policy.
+        seed: the run's seed (train.seed), from which each module's init is drawn.
+        meta: return the model on the meta device where it can be built there.
 
     Raises:
         UserCodeError: a factory that does not import, raises, or returns no nn.Module.
         HFModelError: a Hugging Face directory or config that cannot train the task.
     """
+
+    def construct() -> nn.Module:
+        return _construct(
+            name,
+            size=size,
+            task=task,
+            dropout=dropout,
+            kwargs=kwargs or {},
+            path=path,
+            hf_config=hf_config,
+            factory=factory,
+            param_dtype=param_dtype,
+            meta=meta,
+        )
+
+    if name == "hf" and path and not meta:  # pretrained weights, read whole
+        return construct()
+    try:
+        with torch.device("meta"):
+            model = construct()
+    except Exception:
+        if factory is None and not is_import_path(name):
+            raise
+        return construct()  # a user factory that computes on its tensors, or a mistake: for real
+    plan = init_plan(model)
+    if plan is None:  # a module no initialiser covers: the model's own __init__ decides
+        return construct()
+    if not meta:
+        materialize([model], plan=plan, seed=seed, device=torch.device("cpu"))
+    return model
+
+
+def _construct(
+    name: str,
+    *,
+    size: str,
+    task: TaskSpec,
+    dropout: float,
+    kwargs: dict[str, Any],
+    path: str,
+    hf_config: str,
+    factory: Callable[..., nn.Module] | None,
+    param_dtype: torch.dtype,
+    meta: bool = False,
+) -> nn.Module:
+    """The dispatch from a name to a model, on whatever device is current (`meta`: a
+    pretrained Hugging Face model's weights are located, not read)."""
     if factory is not None or is_import_path(name):
-        return _from_factory(name, task=task, kwargs=kwargs or {}, factory=factory)
+        return _from_factory(name, task=task, kwargs=kwargs, factory=factory)
     if name == "hf":
         from scaletrain.models.hf import build_hf_model
 
         return build_hf_model(
-            path=path, hf_config=hf_config, kwargs=kwargs or {}, task=task, dtype=param_dtype
+            path=path, hf_config=hf_config, kwargs=kwargs, task=task, dtype=param_dtype, meta=meta
         )
     if name not in _REGISTRY:
         raise ValueError(
@@ -143,4 +202,4 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["MODEL_NAMES", "MODEL_SIZES", "build_model", "count_parameters"]
+__all__ = ["MODEL_NAMES", "MODEL_SIZES", "build_model", "count_parameters", "is_meta"]

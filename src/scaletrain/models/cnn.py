@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from scaletrain.models.init import reset_parameters
+
 CNN_CHANNELS = {  # output channels of each conv stage, by size
     "tiny": (8, 16),
     "small": (32, 64),
@@ -29,6 +31,9 @@ MIN_SIDE = 8  # smallest input side: pooling only at >= 8 pixels keeps every map
 
 class CNN(nn.Module):
     """conv3x3 -> ReLU [-> maxpool] per stage -> 4x4 adaptive max pool -> MLP head."""
+
+    # Built on the meta device, each layer gets torch's default init (models/init.py).
+    init_module = staticmethod(reset_parameters)
 
     def __init__(
         self,

@@ -162,16 +162,26 @@ class GPT(nn.Module):
         self._init_weights(n_layer=shape.n_layer)
 
     def _init_weights(self, *, n_layer: int) -> None:
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
+        self.n_layer = n_layer
+        for name, module in self.named_modules():
+            self.init_module(name, module)
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """nanoGPT's init of one module's own tensors, from torch's global RNG: the rule
+        models/init.py applies per module when the model is built on the meta device.
+
+        Linear and Embedding weights normal(0, 0.02), biases zero, LayerNorm ones and
+        zeros; attn.proj and mlp.proj, which write into the residual stream, are scaled
+        down by sqrt(2 * n_layer) so that its variance does not grow with depth.
+        """
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            residual = name.endswith(".proj")
+            std = 0.02 / math.sqrt(2 * self.n_layer) if residual else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
-        for name, param in self.named_parameters():
-            if name.endswith(
-                "proj.weight"
-            ):  # attn.proj and mlp.proj write into the residual stream
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map token ids (B, T), T <= block_size, to logits (B, T, V).

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from scaletrain.data.sources import TaskSpec
+from scaletrain.models.init import WeightFiles
 from scaletrain.models.spec import TP_STYLES, ModelSpec, PipelineSplit, check_spec
 from scaletrain.user_code import UserCodeError
 
@@ -72,6 +73,7 @@ def build_hf_model(
     kwargs: dict[str, Any],
     task: TaskSpec,
     dtype: torch.dtype = torch.float32,
+    meta: bool = False,
 ) -> nn.Module:
     """A causal LM for `task`: loaded from a local directory, or built from a config.
 
@@ -83,6 +85,10 @@ def build_hf_model(
             task.input_shape[0].
         dtype: the parameters' dtype (the master weights': float32, or float64 for the
             fp64 precision mode), whatever the checkpoint or config.json says.
+        meta: with `path`, build the model from its config.json on the current (meta)
+            device and read no weights: `scaletrain_weights` names where each tensor is,
+            and models/init.materialize reads each rank's slices once the layout has split
+            the model.
 
     Returns:
         The HF model in `dtype` and train mode, `config.use_cache = False`, with
@@ -134,7 +140,15 @@ def build_hf_model(
     # from_config honours config.dtype, often bfloat16 in a real config.json; scaletrain
     # keeps fp32 master weights and casts in its precision policy. (5.x renamed torch_dtype
     # to dtype; the old name still works but warns.)
-    if path:
+    if path and meta:  # the shapes now, each rank's slices of the weights later
+        model = _call(
+            f"model.path = {path!r}",
+            lambda: auto.from_config(config, trust_remote_code=False, dtype=dtype),
+        )
+        model.scaletrain_weights = weight_files(  # models/init.WEIGHTS_ATTR
+            model, weights_dir, where=f"model.path = {path!r}"
+        )
+    elif path:
         model = _load_pretrained(
             auto, weights_dir, config=config, where=f"model.path = {path!r}", dtype=dtype
         )
@@ -226,6 +240,34 @@ def save_hf(
     return out_dir
 
 
+def save_hf_beside(model: nn.Module, out_dir: Path, weights: Path) -> Path:
+    """A Hugging Face directory for weights already written whole (a split model's
+    model.safetensors, joined from every rank's shards): config.json (and the generation
+    config) from `model`, and the file itself, hard-linked (copied where it cannot be)
+    as out_dir/model.safetensors. `from_pretrained(out_dir)` reads it as it reads
+    save_pretrained's."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    use_cache, config.use_cache = config.use_cache, True  # as save_hf: inference expects it
+    try:
+        config.save_pretrained(out_dir)
+    finally:
+        config.use_cache = use_cache
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(out_dir)
+    target = out_dir / "model.safetensors"
+    target.unlink(missing_ok=True)
+    try:
+        target.hardlink_to(weights)
+    except OSError:
+        shutil.copyfile(weights, target)
+    return out_dir
+
+
 def _save_mean_pooling(out_dir: Path, *, width: int, max_len: int) -> None:
     """sentence-transformers' description of the encoder: the transformer, then the mean over
     the attention mask, the pooling every distillation loss and `scaletrain eval` use (no
@@ -314,6 +356,49 @@ def _check_model_dir(path: str) -> Path:
                 f"{where}: {index.name} names shards that are missing: {', '.join(missing)}"
             )
     return d
+
+
+def weight_files(model: nn.Module, weights_dir: Path, *, where: str) -> WeightFiles:
+    """Where each of the model's tensors is in a Hugging Face directory's safetensors (one
+    file, or shards named by model.safetensors.index.json), checked against the model's
+    shapes without reading a weight: a missing or mis-sized parameter is refused, as
+    `_load_pretrained` refuses it (HF would initialise it at random). A name the files
+    give without the base model's prefix ("layers.0..." for "model.layers.0...") is found."""
+    from safetensors import safe_open
+
+    index = weights_dir / "model.safetensors.index.json"
+    if index.is_file():
+        located = {
+            k: weights_dir / f
+            for k, f in _read_json(index, where=where).get("weight_map", {}).items()
+        }
+    else:
+        located = {}
+        for file in sorted(weights_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                located.update(dict.fromkeys(f.keys(), file))
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    files, missing, mismatched = {}, [], []
+    tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    for name, tensor in tensors.items():
+        key = name if name in located else name.removeprefix(prefix)
+        if key not in located:
+            if name in dict(model.named_parameters()):
+                missing.append(name)
+            continue
+        with safe_open(str(located[key]), framework="pt") as f:
+            shape = tuple(f.get_slice(key).get_shape())
+        if shape != tuple(tensor.shape):
+            mismatched.append(f"{name} {shape} != {tuple(tensor.shape)}")
+        files[name] = (located[key], key)
+    for kind, bad in (("missing keys", missing), ("mismatched keys", mismatched)):
+        if bad:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise HFModelError(
+                f"{where}: the safetensors weights do not fit its config.json ({kind}: "
+                f"{shown}); HF would initialise those at random"
+            )
+    return WeightFiles(files)
 
 
 def _load_pretrained(

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from scaletrain.models.init import reset_parameters
 from scaletrain.models.protocol import ModelSpec, PipelineSplit
 
 MLP_WIDTHS = {  # hidden widths by size
@@ -29,6 +30,9 @@ class MLP(nn.Module):
     # nothing lives outside `net`, so there are no ends to keep. No repeated blocks and no
     # TP plan: FSDP shards it as one unit, tensor parallelism is refused.
     scaletrain_spec = ModelSpec(pipeline=PipelineSplit(first=(), blocks="net", last=()))
+
+    # Built on the meta device, each layer gets torch's default init (models/init.py).
+    init_module = staticmethod(reset_parameters)
 
     def __init__(
         self,

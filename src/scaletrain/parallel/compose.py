@@ -3,8 +3,8 @@
 Order (written down once, here, in `parallelize`):
 
     precision cast (done by the caller) -> pipeline split -> tensor parallel ->
-    activation checkpointing -> FSDP -> torch.compile -> DDP (only without sharding) ->
-    DDP comm hook -> pipeline schedule
+    activation checkpointing -> FSDP -> materialise (a meta-built model) -> torch.compile ->
+    DDP (only without sharding) -> DDP comm hook -> pipeline schedule
 
 - The pipeline split comes first: every later technique applies to a stage, the part of
   the model this rank holds, not to the whole model.
@@ -13,6 +13,10 @@ Order (written down once, here, in `parallelize`):
   split by heads.
 - Activation checkpointing wraps whole blocks before FSDP makes each (wrapped) block a unit,
   so the recomputation all-gathers the block's parameters like its forward did.
+- A model built on the meta device (models/init.py) goes through the split, TP and FSDP as
+  shapes only; then each rank allocates its own shards (`to_empty`) and fills them by the
+  module rule, so the values are one process's whatever the layout, and no rank ever holds
+  more of the model than its shards plus one module's full tensors.
 - DDP goes last and only when nothing is sharded: it replicates whole parameters and
   all-reduces gradients; its comm hook (gradient compression) is registered on the wrapper.
   The module is compiled in place (`nn.Module.compile`) before DDP wraps it, so parameter
@@ -38,6 +42,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from scaletrain.models.init import WEIGHTS_ATTR, init_plan, is_meta, materialize
 from scaletrain.models.protocol import (
     ModelSpec,
     block_modules,
@@ -93,6 +98,7 @@ class Parallelized:
     mesh: object | None  # the run's DeviceMesh (None in one process)
     pipeline: object | None = None  # parallel.pipeline.Pipeline under pp > 1
     hook_state: HookState | None = None  # the DDP comm hook's state (bytes sent, PowerSGD)
+    weights_read: int = 0  # bytes of pretrained weights this rank read (its slices)
 
 
 def check_model_fits(
@@ -150,11 +156,13 @@ def parallelize(
     precision,
     loss_fn=None,
     compile: bool = False,
+    init_seed: int = 0,
 ) -> Parallelized:
     """Apply the layout's techniques to `model` in the documented order.
 
     Args:
-        model: the bare model, already in its master dtype, identical on every rank.
+        model: the bare model, already in its master dtype, identical on every rank: real,
+            or on the meta device (materialised here, after the split, by models/init.py).
         spec: its ModelSpec (blocks, TP plan, pipeline split).
         layout: the resolved degrees; rank: this process's global rank.
         device: this rank's device.
@@ -164,8 +172,11 @@ def parallelize(
             inside the pipeline).
         loss_fn: (output, batch) -> (sum, count); the pipeline's last stage computes it.
         compile: torch.compile the module in place (DDP path only; refused with sharding).
+        init_seed: train.seed, from which a meta-built model's modules are initialised.
     """
-    model = model.to(device)
+    plan = init_plan(model) if is_meta(model) else None  # read off the bare, unsplit model
+    if plan is None:
+        model = model.to(device)
     mesh = layout.build_mesh(device.type)
     coords = layout.coords(rank)
     parts, owner, stages = [model], model, None
@@ -203,10 +214,19 @@ def parallelize(
             )
             if layout.tp > 1:  # its output is TP's to_local() view: see the function
                 allow_tensor_parallel_output_view(part)
+    weights_read = 0
+    if plan is not None:  # 5. this rank's shards, each value as one process has it
+        weights_read = materialize(
+            parts,
+            plan=plan,
+            seed=init_seed,
+            device=device,
+            weights=getattr(model, WEIGHTS_ATTR, None),  # pretrained: read in slices
+        )
     if compile:
         owner.compile()  # in place: the same module and parameter names, a compiled forward
-    out = Parallelized(model=owner, mesh=mesh)
-    if layout.dp_replicate > 1 and layout.dp_shard == 1:  # 5. DDP (nothing else is on)
+    out = Parallelized(model=owner, mesh=mesh, weights_read=weights_read)
+    if layout.dp_replicate > 1 and layout.dp_shard == 1:  # 6. DDP (nothing else is on)
         out.model = apply_ddp(
             owner,
             device=device,
@@ -215,11 +235,11 @@ def parallelize(
         )
         out.hook_state = register_comm_hook(
             out.model,
-            name=parallel.comm_hook,  # 6.
+            name=parallel.comm_hook,  # 7.
             powersgd_rank=parallel.powersgd_rank,
             powersgd_start_iter=parallel.powersgd_start_iter,
         )
-    if layout.pp > 1:  # 7. the schedule over the finished stages
+    if layout.pp > 1:  # 8. the schedule over the finished stages
         from scaletrain.parallel.pipeline import build_pipeline
 
         out.pipeline = build_pipeline(

@@ -71,8 +71,12 @@ def build_data(config: Config, *, split: str, code: UserCode = NO_CODE) -> Datas
     )
 
 
-def build_net(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) -> torch.nn.Module:
-    """The configured model, sized for the data's task (freshly initialised, global RNG)."""
+def build_net(
+    config: Config, dataset: Dataset, *, code: UserCode = NO_CODE, meta: bool = False
+) -> torch.nn.Module:
+    """The configured model, sized for the data's task, initialised from train.seed by
+    models/init.py's module rule (or whole from the global RNG where a model cannot be
+    built on the meta device). `meta`: leave it unmaterialised where it can be."""
     m = config.model
     dtype = torch.float64 if config.precision.mode == "fp64" else torch.float32
     return build_model(
@@ -85,6 +89,8 @@ def build_net(config: Config, dataset: Dataset, *, code: UserCode = NO_CODE) -> 
         hf_config=m.hf_config,
         factory=code.model,
         param_dtype=dtype,
+        seed=config.train.seed,
+        meta=meta,
     )
 
 
@@ -169,20 +175,34 @@ def check_loss(
         raise UserCodeError(str(e)) from None
 
 
+# Above this many bytes of parameters and buffers the launcher checks the model on the meta
+# device (shapes and dtypes through the forward and a built-in loss), not on real weights:
+# building and initialising them would cost the launcher the whole model's memory and
+# seconds per GiB. The workers then run the full check, the user's loss included, on their
+# shards before the first step (training/trainer.py).
+CHECK_ON_META_BYTES = 256 * 2**20
+
+
 def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
     """Build the data, the model and the loss once in this process and run the model and
-    the loss on two training examples: what a worker would do first, without a process group.
+    the loss on two training examples: what a worker would do first, without a process
+    group. A model above CHECK_ON_META_BYTES is checked on the meta device.
 
     Raises:
         UserCodeError: naming the config key, the path and what went wrong.
     """
+    from scaletrain.distill.build import distilling
+    from scaletrain.models.init import is_meta
     from scaletrain.models.protocol import model_spec
     from scaletrain.precision import make_precision
 
     torch.manual_seed(config.train.seed)
     train_ds = build_data(config, split="train", code=code)
     eval_ds = build_data(config, split="eval", code=code)  # the eval split must exist and check too
-    model = build_net(config, train_ds, code=code)
+    model = build_net(config, train_ds, code=code, meta=not distilling(config))
+    on_meta = is_meta(model) and tensor_bytes(model) > CHECK_ON_META_BYTES
+    if is_meta(model) and not on_meta:  # small: real weights, the user's loss checked here
+        model = build_net(config, train_ds, code=code)
     try:
         model_spec(model)
     except UserError as e:  # ModelSpecError
@@ -202,6 +222,15 @@ def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
         )["train"]
     model = precision.convert_module(model)
     batch = train_ds.get(torch.arange(min(2, len(train_ds))))
+    if on_meta:  # shapes only; a user's loss may need values: the workers check it
+        check_fit(
+            model,
+            batch.to("meta"),
+            loss_fn=None if is_user_loss(config, code) else loss_fn,
+            precision=precision,
+            config=config,
+        )
+        return
     check_fit(model, batch, loss_fn=loss_fn, precision=precision, config=config)
     if is_user_loss(config, code):
         check_loss(
@@ -209,11 +238,22 @@ def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
         )
 
 
+def tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (their global shapes; meta included)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 def check_fit(
-    model: torch.nn.Module, batch: Batch, *, loss_fn: LossFn, precision: Precision, config: Config
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    loss_fn: LossFn | None,
+    precision: Precision,
+    config: Config,
 ) -> None:
     """One forward and loss on `batch`: a dataset whose items do not fit the model fails here
-    with the model, the data and the shapes named, instead of inside a worker's step."""
+    with the model, the data and the shapes named, instead of inside a worker's step (no
+    loss when `loss_fn` is None)."""
     from scaletrain.training.step import forward
     from scaletrain.user_code import describe_error
 
@@ -227,7 +267,8 @@ def check_fit(
                 f"{batch.inputs.dtype} raised {describe_error(e)}"
             ) from e
         try:
-            loss_fn(output, batch)
+            if loss_fn is not None:
+                loss_fn(output, batch)
         except Exception as e:
             raise UserCodeError(
                 f"train.loss = {config.train.loss!r} cannot compare the output of model.name = "

@@ -1,5 +1,11 @@
 """The end of a run: model.safetensors, hf-model/ (for a Hugging Face model), summary.json.
 
+A split model (dp_shard, tp or pp) is saved by every rank at once (`save_split_weights`):
+each rank writes its shards with torch.distributed.checkpoint's Hugging Face writer, and
+rank 0 joins them into one model.safetensors region by region. No rank ever holds more of
+the model than its shards and one piece being copied: not the whole model on rank 0, as a
+gathered state dict would put it.
+
 One function for both strategies, so that what a run leaves behind does not depend on how
 it trained: the collective trainer (training/trainer.py) and the parameter servers' server
 0 (ps/run.py) both call `finish_run`. The weights are written by `save_model` from the whole
@@ -23,12 +29,47 @@ from scaletrain.plan import Derived
 from scaletrain.rundir import write_summary
 from scaletrain.runtime import honour_umask
 
+WRITTEN = "written"  # `weights` when save_split_weights has written model.safetensors
+
+
+def save_split_weights(model: torch.nn.Module, *, run_dir: Path) -> None:
+    """RUN_DIR/model.safetensors from a split model: a collective, every rank calls it.
+
+    Each rank writes its own shards (DCP's `HuggingFaceStorageWriter`, save_distributed) into
+    RUN_DIR/.model-shards/sharded; rank 0 then consolidates them into one safetensors file
+    of full tensors (DCP's consolidation copies each shard's bytes into place), which
+    becomes model.safetensors. Plain parameter names (torch's model state dict), the
+    master dtype."""
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(unwrap(model))  # this rank's shards (DTensors)
+    staging = run_dir / ".model-shards"
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, list(state))  # under pp each stage holds other names
+    writer = HuggingFaceStorageWriter(
+        str(staging),
+        fqn_to_index_mapping={name: 1 for part in names for name in part},  # one file
+        save_distributed=True,
+        enable_consolidation=True,
+    )
+    dcp.save(state, storage_writer=writer)
+    if dist.get_rank() == 0:
+        (staging / "model-00001-of-00001.safetensors").replace(run_dir / "model.safetensors")
+        honour_umask(run_dir / "model.safetensors")
+        shutil.rmtree(staging)
+    dist.barrier()
+
 
 def write_weights(
     run_dir: Path,
     *,
     model: torch.nn.Module,
-    weights: dict[str, torch.Tensor] | None,
+    weights: dict[str, torch.Tensor] | str | None,
     config: Config,
 ) -> None:
     """model.safetensors (and hf-model/ for model.name = "hf") in the dtype that was trained.
@@ -36,10 +77,17 @@ def write_weights(
     Args:
         run_dir: the run directory.
         model: the trained module (DDP-wrapped or not; under [distill] the wrapper).
-        weights: a full state dict gathered from every rank (sharded or pipeline layouts),
-            or None when `model` is the whole model on this rank.
+        weights: a full state dict gathered from every rank (a split distillation
+            student), WRITTEN when `save_split_weights` has written model.safetensors
+            already, or None when `model` is the whole model on this rank.
         config: the run's config (the model's name and size go into the metadata).
     """
+    if weights == WRITTEN:
+        if config.model.name == "hf":  # its directory: the config beside the same file
+            from scaletrain.models.hf import save_hf_beside
+
+            save_hf_beside(unwrap(model), run_dir / "hf-model", run_dir / "model.safetensors")
+        return
     net, weights = student_weights(unwrap(model), weights)  # under [distill]: the student alone
     meta = {"model": config.model.name, "size": config.model.size}
     if weights is None:

@@ -32,7 +32,7 @@ from scaletrain.config import Config, config_to_toml
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.sources import Batch
-from scaletrain.distill.build import cached_splits
+from scaletrain.distill.build import cached_splits, distilling
 from scaletrain.distill.objective import take_terms
 from scaletrain.distill.teacher import describe_teacher, place_teacher
 from scaletrain.errors import UserError
@@ -40,6 +40,7 @@ from scaletrain.launch import under_elastic_agent
 from scaletrain.loss import LossFn
 from scaletrain.memory import WindowPeak
 from scaletrain.metrics import MetricsLogger
+from scaletrain.models.init import is_meta
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
 from scaletrain.parallel.compose import check_model_fits, full_state_dict, parallelize
@@ -71,6 +72,7 @@ from scaletrain.training.assemble import (
     is_user_loss,
 )
 from scaletrain.training.evaluate import evaluate
+from scaletrain.training.finish import WRITTEN, save_split_weights
 from scaletrain.training.finish import finish_run as _finish
 from scaletrain.training.hooks import step_hooks
 from scaletrain.training.optim import build_optimizer, build_scheduler
@@ -214,7 +216,12 @@ def build(
         growth_interval=config.precision.growth_interval,
         sharded=layout.splits_gradients,
     )
-    model = build_net(config, train_ds, code=code)
+    # On the meta device where the model allows it (models/init.py; model.meta_init):
+    # parallelize materialises this rank's shards only. A distillation student is built
+    # whole (its layers may be copied from the teacher's).
+    model = build_net(
+        config, train_ds, code=code, meta=config.model.meta_init and not distilling(config)
+    )
     # The loss, or under [distill] the student wrapped with its projections and the
     # distillation loss (the teacher lives in the loss; a cache rides with the batches).
     model, loss_fn, kd = build_objective(config, model, train_ds, precision=precision, code=code)
@@ -224,17 +231,27 @@ def build(
         )
         train_ds, eval_ds = cached["train"], cached["eval"]
     model = precision.convert_module(model)
-    if brings_own_code(config, code):  # on the bare model, before any technique splits it
-        _check_user_code(
-            model,
-            train_ds,
-            config,
-            code=code,
-            precision=precision,
-            loss_fn=loss_fn,
-            first=sampler.micro_batches(0)[0],
-            device=device,
-        )
+    on_meta = is_meta(model)
+    check_code = brings_own_code(config, code)
+    user_check = dict(
+        train_ds=train_ds,
+        config=config,
+        code=code,
+        precision=precision,
+        loss_fn=loss_fn,
+        first=sampler.micro_batches(0)[0],
+        device=device,
+    )
+    if check_code and not on_meta:  # on the bare model, before any technique splits it
+        _check_user_code(model.to(device), **user_check)
+    if (
+        not on_meta
+        and layout.splits_gradients
+        and penv.is_main
+        and config.model.meta_init
+        and not distilling(config)
+    ):
+        print(f"scaletrain: warning: {_built_whole(model, config)}", file=sys.stderr)
     spec = model_spec(model)
     try:
         check_model_fits(
@@ -258,12 +275,19 @@ def build(
         precision=precision,
         loss_fn=loss_fn,
         compile=config.train.compile,
+        init_seed=config.train.seed,
     )
+    # A meta-built model is checked on this rank's shards, every rank at once; not under pp
+    # (a stage cannot run alone), where the launcher's check on two examples stands.
+    if check_code and on_meta and par.pipeline is None:
+        _check_user_code(par.model, **user_check)
+        _reshard(par.model)  # the check's no-grad forward leaves FSDP's last block gathered
     model, hook_state = par.model, par.hook_state
     held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
+    read = f", {par.weights_read / 2**20:,.2f} MiB of weights read" if par.weights_read else ""
     startup.say(
         f"model: {held:,} parameters on this rank (model.name = "
-        f"{config.model.name!r}), layout {layout.describe()}"
+        f"{config.model.name!r}){read}, layout {layout.describe()}"
     )
     if kd is not None and kd.teacher is not None:  # replicated, or sharded like the student
         place_teacher(
@@ -329,6 +353,32 @@ def build(
     )
 
 
+def _reshard(model: torch.nn.Module) -> None:
+    """Every FSDP unit back to its shards (FSDP2's `reshard`), as before any forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _built_whole(model: torch.nn.Module, config: Config) -> str:
+    """Why every rank holds the whole model before the layout splits it, and what it costs."""
+    from scaletrain.models.init import INIT_ATTR, undeclared
+
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    why = (
+        "it is read from model.path whole"
+        if config.model.path
+        else f"module(s) {', '.join(undeclared(model)[:3])} have no initialiser: define "
+        f"`{INIT_ATTR}(name, module)` on the model to build it on the meta device"
+    )
+    return (
+        f"model.name = {config.model.name!r} is built whole on every rank ({size:,.1f} MiB) "
+        f"before the layout splits it: {why} (README, 'Models bigger than one device')"
+    )
+
+
 def _check_user_code(
     net: torch.nn.Module,
     train_ds: Dataset,
@@ -343,11 +393,12 @@ def _check_user_code(
     """Before the first step, every rank runs the user's model and loss on its first
     micro-batch (`check_fit`), and checks a user's loss sums (loss.py,
     `check_summed`): the launcher checked two examples, this checks what each rank will
-    train on, and in one process it is the only check. It runs on the bare model, before
-    any technique splits it. The ranks agree on the outcome, so none is left waiting in a
-    collective while another reports the mistake."""
+    train on, and in one process it is the only check. It runs on the bare model, on the
+    device, before any technique splits it; a meta-built model, on this rank's shards once
+    they exist (every rank at once). The ranks agree on the outcome, so none is left
+    waiting in a collective while another reports the mistake."""
     batch = train_ds.get(first).to(device)
-    net, problem = net.to(device), None
+    problem = None
     try:
         check_fit(net, batch, loss_fn=loss_fn, precision=precision, config=config)
         if is_user_loss(config, code):
@@ -487,7 +538,13 @@ def _loop(
             loss_fn=parts.loss_fn,
             pipeline=parts.pipeline,
         )
-    weights = full_state_dict(state.model, layout=parts.layout)  # every rank takes part
+    # Every rank takes part. A split model: each rank writes its shards, rank 0 joins them
+    # (no rank holds the whole model); a split student: its gathered state dict (renamed).
+    if parts.layout.splits_gradients and not distilling(config):
+        save_split_weights(state.model, run_dir=run_dir)
+        weights = WRITTEN
+    else:
+        weights = full_state_dict(state.model, layout=parts.layout)
     logger.log_eval({"step": t.steps, **eval_record})
     if not penv.is_main:
         return None
