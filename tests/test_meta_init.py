@@ -41,10 +41,9 @@ from harness import Case, load_weights, max_abs_diff
 
 SEED = 11
 
-GPT = """
-[model]
-name = "gpt"
-size = "small"        # 4 blocks, 4 heads: tp=2 splits heads, pp=2 gets two blocks a stage
+
+# Init-only runs (train.steps = 0), fp64, of either model.
+INIT_ONLY = """
 [data]
 source = "wikitext"
 seq_len = 32
@@ -60,7 +59,17 @@ quiet = true
 mode = "fp64"
 """
 
-LLAMA = """
+GPT = (
+    """
+[model]
+name = "gpt"
+size = "small"        # 4 blocks, 4 heads: tp=2 splits heads, pp=2 gets two blocks a stage
+"""
+    + INIT_ONLY
+)
+
+LLAMA = (
+    """
 [model]
 name = "hf"
 hf_config = "LlamaConfig"
@@ -72,20 +81,9 @@ num_hidden_layers = 2
 num_attention_heads = 4
 num_key_value_heads = 2
 max_position_embeddings = 64
-[data]
-source = "wikitext"
-seq_len = 32
-[train]
-steps = 0
-seed = 11
-global_batch = 16
-micro_batch = 4
-eval_examples = 8
-[log]
-quiet = true
-[precision]
-mode = "fp64"
 """
+    + INIT_ONLY
+)
 
 MODELS = {"gpt": GPT, "llama": LLAMA}
 

@@ -99,7 +99,7 @@ size = "tiny"
 source = "wikitext"
 seq_len = 64
 [train]
-steps = 150
+steps = 100           # the kill follows the step-50 checkpoint: 50 steps still to run
 global_batch = 16
 micro_batch = 8
 eval_examples = 32
@@ -156,7 +156,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(trained, tmp_path: Path) 
     a, b = load_weights(clean), load_weights(run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a), "restarted run differs from the clean run"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 150
+    assert summary["steps"] == 100
 
 
 # ---------------------------------------------------------------------------- in-process

@@ -149,6 +149,8 @@ def test_user_package_dp2_and_accumulation_match_one_process(trained, package_di
         {
             "dp2": _case(dp=2, micro_batch=16),
             "dp2-accum": _case(dp=2, micro_batch=4),
+            # Sharded: a model without init_module is built whole on every rank (said so).
+            "dp_shard2": Case.of(CONFIG, "parallel.dp_shard=2", "train.micro_batch=16"),
         },  # 4 micro-batches each
         world_size=2,
         cwd=package_dir,
@@ -156,9 +158,11 @@ def test_user_package_dp2_and_accumulation_match_one_process(trained, package_di
     reference = one["dp1"].run_dir
     ref = load_weights(reference)
     assert next(iter(ref.values())).dtype == torch.float64
-    for run in (two["dp2"].run_dir, two["dp2-accum"].run_dir):
+    for run in (two["dp2"].run_dir, two["dp2-accum"].run_dir, two["dp_shard2"].run_dir):
         assert max_abs_diff(ref, load_weights(run)) < TOL, run.name
         assert losses(run) == pytest.approx(losses(reference), abs=TOL)
+    assert "is built whole on every rank" in two["dp_shard2"].stderr[0]
+    assert "init_module" in two["dp_shard2"].stderr[0]
     # The steps moved the weights well beyond the tolerance: the comparison has teeth.
     assert max_abs_diff(ref, load_weights(one["one-step"].run_dir)) > 1e-3
 

@@ -44,14 +44,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.user_code import UserCodeError
+
 INIT_ATTR = "init_module"
 WEIGHTS_ATTR = "scaletrain_weights"  # on a meta-built model: its pretrained WeightFiles
 
 Initialiser = Callable[[str, nn.Module], None]
 
 
-class ModelInitError(RuntimeError):
-    """A module's initialiser left one of its tensors unset (still NaN)."""
+class ModelInitError(UserCodeError):
+    """A module's initialiser left one of its tensors unset (still NaN), or a weights file
+    holds a tensor of another shape: one line, as any mistake in the user's model."""
 
 
 def init_plan(model: nn.Module) -> dict[str, Initialiser] | None:

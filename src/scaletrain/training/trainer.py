@@ -367,15 +367,12 @@ def _built_whole(model: torch.nn.Module, config: Config) -> str:
     from scaletrain.models.init import INIT_ATTR, undeclared
 
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
-    why = (
-        "it is read from model.path whole"
-        if config.model.path
-        else f"module(s) {', '.join(undeclared(model)[:3])} have no initialiser: define "
-        f"`{INIT_ATTR}(name, module)` on the model to build it on the meta device"
-    )
+    missing = ", ".join(undeclared(model)[:3]) or "(the model failed on the meta device)"
     return (
         f"model.name = {config.model.name!r} is built whole on every rank ({size:,.1f} MiB) "
-        f"before the layout splits it: {why} (README, 'Models bigger than one device')"
+        f"before the layout splits it: module(s) {missing} have no initialiser; define "
+        f"`{INIT_ATTR}(name, module)` on the model to build it on the meta device (README, "
+        "'Models bigger than one device')"
     )
 
 
