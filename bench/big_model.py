@@ -10,6 +10,10 @@ the launcher and of each worker every 0.1 s (VmRSS, and VmHWM, the kernel's high
 mark of the process's resident memory) and prints, per rank, the peak next to the model's
 full fp32 parameter bytes.
 
+train.allocator = "system": the default (auto = retain, mallopt without trimming) keeps
+every freed block resident, which is the point of it for small models' steps and costs a
+large model its memory (206m: 3.8-4.2 GiB a rank with retain, about 2 with system).
+
 Contenders, the same run but for one key:
 - meta    model.meta_init = true (the default): every rank builds the model on the meta
           device and materialises its shards only (models/init.py);
@@ -65,6 +69,7 @@ steps = 2
 global_batch = {nproc}
 micro_batch = 1
 eval_examples = {nproc}
+allocator = "system"   # auto = retain: freed blocks stay resident (3.8-4.2 GiB a rank at 206m)
 [parallel]
 dp = 1
 dp_shard = {nproc}

@@ -335,3 +335,30 @@ def test_a_sharded_directory_fine_tunes_each_rank_reading_its_slices(trained, sh
     read = {"two": float(said.group(1).replace(",", "")) * 2**20}
     assert read["two"] > 0.4 * total, (read, total)  # rank 0 read its half of every tensor
     assert read["two"] < 0.6 * total, (read, total)  # rank 0: its half, not the whole
+
+
+def test_the_launcher_checks_a_big_model_on_the_meta_device(monkeypatch) -> None:
+    """Above CHECK_ON_META_BYTES the launcher's check builds the model once, on meta, and
+    runs it there (no weights allocated or drawn); below it, on real weights."""
+    import tomllib
+
+    from scaletrain.config import Config
+    from scaletrain.models.init import is_meta
+    from scaletrain.training import assemble
+
+    built = []
+    real_build = assemble.build_net
+
+    def spy(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        built.append(is_meta(model))
+        return model
+
+    monkeypatch.setattr(assemble, "build_net", spy)
+    config = Config.model_validate(tomllib.loads(LLAMA))
+    assemble.check_user_code(config)
+    assert built == [True, False]  # small: the meta build, then the real one
+    built.clear()
+    monkeypatch.setattr(assemble, "CHECK_ON_META_BYTES", 0)
+    assemble.check_user_code(config)
+    assert built == [True]

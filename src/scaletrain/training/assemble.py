@@ -223,13 +223,19 @@ def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
     model = precision.convert_module(model)
     batch = train_ds.get(torch.arange(min(2, len(train_ds))))
     if on_meta:  # shapes only; a user's loss may need values: the workers check it
-        check_fit(
-            model,
-            batch.to("meta"),
-            loss_fn=None if is_user_loss(config, code) else loss_fn,
-            precision=precision,
-            config=config,
-        )
+        try:
+            check_fit(
+                model,
+                batch.to("meta"),
+                loss_fn=None if is_user_loss(config, code) else loss_fn,
+                precision=precision,
+                config=config,
+            )
+        except UserCodeError as e:
+            if "meta" not in str(e.__cause__):
+                raise
+            # The forward reads a value somewhere (`.item()`, a data-dependent shape): the
+            # meta device cannot run it, and the workers check it on their shards.
         return
     check_fit(model, batch, loss_fn=loss_fn, precision=precision, config=config)
     if is_user_loss(config, code):
