@@ -298,10 +298,14 @@ def _print_outcome(run_dir: Path) -> None:
     rate = f"{training:.0f} examples/s in training steps (as the bar), " if training else ""
     # The wall time the user waited (this process's, imports and start-up included), then
     # what of it the steps and evaluations took (summary.json's wall_time_s).
+    final = (
+        "no step (train.steps = 0: the initial weights)"
+        if summary["steps"] == 0
+        else f"final loss {_number(summary['final_loss'])}"
+    )
     print(
         f"scaletrain: done in {_waited():.1f} s ({summary['wall_time_s']:.1f} s of it "
-        f"training and evaluating), final loss "
-        f"{_number(summary['final_loss'])}, eval {metric}; {rate}"
+        f"training and evaluating), {final}, eval {metric}; {rate}"
         f"{summary['examples_per_s']:.0f} examples/s over the wall time (evals included)"
     )
     print(f"scaletrain: run directory {run_dir}")
