@@ -10,9 +10,12 @@ the launcher and of each worker every 0.1 s (VmRSS, and VmHWM, the kernel's high
 mark of the process's resident memory) and prints, per rank, the peak next to the model's
 full fp32 parameter bytes.
 
-train.allocator = "system": the default (auto = retain, mallopt without trimming) keeps
-every freed block resident, which is the point of it for small models' steps and costs a
-large model its memory (206m: 3.8-4.2 GiB a rank with retain, about 2 with system).
+train.allocator is the default, auto: for a model of 256 MiB of parameters or more it is
+`release` (allocator.py: fixed mmap and trim thresholds, every freed block of 1 MiB or
+more handed back). `--allocator retain` or `system` shows what the others cost: retain
+keeps every freed block (206m: 3.8-4.2 GiB a rank), and glibc's defaults let FSDP's
+16-32 MiB gathered tensors fragment the heap (0.8b: above the whole model's bytes before
+the first step ended).
 
 Contenders, the same run but for one key:
 - meta    model.meta_init = true (the default): every rank builds the model on the meta
@@ -69,7 +72,7 @@ steps = 2
 global_batch = {nproc}
 micro_batch = 1
 eval_examples = {nproc}
-allocator = "system"   # auto = retain: freed blocks stay resident (3.8-4.2 GiB a rank at 206m)
+allocator = "{allocator}"
 [parallel]
 dp = 1
 dp_shard = {nproc}
@@ -128,7 +131,7 @@ def watch(
         time.sleep(0.1)
 
 
-def run(size: str, *, meta_init: bool, nproc: int, root: Path) -> dict:
+def run(size: str, *, meta_init: bool, nproc: int, root: Path, allocator: str) -> dict:
     hidden, layers, intermediate, heads = SIZES[size]
     cfg = root / f"{size}-{'meta' if meta_init else 'whole'}.toml"
     cfg.write_text(
@@ -139,6 +142,7 @@ def run(size: str, *, meta_init: bool, nproc: int, root: Path) -> dict:
             intermediate=intermediate,
             heads=heads,
             nproc=nproc,
+            allocator=allocator,
         )
     )
     run_dir = root / cfg.stem
@@ -171,6 +175,7 @@ def run(size: str, *, meta_init: bool, nproc: int, root: Path) -> dict:
         "contender": "meta" if meta_init else "whole",
         "params_bytes": param_bytes(hidden, layers, intermediate),
         "peaks": peaks,
+        "check_s": said.get("config"),  # the launcher's pre-launch check
         "model_ready_s": said.get("model"),
         "first_step_s": said.get("ready"),
         "wall_s": wall,
@@ -181,13 +186,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default="206m,0.8b")
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--allocator", default="auto", choices=("auto", "release", "retain", "system"))
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="big-model-") as tmp:
         for size in a.sizes.split(","):
             contenders = (True, False) if size == "206m" else (True,)
             for meta_init in contenders:
-                row = run(size, meta_init=meta_init, nproc=a.nproc, root=Path(tmp))
+                row = run(
+                    size, meta_init=meta_init, nproc=a.nproc, root=Path(tmp), allocator=a.allocator
+                )
                 rows.append(row)
                 print_row(row, nproc=a.nproc)
     print()
@@ -209,7 +217,8 @@ def print_row(row: dict, *, nproc: int) -> None:
     gib = 2**30
     print(
         f"{row['size']:>5} {row['contender']:<5}  model {full / gib:.2f} GiB fp32  "
-        f"launcher {row['peaks'].get('launcher', 0) / gib:.2f} GiB  ranks "
+        f"launcher {row['peaks'].get('launcher', 0) / gib:.2f} GiB "
+        f"(its check {row['check_s']} s)  ranks "
         + " ".join(f"{b / gib:.2f}" for b in ranks)
         + f" GiB  (worst {max(ranks) / full:.2f}x the model, "
         f"{'below' if max(ranks) < full else 'NOT below'} it)  model built {row['model_ready_s']} s, "

@@ -228,6 +228,35 @@ def test_mlp_run_from_the_cache_is_the_online_run(mlp_cache: Path, runs: dict[st
     assert_same_run(runs["mlp-online"], runs["mlp-cached"])
 
 
+def test_the_cache_is_streamed_a_row_group_at_a_time(
+    mlp_cache: Path, configs: dict[str, Path]
+) -> None:
+    """The digits cache has more than 4 row groups; read in shuffled batches it holds less
+    than 2 of them at any time (issue 19: not the whole cache on every rank), and every
+    batch carries exactly its rows' outputs. Red with the whole cache held (a
+    cache_row_groups as large as the cache)."""
+    import pyarrow.parquet as pq
+
+    from scaletrain.config import load_config
+    from scaletrain.distill.cache import with_cache
+    from scaletrain.training.assemble import build_data
+
+    ds = build_data(load_config(configs["mlp"], []), split="train")
+    cached = with_cache(ds, str(mlp_cache), split="train")
+    groups = len(cached.groups)
+    assert groups > 4, groups
+    assert cached.resident_bytes() == 0  # opening reads footers, no output
+    whole = pq.read_table(sorted((mlp_cache / "train").glob("part-*.parquet")))
+    logits = torch.tensor(whole.column("logits").to_pylist(), dtype=torch.float64)  # (N, 10)
+    group_bytes = int(max(cached.starts[1:] - cached.starts[:-1])) * logits[0].nbytes
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0))
+    for idx in order[:640].split(32):
+        got = cached.get(idx).teacher["logits"]
+        assert torch.equal(got, logits[idx])
+        assert cached.resident_bytes() < 2 * group_bytes
+    assert cached.row_groups_read >= groups
+
+
 def test_bert_run_from_the_cache_is_the_online_run(bert_cache: Path, runs: dict[str, Path]) -> None:
     info = json.loads((bert_cache / "cache.json").read_text())
     # attention_weight > 0 is cached too: each mapped block's (H, T, T) maps.

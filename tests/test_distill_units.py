@@ -977,3 +977,34 @@ def test_sentences_data_import_nothing_from_distill_or_models() -> None:
         m for m in imported if m.startswith(("scaletrain.distill", "scaletrain.models"))
     )
     assert not upward, f"data/sentences.py imports {upward}"
+
+
+def test_a_sharded_splits_cache_is_checked_by_its_manifest(monkeypatch) -> None:
+    """Parquet shards with a manifest: the cache's data check compares the manifest's
+    fingerprint (every shard's SHA-256, checked when the shards open) and rehashes no row;
+    another shard's hash is other data. Data without checksummed shards is rehashed."""
+    from types import SimpleNamespace
+
+    from scaletrain.data.manifest import ShardInfo
+
+    def split(sha: str | None) -> SimpleNamespace:
+        shards = (ShardInfo("part-00000.parquet", 6, 100, sha, (6,)),)
+        return SimpleNamespace(
+            spec=TaskSpec("classification", (2,), 3),
+            manifest=SimpleNamespace(shards=shards),
+        )
+
+    class Sized(SimpleNamespace):
+        def __len__(self) -> int:
+            return 6
+
+    ds, other = Sized(**vars(split("ab" * 32))), Sized(**vars(split("cd" * 32)))
+    part = {"rows": 6, "data_sha256": "x", "manifest_sha256": kd_cache.manifest_fingerprint(ds)}
+
+    def no_rehash(ds):
+        raise AssertionError("a row was rehashed")
+
+    monkeypatch.setattr(kd_cache, "data_fingerprint", no_rehash)
+    assert kd_cache.same_data(part, ds)
+    assert not kd_cache.same_data(part, other)
+    assert kd_cache.manifest_fingerprint(Sized(**vars(split(None)))) is None

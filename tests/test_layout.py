@@ -107,6 +107,17 @@ def test_resolve_refuses_degrees_that_do_not_multiply_to_the_world() -> None:
     assert "= 8" in message and "world size 4" in message and "--nproc 8" in message
 
 
+def test_fsdp_offload_is_refused_on_gpus_with_the_reason(tmp_path: Path) -> None:
+    """CPU offload is tested on gloo (test_model_parallel_parity's dp_shard2-offload); on
+    NCCL it would need a CPU process group for the offloaded gradients: refused, named."""
+    config = tmp_path / "c.toml"
+    config.write_text("[parallel]\ndp = 1\ndp_shard = 2\nfsdp_offload = true\n")
+    resolve(load_config(config, []), world_size=2, nproc_per_node=2)  # gloo: accepted
+    nccl = load_config(config, ["parallel.backend=nccl"])
+    with pytest.raises(ConfigError, match="fsdp_offload.*gloo"):
+        resolve(nccl, world_size=2, nproc_per_node=2)
+
+
 def test_resolve_refuses_a_world_the_fixed_degrees_do_not_divide() -> None:
     with pytest.raises(LayoutError) as e:
         ParallelLayout(dp_shard=2, tp=2).resolve(6)  # dp_replicate -1: 6 / 4 is no degree

@@ -117,6 +117,13 @@ TWO_RANKS = {
         ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=16"],
         1,
     ),
+    # CPU offload (FSDP2's CPUOffloadPolicy): shards, gradients and the optimizer step on
+    # the CPU; on a CPU run the policy's copies are CPU to CPU, the numbers unchanged.
+    "dp_shard2-offload": (
+        2,
+        ["parallel.dp_shard=2", "parallel.fsdp_offload=true", "train.micro_batch=4"],
+        2,
+    ),
     # Activation checkpointing: recomputation in backward changes no number.
     "dp_shard2-ac_full": (
         2,

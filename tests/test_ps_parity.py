@@ -138,8 +138,15 @@ def _ps(
     assert (summary["mode"], summary["servers"], summary["workers"]) == (mode, servers, workers)
     assert summary["workers_alive"] == workers and summary["dead_workers"] == {}
     stderr = (run_dir / "stderr.txt").read_text()
+    # Each server holds its partition, not the model (issue 19): the bytes it reports add
+    # up to the model's, and with 2 servers each is a part of them.
+    held = {int(k): n for k, n in summary["param_bytes_by_server"].items()}
+    assert sorted(held) == list(range(servers))
+    assert sum(held.values()) == summary["model_param_bytes"]
+    assert all(0 < n < summary["model_param_bytes"] for n in held.values()) or servers == 1
     for k in range(servers):
         assert f"# scaletrain ps server {k}: rank {k}," in stderr
+        assert f"scaletrain: server {k} holds " in stderr
     for w in range(workers):
         assert f"# scaletrain ps worker {w}: rank {servers + w}," in stderr
     return run_dir

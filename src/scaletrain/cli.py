@@ -430,6 +430,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "CPU heap policy": _heap_policy(config.train.allocator, device),
         "torch.compile": "on (inductor, before DDP)" if config.train.compile else "off",
         "epochs": _epochs(config),
+        **_eval_rows(config, d, local_ranks=spec.nproc),
     }
     # What the config comes to first (a screen), then the placement; the key-by-key listing
     # (hundreds of lines) only with --all.
@@ -456,6 +457,40 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for warning in d.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _eval_rows(config: Config, d, *, local_ranks: int) -> dict[str, str]:
+    """What the final evaluation costs: its forwards per data-parallel rank and, under
+    dp_shard, how often FSDP gathers the model for them (train.eval_gather)."""
+    from scaletrain.data.sampler import eval_indices
+    from scaletrain.training.assemble import build_data, build_net
+    from scaletrain.training.evaluate import keeps_gathered
+
+    if d.ps is not None:
+        return {}
+    t = config.train
+    eval_ds = build_data(config, split="eval")
+    forwards = len(
+        eval_indices(
+            len(eval_ds), limit=t.eval_examples, dp_rank=0, dp_size=d.layout.dp, batch=t.micro_batch
+        )
+    )
+    row = f"{min(len(eval_ds), t.eval_examples)} examples, {forwards} forward(s) per dp rank"
+    if d.layout.dp_shard > 1 and forwards > 1:
+        model = build_net(config, eval_ds, meta=True)
+        width = 8 if config.precision.mode == "fp64" else 4  # the master weights' bytes
+        size = sum(p.numel() for p in model.parameters()) * width
+        keep = keeps_gathered(t.eval_gather, unsharded_bytes=size, local_ranks=local_ranks)
+        row += (
+            f"; FSDP gathers the model's {size / 2**20:,.1f} MiB "
+            + (
+                "once and keeps it for all of them"
+                if keep
+                else f"for each forward ({forwards} x, no more memory than a step)"
+            )
+            + f" (train.eval_gather = {t.eval_gather!r})"
+        )
+    return {"final evaluation": row}
 
 
 def _ps_rows(config: Config, d) -> dict[str, str]:
@@ -552,10 +587,17 @@ def _optimizer_kernels(impl: str, device: str) -> str:
 
 
 def _heap_policy(mode: str, device: str) -> str:
-    from scaletrain.allocator import resolve_allocator
 
-    chosen = resolve_allocator(mode, device_type=device)
-    return f"auto -> {chosen}" if mode == "auto" else chosen
+    if mode != "auto":
+        return mode
+    if device != "cpu":
+        return "auto -> system"
+    from scaletrain.allocator import AUTO_RELEASE_BYTES
+
+    return (
+        f"auto -> retain (release for a model of {AUTO_RELEASE_BYTES // 2**20} MiB of "
+        "parameters or more)"
+    )
 
 
 def _epochs(config: Config) -> str:

@@ -147,6 +147,8 @@ class TrainConfig(_Section):
     """Evaluate on the held-out split every N steps (0: only at the end)."""
     eval_examples: int = Field(10000, ge=1)
     """At most this many held-out examples per evaluation."""
+    eval_gather: Literal["auto", "keep", "per-batch"] = "auto"
+    """Under dp_shard, an evaluation's gathered parameters: keep = gathered once and kept for all its micro-batches, per-batch = gathered for each forward (no more memory than a step), auto = keep when the unsharded model takes at most a quarter of this rank's share of the machine's available memory."""
     max_bad_steps: int = Field(5, ge=1)
     """Stop after this many consecutive steps with a non-finite loss or gradient."""
     threads: int = Field(0, ge=0)
@@ -155,8 +157,8 @@ class TrainConfig(_Section):
     """Planned stop: checkpoint and exit after this step (0: run to train.steps)."""
     compile: bool = False
     """Wrap the model in torch.compile (inductor) before DDP; the first steps pay the compile time."""
-    allocator: Literal["auto", "system", "retain"] = "auto"
-    """CPU heap: retain keeps freed activation memory mapped (no per-step mmap/munmap), system = glibc's defaults, auto = retain on CPU."""
+    allocator: Literal["auto", "system", "retain", "release"] = "auto"
+    """CPU heap: retain keeps freed activation memory mapped (no per-step mmap/munmap), release hands every freed block of 1 MiB or more back (for large models), system = glibc's defaults, auto = retain on CPU for a model under 256 MiB of parameters, release from there on."""
     loss: str = "auto"
     """cross-entropy, mse, auto (mse for regression data, else cross-entropy), or 'package.module:function' returning (summed loss, count) for (model output, batch)."""
 
@@ -192,7 +194,7 @@ class ParallelConfig(_Section):
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: full (every block), selective (every other block), none."""
     fsdp_offload: bool = False
-    """FSDP: keep parameters and optimizer state in CPU memory between uses (for GPU runs)."""
+    """FSDP2's CPU offload: parameters, gradients and optimizer step in CPU memory. Tested on CPU runs (gloo: equal to one process); refused on GPUs until scaletrain creates the CPU process group the offloaded gradients need beside NCCL."""
 
     @property
     def replicate(self) -> int:

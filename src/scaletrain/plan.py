@@ -89,6 +89,13 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
         import torch
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if config.parallel.fsdp_offload and backend == "nccl":
+        raise ConfigError(
+            "parallel.fsdp_offload = true is refused on GPUs (backend nccl): the offloaded "
+            "gradients live on the CPU, and the gradient-norm and loss all-reduces would need "
+            "a CPU (gloo) process group beside NCCL, which scaletrain does not create yet; "
+            "allowed: fsdp_offload on CPU runs (gloo), where it is tested against one process"
+        )
     cores = len(os.sched_getaffinity(0))
     threads = t.threads or max(1, cores // nproc_per_node)
     return Derived(

@@ -8,8 +8,10 @@ records what the outputs depend on:
 - the teacher's weights SHA-256 and its dtype;
 - each split's data fingerprint: the SHA-256 of every row's inputs, extras and targets in
   row order (the data as the trainer sees them, whichever source or shards they come from),
-  and the row count;
+  and the row count; for Parquet shards with a manifest, also the manifest's (each shard's
+  SHA-256), which a run checks instead of rehashing every row (`same_data`);
 - which outputs, their shapes, top_k, and the teacher's layer count and width.
+The outputs are streamed (`CachedDataset`): a row group at a time, as batches need them.
 A run with distill.cache checks all of it before the first step: other data, another
 teacher (distill.teacher's weights, whatever kind of teacher it is, or distill.teacher_sha256
 when the cache is given alone), another teacher dtype or an output the cache
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,6 +44,8 @@ from scaletrain.user_code import UserCodeError
 INFO = "cache.json"
 ROWS_PER_FILE = 8192
 CHUNK = 256  # rows per teacher forward while writing, and per hashing read
+ROW_GROUP_BYTES = 4 * 2**20  # a row group's target size (`_group_rows`)
+MIN_GROUP_ROWS = 16
 
 
 class CacheError(UserCodeError):
@@ -56,6 +61,31 @@ def data_fingerprint(ds: Dataset) -> str:
             h.update(name.encode())
             h.update(t.contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def manifest_fingerprint(ds: Dataset) -> str | None:
+    """SHA-256 of a Parquet-shard split's manifest entries (each shard's name, rows, size
+    and SHA-256, which the reader checks on open) and the task: a cheap check of the same
+    data, as strict as rehashing every row. None for data without checksummed shards."""
+    manifest = getattr(ds, "manifest", None)
+    shards = getattr(manifest, "shards", ())
+    if not shards or any(s.sha256 is None for s in shards):
+        return None
+    h = hashlib.sha256(repr(ds.spec).encode())
+    for s in shards:
+        h.update(f"{s.file}:{s.rows}:{s.bytes}:{s.sha256}".encode())
+    return h.hexdigest()
+
+
+def same_data(part: dict, ds: Dataset) -> bool:
+    """The data a cache split was written for is `ds`: by the manifest where the split has
+    one (read at open, no row decoded), else by every row's hash."""
+    if part["rows"] != len(ds):
+        return False
+    cheap = manifest_fingerprint(ds)
+    if cheap is not None and part.get("manifest_sha256"):
+        return cheap == part["manifest_sha256"]
+    return part["data_sha256"] == data_fingerprint(ds)
 
 
 def write_cache(
@@ -100,7 +130,7 @@ def write_cache(
                     out_dir / split / f"part-{part:05d}.parquet", table.schema
                 )
                 part, rows_in_file = part + 1, 0
-            writer.write_table(table)
+            writer.write_table(table, row_group_size=_group_rows(table))
             rows_in_file += table.num_rows
             advance(table.num_rows)
         if writer is not None:
@@ -108,11 +138,19 @@ def write_cache(
         info["splits"][split] = {
             "rows": len(ds),
             "data_sha256": data_fingerprint(ds),
+            "manifest_sha256": manifest_fingerprint(ds),
             "shapes": shapes,
         }
         report(f"scaletrain: cached {len(ds)} {split} rows ({', '.join(shapes)})")
     (out_dir / INFO).write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def _group_rows(table: pa.Table) -> int:
+    """Rows per row group: CHUNK, fewer for wide rows (hidden states of long sequences), so
+    that a row group, what a streamed read decodes for one row, stays near ROW_GROUP_BYTES."""
+    row_bytes = max(1, table.nbytes // max(1, table.num_rows))
+    return max(MIN_GROUP_ROWS, min(CHUNK, ROW_GROUP_BYTES // row_bytes))
 
 
 def _top_k(outputs: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
@@ -169,7 +207,7 @@ def check_cache(
     part = info["splits"].get(split)
     if part is None:
         raise CacheError(f"{where} has no {split!r} split")
-    if part["rows"] != len(ds) or part["data_sha256"] != data_fingerprint(ds):
+    if not same_data(part, ds):
         raise CacheError(
             f"{where} was written for other {split} data ({part['rows']} rows, data "
             f"SHA-256 {part['data_sha256'][:12]}...) than this run's ({len(ds)} rows): "
@@ -203,16 +241,39 @@ def check_cache_teacher(
 
 
 class CachedDataset:
-    """A dataset whose batches carry their rows' cached teacher outputs."""
+    """A dataset whose batches carry their rows' cached teacher outputs, streamed: the
+    cache's Parquet row groups are read as batches need them and only the last one read is
+    kept (`cache_row_groups`), so the cache's resident memory is one row group plus the
+    batch's own rows, whatever the cache's size. Rows are found through the files' footers
+    (row counts per row group); no output is read at open."""
 
-    def __init__(self, base: Dataset, cache_dir: Path, *, split: str, shapes: dict) -> None:
+    def __init__(
+        self,
+        base: Dataset,
+        cache_dir: Path,
+        *,
+        split: str,
+        shapes: dict,
+        cache_row_groups: int = 1,
+    ) -> None:
         self.base, self.spec = base, base.spec
-        table = pq.read_table(sorted((cache_dir / split).glob("part-*.parquet")))
-        self.outputs = {}
-        for key, meta in shapes.items():
-            column = table.column(key).combine_chunks()
-            flat = np.array(column.flatten()).reshape(len(base), -1)  # a writable copy
-            self.outputs[key] = torch.from_numpy(flat).view(len(base), *meta["shape"])
+        self.shapes, self.cache_row_groups = shapes, cache_row_groups
+        self.files = sorted((cache_dir / split).glob("part-*.parquet"))
+        self.groups: list[tuple[int, int]] = []  # global row group -> (file, row group)
+        sizes = []
+        for f, path in enumerate(self.files):
+            meta = pq.ParquetFile(path).metadata
+            for r in range(meta.num_row_groups):
+                self.groups.append((f, r))
+                sizes.append(meta.row_group(r).num_rows)
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (G + 1,)
+        if int(self.starts[-1]) != len(base):
+            raise CacheError(
+                f"{cache_dir / split}: {int(self.starts[-1])} cached rows for {len(base)} "
+                "data rows: write the cache again"
+            )
+        self.held: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()  # decoded groups
+        self.row_groups_read = 0
 
     def __len__(self) -> int:
         return len(self.base)
@@ -224,11 +285,43 @@ class CachedDataset:
     def prefetch(self, indices: torch.Tensor) -> None:
         self.base.prefetch(indices)
 
+    def resident_bytes(self) -> int:
+        """The bytes of the decoded row groups held now (the cache's share of memory)."""
+        return sum(t.numel() * t.element_size() for g in self.held.values() for t in g.values())
+
     def get(self, indices: torch.Tensor) -> Batch:
         batch = self.base.get(indices)
-        return replace(
-            batch, teacher={k: v.index_select(0, indices) for k, v in self.outputs.items()}
-        )
+        idx = np.asarray(indices, dtype=np.int64)
+        group = np.searchsorted(self.starts, idx, side="right") - 1  # (B,)
+        out = {
+            k: torch.empty(
+                (len(idx), *meta["shape"]), dtype=getattr(torch, meta["dtype"])
+            )  # (B, ...)
+            for k, meta in self.shapes.items()
+        }
+        for g in np.unique(group).tolist():  # each row group once per batch
+            pos = torch.from_numpy(np.flatnonzero(group == g))
+            rows = torch.from_numpy(idx[pos.numpy()] - self.starts[g])
+            for k, values in self._row_group(g).items():
+                out[k].index_copy_(0, pos, values.index_select(0, rows))
+        return replace(batch, teacher=out)
+
+    def _row_group(self, g: int) -> dict[str, torch.Tensor]:
+        if g in self.held:
+            self.held.move_to_end(g)
+            return self.held[g]
+        f, r = self.groups[g]
+        table = pq.ParquetFile(self.files[f]).read_row_group(r, columns=list(self.shapes))
+        decoded = {}
+        for key, meta in self.shapes.items():
+            column = table.column(key).combine_chunks()
+            flat = np.array(column.flatten()).reshape(table.num_rows, -1)  # a writable copy
+            decoded[key] = torch.from_numpy(flat).view(table.num_rows, *meta["shape"])
+        self.row_groups_read += 1
+        self.held[g] = decoded
+        while len(self.held) > self.cache_row_groups:
+            self.held.popitem(last=False)
+        return decoded
 
 
 def with_cache(

@@ -158,6 +158,33 @@ def materialize(
     return read
 
 
+def initial_values(
+    model: nn.Module, names: Sequence[str], *, plan: dict[str, Initialiser], seed: int
+) -> dict[str, torch.Tensor]:
+    """The initial values of some of a meta-built model's parameters (full tensors, on the
+    CPU, in each parameter's dtype): what `materialize` gives them, drawn one module at a
+    time, without materialising the rest. A parameter server holds only its partition.
+
+    Args:
+        model: the bare model on the meta device.
+        names: parameter names as `named_parameters` gives them (a tied weight under the
+            first module that holds it, which is the one `materialize` draws it in).
+        plan, seed: as for `materialize`.
+    """
+    by_module: dict[str, list[str]] = {}
+    for full in names:
+        module, _, attr = full.rpartition(".")
+        by_module.setdefault(module, []).append(attr)
+    out = {}
+    for module_name, attrs in by_module.items():
+        module = model.get_submodule(module_name)
+        values = draw(module_name, module, init=plan[module_name], seed=seed)
+        for attr in attrs:
+            like = module._parameters[attr]
+            out[_join(module_name, attr)] = values[attr].to(like.dtype)
+    return out
+
+
 def draw(name: str, module: nn.Module, *, init: Initialiser, seed: int) -> dict[str, torch.Tensor]:
     """The full values of `module`'s own tensors: its initialiser run on CPU stand-ins of
     their global shapes, under a seed of its own. The module's tensors are swapped for the

@@ -31,7 +31,6 @@ their step, their RNG is reseeded per step).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -204,6 +203,41 @@ def _build_model(config: Config, derived: Derived):
     return model, precision, train_ds, build_loss(config, train_ds)
 
 
+def _server_part(config: Config, derived: Derived, *, index: int):
+    """What server `index` holds: the held-out set (for its task, and server 0's evals),
+    precision, loss, its partition's parameters (their initial values, the workers'), and
+    the model's parameter bytes. The model is built on the meta device and only the
+    partition is drawn (models/init.py's module rule, the values the workers' whole
+    builds get); a model that cannot be built on meta is built whole and all but the
+    partition dropped. No server reads the training set."""
+    from scaletrain.models.init import init_plan, initial_values, is_meta
+    from scaletrain.precision import make_precision
+    from scaletrain.runtime import seed_everything
+    from scaletrain.training.assemble import build_loss, build_net
+
+    seed_everything(config.train.seed)  # a model built whole draws from the global RNG
+    eval_ds = _eval_data(config)
+    precision = make_precision(config.precision.mode, device_type="cpu")
+    model = precision.convert_module(build_net(config, eval_ds, meta=True))
+    names = model_partition(model, servers=derived.ps.servers)[index]
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if is_meta(model):
+        values = initial_values(model, names, plan=init_plan(model), seed=config.train.seed)
+        params = {n: torch.nn.Parameter(v) for n, v in values.items()}
+    else:
+        whole = dict(model.named_parameters())
+        params = {n: whole[n] for n in names}
+    return eval_ds, precision, build_loss(config, eval_ds), params, model_bytes
+
+
+def _param_bytes(params: dict[str, torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 # ---------------------------------------------------------------------- worker
 
 
@@ -283,10 +317,8 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
     from scaletrain.training.optim import build_optimizer, build_scheduler
 
     t, o, ps, shape = config.train, config.optim, config.ps, derived.ps
-    model, precision, train_ds, loss_fn = _build_model(config, derived)
-    full = dict(model.named_parameters())
-    names = model_partition(model, servers=shape.servers)[index]
-    shard = shard_module({n: full[n] for n in names})
+    eval_ds, precision, loss_fn, params, model_bytes = _server_part(config, derived, index=index)
+    shard = shard_module(params)
     per_step = 1 if ps.mode == "sync" else shape.workers  # gradients per global step
     optimizer = build_optimizer(
         shard,
@@ -331,17 +363,20 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         logger.message(f"scaletrain: resumed from {resume_from} at step {state.step}")
     for warning in derived.warnings:
         logger.message(f"scaletrain: warning: {warning}")
-    eval_model = copy.deepcopy(model) if main else None
+    print(
+        f"scaletrain: server {index} holds {len(params)} parameters, "
+        f"{_mib(_param_bytes(params))} of the model's {_mib(model_bytes)}",
+        file=sys.stderr,
+        flush=True,
+    )
     metrics = None
     if main:
-        eval_ds = _eval_data(config)
         metrics = ServerMetrics(
             config,
             derived,
             logger=logger,
             start_step=state.step,
             evaluate=lambda: _evaluate(
-                eval_model,
                 config,
                 shape.servers,
                 eval_ds=eval_ds,
@@ -371,7 +406,7 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
 
     server = ParameterServer(
         index=index,
-        params={n: full[n] for n in names},
+        params=params,
         optimizer=optimizer,
         scheduler=scheduler,
         workers=shape.workers,
@@ -432,7 +467,6 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
                 run_dir,
                 config,
                 derived,
-                model=eval_model,
                 server=server,
                 metrics=metrics,
                 wall=wall,
@@ -519,24 +553,37 @@ def _versions(own: int, servers: int) -> dict[int, int]:
     return out
 
 
-def _gather(model: torch.nn.Module, servers: int) -> dict[str, torch.Tensor]:
-    """Every server's current parameters, loaded into `model`; returned by name."""
-    weights: dict[str, torch.Tensor] = {}
-    for k in range(servers):
-        weights.update(rpc.rpc_sync(server_name(k), ps_server.rpc_snapshot, timeout=60))
+def _param_bytes_by_server(own: int, servers: int) -> dict[str, int]:
+    """Every server's resident parameter bytes (server 0's given)."""
+    out = {"0": own}
+    for k in range(1, servers):
+        out[str(k)] = rpc.rpc_sync(server_name(k), ps_server.rpc_param_bytes, timeout=60)
+    return out
+
+
+def _gathered_model(config: Config, servers: int, *, eval_ds, precision) -> torch.nn.Module:
+    """The whole model with every server's current parameters, for an evaluation or the
+    final save: built for the moment (its buffers initialised as the workers' are), each
+    server's shard copied in as it arrives, dropped by the caller afterwards."""
+    from scaletrain.training.assemble import build_net
+
+    model = precision.convert_module(build_net(config, eval_ds))
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n in weights:
-                p.copy_(weights[n])
-    return weights
+        for k in range(servers):
+            shard = rpc.rpc_sync(server_name(k), ps_server.rpc_snapshot, timeout=60)
+            for n, value in shard.items():
+                params[n].copy_(value)
+            del shard
+    return model
 
 
-def _evaluate(
-    model: torch.nn.Module, config: Config, servers: int, *, eval_ds, precision, loss_fn
-) -> dict:
+def _evaluate(config: Config, servers: int, *, eval_ds, precision, loss_fn, model=None) -> dict:
+    """Server 0's evaluation on the gathered model (`model`, or one gathered now)."""
     from scaletrain.training.evaluate import eval_record, eval_totals
 
-    _gather(model, servers)
+    if model is None:
+        model = _gathered_model(config, servers, eval_ds=eval_ds, precision=precision)
     totals = eval_totals(
         model,
         eval_ds,
@@ -557,7 +604,6 @@ def _finish(
     config: Config,
     derived: Derived,
     *,
-    model: torch.nn.Module,
     server: ParameterServer,
     metrics: ServerMetrics,
     wall: float,
@@ -570,9 +616,15 @@ def _finish(
     with the servers' own section in the summary."""
     from scaletrain.training.finish import finish_run
 
+    model = _gathered_model(config, derived.ps.servers, eval_ds=eval_ds, precision=precision)
     record = _evaluate(
-        model, config, derived.ps.servers, eval_ds=eval_ds, precision=precision, loss_fn=loss_fn
-    )  # `model` now holds every server's parameters
+        config,
+        derived.ps.servers,
+        eval_ds=eval_ds,
+        precision=precision,
+        loss_fn=loss_fn,
+        model=model,
+    )
     metrics.logger.log_eval({"step": config.train.steps, **record})
     dead = {str(w): why for w, why in sorted(server.clocks.dead.items())}
     ps = {
@@ -589,6 +641,11 @@ def _finish(
         "staleness_histogram": {str(k): n for k, n in sorted(metrics.staleness_hist.items())},
         "delay_histogram": {str(k): n for k, n in sorted(metrics.delay_hist.items())},
         "staleness_bound": config.ps.staleness if config.ps.mode == "ssp" else None,
+        # What each server holds: its partition, not the model (ps/partition.py).
+        "param_bytes_by_server": _param_bytes_by_server(
+            _param_bytes(dict(zip(server.names, server.params))), derived.ps.servers
+        ),
+        "model_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
     summary = finish_run(
         run_dir,

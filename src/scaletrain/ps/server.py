@@ -651,3 +651,8 @@ def rpc_snapshot() -> dict[str, torch.Tensor]:
 
 def rpc_version() -> int:
     return _server().version
+
+
+def rpc_param_bytes() -> int:
+    """The bytes of the parameters this server holds (its partition)."""
+    return sum(p.numel() * p.element_size() for p in _server().params)

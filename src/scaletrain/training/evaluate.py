@@ -9,7 +9,9 @@ server with no collective (ps/run.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -134,20 +136,85 @@ def evaluate(
     peers evaluate the same examples (their forward is collective) and count them once;
     under pipeline parallelism the last stage has the output."""
     layout = derived.layout
-    totals = eval_totals(
-        unwrap(model),
-        eval_ds,
-        limit=config.train.eval_examples,
-        batch=config.train.micro_batch,
-        dp_rank=layout.dp_rank(penv.rank),
-        dp_size=layout.dp,
-        counts=layout.reports_loss(penv.rank),
-        precision=precision,
-        device=device,
-        loss_fn=loss_fn,
-        pipeline=pipeline,
+    keep = keeps_gathered(
+        config.train.eval_gather,
+        unsharded_bytes=unsharded_bytes(unwrap(model)),
+        local_ranks=penv.local_world_size,
     )
+    with gathered_for_eval(unwrap(model), keep=keep):  # one gather for every micro-batch
+        totals = eval_totals(
+            unwrap(model),
+            eval_ds,
+            limit=config.train.eval_examples,
+            batch=config.train.micro_batch,
+            dp_rank=layout.dp_rank(penv.rank),
+            dp_size=layout.dp,
+            counts=layout.reports_loss(penv.rank),
+            precision=precision,
+            device=device,
+            loss_fn=loss_fn,
+            pipeline=pipeline,
+        )
     all_reduce_sum(totals)  # the terms with the loss: one sum over the data-parallel shares
     return eval_record(
         totals, kind=eval_ds.spec.kind, loss_name=config.train.loss, terms=term_names(loss_fn)
     )
+
+
+# ---------------------------------------------------------------------------------------
+# A sharded model's evaluation: gathered once, or per forward.
+
+
+def keeps_gathered(mode: str, *, unsharded_bytes: int, local_ranks: int) -> bool:
+    """Whether an evaluation keeps FSDP's gathered parameters across its micro-batches
+    (train.eval_gather): "keep", "per-batch", or "auto" = keep when the unsharded model
+    takes at most a quarter of this rank's share of the machine's available memory."""
+    if mode != "auto":
+        return mode == "keep"
+    available = available_memory_bytes()
+    return available is not None and unsharded_bytes <= available // max(local_ranks, 1) // 4
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def unsharded_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the model's parameters gathered whole (a DTensor's global shape)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@contextlib.contextmanager
+def gathered_for_eval(model: torch.nn.Module, *, keep: bool) -> Iterator[None]:
+    """With `keep`, every FSDP unit stays gathered after its first forward of the
+    evaluation (FSDP2's `set_reshard_after_forward(False)`, as torch documents it for
+    evals), so that the evaluation gathers the model once instead of once per
+    micro-batch; afterwards every unit is resharded and gets its setting back.
+    Without FSDP units, or without `keep`, nothing changes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if keep else []
+    before = [_reshards_after_forward(m) for m in units]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit, setting in zip(units, before):
+            unit.reshard()
+            unit.set_reshard_after_forward(setting, recurse=False)
+
+
+def _reshards_after_forward(unit) -> bool:
+    """A unit's current reshard-after-forward setting. torch has a setter and no getter:
+    read from its parameter groups (post_forward_mesh_info is set when it reshards)."""
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    return any(g.post_forward_mesh_info is not None for g in groups)

@@ -35,30 +35,41 @@ WRITTEN = "written"  # `weights` when save_split_weights has written model.safet
 def save_split_weights(model: torch.nn.Module, *, run_dir: Path) -> None:
     """RUN_DIR/model.safetensors from a split model: a collective, every rank calls it.
 
-    Each rank writes its own shards (DCP's `HuggingFaceStorageWriter`, save_distributed) into
-    RUN_DIR/.model-shards/sharded; rank 0 then consolidates them into one safetensors file
-    of full tensors (DCP's consolidation copies each shard's bytes into place), which
-    becomes model.safetensors. Plain parameter names (torch's model state dict), the
-    master dtype."""
+    Each rank writes its own shards (DCP's `HuggingFaceStorageWriter`, save_distributed)
+    into RUN_DIR/.model-shards/sharded, one file per tensor: the writer serialises a file
+    whole in memory, so one file per tensor keeps a rank's extra memory to one tensor's
+    shard, not all of its shards. Rank 0 then consolidates them into one safetensors file
+    of full tensors (DCP's consolidation, the function the writer calls itself: one full
+    tensor in memory at a time), which becomes model.safetensors. Plain parameter names
+    (torch's model state dict), the master dtype."""
     import shutil
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files,
+    )
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(unwrap(model))  # this rank's shards (DTensors)
     staging = run_dir / ".model-shards"
     names = [None] * dist.get_world_size()
     dist.all_gather_object(names, list(state))  # under pp each stage holds other names
+    every = sorted({name for part in names for name in part})
     writer = HuggingFaceStorageWriter(
-        str(staging),
-        fqn_to_index_mapping={name: 1 for part in names for name in part},  # one file
+        str(staging / "sharded"),
+        fqn_to_index_mapping={name: i + 1 for i, name in enumerate(every)},  # a file each
         save_distributed=True,
-        enable_consolidation=True,
     )
     dcp.save(state, storage_writer=writer)
+    del state
     if dist.get_rank() == 0:
+        consolidate_safetensors_files(
+            input_dir=str(staging / "sharded"),
+            output_dir=str(staging),
+            fqn_to_index_mapping=dict.fromkeys(every, 1),  # one output file
+        )
         (staging / "model-00001-of-00001.safetensors").replace(run_dir / "model.safetensors")
         honour_umask(run_dir / "model.safetensors")
         shutil.rmtree(staging)

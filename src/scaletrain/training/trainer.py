@@ -70,6 +70,7 @@ from scaletrain.training.assemble import (
     check_fit,
     check_loss,
     is_user_loss,
+    tensor_bytes,
 )
 from scaletrain.training.evaluate import evaluate
 from scaletrain.training.finish import WRITTEN, save_split_weights
@@ -106,6 +107,7 @@ class Parts:
     # Called after each step's train_step with (step, its seconds): what a benchmark or a
     # user hooks in (training/hooks.py); the loop itself sleeps for nobody.
     after_step: tuple[Callable[[int, float], None], ...] = ()
+    heap: str = "system"  # the CPU heap policy applied (allocator.py)
 
     @property
     def reports_loss(self) -> bool:
@@ -127,9 +129,6 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
     penv = read_env()
     derived = resolve(config, world_size=penv.world_size, nproc_per_node=penv.local_world_size)
     set_threads(derived.threads)
-    heap = configure_allocator(
-        config.train.allocator, device_type="cuda" if derived.backend == "nccl" else "cpu"
-    )
     device = init_distributed(penv, backend=derived.backend, timeout_s=config.parallel.timeout_s)
     startup = Startup(enabled=penv.is_main and not config.log.quiet)
     startup.say(f"{penv.world_size} process(es) up, {derived.threads} thread(s) each")
@@ -165,8 +164,8 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
         logger.message(f"scaletrain: warning: {warning}")
     if parts.teacher is not None:
         logger.message(f"scaletrain: {describe_teacher(parts.teacher)}")
-    if heap != "system":
-        logger.message(f"scaletrain: CPU heap policy: {heap} (train.allocator)")
+    if parts.heap != "system":
+        logger.message(f"scaletrain: CPU heap policy: {parts.heap} (train.allocator)")
     startup.say(
         f"ready: step {parts.state.step + 1} of {config.train.steps} starting (the "
         "first is slower: warm-up)"
@@ -221,6 +220,10 @@ def build(
     # whole (its layers may be copied from the teacher's).
     model = build_net(
         config, train_ds, code=code, meta=config.model.meta_init and not distilling(config)
+    )
+    # The heap policy before any shard is allocated: auto picks it by the model's size.
+    heap = configure_allocator(
+        config.train.allocator, device_type=device.type, model_bytes=tensor_bytes(model)
     )
     # The loss, or under [distill] the student wrapped with its projections and the
     # distillation loss (the teacher lives in the loss; a cache rides with the batches).
@@ -350,6 +353,7 @@ def build(
         dp_group=layout.dp_group(par.mesh),
         teacher=kd.teacher if kd is not None else None,
         after_step=step_hooks(config, dp_rank=layout.dp_rank(penv.rank)),
+        heap=heap,
     )
 
 
