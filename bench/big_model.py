@@ -31,6 +31,8 @@ Time per phase comes from the rank-0 start-up lines ("model: ... (t s)", "ready:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -114,6 +116,16 @@ def workers_of(launcher: int) -> dict[int, int]:
     return found
 
 
+LOW_MEMORY = 1.5 * 2**30
+
+
+def available_bytes() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return float("inf")
+
+
 def watch(
     launcher: subprocess.Popen, *, nproc: int, peaks: dict[str, int], stop: threading.Event
 ) -> None:
@@ -128,6 +140,13 @@ def watch(
             hwm = status(pid).get("VmHWM")
             if hwm:
                 peaks[name] = max(peaks.get(name, 0), hwm)
+        if available_bytes() < LOW_MEMORY:  # stop before the OOM killer picks a process
+            peaks["stopped: memory ran out"] = 1
+            launcher.kill()
+            for pid in workers.values():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, 9)
+            return
         time.sleep(0.1)
 
 
@@ -164,7 +183,8 @@ def run(size: str, *, meta_init: bool, nproc: int, root: Path, allocator: str) -
     stop.set()
     watcher.join()
     wall = time.perf_counter() - started
-    if launcher.returncode != 0:
+    stopped = bool(peaks.pop("stopped: memory ran out", None))
+    if launcher.returncode != 0 and not stopped:
         raise SystemExit(f"{cfg.stem}: status {launcher.returncode}\n{err[-3000:]}")
     said = {
         m.group(1): float(m.group(2))
@@ -179,6 +199,7 @@ def run(size: str, *, meta_init: bool, nproc: int, root: Path, allocator: str) -
         "model_ready_s": said.get("model"),
         "first_step_s": said.get("ready"),
         "wall_s": wall,
+        "stopped": stopped,  # the machine's available memory ran out: peaks so far
     }
 
 
@@ -186,12 +207,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default="206m,0.8b")
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument(
+        "--whole",
+        default="206m",
+        help="sizes that also run the whole-model build (0.8b: four whole copies, about "
+        "18 GiB; the run is stopped if the machine's available memory falls under 1.5 GiB)",
+    )
     p.add_argument("--allocator", default="auto", choices=("auto", "release", "retain", "system"))
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="big-model-") as tmp:
         for size in a.sizes.split(","):
-            contenders = (True, False) if size == "206m" else (True,)
+            contenders = (True, False) if size in a.whole.split(",") else (True,)
             for meta_init in contenders:
                 row = run(
                     size, meta_init=meta_init, nproc=a.nproc, root=Path(tmp), allocator=a.allocator
@@ -221,7 +248,9 @@ def print_row(row: dict, *, nproc: int) -> None:
         f"(its check {row['check_s']} s)  ranks "
         + " ".join(f"{b / gib:.2f}" for b in ranks)
         + f" GiB  (worst {max(ranks) / full:.2f}x the model, "
-        f"{'below' if max(ranks) < full else 'NOT below'} it)  model built {row['model_ready_s']} s, "
+        f"{'below' if max(ranks) < full else 'NOT below'} it)"
+        + ("  STOPPED: the machine's memory ran out" if row["stopped"] else "")
+        + f"  model built {row['model_ready_s']} s, "
         f"first step {row['first_step_s']} s, wall {row['wall_s']:.0f} s",
         flush=True,
     )

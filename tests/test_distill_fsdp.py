@@ -3,7 +3,8 @@
 The 4-layer BERT teacher is fully_shard-ed block by block over the same dp_shard mesh as the
 student (distill/teacher.place_teacher): each rank keeps half of its weights and gathers a
 block's for its forward. The run must still be the one-process run, in float64 within 1e-9,
-and rank 0 must say the teacher is sharded and holds about half of its bytes.
+and rank 0 must say the teacher is sharded and holds about half of its bytes, and that it read
+about half of the teacher's weights (built on meta, each rank reads its slices).
 
 Both runs are the session's `trained` runs (harness.run_job: the workers' own entry), one
 job per world size; rank 0's output is each case's captured stdout and stderr.
@@ -15,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from test_distill_parity import BERT_STUDENT, TOL, save_bert_teacher
 
@@ -23,6 +25,7 @@ from harness import Case, load_weights, losses, max_abs_diff
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
 
+READ_LINE = re.compile(r"([\d.]+) MiB of its weights read")
 TEACHER_LINE = re.compile(r"distillation teacher .*?([\d.]+) MiB on this rank \((\w+)")
 
 
@@ -30,6 +33,7 @@ def test_fsdp_shards_the_teacher_and_matches_one_process(trained, tmp_path: Path
     teacher = save_bert_teacher(tmp_path / "bert-teacher")
     common = [
         f"distill.teacher={teacher}",
+        "distill.init_layers=[]",  # the teacher is then built on meta and read in slices
         "train.global_batch=16",
         "train.micro_batch=4",
         "log.quiet=false",
@@ -48,3 +52,16 @@ def test_fsdp_shards_the_teacher_and_matches_one_process(trained, tmp_path: Path
     assert (whole_kind, shard_kind) == ("replicated", "sharded")
     # Half of every sharded parameter, rounded up per tensor (dim 0 split in 2).
     assert float(shard_mib) == pytest.approx(float(whole_mib) / 2, rel=0.05)
+    # Built on meta and read in slices (issue 19): rank 0 read about half of the weights'
+    # bytes in the teacher's files; the one-process teacher was loaded whole (no line).
+    (read_mib,) = READ_LINE.findall(fsdp.stdout[0] + fsdp.stderr[0])
+    assert not READ_LINE.findall(one.stdout[0] + one.stderr[0])
+    file_mib = (
+        sum(
+            t.numel() * t.element_size()
+            for f in teacher.glob("*.safetensors")
+            for t in load_file(f).values()
+        )
+        / 2**20
+    )
+    assert float(read_mib) == pytest.approx(file_mib / 2, rel=0.05)

@@ -71,6 +71,7 @@ def build_distillation(
     hard: LossFn | None,
     precision: Precision,
     cache_info: dict | None = None,
+    teacher_meta: bool = False,
 ) -> Distillation:
     """Teacher, layer map, initialisation, teacher precision, wrapper and loss.
 
@@ -81,6 +82,9 @@ def build_distillation(
         hard: the hard-label loss, None for sentence data.
         precision: the student's precision (the teacher's 'same' follows it).
         cache_info: with distill.cache, the cache's metadata (teacher layers and width).
+        teacher_meta: build a Hugging Face teacher on the meta device, for
+            `place_teacher` to read each rank's slices (the trainer under dp_shard); not
+            with init_layers, which copies its values now.
     """
     d, w = config.distill, weights_of(config)
     hugging_face = _is_hf(student)
@@ -125,6 +129,7 @@ def build_distillation(
             expected_sha256=d.teacher_sha256,
             load_dtype=load_dtype,
             attentions=w.attention > 0,
+            meta=teacher_meta and not d.init_layers,  # init_layers copies its values now
         )
     if w.attention > 0:
         student.set_attn_implementation("eager")  # sdpa returns no attention maps

@@ -22,6 +22,7 @@ save them for the student's backward (an inference tensor cannot be saved).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import tempfile
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class Teacher:
     sha256: str  # of the weights' safetensors files, in name order
     source: str  # what distill.teacher said
     hugging_face: bool  # a transformers model: hidden states and attentions on request
+    weights_read: int = 0  # bytes this rank read of the weights (read in slices when sharded)
 
 
 def packaged_minilm_dir() -> Path:
@@ -122,6 +124,7 @@ def load_teacher(
     expected_sha256: str = "",
     load_dtype: torch.dtype = torch.float32,
     attentions: bool = False,
+    meta: bool = False,
 ) -> Teacher:
     """Find, verify and load the teacher for the student's data, frozen, in `load_dtype`.
 
@@ -132,6 +135,8 @@ def load_teacher(
         load_dtype: the dtype the weights are loaded in (float32 or float64: the student may
             be initialised from them before `set_precision` casts them).
         attentions: the attention maps are needed (Hugging Face "eager" attention).
+        meta: a Hugging Face teacher is built on the meta device and its weights located,
+            not read: `place_teacher` reads each rank's slices once FSDP has sharded it.
     """
     # The teacher leaves the global RNG as it found it: the student's dropout (and a run
     # from the cache, which loads no teacher) draw from train.seed's stream.
@@ -142,11 +147,18 @@ def load_teacher(
             expected_sha256=expected_sha256,
             load_dtype=load_dtype,
             attentions=attentions,
+            meta=meta,
         )
 
 
 def _load(
-    source: str, *, task: TaskSpec, expected_sha256: str, load_dtype: torch.dtype, attentions: bool
+    source: str,
+    *,
+    task: TaskSpec,
+    expected_sha256: str,
+    load_dtype: torch.dtype,
+    attentions: bool,
+    meta: bool,
 ) -> Teacher:
     kind, d = teacher_kind(source)
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,9 +167,10 @@ def _load(
         if kind == "hf":
             from scaletrain.models.hf import build_hf_model
 
-            module = build_hf_model(
-                path=str(d), hf_config="", kwargs={}, task=task, dtype=load_dtype
-            )
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                module = build_hf_model(
+                    path=str(d), hf_config="", kwargs={}, task=task, dtype=load_dtype, meta=meta
+                )
             if attentions:  # sdpa returns no attention maps
                 module.set_attn_implementation("eager")
         else:
@@ -326,21 +339,34 @@ def place_teacher(teacher: Teacher, *, device: torch.device, mesh=None) -> Teach
         device: this rank's device.
         mesh: None, or the 1-D "dp_shard" DeviceMesh (replicated across dp_replicate).
     """
-    module = teacher.module.to(device)
-    if mesh is None:
-        return teacher
-    from torch.distributed.fsdp import fully_shard
+    from scaletrain.models.init import WEIGHTS_ATTR, init_plan, is_meta, materialize
 
-    from scaletrain.models.protocol import block_modules, model_spec
+    module = teacher.module
+    on_meta = is_meta(module)
+    if not on_meta:
+        module.to(device)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
 
-    for block in block_modules(module, model_spec(module)):
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    # Then each top-level child (embeddings, the rest), not the root itself: fully_shard
-    # changes a module's class, and transformers finds what it records for
-    # output_hidden_states / output_attentions by the root model's class.
-    for child in module.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh, reshard_after_forward=True)
+        from scaletrain.models.protocol import block_modules, model_spec
+
+        for block in block_modules(module, model_spec(module)):
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        # Then each top-level child (embeddings, the rest), not the root itself: fully_shard
+        # changes a module's class, and transformers finds what it records for
+        # output_hidden_states / output_attentions by the root model's class.
+        for child in module.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh, reshard_after_forward=True)
+    if on_meta:  # this rank's slices only, read from the files (a buffer: its init)
+        teacher.weights_read = materialize(
+            [module],
+            plan=init_plan(module) or {},
+            seed=0,
+            device=device,
+            weights=getattr(module, WEIGHTS_ATTR),
+        )
+        module.requires_grad_(False)
     return teacher
 
 
@@ -357,4 +383,9 @@ def describe_teacher(teacher: Teacher) -> str:
         f"distillation teacher {teacher.source} (SHA-256 {teacher.sha256[:12]}...): "
         f"{total / 1e6:.2f}M parameters in {str(teacher.dtype).removeprefix('torch.')}, "
         f"{here / 2**20:.1f} MiB on this rank ({'sharded over dp_shard' if sharded else 'replicated'})"
+        + (
+            f", {teacher.weights_read / 2**20:.1f} MiB of its weights read"
+            if teacher.weights_read
+            else ""
+        )
     )

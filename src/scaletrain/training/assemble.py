@@ -114,10 +114,12 @@ def build_objective(
     *,
     precision: Precision,
     code: UserCode = NO_CODE,
+    teacher_meta: bool = False,
 ):
     """The model the trainer trains and its loss: (net, configured loss, None), or under
     [distill] the student wrapped with its projections, the distillation loss and the
-    `Distillation` (distill/build.py)."""
+    `Distillation` (distill/build.py). `teacher_meta`: the teacher on the meta device, read
+    in slices when it is placed (build_distillation)."""
     from scaletrain.distill.build import build_distillation, distilling
 
     hard = None if dataset.spec.kind == "encode" else build_loss(config, dataset, code=code)
@@ -135,7 +137,13 @@ def build_objective(
 
         cache_info = read_info(config.distill.cache)
     kd = build_distillation(
-        config, net, task=dataset.spec, hard=hard, precision=precision, cache_info=cache_info
+        config,
+        net,
+        task=dataset.spec,
+        hard=hard,
+        precision=precision,
+        cache_info=cache_info,
+        teacher_meta=teacher_meta,
     )
     return kd.model, kd.loss_fn, kd
 

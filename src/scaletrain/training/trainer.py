@@ -227,7 +227,17 @@ def build(
     )
     # The loss, or under [distill] the student wrapped with its projections and the
     # distillation loss (the teacher lives in the loss; a cache rides with the batches).
-    model, loss_fn, kd = build_objective(config, model, train_ds, precision=precision, code=code)
+    # A teacher sharded like the student is built on meta and each rank reads its slices
+    # (place_teacher, below).
+    check_code = brings_own_code(config, code)
+    model, loss_fn, kd = build_objective(
+        config,
+        model,
+        train_ds,
+        precision=precision,
+        code=code,
+        teacher_meta=layout.dp_shard > 1,
+    )
     if config.distill.cache:
         cached = cached_splits(
             config, kd, precision=precision, splits={"train": train_ds, "eval": eval_ds}
@@ -235,7 +245,6 @@ def build(
         train_ds, eval_ds = cached["train"], cached["eval"]
     model = precision.convert_module(model)
     on_meta = is_meta(model)
-    check_code = brings_own_code(config, code)
     user_check = dict(
         train_ds=train_ds,
         config=config,
@@ -245,7 +254,12 @@ def build(
         first=sampler.micro_batches(0)[0],
         device=device,
     )
-    if check_code and not on_meta:  # on the bare model, before any technique splits it
+    # Checked on the bare model before any technique splits it; a meta-built model, or a
+    # student whose teacher is on meta, on this rank's shards once both are placed (below).
+    shards_checked = on_meta or (
+        kd is not None and kd.teacher is not None and is_meta(kd.teacher.module)
+    )
+    if check_code and not shards_checked:
         _check_user_code(model.to(device), **user_check)
     if (
         not on_meta
@@ -280,11 +294,6 @@ def build(
         compile=config.train.compile,
         init_seed=config.train.seed,
     )
-    # A meta-built model is checked on this rank's shards, every rank at once; not under pp
-    # (a stage cannot run alone), where the launcher's check on two examples stands.
-    if check_code and on_meta and par.pipeline is None:
-        _check_user_code(par.model, **user_check)
-        _reshard(par.model)  # the check's no-grad forward leaves FSDP's last block gathered
     model, hook_state = par.model, par.hook_state
     held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
     read = f", {par.weights_read / 2**20:,.2f} MiB of weights read" if par.weights_read else ""
@@ -296,6 +305,11 @@ def build(
         place_teacher(
             kd.teacher, device=device, mesh=par.mesh["dp_shard"] if layout.dp_shard > 1 else None
         )
+    # A meta-built model is checked on this rank's shards, every rank at once; not under pp
+    # (a stage cannot run alone), where the launcher's check on two examples stands.
+    if check_code and shards_checked and par.pipeline is None:
+        _check_user_code(par.model, **user_check)
+        _reshard(par.model)  # the check's no-grad forward leaves FSDP's last block gathered
     o = config.optim
     # A fused kernel takes the fp16 scaler's found-inf flag as a plain tensor, which it
     # cannot mix with DTensor parameters, and fused SGD has no DTensor sharding rule at all
