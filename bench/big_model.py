@@ -41,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 
+from scaletrain.memory import available_bytes
+
 SIZES = {  # name -> (hidden, layers, intermediate, heads)
     "206m": (1024, 16, 2816, 16),
     "0.8b": (2048, 16, 5632, 16),
@@ -119,13 +121,6 @@ def workers_of(launcher: int) -> dict[int, int]:
 LOW_MEMORY = 1.5 * 2**30
 
 
-def available_bytes() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return float("inf")
-
-
 def watch(
     launcher: subprocess.Popen, *, nproc: int, peaks: dict[str, int], stop: threading.Event
 ) -> None:
@@ -140,7 +135,9 @@ def watch(
             hwm = status(pid).get("VmHWM")
             if hwm:
                 peaks[name] = max(peaks.get(name, 0), hwm)
-        if available_bytes() < LOW_MEMORY:  # stop before the OOM killer picks a process
+        if (
+            available_bytes() or float("inf")
+        ) < LOW_MEMORY:  # stop before the OOM killer picks a process
             peaks["stopped: memory ran out"] = 1
             launcher.kill()
             for pid in workers.values():

@@ -67,10 +67,10 @@ def test_an_evaluation_gathers_the_model_once_when_it_keeps_it(monkeypatch, keep
 def test_auto_keeps_a_model_that_fits_a_quarter_of_the_ranks_share(monkeypatch) -> None:
     from scaletrain.training import evaluate
 
-    monkeypatch.setattr(evaluate, "available_memory_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(evaluate, "available_bytes", lambda: 16 * 2**30)
     assert keeps_gathered("auto", unsharded_bytes=2**30, local_ranks=4)  # 1 <= 16 / 4 / 4
     assert not keeps_gathered("auto", unsharded_bytes=2**30 + 1, local_ranks=4)
     assert keeps_gathered("keep", unsharded_bytes=2**40, local_ranks=4)
     assert not keeps_gathered("per-batch", unsharded_bytes=1, local_ranks=4)
-    monkeypatch.setattr(evaluate, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(evaluate, "available_bytes", lambda: None)
     assert not keeps_gathered("auto", unsharded_bytes=1, local_ranks=1)

@@ -587,17 +587,17 @@ def _optimizer_kernels(impl: str, device: str) -> str:
 
 
 def _heap_policy(mode: str, device: str) -> str:
+    from scaletrain.allocator import AUTO_RELEASE_BYTES, resolve_allocator
 
+    chosen = resolve_allocator(mode, device_type=device)  # the model's size not known here
     if mode != "auto":
-        return mode
-    if device != "cpu":
-        return "auto -> system"
-    from scaletrain.allocator import AUTO_RELEASE_BYTES
-
-    return (
-        f"auto -> retain (release for a model of {AUTO_RELEASE_BYTES // 2**20} MiB of "
-        "parameters or more)"
-    )
+        return chosen
+    if chosen == "retain":
+        return (
+            f"auto -> retain (release for a model of {AUTO_RELEASE_BYTES // 2**20} MiB of "
+            "parameters or more)"
+        )
+    return f"auto -> {chosen}"
 
 
 def _epochs(config: Config) -> str:

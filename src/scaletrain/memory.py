@@ -100,6 +100,24 @@ class WindowPeak:
         }
 
 
+def global_bytes(tensors) -> int:
+    """Bytes of the tensors at their global shapes: a DTensor counts whole (what gathering
+    it costs), a meta tensor by its shape."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo: what the machine can still give (None where there is
+    none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    except OSError:
+        pass
+    return None
+
+
 def local_bytes(tensors) -> int:
     """Bytes of the tensors as this rank holds them: a DTensor counts its local shard only
     (FSDP's 1/N of a parameter, TP's slice), not its global shape."""

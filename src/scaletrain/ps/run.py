@@ -45,6 +45,7 @@ import torch.distributed.rpc as rpc
 
 from scaletrain.allocator import configure_allocator
 from scaletrain.config import Config, ConfigError, config_to_toml
+from scaletrain.memory import global_bytes
 from scaletrain.plan import Derived, resolve
 from scaletrain.ps import server as ps_server
 from scaletrain.ps.metrics import ServerMetrics, ServerProgress
@@ -220,7 +221,7 @@ def _server_part(config: Config, derived: Derived, *, index: int):
     precision = make_precision(config.precision.mode, device_type="cpu")
     model = precision.convert_module(build_net(config, eval_ds, meta=True))
     names = model_partition(model, servers=derived.ps.servers)[index]
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model_bytes = global_bytes(model.parameters())
     if is_meta(model):
         values = initial_values(model, names, plan=init_plan(model), seed=config.train.seed)
         params = {n: torch.nn.Parameter(v) for n, v in values.items()}
@@ -228,10 +229,6 @@ def _server_part(config: Config, derived: Derived, *, index: int):
         whole = dict(model.named_parameters())
         params = {n: whole[n] for n in names}
     return eval_ds, precision, build_loss(config, eval_ds), params, model_bytes
-
-
-def _param_bytes(params: dict[str, torch.Tensor]) -> int:
-    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 def _mib(n: int) -> str:
@@ -365,7 +362,7 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         logger.message(f"scaletrain: warning: {warning}")
     print(
         f"scaletrain: server {index} holds {len(params)} parameters, "
-        f"{_mib(_param_bytes(params))} of the model's {_mib(model_bytes)}",
+        f"{_mib(global_bytes(params.values()))} of the model's {_mib(model_bytes)}",
         file=sys.stderr,
         flush=True,
     )
@@ -643,9 +640,9 @@ def _finish(
         "staleness_bound": config.ps.staleness if config.ps.mode == "ssp" else None,
         # What each server holds: its partition, not the model (ps/partition.py).
         "param_bytes_by_server": _param_bytes_by_server(
-            _param_bytes(dict(zip(server.names, server.params))), derived.ps.servers
+            global_bytes(server.params), derived.ps.servers
         ),
-        "model_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "model_param_bytes": global_bytes(model.parameters()),
     }
     summary = finish_run(
         run_dir,

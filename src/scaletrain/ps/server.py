@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed.rpc as rpc
 
+from scaletrain.memory import global_bytes
 from scaletrain.ps.clock import Clocks, may_start, staleness_of
 from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
 
@@ -655,4 +656,4 @@ def rpc_version() -> int:
 
 def rpc_param_bytes() -> int:
     """The bytes of the parameters this server holds (its partition)."""
-    return sum(p.numel() * p.element_size() for p in _server().params)
+    return global_bytes(_server().params)

@@ -19,6 +19,7 @@ from scaletrain.config import Config
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sampler import eval_indices
 from scaletrain.loss import LossFn, mse
+from scaletrain.memory import available_bytes, global_bytes
 from scaletrain.models.protocol import output_logits
 from scaletrain.parallel.compose import unwrap
 from scaletrain.parallel.pipeline import Pipeline, eval_pipeline
@@ -138,7 +139,7 @@ def evaluate(
     layout = derived.layout
     keep = keeps_gathered(
         config.train.eval_gather,
-        unsharded_bytes=unsharded_bytes(unwrap(model)),
+        unsharded_bytes=global_bytes(unwrap(model).parameters()),
         local_ranks=penv.local_world_size,
     )
     with gathered_for_eval(unwrap(model), keep=keep):  # one gather for every micro-batch
@@ -171,25 +172,8 @@ def keeps_gathered(mode: str, *, unsharded_bytes: int, local_ranks: int) -> bool
     takes at most a quarter of this rank's share of the machine's available memory."""
     if mode != "auto":
         return mode == "keep"
-    available = available_memory_bytes()
+    available = available_bytes()
     return available is not None and unsharded_bytes <= available // max(local_ranks, 1) // 4
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def unsharded_bytes(model: torch.nn.Module) -> int:
-    """The bytes of the model's parameters gathered whole (a DTensor's global shape)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @contextlib.contextmanager

@@ -229,7 +229,6 @@ def build(
     # distillation loss (the teacher lives in the loss; a cache rides with the batches).
     # A teacher sharded like the student is built on meta and each rank reads its slices
     # (place_teacher, below).
-    check_code = brings_own_code(config, code)
     model, loss_fn, kd = build_objective(
         config,
         model,
@@ -245,6 +244,7 @@ def build(
         train_ds, eval_ds = cached["train"], cached["eval"]
     model = precision.convert_module(model)
     on_meta = is_meta(model)
+    check_code = brings_own_code(config, code)
     user_check = dict(
         train_ds=train_ds,
         config=config,
