@@ -792,6 +792,70 @@ def test_distilled_parameters_include_the_projections() -> None:
     assert sum(p.numel() for p in without.parameters()) == n_student
 
 
+def _wrapped(*, meta: bool, teacher_width: int, seed: int = 7) -> Distilled:
+    """A 2-layer BERT student built by the registry (on meta or real) in its wrapper."""
+    from scaletrain.models import build_model
+
+    student = build_model(
+        "hf",
+        size="tiny",
+        task=TaskSpec("encode", (8,), 50),
+        hf_config="BertConfig",
+        kwargs=dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=37,
+            vocab_size=50,
+            max_position_embeddings=16,
+        ),
+        seed=seed,
+        meta=meta,
+    )
+    return Distilled(
+        student,
+        layer_map=[0, 1, 2],
+        teacher_width=teacher_width,
+        hidden=True,
+        attentions=False,
+        hugging_face=True,
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize("teacher_width", [32, 48])
+def test_a_meta_student_and_a_real_one_start_from_the_same_values(teacher_width: int) -> None:
+    """The trainer builds a student on meta and materialises it by models/init.py's module
+    rule, or (distill.init_layers, a user model that cannot be) builds it real: both give
+    every tensor the same bits. The projections are Distilled.init_module's draw from
+    (train.seed, "proj.i"): torch's default Linear init, the identity and a zero bias when
+    the widths are equal; the student's own tensors are those it has built alone."""
+    from torch import nn
+
+    from scaletrain.models.init import init_plan, is_meta, materialize, module_seed
+
+    real = _wrapped(meta=False, teacher_width=teacher_width)
+    meta = _wrapped(meta=True, teacher_width=teacher_width)
+    assert is_meta(meta) and not is_meta(real)
+    materialize([meta], plan=init_plan(meta), seed=7, device=torch.device("cpu"))
+
+    got, want = meta.state_dict(), real.state_dict()
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    # The student draws under its own names: a wrapped student starts as it would alone.
+    alone = _wrapped(meta=False, teacher_width=teacher_width).student.state_dict()
+    assert all(torch.equal(got[f"student.{k}"], v) for k, v in alone.items())
+    for i, proj in enumerate(meta.proj):
+        torch.manual_seed(module_seed(7, f"proj.{i}"))
+        default = nn.Linear(32, teacher_width)  # torch's own init under the module's seed
+        if teacher_width == 32:
+            assert torch.equal(proj.weight, torch.eye(32)) and not proj.bias.any()
+        else:
+            assert torch.equal(proj.weight, default.weight.detach())
+            assert torch.equal(proj.bias, default.bias.detach())
+    assert not torch.equal(meta.proj[0].weight, meta.proj[1].weight) or teacher_width == 32
+
+
 # ------------------------------------------------------------------------ cache helpers
 
 
@@ -958,6 +1022,92 @@ def test_load_teacher_with_its_sha256_is_the_frozen_run(mlp_run_dir) -> None:
     state = teacher.module.state_dict()
     assert all(torch.equal(state[k], v.double()) for k, v in model.state_dict().items())
     assert not any(p.requires_grad for p in teacher.module.parameters())
+
+
+def test_a_run_teacher_on_meta_is_placed_as_the_whole_load(mlp_run_dir) -> None:
+    """load_teacher(meta=True) of a run directory builds its model on meta and locates its
+    weights in model.safetensors (WEIGHTS_ATTR), reading none; place_teacher then reads them
+    (here every slice: no mesh) and holds the whole load's bits. float64 weights that float32
+    cannot hold stay unrounded in both. A file short of a tensor is refused at load."""
+    from safetensors.torch import save_file
+
+    from scaletrain.distill.teacher import place_teacher
+    from scaletrain.models.init import WEIGHTS_ATTR, is_meta
+
+    run, task, model = mlp_run_dir
+    g = torch.Generator().manual_seed(0)
+    state = {
+        k: (v.double() + 1e-12 * torch.randn(v.shape, generator=g, dtype=F64)).contiguous()
+        for k, v in model.state_dict().items()
+    }
+    save_file(state, str(run / "model.safetensors"))
+    whole = load_teacher(str(run), task=task, load_dtype=F64)
+    lazy = load_teacher(str(run), task=task, load_dtype=F64, meta=True)
+
+    assert is_meta(lazy.module) and not is_meta(whole.module)
+    assert getattr(lazy.module, WEIGHTS_ATTR).names == set(state)
+    assert lazy.sha256 == whole.sha256
+    place_teacher(lazy, device=torch.device("cpu"))
+    got = lazy.module.state_dict()
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert all(torch.equal(whole.module.state_dict()[k], v) for k, v in state.items())
+    assert lazy.weights_read == sum(v.numel() * 8 for v in state.values())
+    assert not lazy.module.training and not any(p.requires_grad for p in lazy.module.parameters())
+
+    dropped = sorted(state)[0]
+    save_file({k: v for k, v in state.items() if k != dropped}, str(run / "model.safetensors"))
+    with pytest.raises(TeacherError, match=f"missing {re.escape(dropped)}"):
+        load_teacher(str(run), task=task, load_dtype=F64, meta=True)
+
+
+def test_the_launcher_checks_a_big_distillation_on_the_meta_device(
+    mlp_run_dir, monkeypatch
+) -> None:
+    """Above CHECK_ON_META_BYTES (the student's tensors plus the teacher's weight files)
+    check_user_code builds the student and the teacher on meta and runs the student, the
+    teacher and the distillation loss there: no weight is read or drawn. Below it, real."""
+    from scaletrain.config import Config
+    from scaletrain.distill.teacher import weight_file_bytes
+    from scaletrain.models import init as model_init
+    from scaletrain.models.init import is_meta
+    from scaletrain.training import assemble
+
+    run, _, _ = mlp_run_dir
+    config = Config.model_validate(
+        {
+            "model": {"name": "mlp", "size": "tiny"},
+            "data": {"source": "digits"},
+            "distill": {"teacher": str(run), "alpha": 0.5},
+        }
+    )
+    assert weight_file_bytes(str(run)) == (run / "model.safetensors").stat().st_size
+    built, fits = [], []
+
+    def objective(*args, **kwargs):
+        out = real_objective(*args, **kwargs)
+        built.append((is_meta(out[0]), is_meta(out[2].teacher.module)))
+        return out
+
+    def fit(model, batch, **kwargs):
+        real_fit(model, batch, **kwargs)  # raises on failure: nothing fell back
+        fits.append((batch.inputs.device.type, kwargs["loss_fn"] is not None))
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a weight was read or drawn on the meta check")
+
+    real_objective, real_fit = assemble.build_objective, assemble.check_fit
+    monkeypatch.setattr(assemble, "build_objective", objective)
+    monkeypatch.setattr(assemble, "check_fit", fit)
+    assemble.check_user_code(config)
+    assert (built, fits) == ([(False, False)], [("cpu", True)])  # small: real
+
+    built.clear(), fits.clear()
+    monkeypatch.setattr(assemble, "CHECK_ON_META_BYTES", 0)
+    monkeypatch.setattr(model_init, "materialize", no_reading)
+    monkeypatch.setattr(model_init.WeightFiles, "read_into", no_reading)
+    assemble.check_user_code(config)
+    assert (built, fits) == ([(True, True)], [("meta", True)])  # teacher and loss on meta
 
 
 # ----------------------------------------------------------------------------- layering

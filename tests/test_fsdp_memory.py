@@ -12,13 +12,14 @@ state, and whole parameters between forward and backward only under ZeRO-2.
 2. Directly, in two gloo processes: after one forward, a (non-last) block's registered
    parameters are whole plain tensors under reshard_after_forward=False (ZeRO-2) and 1/2
    DTensor shards again under True (ZeRO-3); after backward both hold shards.
-3. The final gather (compose.full_state_dict) of a sharded model gives rank 0 the whole
-   model, exactly, and rank 1 nothing, and rank 1 never holds the whole model meanwhile:
-   its peak resident memory during the gather (VmHWM, reset just before) stays under half
-   the model's bytes (one tensor at a time is whole there, then dropped), where gathering
-   every tensor to every rank first, as a plain full_state_dict=True does, needs all of it.
+3. The final save (finish.save_split_weights) of a sharded model writes the whole model,
+   exactly, with no rank ever holding it: each rank writes its own shards (DCP's Hugging
+   Face writer, a file per tensor) and rank 0 joins them one tensor at a time, so both
+   ranks' peak resident memory during the save (VmHWM, reset just before) stays under half
+   the model's bytes. Gathering the state dict to rank 0, as the save once did, put all of
+   it there.
 
-Run as a script (`python test_fsdp_memory.py RESHARD`, with torchrun's environment), this
+Run as a script (`python test_fsdp_memory.py RESHARD DIR`, with torchrun's environment), this
 file is the worker of test 2 and prints its observations as one JSON line.
 """
 
@@ -28,6 +29,7 @@ import fnmatch
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -172,7 +174,7 @@ def test_rank_holds_its_share(runs: dict[str, dict], name: str) -> None:
 # ---------------------------------------------------------------- ZeRO-2 versus ZeRO-3
 
 
-def _probe(reshard_after_forward: bool) -> dict:
+def _probe(reshard_after_forward: bool, run_dir: Path) -> dict:
     """One rank of the direct test: shard the GPT, run forward and backward, and note what
     each block's registered parameters are at each point."""
     import torch.distributed as dist
@@ -222,24 +224,24 @@ def _probe(reshard_after_forward: bool) -> dict:
     seen["after_forward"] = look()
     logits.float().pow(2).mean().backward()
     seen["after_backward"] = look()
-    seen["gather"] = _gather_probe(mesh)
+    seen["save"] = _save_probe(mesh, run_dir)
     dist.destroy_process_group()
     return seen
 
 
-def _gather_probe(mesh) -> dict:
-    """One rank of test 3: shard 24 Linear layers (1 MiB of fp32 weight each), then gather
-    them for saving and measure this rank's peak resident memory meanwhile."""
+def _save_probe(mesh, run_dir: Path) -> dict:
+    """One rank of test 3: shard 24 Linear layers (1 MiB of fp32 weight each), then save them
+    as a run's final weights and measure this rank's peak resident memory meanwhile."""
     import gc
 
     import torch.distributed as dist
+    from safetensors.torch import load_file
     from torch import nn
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from scaletrain.memory import WindowPeak, local_bytes
-    from scaletrain.parallel.compose import full_state_dict
     from scaletrain.parallel.fsdp import apply_fsdp
-    from scaletrain.parallel.layout import ParallelLayout
+    from scaletrain.training.finish import save_split_weights
 
     torch.manual_seed(0)
     layers = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(24)))
@@ -256,29 +258,26 @@ def _gather_probe(mesh) -> dict:
     gc.collect()
     dist.barrier()
     window = WindowPeak.start()  # baseline: now; peak: from now
-    state = full_state_dict(layers, layout=ParallelLayout(dp_shard=2).resolve(2))
+    save_split_weights(layers, run_dir=run_dir)
     peak_above = window.record()["window_peak_above_baseline_bytes"]
-    exact = (
-        (state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state))
-        if state
-        else None
-    )
+    saved = load_file(run_dir / "model.safetensors")
     return {
         "full_bytes": full_bytes,
         "peak_above": peak_above,
         "resettable": window.window_resettable,
-        "keys": len(state),
-        "exact": exact,
-        "on_cpu": all(v.device.type == "cpu" for v in state.values()),
+        "keys": len(saved),
+        "exact": saved.keys() == expected.keys()
+        and all(torch.equal(saved[k], expected[k]) for k in saved),
     }
 
 
 def _run_probe(reshard_after_forward: bool) -> list[dict]:
     """Both ranks of the probe, as subprocesses with torchrun's environment and a timeout."""
     port, world_size = str(free_port()), 2
+    run_dir = Path(tempfile.mkdtemp(prefix="fsdp-save-"))  # test 3's final weights
     procs = [
         subprocess.Popen(
-            [sys.executable, str(Path(__file__)), str(int(reshard_after_forward))],
+            [sys.executable, str(Path(__file__)), str(int(reshard_after_forward)), str(run_dir)],
             env=cli_env(
                 RANK=str(rank),
                 WORLD_SIZE=str(world_size),
@@ -351,31 +350,21 @@ def test_reshard_after_forward(probes: dict[int, list[dict]], zero: int) -> None
 
 
 @pytest.mark.slow
-def test_final_gather_puts_the_whole_model_on_rank_0_only(probes: dict[int, list[dict]]) -> None:
-    rank0, rank1 = (seen["gather"] for seen in probes[3])
+def test_the_final_save_holds_the_whole_model_on_no_rank(probes: dict[int, list[dict]]) -> None:
+    rank0, rank1 = (seen["save"] for seen in probes[3])
     full = rank0["full_bytes"]
     print(
-        f"final gather: peak above baseline rank 0 {rank0['peak_above']}, rank 1 "
+        f"final save: peak above baseline rank 0 {rank0['peak_above']}, rank 1 "
         f"{rank1['peak_above']} bytes; the model {full}"
     )
-    assert rank0["keys"] == 24 and rank0["exact"] and rank0["on_cpu"], rank0
-    assert rank1["keys"] == 0, rank1  # rank 1 gets an empty dict
+    assert rank0["keys"] == 24 and rank0["exact"], rank0  # both ranks read the saved file
     if not rank1["resettable"]:
         pytest.skip("this kernel cannot reset the peak RSS (/proc/self/clear_refs)")
-    # Rank 1 holds one whole tensor at a time: 4.8 MB of a 25.2 MB model seen (gathered without
-    # cpu_offload it held 28.8 MB). Rank 0 keeps the whole model. Both read as resident memory
-    # only because the probe maps every tensor on its own (MALLOC_MMAP_THRESHOLD_ in
-    # _run_probe); with glibc's default heap, rank 1 was once seen at 13.9 MB from pages freed
-    # and not reused.
-    assert rank1["peak_above"] < 0.5 * full, rank1
-    assert rank0["peak_above"] >= full, rank0
-
-
-if __name__ == "__main__":
-    from scaletrain.runtime import exit_worker
-
-    print(json.dumps(_probe(reshard_after_forward=bool(int(sys.argv[1])))))
-    exit_worker(0)  # without gloo's shutdown abort ("terminate called ..."), as a worker leaves
+    # Each rank holds its shards' files being written and rank 0 one whole tensor at a time
+    # while it joins them. This reads as resident memory only because the probe maps every
+    # tensor on its own (MALLOC_MMAP_THRESHOLD_ in _run_probe).
+    for seen in (rank0, rank1):
+        assert seen["peak_above"] < 0.5 * full, seen
 
 
 @pytest.mark.slow  # a subprocess, beside 1 GiB held here
@@ -392,3 +381,10 @@ def test_the_peak_is_the_process_own_not_its_parents() -> None:
     )
     del held
     assert int(out.stdout) < 2**30, f"the child reports {int(out.stdout) / 2**20:.0f} MiB"
+
+
+if __name__ == "__main__":
+    from scaletrain.runtime import exit_worker
+
+    print(json.dumps(_probe(bool(int(sys.argv[1])), run_dir=Path(sys.argv[2]))))
+    exit_worker(0)  # without gloo's shutdown abort ("terminate called ..."), as a worker leaves

@@ -32,6 +32,7 @@ from scaletrain.distill.teacher import (
     teacher_sha256,
 )
 from scaletrain.loss import LossFn
+from scaletrain.models.init import is_meta
 from scaletrain.precision import Precision
 from scaletrain.user_code import UserCodeError
 
@@ -77,7 +78,9 @@ def build_distillation(
 
     Args:
         config: the run's config ([distill] on).
-        student: the freshly built student (bare, in float32 or float64).
+        student: the freshly built student (bare, in float32 or float64): real, or on the
+            meta device (the wrapper then is too, for the trainer to materialise each rank's
+            shards); real with distill.init_layers, which copies teacher values into it.
         task: the data's task.
         hard: the hard-label loss, None for sentence data.
         precision: the student's precision (the teacher's 'same' follows it).
@@ -148,6 +151,8 @@ def build_distillation(
             teacher_layers=teacher_layers,
             attention=w.attention > 0,
         )
+    if d.init_layers and is_meta(student):  # a caller's mistake: nothing would be copied
+        raise ValueError("distill.init_layers copies teacher values: build the student real")
     initialised = (
         init_from_teacher(student, teacher.module, list(d.init_layers)) if d.init_layers else []
     )
@@ -171,6 +176,7 @@ def build_distillation(
         hidden=w.hidden > 0,
         attentions=w.attention > 0,
         hugging_face=hugging_face,
+        seed=config.train.seed,  # a real student's projections, drawn as a meta one's
     )
     loss_fn = distillation_loss(
         hard, teacher=teacher, weights=w, needs=needs, layer_map=layer_map, task_kind=task.kind

@@ -7,6 +7,14 @@ averages their gradients, the optimizer steps them and the checkpoint holds them
 weight, with no special case; the run's model.safetensors holds the student alone
 (`student_weights`).
 
+Initialisation follows models/init.py's module rule, so that a student too big for one rank
+can be built on the meta device and each rank materialise its shards: `Distilled` is the
+initialiser of its projections (`init_module`: torch's default Linear init, then the identity
+and a zero bias when the widths are equal), each drawn from (train.seed, "proj.i"), and its
+student draws as it would alone (`init_scopes`). A real student (distill.init_layers copies
+teacher values into it now, or a user model that cannot be built on meta) gets the same
+projections, drawn by the same rule at construction: every layout and both paths agree.
+
 `Distilled.forward` returns a `StudentOutput`: the logits (classifiers and language models:
 the hard loss and accuracy read `.logits`), the last hidden state, the projected hidden
 states of the mapped layers and the attention maps, as the losses need them. Hidden states
@@ -30,6 +38,7 @@ import torch
 from torch import nn
 
 from scaletrain.distill.losses import uniform_layer_map
+from scaletrain.models.init import draw, is_meta
 from scaletrain.models.protocol import model_spec
 from scaletrain.user_code import UserCodeError
 
@@ -48,7 +57,10 @@ torch.utils._pytree.register_dataclass(StudentOutput)
 
 
 class Distilled(nn.Module):
-    """The student and its hidden-state projections, trained together."""
+    """The student and its hidden-state projections, trained together. On the meta device
+    when the student is (the trainer materialises each rank's shards); real otherwise."""
+
+    init_scopes = ("student",)  # models/init.py: the student draws as it would alone
 
     def __init__(
         self,
@@ -59,17 +71,43 @@ class Distilled(nn.Module):
         hidden: bool,
         attentions: bool,
         hugging_face: bool,
+        seed: int = 0,
     ) -> None:
+        """`seed`: train.seed, from which a real student's projections are drawn here (a
+        meta student's, with it, when the trainer materialises it)."""
         super().__init__()
         self.student = student
         self.layer_map, self.want_hidden, self.want_attn = layer_map, hidden, attentions
         self.hugging_face = hugging_face
         width = _width(student) if hidden else 0
-        self.proj = (
-            nn.ModuleList(_projection(width, teacher_width) for _ in layer_map)
-            if hidden
-            else nn.ModuleList()
-        )
+        with torch.device("meta"):  # shapes now; the values by the module rule
+            self.proj = nn.ModuleList(
+                nn.Linear(width, teacher_width) for _ in (layer_map if hidden else [])
+            )
+        if not is_meta(student):
+            self._draw_projections(seed=seed, device=_device(student))
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """models/init.py's initialiser of a projection (student width -> teacher width):
+        torch's default Linear init, then the identity and a zero bias when the widths are
+        equal (a student initialised from teacher layers then starts where the teacher is,
+        as TinyBERT's W_h would learn). From torch's global RNG only, as the rule asks.
+        The student's own modules have their own initialisers, nearer than this one."""
+        module.reset_parameters()
+        if module.in_features == module.out_features:
+            with torch.no_grad():
+                module.weight.copy_(torch.eye(module.in_features))
+                module.bias.zero_()
+
+    def _draw_projections(self, *, seed: int, device: torch.device) -> None:
+        """A real student's projections: the values `materialize` gives a meta one's (the
+        same name, initialiser and seed), in real tensors on the student's device."""
+        for i, proj in enumerate(self.proj):
+            values = draw(f"proj.{i}", proj, init=self.init_module, seed=seed)
+            proj.to_empty(device=device)
+            with torch.no_grad():
+                for attr, value in values.items():
+                    getattr(proj, attr).copy_(value)
 
     def forward(self, inputs: torch.Tensor, **extras) -> StudentOutput:
         if not self.hugging_face:
@@ -98,15 +136,8 @@ class Distilled(nn.Module):
         return StudentOutput(logits=logits, last_hidden=last, hidden=hidden, attentions=attn)
 
 
-def _projection(width: int, teacher_width: int) -> nn.Linear:
-    """Student width -> teacher width; the identity when they are equal (a student initialised
-    from teacher layers then starts where the teacher is, as TinyBERT's W_h would learn)."""
-    proj = nn.Linear(width, teacher_width)
-    if width == teacher_width:
-        with torch.no_grad():
-            proj.weight.copy_(torch.eye(width))
-            proj.bias.zero_()
-    return proj
+def _device(model: nn.Module) -> torch.device:
+    return next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
 
 
 def _width(model: nn.Module) -> int:
@@ -206,12 +237,13 @@ def init_from_teacher(student: nn.Module, teacher: nn.Module, layers: list[int])
 
 
 def student_weights(
-    net: nn.Module, weights: dict[str, torch.Tensor] | None
-) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
-    """The student alone (and its gathered weights' names without the 'student.' prefix)."""
+    net: nn.Module, weights: dict[str, torch.Tensor] | str | None
+) -> tuple[nn.Module, dict[str, torch.Tensor] | str | None]:
+    """The student alone (and its gathered weights' names without the 'student.' prefix;
+    `weights` that are not a state dict, finish.WRITTEN or None, as they are)."""
     if not isinstance(net, Distilled):
         return net, weights
-    return net.student, None if weights is None else strip_wrapper(weights)
+    return net.student, strip_wrapper(weights) if isinstance(weights, dict) else weights
 
 
 def strip_wrapper(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

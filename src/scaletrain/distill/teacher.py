@@ -13,10 +13,15 @@
 also the teacher's identity in the output cache (distill/cache.py).
 
 The teacher is replicated: every rank loads the same weights and runs its own examples (its
-outputs are per example, so data parallelism needs nothing from it). It holds no gradient
-(requires_grad False, eval mode: dropout off) and runs in `teacher_precision`, its weights
-cast to that dtype, outside the student's autocast: a bf16 teacher is plain bf16 inference,
-a fp64 one is exact. Its outputs are cloned out of inference mode, because autograd may
+outputs are per example, so data parallelism needs nothing from it). Under dp_shard it is
+sharded instead (`place_teacher`): a Hugging Face directory or a run is built on the meta
+device, its weights located and each rank reading only its slices; a checkpoint teacher is
+loaded whole first (its weights exist only as the temporary export that hashes them).
+
+It holds no gradient (requires_grad False, eval mode: dropout off) and runs in
+`teacher_precision`, its weights cast to that dtype, outside the student's autocast: a bf16
+teacher is plain bf16 inference, a fp64 one is exact (a run's float64 weights are loaded
+unrounded). Its outputs are cloned out of inference mode, because autograd may
 save them for the student's backward (an inference tensor cannot be saved).
 """
 
@@ -33,6 +38,7 @@ from torch import nn
 
 from scaletrain.checkpoint_files import file_sha256
 from scaletrain.data.sources import Batch, TaskSpec
+from scaletrain.models.init import WEIGHTS_ATTR, WeightFiles, is_meta
 from scaletrain.user_code import UserCodeError
 
 MINILM = "all-MiniLM-L6-v2"
@@ -135,8 +141,10 @@ def load_teacher(
         load_dtype: the dtype the weights are loaded in (float32 or float64: the student may
             be initialised from them before `set_precision` casts them).
         attentions: the attention maps are needed (Hugging Face "eager" attention).
-        meta: a Hugging Face teacher is built on the meta device and its weights located,
-            not read: `place_teacher` reads each rank's slices once FSDP has sharded it.
+        meta: a Hugging Face teacher, or a scaletrain run's, is built on the meta device
+            and its weights located, not read: `place_teacher` reads each rank's slices once
+            FSDP has sharded it. A checkpoint teacher (checkpoints/step-N) is loaded whole
+            all the same: its weights exist only as a temporary export, made to hash them.
     """
     # The teacher leaves the global RNG as it found it: the student's dropout (and a run
     # from the cache, which loads no teacher) draw from train.seed's stream.
@@ -173,10 +181,15 @@ def _load(
                 )
             if attentions:  # sdpa returns no attention maps
                 module.set_attn_implementation("eager")
-        else:
+        else:  # a checkpoint's export is gone when the temporary directory is: whole
             module = _scaletrain_teacher(
-                d if kind == "run" else d.parent.parent, files[0], task=task, source=source
-            ).to(load_dtype)
+                d if kind == "run" else d.parent.parent,
+                files[0],
+                task=task,
+                source=source,
+                dtype=load_dtype,
+                meta=meta and kind == "run",
+            )
     module.requires_grad_(False)
     module.eval()
     return Teacher(
@@ -226,8 +239,19 @@ def check_teacher_sha256(source: str, sha: str, expected_sha256: str) -> str:
     return sha
 
 
-def _scaletrain_teacher(run_dir: Path, weights: Path, *, task: TaskSpec, source: str) -> nn.Module:
-    """The run's own model section, built for `task`, with its trained weights (strict)."""
+def _scaletrain_teacher(
+    run_dir: Path,
+    weights: Path,
+    *,
+    task: TaskSpec,
+    source: str,
+    dtype: torch.dtype,
+    meta: bool = False,
+) -> nn.Module:
+    """The run's own model section, built for `task`, with its trained weights (strict), in
+    `dtype`. `meta`: built on the meta device with its weights located in `weights` (every
+    tensor there, of its shape: WEIGHTS_ATTR), for `place_teacher` to read in slices; a
+    model that cannot be built on meta is loaded whole."""
     from safetensors.torch import load_file
 
     from scaletrain.config import ConfigError, load_config
@@ -248,15 +272,19 @@ def _scaletrain_teacher(run_dir: Path, weights: Path, *, task: TaskSpec, source:
             kwargs=cfg.kwargs,
             path=cfg.path,
             hf_config=cfg.hf_config,
-        )
+            meta=meta,
+        ).to(dtype)
     except ValueError as e:
         raise TeacherError(
             f"distill.teacher = {source!r} (model.name = {cfg.name!r}) does not "
             f"fit the student's data: {e}"
         ) from None
+    if is_meta(module):  # replaces a pretrained model.path's own files: the run's weights
+        setattr(module, WEIGHTS_ATTR, _run_weight_files(module, weights, source=source))
+        return module
     state = load_file(str(weights))
-    try:
-        module.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    try:  # copied in `dtype` (load_state_dict casts): float64 weights stay unrounded
+        module.load_state_dict(state, strict=True)
     except RuntimeError as e:
         first = str(e).splitlines()[0]
         raise TeacherError(
@@ -264,6 +292,47 @@ def _scaletrain_teacher(run_dir: Path, weights: Path, *, task: TaskSpec, source:
             f"built for the student's data ({first})"
         ) from None
     return module
+
+
+def _run_weight_files(module: nn.Module, weights: Path, *, source: str) -> WeightFiles:
+    """Where each of a meta-built run teacher's tensors is in its model.safetensors (the
+    model's own names), checked as the strict load checks them without reading a weight:
+    a missing, unexpected or mis-shaped tensor is refused."""
+    from safetensors import safe_open
+
+    expected = module.state_dict()  # meta: the names and shapes only
+    with safe_open(str(weights), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    problems = [
+        *(f"missing {k}" for k in expected if k not in shapes),
+        *(f"unexpected {k}" for k in shapes if k not in expected),
+        *(
+            f"{k} is {shapes[k]}, the model's {tuple(t.shape)}"
+            for k, t in expected.items()
+            if k in shapes and shapes[k] != tuple(t.shape)
+        ),
+    ]
+    if problems:
+        shown = ", ".join(problems[:3]) + (f" and {len(problems) - 3} more" if problems[3:] else "")
+        raise TeacherError(
+            f"distill.teacher = {source!r}: its weights do not fit its model built for the "
+            f"student's data ({shown})"
+        )
+    return WeightFiles({k: (weights, k) for k in expected})
+
+
+def weight_file_bytes(source: str) -> int:
+    """The bytes of distill.teacher's weight files, from their sizes, nothing loaded: a
+    Hugging Face directory's safetensors, a run's model.safetensors, a checkpoint's files
+    (what the launcher adds to the student's bytes to choose a check on meta)."""
+    kind, d = teacher_kind(source)
+    if kind == "hf":
+        files = list(d.glob("*.safetensors"))
+    elif kind == "run":
+        files = [d / "model.safetensors"]
+    else:
+        files = [f for f in d.iterdir() if f.is_file()]
+    return sum(f.stat().st_size for f in files)
 
 
 def _is_hf(module: nn.Module) -> bool:
@@ -302,7 +371,8 @@ def run_teacher(teacher: Teacher, batch: Batch, *, hidden: bool, attentions: boo
     layer's (B, T, D)) and "attentions" (a tuple of (B, H, T, T) per layer).
     """
     inputs = batch.inputs.to(teacher.dtype) if batch.inputs.is_floating_point() else batch.inputs
-    device_type = inputs.device.type
+    # The launcher's shape check runs on meta, under the CPU's autocast (meta has none).
+    device_type = "cpu" if inputs.is_meta else inputs.device.type
     # Outside the student's autocast: the teacher computes in its own dtype.
     with torch.inference_mode(), torch.autocast(device_type=device_type, enabled=False):
         if teacher.hugging_face:
@@ -339,7 +409,7 @@ def place_teacher(teacher: Teacher, *, device: torch.device, mesh=None) -> Teach
         device: this rank's device.
         mesh: None, or the 1-D "dp_shard" DeviceMesh (replicated across dp_replicate).
     """
-    from scaletrain.models.init import WEIGHTS_ATTR, init_plan, is_meta, materialize
+    from scaletrain.models.init import init_plan, materialize
 
     module = teacher.module
     on_meta = is_meta(module)

@@ -227,25 +227,34 @@ def save_hf(
             f"{str(out_dir)!r}; scaletrain writes only safetensors"
         )
     if tokenizer_dir is not None:
-        tokenizer = _import_transformers().AutoTokenizer.from_pretrained(
-            str(tokenizer_dir), local_files_only=True
-        )
-        tokenizer.save_pretrained(out_dir)
-        if model.get_output_embeddings() is None:  # an encoder: its sentence embedding
-            _save_mean_pooling(
-                out_dir,
-                width=int(config.hidden_size),
-                max_len=min(int(config.max_position_embeddings), int(tokenizer.model_max_length)),
-            )
+        _save_tokenizer(model, out_dir, tokenizer_dir)
     return out_dir
 
 
-def save_hf_beside(model: nn.Module, out_dir: Path, weights: Path) -> Path:
+def _save_tokenizer(model: nn.Module, out_dir: Path, tokenizer_dir: Path) -> None:
+    """The data's tokenizer beside the weights, and for an encoder (no output head)
+    sentence-transformers' modules.json and mean pooling: a whole encoder (`save_hf`)."""
+    tokenizer = _import_transformers().AutoTokenizer.from_pretrained(
+        str(tokenizer_dir), local_files_only=True
+    )
+    tokenizer.save_pretrained(out_dir)
+    if model.get_output_embeddings() is None:  # an encoder: its sentence embedding
+        config = model.config
+        _save_mean_pooling(
+            out_dir,
+            width=int(config.hidden_size),
+            max_len=min(int(config.max_position_embeddings), int(tokenizer.model_max_length)),
+        )
+
+
+def save_hf_beside(
+    model: nn.Module, out_dir: Path, weights: Path, *, tokenizer_dir: Path | None = None
+) -> Path:
     """A Hugging Face directory for weights already written whole (a split model's
     model.safetensors, joined from every rank's shards): config.json (and the generation
     config) from `model`, and the file itself, hard-linked (copied where it cannot be)
     as out_dir/model.safetensors. `from_pretrained(out_dir)` reads it as it reads
-    save_pretrained's."""
+    save_pretrained's. `tokenizer_dir`: as for `save_hf`."""
     import shutil
 
     out_dir = Path(out_dir)
@@ -265,6 +274,8 @@ def save_hf_beside(model: nn.Module, out_dir: Path, weights: Path) -> Path:
         target.hardlink_to(weights)
     except OSError:
         shutil.copyfile(weights, target)
+    if tokenizer_dir is not None:
+        _save_tokenizer(model, out_dir, tokenizer_dir)
     return out_dir
 
 

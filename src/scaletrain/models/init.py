@@ -29,6 +29,11 @@ Who initialises a module (`init_plan`): its nearest ancestor-or-self that declar
 A model with a module that holds tensors and has no such ancestor (a user model that
 initialises in `__init__` only) cannot be built on meta: scaletrain builds it whole, from
 the global RNG as before, and says what that costs when the layout splits it.
+
+A wrapper that holds a whole model as a child (distillation's `Distilled` holds the student
+beside its projections) names that child in `init_scopes`: the child's modules draw under the
+names they have in the child alone (`draw_name`), so a model starts from the same values
+wrapped or not (a student distilled with alpha = 0 is the run without [distill]).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from scaletrain.user_code import UserCodeError
 
 INIT_ATTR = "init_module"
 WEIGHTS_ATTR = "scaletrain_weights"  # on a meta-built model: its pretrained WeightFiles
+SCOPES_ATTR = "init_scopes"  # on a wrapper: children whose modules draw as in the child alone
 
 Initialiser = Callable[[str, nn.Module], None]
 
@@ -131,7 +137,7 @@ def materialize(
         ties = _tied(part)
         part.to_empty(device=device)
         _retie(part, ties)
-    read, opened = 0, {}
+    read, opened, scopes = 0, {}, _scopes(parts)
     with torch.no_grad(), contextlib.ExitStack() as files:
         for part in parts:
             for name, module in part.named_modules():
@@ -151,7 +157,7 @@ def materialize(
                     read += weights.read_into(target, _join(name, attr), opened=opened)
                 rest = {a: t for a, t in own.items() if a not in from_file}
                 if rest:
-                    full = draw(name, module, init=plan[name], seed=seed)
+                    full = draw(draw_name(name, scopes), module, init=plan[name], seed=seed)
                     for attr, target in rest.items():
                         copy_slice(target, full[attr])
                 filled.update(id(t) for t in own.values())
@@ -175,10 +181,10 @@ def initial_values(
     for full in names:
         module, _, attr = full.rpartition(".")
         by_module.setdefault(module, []).append(attr)
-    out = {}
+    out, scopes = {}, _scopes([model])
     for module_name, attrs in by_module.items():
         module = model.get_submodule(module_name)
-        values = draw(module_name, module, init=plan[module_name], seed=seed)
+        values = draw(draw_name(module_name, scopes), module, init=plan[module_name], seed=seed)
         for attr in attrs:
             like = module._parameters[attr]
             out[_join(module_name, attr)] = values[attr].to(like.dtype)
@@ -211,6 +217,31 @@ def draw(name: str, module: nn.Module, *, init: Initialiser, seed: int) -> dict[
             "bigger than one device')"
         )
     return out
+
+
+def draw_name(name: str, scopes: Sequence[str]) -> str:
+    """The name a module draws under (its seed's name): its name in the innermost scope
+    (`init_scopes`) that holds it, or its name in the model.
+
+    Args:
+        name: the module's name in the bare model.
+        scopes: the scopes' names in the bare model, longest first (`_scopes`).
+    """
+    for scope in scopes:
+        if name == scope or name.startswith(f"{scope}."):
+            return name[len(scope) + 1 :]
+    return name
+
+
+def _scopes(parts: Sequence[nn.Module]) -> list[str]:
+    """The names of the children that wrappers declare in `init_scopes`, longest first."""
+    found = {
+        _join(_bare_name(name), child)
+        for part in parts
+        for name, module in part.named_modules()
+        for child in getattr(module, SCOPES_ATTR, ())
+    }
+    return sorted(found, key=len, reverse=True)
 
 
 def reset_parameters(name: str, module: nn.Module) -> None:

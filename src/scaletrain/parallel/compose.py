@@ -309,52 +309,6 @@ def gradient_sync(model: nn.Module, *, enabled: bool) -> ContextManager:
     return contextlib.nullcontext()
 
 
-def full_state_dict(model: nn.Module, *, layout: ParallelLayout) -> dict | None:
-    """The whole model's weights on rank 0's CPU, and nothing on the other ranks (a
-    collective: every rank calls it).
-
-    None where nothing is split (one process, DDP): rank 0's module is the whole model and
-    is saved as it is. Otherwise DTensor shards are gathered one tensor at a time and only
-    the rank that saves keeps the whole tensor, offloaded to the CPU at once
-    (torch.distributed.checkpoint's full state dict with cpu_offload=True): no other rank
-    ever holds the whole model on its device, as a plain full_state_dict=True would put it
-    on every rank's. Under pipeline parallelism each stage's weights are gathered that way
-    on the stage's first rank and then travel to rank 0; other ranks get an empty dict.
-    """
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if layout.dp_shard == 1 and layout.tp == 1 and layout.pp == 1:
-        return None
-    rank = dist.get_rank()
-    if layout.pp == 1:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(unwrap(model), options=options)  # {} off rank 0
-        return state if rank == 0 else {}
-    c = layout.coords(rank)
-    leader = c["dp_replicate"] == c["dp_shard"] == c["tp"] == 0  # the stage's first rank
-    # torch keeps a gathered tensor on global rank 0 alone; a stage's first rank is another
-    # rank, so the same gather-then-drop is written out per tensor here.
-    mine = {
-        k: _gather_tensor(v, keep=leader) for k, v in get_model_state_dict(unwrap(model)).items()
-    }
-    mine = mine if leader else {}
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    return {k: v for part in gathered for k, v in part.items()} if gathered else {}
-
-
-def _gather_tensor(value: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
-    """The whole of a (possibly DTensor) tensor on the CPU where `keep`, else None: every
-    rank of its mesh takes part in the all-gather, and only the keeper holds the result
-    beyond this call."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        value = value.full_tensor()  # a collective over the tensor's mesh
-    return value.detach().cpu() if keep else None
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module, without the DDP wrapper (plain parameter names)."""
     return model.module if isinstance(model, DistributedDataParallel) else model

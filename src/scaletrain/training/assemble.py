@@ -194,21 +194,26 @@ CHECK_ON_META_BYTES = 256 * 2**20
 def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
     """Build the data, the model and the loss once in this process and run the model and
     the loss on two training examples: what a worker would do first, without a process
-    group. A model above CHECK_ON_META_BYTES is checked on the meta device.
+    group. A model above CHECK_ON_META_BYTES (under [distill], the student's bytes and the
+    teacher's weight files') is checked on the meta device, the teacher with it; with
+    distill.init_layers, which copies teacher values into the student, on real weights.
 
     Raises:
         UserCodeError: naming the config key, the path and what went wrong.
     """
-    from scaletrain.distill.build import distilling
+    from scaletrain.distill.teacher import weight_file_bytes
     from scaletrain.models.init import is_meta
     from scaletrain.models.protocol import model_spec
     from scaletrain.precision import make_precision
 
+    d = config.distill
     torch.manual_seed(config.train.seed)
     train_ds = build_data(config, split="train", code=code)
     eval_ds = build_data(config, split="eval", code=code)  # the eval split must exist and check too
-    model = build_net(config, train_ds, code=code, meta=not distilling(config))
-    on_meta = is_meta(model) and tensor_bytes(model) > CHECK_ON_META_BYTES
+    model = build_net(config, train_ds, code=code, meta=not d.init_layers)
+    # A run from a cache loads no teacher (init_layers, which would, is checked real anyway).
+    teacher_bytes = weight_file_bytes(d.teacher) if d.teacher and not d.cache else 0
+    on_meta = is_meta(model) and tensor_bytes(model) + teacher_bytes > CHECK_ON_META_BYTES
     if is_meta(model) and not on_meta:  # small: real weights, the user's loss checked here
         model = build_net(config, train_ds, code=code)
     try:
@@ -221,7 +226,11 @@ def check_user_code(config: Config, code: UserCode = NO_CODE) -> None:
         init_scale=config.precision.init_scale,
         growth_interval=config.precision.growth_interval,
     )
-    model, loss_fn, kd = build_objective(config, model, train_ds, precision=precision, code=code)
+    model, loss_fn, kd = build_objective(
+        config, model, train_ds, precision=precision, code=code, teacher_meta=on_meta
+    )
+    if on_meta and kd is not None and kd.teacher is not None:
+        kd.teacher.module.to("meta")  # a checkpoint teacher is loaded whole: its shapes only
     if config.distill.cache:  # checked against the data and teacher before any worker starts
         from scaletrain.distill.build import cached_splits
 

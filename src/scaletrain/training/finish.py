@@ -41,7 +41,8 @@ def save_split_weights(model: torch.nn.Module, *, run_dir: Path) -> None:
     shard, not all of its shards. Rank 0 then consolidates them into one safetensors file
     of full tensors (DCP's consolidation, the function the writer calls itself: one full
     tensor in memory at a time), which becomes model.safetensors. Plain parameter names
-    (torch's model state dict), the master dtype."""
+    (torch's model state dict), the master dtype; under [distill] the student's alone, by
+    its own names."""
     import shutil
 
     import torch.distributed as dist
@@ -52,7 +53,8 @@ def save_split_weights(model: torch.nn.Module, *, run_dir: Path) -> None:
     )
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = get_model_state_dict(unwrap(model))  # this rank's shards (DTensors)
+    net, _ = student_weights(unwrap(model), None)  # under [distill]: the student alone
+    state = get_model_state_dict(net)  # this rank's shards (DTensors)
     staging = run_dir / ".model-shards"
     names = [None] * dist.get_world_size()
     dist.all_gather_object(names, list(state))  # under pp each stage holds other names
@@ -88,18 +90,23 @@ def write_weights(
     Args:
         run_dir: the run directory.
         model: the trained module (DDP-wrapped or not; under [distill] the wrapper).
-        weights: a full state dict gathered from every rank (a split distillation
-            student), WRITTEN when `save_split_weights` has written model.safetensors
-            already, or None when `model` is the whole model on this rank.
+        weights: a full state dict gathered from every rank (a pipeline's stages), WRITTEN
+            when `save_split_weights` has written model.safetensors already, or None when
+            `model` is the whole model on this rank.
         config: the run's config (the model's name and size go into the metadata).
     """
+    net, weights = student_weights(unwrap(model), weights)  # under [distill]: the student alone
     if weights == WRITTEN:
         if config.model.name == "hf":  # its directory: the config beside the same file
             from scaletrain.models.hf import save_hf_beside
 
-            save_hf_beside(unwrap(model), run_dir / "hf-model", run_dir / "model.safetensors")
+            save_hf_beside(
+                net,
+                run_dir / "hf-model",
+                run_dir / "model.safetensors",
+                tokenizer_dir=sentence_tokenizer_dir(config),
+            )
         return
-    net, weights = student_weights(unwrap(model), weights)  # under [distill]: the student alone
     meta = {"model": config.model.name, "size": config.model.size}
     if weights is None:
         save_model(net, str(run_dir / "model.safetensors"), metadata=meta)

@@ -32,7 +32,7 @@ from scaletrain.config import Config, config_to_toml
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.sources import Batch
-from scaletrain.distill.build import cached_splits, distilling
+from scaletrain.distill.build import cached_splits
 from scaletrain.distill.objective import take_terms
 from scaletrain.distill.teacher import describe_teacher, place_teacher
 from scaletrain.errors import UserError
@@ -43,7 +43,7 @@ from scaletrain.metrics import MetricsLogger
 from scaletrain.models.init import is_meta
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
-from scaletrain.parallel.compose import check_model_fits, full_state_dict, parallelize
+from scaletrain.parallel.compose import check_model_fits, parallelize
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.plan import Derived, resolve
@@ -216,14 +216,13 @@ def build(
         sharded=layout.splits_gradients,
     )
     # On the meta device where the model allows it (models/init.py; model.meta_init):
-    # parallelize materialises this rank's shards only. A distillation student is built
-    # whole (its layers may be copied from the teacher's).
-    model = build_net(
-        config, train_ds, code=code, meta=config.model.meta_init and not distilling(config)
-    )
+    # parallelize materialises this rank's shards only. A distillation student too (its
+    # projections with it), unless distill.init_layers copies teacher values into it now.
+    meta = config.model.meta_init and not config.distill.init_layers
+    student = build_net(config, train_ds, code=code, meta=meta)
     # The heap policy before any shard is allocated: auto picks it by the model's size.
     heap = configure_allocator(
-        config.train.allocator, device_type=device.type, model_bytes=tensor_bytes(model)
+        config.train.allocator, device_type=device.type, model_bytes=tensor_bytes(student)
     )
     # The loss, or under [distill] the student wrapped with its projections and the
     # distillation loss (the teacher lives in the loss; a cache rides with the batches).
@@ -231,7 +230,7 @@ def build(
     # (place_teacher, below).
     model, loss_fn, kd = build_objective(
         config,
-        model,
+        student,
         train_ds,
         precision=precision,
         code=code,
@@ -261,14 +260,8 @@ def build(
     )
     if check_code and not shards_checked:
         _check_user_code(model.to(device), **user_check)
-    if (
-        not on_meta
-        and layout.splits_gradients
-        and penv.is_main
-        and config.model.meta_init
-        and not distilling(config)
-    ):
-        print(f"scaletrain: warning: {_built_whole(model, config)}", file=sys.stderr)
+    if not on_meta and meta and layout.splits_gradients and penv.is_main:
+        print(f"scaletrain: warning: {_built_whole(student, config)}", file=sys.stderr)
     spec = model_spec(model)
     try:
         check_model_fits(
@@ -297,9 +290,10 @@ def build(
     model, hook_state = par.model, par.hook_state
     held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
     read = f", {par.weights_read / 2**20:,.2f} MiB of weights read" if par.weights_read else ""
+    built = "built on meta" if on_meta else "built whole"  # meta: this rank's shards only
     startup.say(
         f"model: {held:,} parameters on this rank (model.name = "
-        f"{config.model.name!r}){read}, layout {layout.describe()}"
+        f"{config.model.name!r}, {built}){read}, layout {layout.describe()}"
     )
     if kd is not None and kd.teacher is not None:  # replicated, or sharded like the student
         place_teacher(
@@ -553,13 +547,13 @@ def _loop(
             loss_fn=parts.loss_fn,
             pipeline=parts.pipeline,
         )
-    # Every rank takes part. A split model: each rank writes its shards, rank 0 joins them
-    # (no rank holds the whole model); a split student: its gathered state dict (renamed).
-    if parts.layout.splits_gradients and not distilling(config):
+    # Every rank takes part. A split model (under [distill] the student): each rank writes
+    # its shards, rank 0 joins them (no rank holds the whole model).
+    if parts.layout.splits_gradients:
         save_split_weights(state.model, run_dir=run_dir)
         weights = WRITTEN
-    else:
-        weights = full_state_dict(state.model, layout=parts.layout)
+    else:  # DDP or one process: rank 0's module is the whole model, saved as it is
+        weights = None
     logger.log_eval({"step": t.steps, **eval_record})
     if not penv.is_main:
         return None
