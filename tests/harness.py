@@ -169,9 +169,19 @@ class Zygote:
         with self.cond:
             self.cond.notify_all()
 
-    def spawn(self, args: list[str], *, env: dict, cwd: Path, out: Path, err: Path) -> int:
-        """Fork a child running `scaletrain ARGS`; its pid."""
-        request = {"args": args, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+    def spawn(
+        self, args: list[str], *, env: dict, cwd: Path, out: Path, err: Path, entry: str = "cli"
+    ) -> int:
+        """Fork a child running `scaletrain ARGS` (entry "cli"), or a JobPool rank for the
+        directory ARGS[0] (entry "pool"); its pid. `out` may be `err`: one file for both."""
+        request = {
+            "args": args,
+            "env": env,
+            "cwd": str(cwd),
+            "out": str(out),
+            "err": str(err),
+            "entry": entry,
+        }
         with self.cond:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
@@ -179,6 +189,10 @@ class Zygote:
                 raise AssertionError("the zygote did not fork a child within 60 s")
             assert self.started, f"the zygote died ({self.proc.returncode})"
             return self.started.pop(0)
+
+    def exited(self, pid: int) -> bool:
+        with self.cond:
+            return pid in self.exits or self.proc.poll() is not None
 
     def wait(self, pid: int, *, timeout: float) -> int | None:
         """The child's exit status (negative: the signal), or None at the timeout."""
@@ -264,17 +278,23 @@ def _zygote_child(request: dict, control_in: int, control_out: int, main) -> Non
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = (
+            out
+            if request["err"] == request["out"]
+            else os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        )
         os.dup2(out, 1)
         os.dup2(err, 2)
-        for fd in (null, out, err, control_in, control_out):
+        for fd in {null, out, err, control_in, control_out}:
             os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = [sys.argv[0], *request["args"]]
-        sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
         try:
+            if request["entry"] == "pool":  # sys.path[0] stays tests/: a job's checks import
+                _pool_main(Path(request["args"][0]))  # leaves through exit_worker
+            sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
             code = main(request["args"])
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -486,35 +506,54 @@ class JobPool:
 
     A job is a spec file the ranks find in the pool's directory (`job-K.json`, K = 0, 1,
     ...); they run its cases and rank 0 writes `job-K.done`. A `stop` file ends them. The
-    ranks' interpreters, imports and process group are paid for once per pool, not once per
-    job. A pool whose rank failed or timed out is killed (a job's caller starts another).
+    ranks are forked from the zygote (no interpreter start, no imports); their process group
+    is joined once per pool, not once per job. A pool whose rank failed or timed out is
+    killed (a job's caller starts another).
     """
 
-    def __init__(self, world_size: int, directory: Path) -> None:
+    def __init__(self, world_size: int, directory: Path, *, fresh: bool = False) -> None:
+        """`fresh`: each rank a new interpreter (`python harness.py --pool DIR`), which reads
+        the environment at start-up (PYTHONPATH's sitecustomize); else forked from the
+        session's zygote, its imports already paid (4.5 s of CPU a rank)."""
         self.world_size, self.dir, self.jobs = world_size, directory, 0
         directory.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        self.procs = []
+        self.zygote = None if fresh else zygote_for(world_size)
+        self.procs: list[subprocess.Popen] = []
+        self.pids: list[int] = []
         for rank in range(world_size):
             env = rank_env(rank, world_size=world_size, port=port)
-            with (directory / f"rank{rank}.log").open("w") as log:  # a file: never blocks
+            log = directory / f"rank{rank}.log"  # the rank's whole output
+            if self.zygote is not None:
+                self.pids.append(
+                    self.zygote.spawn(
+                        [str(directory)], env=env, cwd=directory, out=log, err=log, entry="pool"
+                    )
+                )
+                continue
+            with log.open("w") as out:  # a file: never blocks
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, __file__, str(directory)],
+                        [sys.executable, __file__, "--pool", str(directory)],
                         env=env,
-                        stdout=log,
+                        stdout=out,
                         stderr=subprocess.STDOUT,
                         cwd=directory,
                     )
                 )
 
     def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        if self.zygote is None:
+            return all(p.poll() is None for p in self.procs)
+        return not any(self.zygote.exited(pid) for pid in self.pids)
 
     def kill(self) -> None:
         for p in self.procs:
             p.kill()
             p.wait()
+        for pid in self.pids:
+            self.zygote.kill(pid)
+            self.zygote.wait(pid, timeout=30)
 
     def stop(self) -> None:
         """Let the ranks leave by themselves (their group destroyed); kill what does not."""
@@ -525,6 +564,10 @@ class JobPool:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for pid in self.pids:
+            if self.zygote.wait(pid, timeout=30) is None:
+                self.zygote.kill(pid)
+                self.zygote.wait(pid, timeout=30)
 
     def run(self, spec: dict, *, timeout: float) -> list[dict]:
         """Run one job; rank 0's record of every leg. A job that finishes no leg within
@@ -580,12 +623,15 @@ def run_job(
     timeout: float = 300.0,
     cwd: Path | None = None,
     keep: bool = False,
+    fresh: bool = False,
 ) -> dict[str, CaseResult]:
     """Train every case on `world_size` gloo ranks of one job; run directories root/<name>.
 
     keep: run it in the session's pool of `world_size` ranks, started on first use and
     kept for the next job (conftest's `trained` does). Without it the ranks are started for
     this job alone: a test that reads a process's lifetime peak memory needs its own.
+    fresh: (without keep) each rank a new interpreter, for a test whose ranks must read the
+    environment at start-up (a sitecustomize on PYTHONPATH); else forked from the zygote.
 
     A job that finishes no leg within `timeout` seconds (start-up included) is killed and
     the test fails with every rank's output: a hang cannot stall CI, and a job of many
@@ -609,7 +655,7 @@ def run_job(
     }
     pool = _POOLS.pop(world_size, None) if keep else None
     if pool is None or not pool.alive():
-        pool = JobPool(world_size, root / f"pool-{time.monotonic_ns()}")
+        pool = JobPool(world_size, root / f"pool-{time.monotonic_ns()}", fresh=fresh)
     try:
         done = pool.run(spec, timeout=timeout)
     except BaseException:  # a failed rank, a timeout, pytest-timeout or Ctrl-C in the test
@@ -636,8 +682,8 @@ def run_job(
 
 
 def _pool_main(directory: Path) -> None:
-    """One rank of a pool: join the group once, then run each job that appears, until
-    the stop file (or the end of the pytest process that started it)."""
+    """One rank of a pool (a child of the zygote): join the group once, then run each job
+    that appears, until the stop file (or the end of the zygote that forked it)."""
     import gc
     from datetime import timedelta
 
@@ -745,5 +791,5 @@ def _run_cases(spec: dict, job: Path, *, rank: int, world: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--zygote":
         _zygote_main()
-    else:
-        _pool_main(Path(sys.argv[1]))
+    else:  # --pool DIR: a fresh pool's rank
+        _pool_main(Path(sys.argv[2]))

@@ -322,6 +322,7 @@ def test_a_per_batch_mean_kl_breaks_the_parity(
             {"mean-kl": student_case(MLP_STUDENT, dp=dp, global_batch=32, overrides=teacher)},
             world_size=dp,
             root=work / f"mean-kl-dp{dp}",
+            fresh=True,  # new interpreters: they read the sitecustomize at start-up
         )["mean-kl"].run_dir
         for dp in (1, 2)
     }

@@ -7,8 +7,8 @@ workers 2 and 3 are SIGSTOPped. Sync cannot move without them, so the run waits 
 servers have logged every one of them declared dead (after ps.worker_timeout_s); then
 worker 2 gets SIGCONT, is told it was declared dead (its late messages refused) and leaves
 by itself, while worker 3 stays stopped and is killed by its supervisor once the run has
-finished with worker 0 alone. A second run kills server 0: the run ends with an error
-naming it, and its checkpoints survive."""
+finished with worker 0 alone. A second run (two servers, one worker) kills server 0: the
+run ends with an error naming it, and its checkpoints survive."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ quiet = true
 """
 
 
-def _start(root: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+def _start(root: Path, *overrides: str, workers: int = WORKERS) -> tuple[subprocess.Popen, Path]:
     root.mkdir(parents=True, exist_ok=True)
     config = root / "cfg.toml"
     config.write_text(CONFIG)
@@ -75,7 +75,8 @@ def _start(root: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
             "train",
             str(config),
             "--nproc",
-            str(SERVERS + WORKERS),
+            str(SERVERS + workers),
+            f"parallel.dp={workers}",
             "--run-dir",
             str(run_dir),
             *overrides,
@@ -282,7 +283,11 @@ def test_a_worker_stopped_to_the_end_is_killed_by_its_supervisor(faults: Faults)
 
 
 def test_a_killed_server_ends_the_run_and_its_checkpoint_survives(tmp_path: Path) -> None:
-    launcher, run_dir = _start(tmp_path, "checkpoint.every=20", "ps.mode=async")
+    """Two servers and one worker; train.steps far past what any machine runs before the
+    kill, which follows the first checkpoint: the run cannot end first."""
+    launcher, run_dir = _start(
+        tmp_path, "checkpoint.every=20", "ps.mode=async", "train.steps=10000000", workers=1
+    )
     pid = _role_pid(launcher, run_dir, "server", 0, rank=0)
     try:
         _wait(launcher, "a checkpoint", lambda: list_checkpoints(run_dir / "checkpoints"))

@@ -17,7 +17,7 @@ from scaletrain.data.holdout import HeldOutSplit
 from scaletrain.data.shard_writer import write_shards
 from scaletrain.data.shards import ShardedDataset, load_dataset
 from scaletrain.data.sources import TaskSpec, load_source
-from scaletrain.data.spark import spark_session, write_shards_spark
+from scaletrain.data.spark import QUICK_JVM, spark_session, write_shards_spark
 from scaletrain.models import build_model
 
 from harness import load_weights, run_workers
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def spark():
-    session = spark_session(cores=2, driver_memory="1g")
+    session = spark_session(cores=2, driver_memory="1g", java_options=QUICK_JVM)
     yield session
     session.stop()
 
