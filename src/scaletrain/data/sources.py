@@ -438,13 +438,14 @@ def _wikitext_paragraphs(*, split: str, seq_len: int) -> ArrayDataset:
     cut = int(0.95 * len(text))
     part = text[:cut] if split == "train" else text[cut:]
     paragraphs = [p for p in part.split(b"\n\n") if len(p) >= 16]  # titles, stubs out
-    n = len(paragraphs)
-    inputs = torch.zeros(n, seq_len, dtype=torch.int64)  # (N, T)
-    targets = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.int64)  # (N, T)
-    for i, paragraph in enumerate(paragraphs):
-        window = torch.frombuffer(bytearray(paragraph[: seq_len + 1]), dtype=torch.uint8).long()
-        inputs[i, : len(window) - 1] = window[:-1]
-        targets[i, : len(window) - 1] = window[1:]
+    width = seq_len + 1
+    # Each paragraph's first seq_len + 1 bytes, zero-padded to that width: (N, T + 1).
+    windows = np.frombuffer(b"".join(p[:width].ljust(width, b"\0") for p in paragraphs), np.uint8)
+    windows = torch.from_numpy(windows.reshape(len(paragraphs), width).astype(np.int64))
+    lengths = torch.tensor([min(len(p), width) for p in paragraphs])  # (N,)
+    real = torch.arange(seq_len) < (lengths - 1)[:, None]  # (N, T): a next byte exists
+    inputs = torch.where(real, windows[:, :-1], 0)  # (N, T)
+    targets = torch.where(real, windows[:, 1:], IGNORE_INDEX)  # (N, T)
     return ArrayDataset(inputs, targets, spec=TaskSpec("lm", (seq_len,), 256, ragged=True))
 
 

@@ -202,7 +202,9 @@ def draw(name: str, module: nn.Module, *, init: Initialiser, seed: int) -> dict[
     module.__dict__["_buffers"] = {**buffers, **stand_buffers}
     try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module_seed(seed, name))
+            # The CPU generator alone, where the stand-ins are drawn: what torch.manual_seed
+            # seeds for them, without its per-call queueing of other devices' seeds.
+            torch.default_generator.manual_seed(module_seed(seed, name))
             init(name, module)
         out = {k: module._parameters[k].detach() for k in stand_params}
         out.update({k: module._buffers[k] for k in stand_buffers})
