@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-compile -r requirements-dev.txt  # no .pyc for every file of every package: ~50 s instead of ~185 s on 2 cores
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 

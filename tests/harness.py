@@ -341,6 +341,26 @@ def records(run_dir: Path, kind: str = "train") -> list[dict]:
     return [r for r in rows if r.get("kind") == kind]
 
 
+def assert_planner_bytes_match(run_dir: Path, *, world_size: int) -> None:
+    """The planner's bytes (planner/held.py) for the run's stored config and world equal the
+    param_bytes, grad_bytes and optim_state_bytes its rank 0 logged, to the byte."""
+    from scaletrain.config import load_config
+    from scaletrain.plan import resolve
+    from scaletrain.planner.held import held_on_rank
+    from scaletrain.training.assemble import build_data
+
+    config = load_config(run_dir / "config.toml")
+    derived = resolve(config, world_size=world_size)
+    held = held_on_rank(config, derived, dataset=build_data(config, split="train"), rank=0)
+    logged = records(run_dir)[-1]
+    predicted = {
+        "param_bytes": held.params,
+        "grad_bytes": held.grads,
+        "optim_state_bytes": held.optim,
+    }
+    assert predicted == {k: logged[k] for k in predicted}, run_dir
+
+
 def losses(run_dir: Path) -> list[float]:
     """The logged training losses, in order."""
     return [r["loss"] for r in records(run_dir)]

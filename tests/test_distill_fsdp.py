@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from test_distill_parity import BERT_STUDENT, TOL, save_bert_teacher
 
-from harness import Case, load_weights, losses, max_abs_diff
+from harness import Case, assert_planner_bytes_match, load_weights, losses, max_abs_diff
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
@@ -48,6 +48,8 @@ def test_fsdp_shards_the_teacher_and_matches_one_process(trained, tmp_path: Path
         {"fsdp": Case.of(BERT_STUDENT, *common, "parallel.dp=1", "parallel.dp_shard=2")},
         world_size=2,
     )["fsdp"]
+    # The planner's bytes (issue 20): the student with its projections, sharded, to the byte.
+    assert_planner_bytes_match(fsdp.run_dir, world_size=2)
     diff = max_abs_diff(load_weights(one.run_dir), load_weights(fsdp.run_dir))
     print(f"dp_shard=2 vs 1 process: max |difference| {diff:.3g}")
     assert diff < TOL

@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
     for name, rooms in (
         # leaves: the user-mistake errors below the user's code, process and memory plumbing
         ("errors", {"errors", "version"}),  # the user-mistake base classes: import nothing
-        ("leaves", {"user_code", "memory", "allocator", "runtime"}),
+        ("leaves", {"user_code", "memory", "allocator", "runtime", "hardware"}),
         ("data", {"data"}),  # sources, shards, sampler: know nothing of models
         ("models", {"models"}),  # built-in models and the ModelSpec protocol; take a TaskSpec
         # the techniques and the loss protocol: each takes plain values, owns its checks
@@ -47,7 +47,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("training", {"training"}),  # builds from the config and runs the loop
         ("ps", {"ps"}),  # the parameter-server strategy reuses training's pieces
         ("pre-launch", {"prelaunch"}),  # checks that build the model before any worker starts
-        ("commands", {"api", "cli_distill"}),  # the Python API; the distillation subcommands
+        ("planner", {"planner"}),  # every layout's memory and time, from the layout's own code
+        ("commands", {"api", "cli_distill", "cli_plan"}),  # the Python API; subcommands
         ("cli", {"cli"}),
         ("entry", {"__main__", PACKAGE}),  # `python -m scaletrain`; the package's lazy exports
     )

@@ -55,7 +55,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import Case, free_port, load_weights, max_abs_diff, rank_env, records
+from harness import (
+    Case,
+    assert_planner_bytes_match,
+    free_port,
+    load_weights,
+    max_abs_diff,
+    rank_env,
+    records,
+)
 
 TOL = 1e-9
 STEPS = 3
@@ -350,6 +358,19 @@ def assert_matches_reference(run_dir: Path, ref: Reference, label: str) -> None:
 
 
 # ----------------------------------------------------------------------- the tests
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT[1] + max(JOB_TIMEOUT[2], JOB_TIMEOUT[4]))  # its jobs
+@pytest.mark.parametrize("kind", ["packed"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_planner_predicts_the_logged_bytes(jobs: dict[int, Job], name: str, kind: str) -> None:
+    """Issue 20: the planner's params, grads and optimizer bytes for rank 0 (the model on
+    meta under the layout's own code, in a fake process group) are the bytes this layout's
+    run logged, for every layout of the matrix (tests/test_planner.py adds DDP, ZeRO-2,
+    bf16, SGD and a distillation)."""
+    world = LAYOUTS[name][0]
+    assert_planner_bytes_match(jobs[world].run_dir(f"{name}-{kind}"), world_size=world)
 
 
 @pytest.mark.slow

@@ -70,6 +70,7 @@ def prepare_run(
     resume: bool,
     allow_config_change: bool = False,
     code: Any = None,
+    plan_check: bool = True,
 ) -> Prepared:
     """Every check that needs no worker, in the order the CLI and the API both run them.
 
@@ -80,6 +81,7 @@ def prepare_run(
         resume: continue the run in run_dir from its newest valid checkpoint.
         allow_config_change: with resume, accept keys that change the run (warned).
         code: the API's callables (`UserCode`), or None.
+        plan_check: refuse a layout the planner predicts not to fit (planner/launch.py).
 
     Raises:
         ConfigError, UserCodeError: a mistake, before anything starts.
@@ -112,6 +114,10 @@ def prepare_run(
         # Workers would each fail the same way: build it once here, before they start.
         check_user_code(config, code)
     check_layout_fits(config, derived, code)  # tp, pp, activation checkpointing vs the model
+    if plan_check and derived.ps is None:  # a model that can outgrow a rank: will it fit?
+        from scaletrain.planner.launch import check_fits
+
+        check_fits(config, world_size=spec.world_size, ranks_per_node=spec.nproc, code=code)
     warnings: tuple[str, ...] = ()
     if resume:  # before any process starts, and before config.toml is rewritten
         warnings = tuple(check_resumable(run_dir, config, allow_config_change=allow_config_change))

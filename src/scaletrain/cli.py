@@ -18,6 +18,8 @@ from pathlib import Path
 from scaletrain.cli_distill import add_parsers as add_distill_parsers
 from scaletrain.cli_distill import cmd_distill_cache, cmd_eval
 from scaletrain.cli_distill import explain_rows as distill_explain_rows
+from scaletrain.cli_plan import add_parsers as add_plan_parsers
+from scaletrain.cli_plan import cmd_calibrate, cmd_plan
 from scaletrain.config import Config, ConfigError, describe_fields, given_world, load_config
 from scaletrain.errors import UserError
 from scaletrain.launch import (
@@ -58,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --resume: accept a config that differs from the checkpoint's "
         "in keys an exact resume must keep (printed as a warning)",
+    )
+    train.add_argument(
+        "--plan",
+        action="store_true",
+        help="train the layout `scaletrain plan` ranks first for this world size "
+        "(needs a hardware profile: scaletrain calibrate)",
+    )
+    train.add_argument(
+        "--no-plan-check",
+        action="store_true",
+        help="launch even when the planner predicts the layout does not fit in memory",
     )
     train.add_argument(
         "--debug",
@@ -110,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     report.add_argument("--out", type=Path, help="PNG path (default RUN_DIR/report.png)")
     add_distill_parsers(sub)  # distill-cache, eval (cli_distill.py)
+    add_plan_parsers(sub)  # plan, calibrate (cli_plan.py)
     return parser
 
 
@@ -181,6 +195,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _run_worker(config, args.run_dir)
     config = load_config(args.config, args.overrides)
     spec = launch_spec(args, config)
+    if args.plan:  # the planner's pick: its overrides go to the workers with the user's
+        from scaletrain.cli_plan import describe_layout
+        from scaletrain.planner.launch import pick_layout
+
+        picked, pred = pick_layout(config, world_size=spec.world_size, ranks_per_node=spec.nproc)
+        args.overrides = [*args.overrides, *picked]
+        config = load_config(args.config, args.overrides)
+        print(
+            f"scaletrain: plan: {describe_layout(pred.layout)} (predicted "
+            f"{pred.step_time_s:.3g} s a step, {pred.memory_bytes['peak'] / 2**20:,.0f} MiB "
+            "per rank; `scaletrain plan` lists every layout)",
+            file=sys.stderr,
+        )
     # The checks the Python API runs too: config against the world, data, user code, run dir.
     prepared = prepare_run(
         config,
@@ -188,6 +215,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         resume=args.resume,
         allow_config_change=args.allow_config_change,
+        plan_check=not args.no_plan_check,
     )
     _warn_if_empty(args.config, config)
     for warning in prepared.warnings:
@@ -712,6 +740,8 @@ COMMANDS = {
     "export": cmd_export,
     "distill-cache": cmd_distill_cache,
     "eval": cmd_eval,
+    "plan": cmd_plan,
+    "calibrate": cmd_calibrate,
 }
 
 

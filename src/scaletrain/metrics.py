@@ -223,6 +223,11 @@ def _postfix(record: dict[str, Any]) -> str:
         rate = _plain(record.get(key))
         if _is_number(rate) and rate > 0:
             parts.append(f"{label}={_si(rate)}")
+    mfu, flops = _plain(record.get("mfu")), _plain(record.get("model_flops_per_s"))
+    if _is_number(mfu):
+        parts.append(f"MFU={mfu:.1%}")
+    elif _is_number(flops) and flops > 0:  # no hardware profile: the achieved rate alone
+        parts.append(f"FLOP/s={_si(flops)}")
     return " ".join(parts)
 
 

@@ -230,4 +230,10 @@ def _plot_units(
 
 def _summary_line(title: str, run: _Run) -> str:
     numbers = {k: v for k, v in run.summary.items() if type(v) in (int, float)}  # not bool
-    return f"{title}: " + ", ".join(f"{k}={v:.4g}" for k, v in list(numbers.items())[:8])
+    line = f"{title}: " + ", ".join(f"{k}={v:.4g}" for k, v in list(numbers.items())[:8])
+    last = run.train[-1] if run.train else {}
+    if last.get("mfu") is not None:  # the last window's, as the bar showed it
+        line += f", MFU={last['mfu']:.1%}"
+    if last.get("model_flops_per_s"):
+        line += f", model FLOP/s={last['model_flops_per_s']:.3g}"
+    return line

@@ -157,6 +157,7 @@ def parallelize(
     loss_fn=None,
     compile: bool = False,
     init_seed: int = 0,
+    shapes_only: bool = False,
 ) -> Parallelized:
     """Apply the layout's techniques to `model` in the documented order.
 
@@ -173,9 +174,12 @@ def parallelize(
         loss_fn: (output, batch) -> (sum, count); the pipeline's last stage computes it.
         compile: torch.compile the module in place (DDP path only; refused with sharding).
         init_seed: train.seed, from which a meta-built model's modules are initialised.
+        shapes_only: the planner's pass (planner/held.py, under a fake process group): a
+            meta model goes through steps 1-4 and stays on meta, each rank's shards as
+            shapes; no DDP wrapper and no schedule, which hold no parameters.
     """
     plan = init_plan(model) if is_meta(model) else None  # read off the bare, unsplit model
-    if plan is None:
+    if plan is None and not shapes_only:
         model = model.to(device)
     mesh = layout.build_mesh(device.type)
     coords = layout.coords(rank)
@@ -215,6 +219,8 @@ def parallelize(
             if layout.tp > 1:  # its output is TP's to_local() view: see the function
                 allow_tensor_parallel_output_view(part)
     weights_read = 0
+    if shapes_only:
+        return Parallelized(model=owner, mesh=mesh)
     if plan is not None:  # 5. this rank's shards, each value as one process has it
         weights_read = materialize(
             parts,

@@ -103,6 +103,43 @@ class CommCounter:
         return sent / max(steps, 1)
 
 
+@dataclass(frozen=True)
+class ModelFlops:
+    """MFU's two numbers: the model FLOPs of one example's forward and backward
+    (models/flops.py, the counter the planner uses; recomputation not counted) and the peak
+    FLOP/s of every rank together, from the hardware profile (hardware.py; None where no
+    profile is known: mfu is then logged as null)."""
+
+    per_example: int | None  # None: the model could not be traced on meta (see model_flops)
+    peak: float | None
+
+    def record(self, examples_per_s: float) -> dict:
+        if self.per_example is None:
+            return {"model_flops_per_s": None, "mfu": None}
+        achieved = self.per_example * examples_per_s
+        return {"model_flops_per_s": achieved, "mfu": achieved / self.peak if self.peak else None}
+
+
+def model_flops(model, example, *, precision, world_size: int, device_type: str) -> ModelFlops:
+    """ModelFlops for `model` (whole, before any technique splits it; meta or real) on one
+    `example` Batch, with the peak of `world_size` devices of this machine's profile."""
+    from scaletrain.hardware import default_profile
+    from scaletrain.models.flops import train_flops
+
+    try:
+        per_example = train_flops(model, example.inputs, **example.extras)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        # A forward that reads a value (a Hugging Face encoder's attention mask) cannot run
+        # on meta: the run goes on and logs model_flops_per_s and mfu as null.
+        per_example = None
+    profile = default_profile(device_type)
+    dtype = precision.autocast_dtype or precision.param_dtype
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}.get(dtype, "fp32")
+    ranks = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    peak = profile.peak(name, ranks_per_node=ranks) if profile is not None else None
+    return ModelFlops(per_example=per_example, peak=peak * world_size if peak else None)
+
+
 @dataclass
 class RunProgress:
     """What the loop tracks between steps of this process's run.
@@ -121,6 +158,7 @@ class RunProgress:
     started: float = field(default_factory=time.perf_counter)
     memory: WindowPeak | None = None  # each window's peak above the post-set-up baseline
     comm: CommCounter | None = None  # its bytes at the last record belong to the window
+    flops: ModelFlops | None = None  # model FLOPs per example and the peak (MFU)
 
     def state_dict(self) -> dict:
         w = self.window
@@ -202,6 +240,8 @@ def log_window(
             dp=dp,
         )
     record["comm_bytes_per_step"] = run.comm.per_step(window.steps) if run.comm else 0.0
+    if run.flops is not None:
+        record.update(run.flops.record(record["examples_per_s"]))
     record["examples_seen"], record["tokens_seen"] = state.examples_seen, state.tokens_seen
     record.update(run.memory.record() if run.memory else {})
     # What this rank holds, from its local tensors (a shard's bytes, not the global shape).

@@ -77,7 +77,14 @@ from scaletrain.training.finish import WRITTEN, save_split_weights
 from scaletrain.training.finish import finish_run as _finish
 from scaletrain.training.hooks import step_hooks
 from scaletrain.training.optim import build_optimizer, build_scheduler
-from scaletrain.training.progress import CommCounter, RunProgress, Startup, Window, log_window
+from scaletrain.training.progress import (
+    CommCounter,
+    RunProgress,
+    Startup,
+    Window,
+    log_window,
+    model_flops,
+)
 from scaletrain.training.step import StepResult, forward, train_step
 from scaletrain.user_code import UserCodeError
 
@@ -274,6 +281,14 @@ def build(
         )
     except UserError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
         raise UserCodeError(str(e)) from None
+    # MFU's numerator: the whole model's FLOPs per example, counted before any split.
+    flops = model_flops(
+        model,
+        train_ds.get(torch.zeros(1, dtype=torch.long)),
+        precision=precision,
+        world_size=layout.world_size,
+        device_type=device.type,
+    )
     par = parallelize(
         model,
         spec=spec,
@@ -342,7 +357,7 @@ def build(
         scheduler,
         precision,
         hook=hook_state,
-        loop=RunProgress(first_step=0, comm=comm),
+        loop=RunProgress(first_step=0, comm=comm, flops=flops),
         tokens_per_example=train_ds.spec.input_shape[0] if train_ds.spec.kind == "lm" else 0,
     )
     return Parts(

@@ -1,0 +1,160 @@
+"""The planner's subcommands: `scaletrain plan` (every layout's memory and step time, the
+pick first) and `scaletrain calibrate` (this machine's hardware profile)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import Config, ConfigError, given_world, load_config
+from scaletrain.hardware import CALIBRATED, Profile, default_profile, load_profile, profile_toml
+
+
+def add_parsers(sub) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="predict per-rank memory and step time of every layout of a world size, "
+        "best first (nothing is launched)",
+    )
+    plan.add_argument("config", type=Path, metavar="CONFIG.toml")
+    plan.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
+    plan.add_argument("--world", type=int, help="world size (default: the config's degrees')")
+    plan.add_argument(
+        "--hardware",
+        metavar="NAME|profile.toml",
+        help="a100, h100, h200 or a profile file (default: SCALETRAIN_HARDWARE, the GPU's "
+        f"name, or {CALIBRATED} from `scaletrain calibrate`)",
+    )
+    plan.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    plan.add_argument(
+        "--all", action="store_true", dest="show_all", help="every layout, not the best 15"
+    )
+    cal = sub.add_parser("calibrate", help="measure this machine's matmul, memory and collectives")
+    cal.add_argument(
+        "config", type=Path, nargs="?", metavar="CONFIG.toml", help="measure at its model's shapes"
+    )
+    cal.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
+    cal.add_argument(
+        "--world", default="2,4", help="world sizes to time collectives at (default 2,4)"
+    )
+    cal.add_argument(
+        "--out", type=Path, default=CALIBRATED, help=f"profile to write (default {CALIBRATED})"
+    )
+
+
+def chosen_profile(name: str | None, device_type: str = "cpu") -> Profile:
+    profile = load_profile(name) if name else default_profile(device_type)
+    if profile is None:
+        raise ConfigError(
+            "no hardware profile: run `scaletrain calibrate` once on this machine, or pass "
+            "--hardware a100|h100|h200|profile.toml"
+        )
+    return profile
+
+
+def plan_config(config: Config, *, world_size: int, profile: Profile, only_configured=False):
+    """The planner over `config` (the model on meta, the data's first example)."""
+    from scaletrain.planner import build_for_plan, plan_layouts
+
+    dataset, model = build_for_plan(config)
+    return plan_layouts(
+        config,
+        world_size=world_size,
+        profile=profile,
+        dataset=dataset,
+        model=model,
+        only_configured=only_configured,
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    world = args.world or given_world(config)
+    profile = chosen_profile(args.hardware)
+    preds = plan_config(config, world_size=world, profile=profile)
+    if not preds:
+        raise ConfigError(f"no layout of {world} ranks is accepted for this config")
+    if args.json:
+        print(json.dumps([p.as_json() for p in preds], indent=1))
+        return 0
+    print(f"scaletrain plan: {len(preds)} layouts of {world} ranks, profile {profile.name!r}")
+    print(format_table(preds if args.show_all else _shown(preds)))
+    return 0
+
+
+def _shown(preds):
+    best = preds[:15]
+    return best + [p for p in preds[15:] if "configured" in p.notes]
+
+
+def describe_layout(layout: dict) -> str:
+    parts = [
+        f"pp{layout['parallel.pp']}",
+        f"rep{layout['parallel.dp_replicate']}",
+        f"shard{layout['parallel.dp_shard']}",
+        f"tp{layout['parallel.tp']}",
+        f"mb{layout['train.micro_batch']}",
+    ]
+    if layout.get("parallel.pp_schedule"):
+        parts.append(layout["parallel.pp_schedule"])
+    if layout["parallel.activation_checkpointing"] != "none":
+        parts.append(f"AC-{layout['parallel.activation_checkpointing']}")
+    if "parallel.reshard_after_forward" in layout:
+        parts.append("ZeRO-3" if layout["parallel.reshard_after_forward"] else "ZeRO-2")
+    return " ".join(parts)
+
+
+def format_table(preds) -> str:
+    mib = 2**20
+    head = (
+        f"{'#':>3}  {'layout':<44} {'fits':<4} {'peak MiB':>9} {'param':>7} {'grad':>7} "
+        f"{'optim':>7} {'act':>7} {'comm MiB':>9} {'step s':>8} {'MFU':>6}"
+    )
+    rows = [head]
+    for i, p in enumerate(preds, 1):
+        m = p.memory_bytes
+        mfu = f"{p.mfu:.1%}" if p.mfu is not None else "-"
+        mark = " *" if "configured" in p.notes else ""
+        rows.append(
+            f"{i:>3}  {describe_layout(p.layout):<44} {'yes' if p.fits else 'NO':<4} "
+            f"{m['peak'] / mib:>9.1f} {m['params'] / mib:>7.1f} {m['grads'] / mib:>7.1f} "
+            f"{m['optim'] / mib:>7.1f} {m['activations'] / mib:>7.1f} "
+            f"{sum(p.comm_bytes.values()) / mib:>9.1f} {p.step_time_s:>8.3f} {mfu:>6}{mark}"
+        )
+    rows.append("(* the configured layout; memory per rank, communication per rank and step)")
+    return "\n".join(rows)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from scaletrain.planner.calibrate import calibrate
+
+    try:
+        worlds = sorted({int(w) for w in str(args.world).split(",")})
+    except ValueError:
+        raise ConfigError(
+            f"--world {args.world!r}: a comma-separated list of world sizes, e.g. 2,4"
+        ) from None
+    shapes = None
+    if args.config:
+        shapes = model_shapes(load_config(args.config, args.overrides))
+    profile = calibrate(worlds=worlds, shapes=shapes, name="this-machine", say=print)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(profile_toml(profile))
+    print(f"scaletrain: profile written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def model_shapes(config: Config) -> list[tuple[int, int, int]]:
+    """(tokens or examples of a micro-batch, in, out) of each linear layer of the model."""
+    from scaletrain.planner import build_for_plan
+
+    dataset, model = build_for_plan(config)
+    example = dataset.get(torch.zeros(1, dtype=torch.long)).inputs[0]
+    rows = config.train.micro_batch * (example.numel() if dataset.spec.kind == "lm" else 1)
+    linears = (m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    shapes = sorted({(rows, m.in_features, m.out_features) for m in linears})
+    return shapes or [(1024, 1024, 1024)]

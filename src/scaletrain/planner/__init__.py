@@ -1,0 +1,123 @@
+"""The planner: per-rank memory and step time of every layout before launch, and a pick.
+
+    layouts.py      the layouts of a world size the launcher accepts (its own checks)
+    held.py         params, grads, optimizer state per rank, exact: the model on meta under
+                    the layout's own `parallelize`, in a fake process group
+    activations.py  one micro-batch's activations, traced under FakeTensorMode
+    predict.py      memory peak, bytes per collective, step time, MFU (the cost model)
+
+`plan_layouts` runs them over every candidate and ranks the ones that fit by predicted step
+time; `scaletrain plan` prints it, `parallel.layout = "auto"` trains the first.
+"""
+
+from __future__ import annotations
+
+from scaletrain.config import Config
+from scaletrain.hardware import Profile
+from scaletrain.planner.activations import traced_activations
+from scaletrain.planner.held import held_on_rank
+from scaletrain.planner.layouts import Candidate, candidates
+from scaletrain.planner.predict import Prediction, predict
+
+
+def plan_layouts(
+    config: Config,
+    *,
+    world_size: int,
+    profile: Profile,
+    dataset,
+    model,
+    budget_bytes: int | None = None,
+    only_configured: bool = False,
+) -> list[Prediction]:
+    """Predictions for the accepted layouts of `world_size`: those that fit first, fastest
+    first; then those that do not, smallest peak first. The configured layout's prediction
+    carries `configured` in its notes.
+
+    Args:
+        dataset: the training data (its task sizes the model; one example is traced).
+        model: the bare model on meta (candidates.py reads its spec).
+        only_configured: predict the configured layout alone (`scaletrain train`'s check).
+    """
+    found = candidates(config, world_size=world_size, model=model)
+    if only_configured:
+        found = found[:1]
+    held_cache: dict = {}
+    act_cache: dict = {}
+    example = dataset.get(_first()).inputs[0]
+    out = []
+    for i, cand in enumerate(found):
+        held = held_cache.get(_held_key(cand))
+        if held is None:
+            held = held_on_rank(cand.config, cand.derived, dataset=dataset, rank=0)
+            held_cache[_held_key(cand)] = held
+        chunk = _chunk(cand)
+        key = (cand.derived.layout.tp, cand.config.parallel.activation_checkpointing, chunk)
+        acts = act_cache.get(key)
+        if acts is None:
+            acts = traced_activations(
+                cand.config, dataset=dataset, examples=chunk, tp=cand.derived.layout.tp
+            )
+            act_cache[key] = acts
+        pred = predict(
+            cand.config,
+            cand.derived,
+            layout_keys=cand.layout,
+            held=held,
+            acts=acts,
+            model=model,
+            example=example,
+            profile=profile,
+            budget_bytes=budget_bytes,
+        )
+        if i == 0 and _is_configured(cand, config, world_size):
+            pred.notes.append("configured")
+        out.append(pred)
+    return sorted(
+        out, key=lambda p: (not p.fits, p.step_time_s if p.fits else p.memory_bytes["peak"])
+    )
+
+
+def build_for_plan(config: Config, code=None):
+    """The training data and the bare model on meta, as the launcher's checks build them."""
+    import torch
+
+    from scaletrain.training.assemble import NO_CODE, build_data, build_net
+
+    code = code or NO_CODE
+    torch.manual_seed(config.train.seed)
+    dataset = build_data(config, split="train", code=code)
+    with torch.device("meta"):
+        model = build_net(config, dataset, code=code, meta=True)
+    return dataset, model
+
+
+def _first():
+    import torch
+
+    return torch.zeros(1, dtype=torch.long)
+
+
+def _held_key(cand: Candidate) -> tuple:
+    lay, pipe = cand.derived.layout, cand.derived.pipeline
+    return (
+        lay.pp,
+        lay.dp_replicate,
+        lay.dp_shard,
+        lay.tp,
+        pipe.schedule if pipe else None,
+        pipe.stages_per_rank if pipe else 1,
+        cand.config.parallel.activation_checkpointing,
+    )
+
+
+def _chunk(cand: Candidate) -> int:
+    pipe = cand.derived.pipeline
+    mb = cand.config.train.micro_batch
+    return mb // pipe.microbatches if pipe else mb
+
+
+def _is_configured(cand: Candidate, config: Config, world_size: int) -> bool:
+    from scaletrain.planner.layouts import layout_overrides
+
+    return cand.overrides == layout_overrides(config, world_size=world_size)

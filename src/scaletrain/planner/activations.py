@@ -1,0 +1,138 @@
+"""Activation memory of one micro-batch, measured by tracing it: no formula to drift.
+
+The model is built on meta, split by the layout's own tensor parallelism and activation
+checkpointing (`parallelize`, in a fake process group of tp ranks), materialised as fake
+tensors (torch's FakeTensorMode: shapes, no memory) and run forward on a micro-batch of the
+asked size. Every tensor autograd saves for backward is counted once by its storage
+(`saved_tensors_hooks`); a checkpointed block's input, which the checkpoint keeps by its
+own means, is counted at the block's entry. What comes back is the bytes one micro-batch
+keeps until its backward, the largest single saved tensor (the logits, typically: the
+backward's transient gradient is as large) and, under checkpointing, one block's whole
+activations (what its recomputation holds for a moment).
+
+FSDP does not change a rank's activations (each rank runs its own examples through whole
+layers) and a pipeline stage keeps its own blocks' share: the caller scales by the stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.models.protocol import model_spec
+from scaletrain.parallel.compose import parallelize
+from scaletrain.parallel.layout import ParallelLayout
+from scaletrain.planner.held import fake_world
+from scaletrain.precision import make_precision
+from scaletrain.training.assemble import build_net, build_objective
+from scaletrain.training.step import forward
+
+
+@dataclass(frozen=True)
+class Activations:
+    saved: int  # bytes kept from forward to backward, one micro-batch
+    largest: int  # the largest single saved tensor
+    recompute: int  # one checkpointed block's activations, held while it recomputes
+    ops: int  # aten ops of the forward (each costs a dispatch: the CPU's floor per op)
+    written: int  # bytes the forward's ops write (element-wise work is bound by memory)
+
+
+class _OpCounter:
+    """A dispatch mode counting the ops that run and the bytes their outputs take."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.ops += 1
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        counter.written += t.numel() * t.element_size()
+                return out
+
+        self.ops = self.written = 0
+        self.mode = Mode()
+
+
+def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Activations:
+    """Activations of a micro-batch of `examples` under tensor parallelism `tp` and the
+    config's activation checkpointing and precision (module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.tensor import DTensor
+
+    layout = ParallelLayout(pp=1, dp_replicate=1, dp_shard=1, tp=tp)
+    precision = make_precision(config.precision.mode, device_type="cpu", sharded=tp > 1)
+    with torch.device("meta"):
+        net = build_net(config, dataset, meta=True)
+        model, loss_fn, _ = build_objective(
+            config, net, dataset, precision=precision, teacher_meta=True
+        )
+    model = precision.convert_module(model)
+    batch = dataset.get(torch.arange(examples) % len(dataset))
+    saved: dict[int, int] = {}
+    entries: list[int] = []
+    first_input: list[torch.Tensor] = []
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = local(t).untyped_storage()
+        saved[storage._cdata] = storage.nbytes()
+        return t
+
+    def at_entry(module, args) -> None:
+        tensors = [a for a in args if torch.is_tensor(a)]
+        entries.extend(local(a).untyped_storage().nbytes() for a in tensors)
+        first_input.extend(tensors[:1] if not first_input else [])
+
+    with fake_world(tp, 0):
+        par = parallelize(
+            model,
+            spec=model_spec(model),
+            layout=layout,
+            rank=0,
+            device=torch.device("cpu"),
+            parallel=config.parallel,
+            pipeline=None,
+            precision=precision,
+            loss_fn=loss_fn,
+            shapes_only=True,
+        )
+        wrapped = [m for m in par.model.modules() if isinstance(m, CheckpointWrapper)]
+        for m in wrapped:
+            m.register_forward_pre_hook(at_entry)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            par.model.to_empty(device="cpu")
+            counter = _OpCounter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter.mode:
+                with precision.forward_context():
+                    loss_fn(forward(par.model, batch, precision), batch)
+            recompute = 0
+            if wrapped:  # one block run plainly: what its recomputation holds
+                kept_before, saved_before = sum(saved.values()), dict(saved)
+                saved.clear()
+                block = wrapped[0]._checkpoint_wrapped_module
+                x = first_input[0].detach().requires_grad_()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    with precision.forward_context():
+                        block(x)
+                recompute = sum(saved.values())
+                saved.clear()
+                saved.update(saved_before)
+                assert sum(saved.values()) == kept_before
+    kept = sum(saved.values()) + sum(entries)
+    return Activations(
+        saved=kept,
+        largest=max(saved.values(), default=0),
+        recompute=recompute,
+        ops=counter.ops,
+        written=counter.written,
+    )

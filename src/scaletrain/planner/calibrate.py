@@ -1,0 +1,189 @@
+"""`scaletrain calibrate`: measure this machine and write its hardware profile.
+
+- Matmul FLOP/s per dtype with one thread, at the shapes the model multiplies when a config
+  is given (tokens of a micro-batch x each linear layer's in x out, weighted by FLOPs), else
+  at 1024^3. A CPU profile keeps the per-core rate and the core count: a rank of a world
+  of N on C cores gets max(1, C // N) threads, and shares the cores when N > C.
+- Memory bandwidth: a large tensor copied (the optimizer's and element-wise work's bound).
+- All-reduce and all-gather on the backend, per world size, at message sizes from 4 KiB to
+  64 MiB, timed on ranks started by torch's own elastic agent (`elastic_launch`): latency
+  and bus bandwidth fitted to t = latency + bytes on the wire / bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from scaletrain.hardware import Link, Profile
+
+SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB .. 64 MiB
+DTYPE_OF = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
+
+
+def _median_seconds(fn, *, reps: int, budget_s: float = 1.0) -> float:
+    fn()  # warm-up
+    times = []
+    start = time.perf_counter()
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        if time.perf_counter() - start > budget_s and len(times) >= 3:
+            break
+    return statistics.median(times)
+
+
+def matmul_rate(dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> float:
+    """FLOP/s of one thread over `shapes` (m, k, n), the total FLOPs over the total time."""
+    flops = seconds = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        seconds += _median_seconds(lambda a=a, b=b: a @ b, reps=20, budget_s=0.5)
+        flops += 2 * m * k * n
+    return flops / seconds
+
+
+def memory_bandwidth() -> float:
+    src = torch.ones(2**25)  # 128 MiB
+    dst = torch.empty_like(src)
+    seconds = _median_seconds(lambda: dst.copy_(src), reps=10)
+    return 2 * src.numel() * src.element_size() / seconds  # read and write
+
+
+def op_overhead() -> float:
+    """Seconds per op of a chain of tiny ops run forward and backward under autograd: the
+    cost of an op beyond its arithmetic (dispatch, autograd's bookkeeping)."""
+    x = torch.ones(8, requires_grad=True)
+    n = 200
+
+    def chain():
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _median_seconds(chain, reps=20) / (3 * n)  # backward: about two ops per op
+
+
+def _fit(points: list[tuple[float, float]]) -> Link:
+    """Least squares t = latency + bytes / bw over (bytes on the wire, seconds)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    latency = max(my - slope * mx, 0.0)
+    return Link(bus_bw=1.0 / max(slope, 1e-15), latency_s=latency)
+
+
+def collective_worker(sizes: tuple[int, ...]) -> dict:
+    """One rank of the collectives' measurement (started by elastic_launch)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    out = {"all_reduce": [], "all_gather": []}
+    try:
+        for nbytes in sizes:
+            x = torch.ones(nbytes // 4)
+            gathered = torch.empty(x.numel() * world)
+
+            def reduce(x=x):
+                dist.all_reduce(x)
+
+            def gather(x=x, g=gathered):
+                dist.all_gather_single(g, x)
+
+            reps = 20 if nbytes < 2**22 else 5
+            t_ar = _median_seconds(reduce, reps=reps, budget_s=2.0)
+            t_ag = _median_seconds(gather, reps=reps, budget_s=2.0)
+            # bytes each rank puts on the wire in a ring
+            out["all_reduce"].append((2 * (world - 1) / world * nbytes, t_ar))
+            out["all_gather"].append(((world - 1) * nbytes, t_ag))
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def measure_collectives(world: int) -> Link:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        run_id=f"calibrate-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    results = elastic_launch(config, collective_worker)(SIZES)
+    points = results[0]["all_reduce"] + results[0]["all_gather"]
+    return _fit(points)
+
+
+def calibrate(
+    *, worlds: list[int], shapes: list[tuple[int, int, int]] | None, name: str, say=print
+) -> Profile:
+    """Measure this machine (module docstring) and return its profile."""
+    torch.set_num_threads(1)
+    shapes = shapes or [(1024, 1024, 1024)]
+    flops = {}
+    for key in ("fp32", "bf16", "fp64"):
+        flops[key] = matmul_rate(DTYPE_OF[key], shapes)
+        say(f"matmul {key}: {flops[key] / 1e9:.1f} GFLOP/s per core")
+    bw = memory_bandwidth()
+    say(f"memory bandwidth: {bw / 1e9:.1f} GB/s")
+    per_op = op_overhead()
+    say(f"per-op overhead: {per_op * 1e6:.1f} us")
+    intra = {}
+    for world in worlds:
+        intra[world] = measure_collectives(world)
+        say(
+            f"gloo, {world} ranks: bus bandwidth {intra[world].bus_bw / 1e9:.2f} GB/s, "
+            f"latency {intra[world].latency_s * 1e6:.0f} us"
+        )
+    cores = len(os.sched_getaffinity(0))
+    return Profile(
+        name=name,
+        flops=flops,
+        memory_bytes=_total_memory(),
+        memory_bw=bw,
+        intra=intra,
+        devices_per_node=max(worlds),
+        overlap=False,
+        cores=cores,
+        op_overhead_s=per_op,
+        source=f"scaletrain calibrate on {_cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
+    )
+
+
+def _total_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "this CPU"

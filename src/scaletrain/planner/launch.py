@@ -1,0 +1,130 @@
+"""What the launcher asks the planner: the layout to train (`scaletrain train --plan`) and
+whether the configured one fits (`scaletrain train` refuses one predicted not to,
+unless --no-plan-check).
+
+The fit check plans only where a model can outgrow a device: a Hugging Face model or the
+user's own. The built-ins (mlp, cnn, gpt at their sizes) hold at most a few MB, so their
+launch pays nothing for it. A model whose parameters, gradients and Adam's two moments
+(16 bytes a parameter) take under a tenth of a rank's memory fits whatever its layout,
+and is not planned either.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.errors import ConfigError
+from scaletrain.hardware import Profile, default_profile
+from scaletrain.planner import build_for_plan, plan_layouts
+from scaletrain.planner.predict import Prediction
+from scaletrain.training.assemble import NO_CODE, UserCode
+
+
+def rank_budget(profile: Profile | None, *, ranks_per_node: int) -> tuple[int, str]:
+    """Bytes one rank may use, and where that figure comes from."""
+    if profile is not None and not profile.cores:
+        return profile.memory_bytes, f"{profile.name}'s memory"
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return total // ranks_per_node, f"this machine's memory over {ranks_per_node} rank(s)"
+
+
+def pick_layout(
+    config: Config, *, world_size: int, ranks_per_node: int, code: UserCode = NO_CODE
+) -> tuple[list[str], Prediction]:
+    """`--plan`: the overrides of the fastest layout predicted to fit, and its prediction."""
+    profile = _profile()
+    budget, _ = rank_budget(profile, ranks_per_node=ranks_per_node)
+    dataset, model = build_for_plan(config, code)
+    preds = plan_layouts(
+        config,
+        world_size=world_size,
+        profile=profile,
+        dataset=dataset,
+        model=model,
+        budget_bytes=budget,
+    )
+    if not preds or not preds[0].fits:
+        smallest = min((p.memory_bytes["peak"] for p in preds), default=0)
+        raise ConfigError(
+            f"--plan: no layout of {world_size} ranks is predicted to fit in "
+            f"{_size(budget)} per rank (the smallest peak is {_size(smallest)}); add ranks, "
+            "or train a smaller model"
+        )
+    keys = preds[0].layout
+    items = [f"{k}={_value(v)}" for k, v in keys.items()]
+    return ["parallel.dp=-1", *items], preds[0]
+
+
+def check_fits(
+    config: Config, *, world_size: int, ranks_per_node: int, code: UserCode = NO_CODE
+) -> None:
+    """Refuse the configured layout when its predicted peak exceeds a rank's memory
+    (module docstring: which models are planned).
+
+    Raises:
+        ConfigError: naming the predicted peak, its parts and the budget.
+    """
+    if not (config.model.name == "hf" or ":" in config.model.name or code.model is not None):
+        return
+    profile = _profile(required=False)
+    budget, where = rank_budget(profile, ranks_per_node=ranks_per_node)
+    dataset, model = build_for_plan(config, code)
+    params = sum(p.numel() for p in model.parameters())
+    if 16 * params < budget / 10:
+        return
+    profile = profile or _memory_only(budget)
+    preds = plan_layouts(
+        config,
+        world_size=world_size,
+        profile=profile,
+        dataset=dataset,
+        model=model,
+        budget_bytes=budget,
+        only_configured=True,
+    )
+    if preds and not preds[0].fits:
+        m = preds[0].memory_bytes
+        raise ConfigError(
+            f"this layout is predicted to need {_size(m['peak'])} per rank (parameters "
+            f"{_size(m['params'])}, gradients {_size(m['grads'])}, optimizer "
+            f"{_size(m['optim'])}, activations {_size(m['activations'])}, gathered "
+            f"{_size(m['buffers'])}) and {where} is {_size(budget)}: shard "
+            "more (parallel.dp_shard, tp, pp), checkpoint activations, use a smaller "
+            "train.micro_batch, or see `scaletrain plan`; --no-plan-check launches anyway"
+        )
+
+
+def _memory_only(budget: int) -> Profile:
+    """A profile for the memory question alone (no calibration: its times mean nothing)."""
+    from scaletrain.hardware import Link
+
+    return Profile(
+        name="uncalibrated",
+        flops={"fp32": 1e11},
+        memory_bytes=budget,
+        memory_bw=1e10,
+        intra={1: Link(1e9, 1e-4)},
+    )
+
+
+def _profile(required: bool = True) -> Profile | None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    profile = default_profile(device)
+    if profile is None and required:
+        raise ConfigError(
+            "--plan needs a hardware profile: run `scaletrain calibrate` once on this "
+            "machine, or set SCALETRAIN_HARDWARE to a100, h100, h200 or a profile file"
+        )
+    return profile
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return f'"{v}"' if isinstance(v, str) else str(v)

@@ -1,0 +1,229 @@
+"""One layout's predicted memory, communication and step time, from what was measured on
+meta (planner/held.py, planner/activations.py) and the hardware profile.
+
+Memory per rank (the peak of a step):
+    params + grads + optimizer state      exact, from the layout's own code (held.py)
+  + activations x micro-batches in flight traced (activations.py); a pipeline stage keeps
+                                          its blocks' share, for as many chunks as its
+                                          schedule holds (1F1B: pp - stage, GPipe: all)
+  + the largest saved tensor once more    its gradient during backward (the logits')
+  + one checkpointed block's activations  while it recomputes
+  + FSDP's gathered parameters            two units (the one running, the one prefetched);
+                                          ZeRO-2 keeps every unit gathered until backward
+
+Communication per rank and step, by collective (ring algorithms, bytes on the wire):
+    DDP / HSDP replicas   all-reduce of the gradients, 2 (r - 1) / r x their bytes, once a step
+    FSDP                  all-gather (r - 1) / r x the unsharded parameters per micro-batch,
+                          twice under ZeRO-3 (forward and backward); reduce-scatter of the
+                          gradients per micro-batch
+    tensor parallel       per block and micro-batch, forward and backward: with sequence
+                          parallelism two all-gathers and two reduce-scatters of the (B, T, C)
+                          stream, without it two all-reduces; the head's logits all-gathered
+    pipeline              send/recv of each chunk's (B, T, C) boundary, forward and backward
+
+Step time: compute (hardware FLOPs, recomputation included, over the profile's rate for
+the compute dtype) + the optimizer's pass over its bytes (memory bandwidth) + what of the
+communication does not overlap (on a GPU FSDP's and DDP's collectives hide behind compute;
+gloo on a CPU overlaps nothing), stretched by the pipeline's bubble (p - 1) / (v m).
+MFU = model FLOPs (no recomputation) / (step time x peak x world).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.hardware import Profile
+from scaletrain.models.flops import train_flops, transformer_flops, transformer_shape
+from scaletrain.plan import Derived
+from scaletrain.planner.activations import Activations
+from scaletrain.planner.held import Held
+
+
+@dataclass
+class Prediction:
+    layout: dict
+    fits: bool
+    memory_bytes: dict[str, int]
+    comm_bytes: dict[str, float]
+    step_time_s: float
+    mfu: float | None
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    bubble: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        return {
+            "layout": self.layout,
+            "fits": self.fits,
+            "memory_bytes": self.memory_bytes,
+            "comm_bytes": self.comm_bytes,
+            "step_time_s": self.step_time_s,
+            "mfu": self.mfu,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "bubble": self.bubble,
+        }
+
+
+def compute_dtype(mode: str) -> str:
+    return {"bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16", "fp64": "fp64"}.get(
+        mode, "fp32"
+    )
+
+
+def predict(
+    config: Config,
+    derived: Derived,
+    *,
+    layout_keys: dict,
+    held: Held,
+    acts: Activations,
+    model: torch.nn.Module,
+    example: torch.Tensor,
+    profile: Profile,
+    budget_bytes: int | None = None,
+) -> Prediction:
+    """The prediction for one accepted layout (module docstring).
+
+    Args:
+        held: rank 0's bytes under this layout; acts: one chunk's traced activations
+            (a micro-batch, or under pp one chunk of it) under this layout's tp and AC.
+        model: the bare model on meta (its shape and FLOPs); example: one example's inputs.
+        budget_bytes: memory per rank to fit in (default: the profile's).
+    """
+    lay, p = derived.layout, config.parallel
+    mb = config.train.micro_batch
+    pipe = derived.pipeline
+    chunks = pipe.microbatches if pipe else 1
+    stages = pipe.stages_per_rank if pipe else 1
+    dtype = compute_dtype(config.precision.mode)
+    width = 2 if dtype in ("bf16", "fp16") else (8 if dtype == "fp64" else 4)
+
+    # memory
+    stage_share = 1.0 / (lay.pp * stages) * stages if lay.pp > 1 else 1.0
+    if pipe is None:
+        in_flight = 1
+    elif pipe.schedule == "gpipe":
+        in_flight = chunks
+    else:
+        in_flight = min(chunks, lay.pp * stages)
+    activations = int(acts.saved * stage_share * in_flight)
+    transient = acts.largest + acts.recompute
+    unsharded = held.params * lay.dp_shard  # rank 0's stage, whole again
+    gathered = 0
+    if lay.dp_shard > 1:
+        gathered = (
+            2 * held.largest_unit if p.reshard_after_forward else unsharded + 2 * held.largest_unit
+        )
+        gathered = gathered * width // _param_width(config)
+    peak = held.params + held.grads + held.optim + activations + transient + gathered
+    memory = {
+        "params": held.params,
+        "grads": held.grads,
+        "optim": held.optim,
+        "activations": activations + transient,
+        "buffers": gathered,
+        "peak": peak,
+    }
+    budget = budget_bytes or profile.memory_bytes
+
+    # communication: (collective, group size, bytes, calls, overlaps compute on a GPU)
+    flows: list[tuple[str, int, float, int, bool]] = []
+    accum = derived.accumulation
+    shape = transformer_shape(model)
+    units = max(1, held.units)
+    if lay.dp_replicate > 1:
+        r = lay.dp_replicate
+        flows.append(("all_reduce", r, 2 * (r - 1) / r * held.grads, 1, True))
+    if lay.dp_shard > 1:
+        s = lay.dp_shard
+        gathers = 2 if p.reshard_after_forward else 1
+        unsharded_c = unsharded * width / _param_width(config)
+        flows.append(
+            (
+                "all_gather",
+                s,
+                gathers * (s - 1) / s * unsharded_c * accum,
+                gathers * units * accum,
+                True,
+            )
+        )
+        flows.append(("reduce_scatter", s, (s - 1) / s * unsharded * accum, units * accum, True))
+    seq = example.shape[-1] if example.dim() >= 1 else 1
+    if lay.tp > 1 and shape is not None:
+        t = lay.tp
+        stream = mb * seq * shape.attention_width * width  # the (B, T, C) stream
+        blocks = shape.layers // lay.pp
+        calls = 4 * blocks * accum  # two in forward, two in backward, per block
+        if p.sequence_parallel:
+            flows.append(("all_gather", t, calls * (t - 1) / t * stream, calls, False))
+            flows.append(("reduce_scatter", t, calls * (t - 1) / t * stream, calls, False))
+        else:
+            flows.append(("all_reduce", t, calls * 2 * (t - 1) / t * stream, calls, False))
+    if lay.pp > 1 and shape is not None:
+        boundary = mb * seq * shape.attention_width * width / (lay.tp if p.sequence_parallel else 1)
+        flows.append(
+            ("send_recv", 2, 4 * stages * boundary * accum, 4 * stages * chunks * accum, False)
+        )
+    comm = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "send_recv": 0.0}
+    for name, _, nbytes, _, _ in flows:
+        comm[name] += nbytes
+
+    # time
+    examples_per_rank = derived.examples_per_rank
+    hw = train_flops(model, example.unsqueeze(0), recomputed_blocks=0)
+    model_flops_rank = hw * examples_per_rank / (lay.tp * lay.pp)
+    recomputed = held.recomputed_blocks * (lay.pp if lay.pp > 1 else 1)
+    if shape is not None and recomputed:
+        extra = transformer_flops(shape, batch=1, seq=seq, recomputed_blocks=recomputed)
+        extra -= transformer_flops(shape, batch=1, seq=seq)
+        hw_rank = (hw + extra) * examples_per_rank / (lay.tp * lay.pp)
+    else:
+        hw_rank = model_flops_rank
+    per_node = min(lay.world_size, profile.devices_per_node)
+    rate = profile.peak(dtype, ranks_per_node=per_node) or profile.peak(
+        "fp32", ranks_per_node=per_node
+    )
+    # Beyond the matmuls: every op's dispatch and the element-wise work's memory traffic
+    # (a forward's ops and written bytes, traced; backward about twice; read and written).
+    share = 1.0 / lay.pp if lay.pp > 1 else 1.0
+    chunk_steps = accum * chunks
+    overhead_s = (
+        chunk_steps
+        * share
+        * (3 * acts.ops * profile.op_overhead_s + 6 * acts.written / profile.memory_bw)
+        * profile.slowdown(per_node)
+    )
+    compute_s = hw_rank / rate + overhead_s
+    optim_s = 3 * (held.params + held.grads + held.optim) / profile.memory_bw
+    comm_s = overlapped = 0.0
+    for _, group, nbytes, calls, overlaps in flows:
+        link = profile.link(group, spans_nodes=lay.world_size > profile.devices_per_node)
+        seconds = nbytes / link.bus_bw + calls * link.latency_s
+        comm_s += seconds
+        overlapped += seconds if overlaps else 0.0
+    exposed = comm_s - (min(overlapped, compute_s) if profile.overlap else 0.0)
+    bubble = (lay.pp - 1) / (stages * chunks) if lay.pp > 1 else 0.0
+    step = (compute_s + exposed) * (1 + bubble) + optim_s
+    model_flops_step = hw * config.train.global_batch
+    peak_flops = profile.peak(dtype, ranks_per_node=per_node)
+    mfu = model_flops_step / (step * peak_flops * lay.world_size) if peak_flops else None
+    return Prediction(
+        layout=layout_keys,
+        fits=peak <= budget,
+        memory_bytes=memory,
+        comm_bytes={k: int(v) for k, v in comm.items()},
+        step_time_s=step,
+        mfu=mfu,
+        compute_s=compute_s,
+        comm_s=comm_s,
+        bubble=bubble,
+    )
+
+
+def _param_width(config: Config) -> int:
+    return {"fp64": 8, "bf16-true": 2}.get(config.precision.mode, 4)

@@ -1,0 +1,316 @@
+"""The planner (issue 20): its FLOP counter against torch's, its byte counts against what
+runs log, its candidates against the launcher's checks, and `scaletrain plan`'s output.
+
+The model-parallel layouts' bytes are checked where their runs already are
+(test_model_parallel_parity.py::test_the_planner_predicts_the_logged_bytes: FSDP ZeRO-3,
+tp with and without SP, pp gpipe / 1f1b / interleaved / zero-bubble, offload, activation
+checkpointing, HSDP, dp_shard x tp, pp x dp_shard, pp x tp, accumulation; fp64). This file
+adds what that matrix lacks: DDP, ZeRO-2, fp32 and bf16-mixed, SGD, each a 2-rank run in the
+session's pool; test_distill_fsdp.py checks a distillation run's (student, projections).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from scaletrain.config import load_config
+from scaletrain.models.flops import traced_flops, train_flops, transformer_flops, transformer_shape
+from scaletrain.models.gpt import GPT, GPT_SHAPES
+from scaletrain.plan import resolve
+
+from harness import Case, assert_planner_bytes_match
+
+
+def _flop_counter_mode(model, inputs) -> int:
+    """torch's FlopCounterMode over one forward and backward, with the model and inputs on
+    the meta device. On meta, scaled-dot-product attention runs as its math decomposition,
+    which torch counts; on a CPU it runs `_scaled_dot_product_flash_attention_for_cpu`, for
+    which torch 2.13's counter has no formula (CUDA's flash and efficient kernels have one),
+    so a CPU count leaves attention out (`test_torch_counts_no_attention_on_a_cpu`)."""
+    model, inputs = model.to("meta"), inputs.to("meta")
+    with FlopCounterMode(display=False) as counter:
+        out = model(inputs)
+        out = getattr(out, "logits", out)
+        out.sum().backward()
+    return counter.get_total_flops()
+
+
+def test_torch_counts_no_attention_on_a_cpu():
+    """Why the comparison runs on meta: on real CPU tensors FlopCounterMode misses exactly
+    the attention products (4 B T^2 C per layer forward, twice that backward)."""
+    model = GPT(vocab_size=256, block_size=48, shape=GPT_SHAPES["tiny"])
+    inputs = torch.randint(0, 256, (3, 48))
+    with FlopCounterMode(display=False) as counter:
+        model(inputs).sum().backward()
+    attention = 3 * 4 * 3 * 48 * 48 * 64 * GPT_SHAPES["tiny"].n_layer
+    assert counter.get_total_flops() == train_flops(model, inputs) - attention
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_the_closed_form_counts_the_gpt_as_flop_counter_mode_does(size):
+    model = GPT(vocab_size=256, block_size=48, shape=GPT_SHAPES[size])
+    inputs = torch.randint(0, 256, (3, 48))
+    shape = transformer_shape(model)
+    assert shape is not None and shape.layers == GPT_SHAPES[size].n_layer
+    assert train_flops(model, inputs) == transformer_flops(shape, batch=3, seq=48)
+    assert traced_flops(model, inputs) == transformer_flops(shape, batch=3, seq=48)
+    assert transformer_flops(shape, batch=3, seq=48) == _flop_counter_mode(model, inputs)
+
+
+def test_the_closed_form_counts_an_hf_llama_as_flop_counter_mode_does():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=176,  # a gated MLP of its own width
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    inputs = torch.randint(0, 300, (2, 20))
+    shape = transformer_shape(model)
+    assert shape is not None and shape.layers == 3 and shape.attention_width == 64
+    assert transformer_flops(shape, batch=2, seq=20) == _flop_counter_mode(model, inputs)
+
+
+def test_the_closed_form_is_narayanans_for_a_gpt():
+    """Narayanan et al. 2021 (eq. 3 without recomputation): 72 B s l h^2 (1 + s/6h + V/12lh)
+    for a GPT with a 4h MLP and an untied head of V; with full recomputation 96 (...)."""
+    b, s, l, h, v = 2, 64, 4, 128, 256  # noqa: E741  the paper's names
+    model = GPT(vocab_size=v, block_size=s, shape=GPT_SHAPES["small"])
+    shape = transformer_shape(model)
+    paper = 72 * b * s * l * h**2 * (1 + s / (6 * h) + v / (12 * l * h))
+    assert transformer_flops(shape, batch=b, seq=s) == pytest.approx(paper, rel=1e-12)
+    full = transformer_flops(shape, batch=b, seq=s, recomputed_blocks=l)
+    paper_full = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    assert full == pytest.approx(paper_full, rel=1e-12)
+
+
+# ----------------------------------------------------------------- bytes, from runs
+
+CONFIG = """
+[model]
+name = "gpt"
+size = "tiny"
+[train]
+steps = 2
+seed = 3
+global_batch = 8
+micro_batch = 2
+eval_examples = 8
+[data]
+source = "wikitext"
+seq_len = 16
+[log]
+every = 1
+quiet = true
+"""
+
+# name -> (config, overrides): what the model-parallel parity matrix does not run
+RUNS = {
+    "ddp-fp32": (CONFIG, ["parallel.dp_replicate=2"]),
+    "zero2-bf16": (
+        CONFIG,
+        [
+            "parallel.dp_shard=2",
+            "parallel.reshard_after_forward=false",
+            "precision.mode=bf16-mixed",
+        ],
+    ),
+    "zero3-sgd": (CONFIG, ["parallel.dp_shard=2", "optim.name=sgd"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(trained):
+    cases = {name: Case.of(text, *overrides) for name, (text, overrides) in RUNS.items()}
+    return trained(cases, world_size=2)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_predicted_bytes_are_the_logged_bytes(runs, name):
+    run_dir = runs[name].run_dir
+    assert (run_dir / "summary.json").exists(), runs[name].output[-3000:]
+    assert_planner_bytes_match(run_dir, world_size=2)
+
+
+# ------------------------------------------------------------ the plan and the MFU
+
+PLAN_CONFIG = """
+[model]
+name = "gpt"
+size = "tiny"         # 2 heads: tp = 4 cannot split them, the launcher refuses it
+[train]
+global_batch = 8
+micro_batch = 4
+[data]
+source = "synthetic-text"
+seq_len = 16
+"""
+
+
+def test_plan_json_ranks_the_accepted_layouts_with_the_pick_first(tmp_path, capsys):
+    from scaletrain.cli import main
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(PLAN_CONFIG)
+    assert main(["plan", str(cfg), "--world", "4", "--hardware", "h100", "--json"]) == 0
+    preds = json.loads(capsys.readouterr().out)
+    layouts = [p["layout"] for p in preds]
+    assert len({json.dumps(x, sort_keys=True) for x in layouts}) == len(layouts) > 20
+    for p in preds:
+        assert set(p) >= {"layout", "fits", "memory_bytes", "comm_bytes", "step_time_s", "mfu"}
+        assert set(p["memory_bytes"]) >= {"params", "grads", "optim", "activations", "peak"}
+        assert p["layout"]["parallel.tp"] != 4  # refused by the launcher: not a candidate
+        lay = p["layout"]
+        assert (
+            lay["parallel.pp"]
+            * lay["parallel.dp_replicate"]
+            * lay["parallel.dp_shard"]
+            * lay["parallel.tp"]
+            == 4
+        )
+    fitting = [p["step_time_s"] for p in preds if p["fits"]]
+    assert preds[0]["fits"] and fitting == sorted(fitting)
+    # every candidate is a config the launcher accepts as it is
+    for lay in layouts[:10]:
+        items = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in lay.items()]
+        config = load_config(cfg, [*items, "parallel.dp=-1"])
+        resolve(config, world_size=4)
+    capsys.readouterr()
+    assert main(["plan", str(cfg), "--world", "4", "--hardware", str(tmp_path / "x.toml")]) == 2
+    assert "is neither a built-in (a100, h100, h200) nor a file" in capsys.readouterr().err
+
+
+def test_a_run_logs_its_model_flops_and_mfu_against_the_profile(tmp_path, monkeypatch):
+    from scaletrain.api import train
+    from scaletrain.hardware import BUILTIN
+
+    monkeypatch.setenv("SCALETRAIN_HARDWARE", "h100")
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(PLAN_CONFIG)
+    summary = train(
+        cfg,
+        overrides=["train.steps=2", "log.every=1", "log.quiet=true", "train.eval_examples=8"],
+        run_dir=tmp_path / "run",
+        nproc=1,
+    )
+    model = GPT(vocab_size=256, block_size=16, shape=GPT_SHAPES["tiny"])
+    per_example = train_flops(model, torch.zeros(1, 16, dtype=torch.long))
+    for r in records_of(summary["run_dir"]):
+        assert r["model_flops_per_s"] == pytest.approx(per_example * r["examples_per_s"], rel=1e-12)
+        assert r["mfu"] == pytest.approx(
+            r["model_flops_per_s"] / BUILTIN["h100"].flops["fp32"], rel=1e-12
+        )
+
+
+def records_of(run_dir):
+    from harness import records
+
+    return records(Path(run_dir))
+
+
+SMALL_GPU = """
+name = "small-gpu"
+memory_bytes = 70_000_000
+memory_bw = 1e12
+[flops]
+fp32 = 1e14
+[intra.2]
+bus_bw = 1e11
+latency_s = 1e-5
+"""
+
+HF_CONFIG = """
+[model]
+name = "hf"
+hf_config = "LlamaConfig"
+kwargs = { vocab_size = 256, hidden_size = 256, intermediate_size = 688, num_hidden_layers = 6, num_attention_heads = 4, num_key_value_heads = 2 }
+[train]
+global_batch = 4
+micro_batch = 2
+[data]
+source = "synthetic-text"
+seq_len = 16
+"""
+
+
+def test_train_refuses_a_layout_predicted_not_to_fit(tmp_path, monkeypatch):
+    """A 4.5M-parameter Llama with AdamW holds 72 MB of states on one device of 70 MB,
+    plus activations; on one rank the planner predicts more than fits, sharded over two it
+    fits. The refusal names the numbers; plan_check=False (--no-plan-check) launches."""
+    from scaletrain.api import prepare_run
+    from scaletrain.errors import ConfigError
+    from scaletrain.launch import LaunchSpec, validate_spec
+
+    profile = tmp_path / "gpu.toml"
+    profile.write_text(SMALL_GPU)
+    monkeypatch.setenv("SCALETRAIN_HARDWARE", str(profile))
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(HF_CONFIG)
+    one = validate_spec(LaunchSpec(nproc=1))
+    config = load_config(cfg, ["train.micro_batch=4"])
+    with pytest.raises(
+        ConfigError, match=r"predicted to need [\d.]+ MiB per rank \(parameters 17.1 MiB"
+    ):
+        prepare_run(config, spec=one, run_dir=tmp_path / "a", resume=False)
+    prepare_run(config, spec=one, run_dir=tmp_path / "b", resume=False, plan_check=False)
+    two = validate_spec(LaunchSpec(nproc=2))
+    sharded = load_config(cfg, ["parallel.dp_shard=2", "train.micro_batch=2"])
+    prepare_run(sharded, spec=two, run_dir=tmp_path / "c", resume=False)
+
+
+def test_train_plan_picks_the_first_layout_and_trains_it(tmp_path, monkeypatch, capsys):
+    from scaletrain.cli import main
+
+    monkeypatch.setenv("SCALETRAIN_HARDWARE", "h100")
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(PLAN_CONFIG)
+    args = ["--world", "1", "--hardware", "h100", "--json"]
+    assert main(["plan", str(cfg), "train.steps=2", *args]) == 0
+    best = json.loads(capsys.readouterr().out)[0]["layout"]
+    run = tmp_path / "run"
+    code = main(
+        ["train", str(cfg), "train.steps=2", "log.quiet=true", "--plan", "--run-dir", str(run)]
+    )
+    assert code == 0
+    assert "scaletrain: plan: pp1 rep1 shard1 tp1" in capsys.readouterr().err
+    stored = load_config(run / "config.toml")
+    assert stored.train.micro_batch == best["train.micro_batch"]
+    assert stored.parallel.activation_checkpointing == best["parallel.activation_checkpointing"]
+
+
+def test_the_peak_is_every_ranks(monkeypatch, tmp_path):
+    """MFU's denominator: a GPU profile's peak times the world; a CPU profile's per-core
+    rate times the cores each rank gets (the node's cores shared by its ranks)."""
+    from scaletrain.data.sources import Batch
+    from scaletrain.hardware import BUILTIN
+    from scaletrain.precision import make_precision
+    from scaletrain.training.progress import model_flops
+
+    model = GPT(vocab_size=256, block_size=16, shape=GPT_SHAPES["tiny"])
+    one = torch.zeros(1, 16, dtype=torch.long)
+    example = Batch(inputs=one, targets=one, count=16, tokens=16)
+    fp32 = make_precision("fp32", device_type="cpu")
+    monkeypatch.setenv("SCALETRAIN_HARDWARE", "h100")
+    got = model_flops(model, example, precision=fp32, world_size=4, device_type="cpu")
+    assert got.per_example == train_flops(model, one)
+    assert got.peak == 4 * BUILTIN["h100"].flops["fp32"]
+    cpu = tmp_path / "cpu.toml"
+    cpu.write_text(
+        'name = "c"\nmemory_bytes = 1\nmemory_bw = 1.0\ncores = 2\n[flops]\nfp32 = 1e10\n'
+    )
+    monkeypatch.setenv("SCALETRAIN_HARDWARE", str(cpu))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 ranks on 2 cores: half a core each
+    assert model_flops(model, example, precision=fp32, world_size=4, device_type="cpu").peak == 2e10
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # alone: both cores
+    assert model_flops(model, example, precision=fp32, world_size=1, device_type="cpu").peak == 2e10
