@@ -314,3 +314,42 @@ def test_the_peak_is_every_ranks(monkeypatch, tmp_path):
     assert model_flops(model, example, precision=fp32, world_size=4, device_type="cpu").peak == 2e10
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # alone: both cores
     assert model_flops(model, example, precision=fp32, world_size=1, device_type="cpu").peak == 2e10
+
+
+def test_a_profile_round_trips_and_the_collectives_fit_their_line(tmp_path):
+    from scaletrain.hardware import Link, Profile, load_profile, profile_toml
+    from scaletrain.planner.calibrate import _fit
+
+    # t = 200 us + bytes / 1 GB/s, timed at three sizes
+    link = _fit([(n, 200e-6 + n / 1e9) for n in (4096, 2**20, 2**26)])
+    assert link.latency_s == pytest.approx(200e-6 + 4096 / 1e9)
+    assert link.bus_bw == pytest.approx(2**26 / (2**26 / 1e9 - 4096 / 1e9), rel=1e-9)
+    profile = Profile(
+        name="m",
+        flops={"fp32": 1e11, "bf16": 4e11},
+        memory_bytes=2**34,
+        memory_bw=1e10,
+        intra={2: link, 4: Link(bus_bw=5e8, latency_s=3e-4)},
+        cores=2,
+        op_overhead_s=6e-6,
+    )
+    path = tmp_path / "p.toml"
+    path.write_text(profile_toml(profile))
+    assert load_profile(str(path)) == profile
+    assert profile.link(3) == profile.intra[2] and profile.link(8) == profile.intra[4]
+
+
+def test_counting_flops_leaves_the_model_as_it_was():
+    """The trace runs on a meta copy: a meta-built model (the trainer counts before
+    materialising it) gets no gradient from it, a real one keeps its values."""
+    from scaletrain.data.sources import TaskSpec
+    from scaletrain.models import build_model
+
+    task = TaskSpec(kind="classification", input_shape=(64,), num_classes=10)
+    for meta in (True, False):
+        model = build_model("mlp", size="small", task=task, meta=meta)
+        before = {n: p.clone() for n, p in model.named_parameters()}
+        assert traced_flops(model, torch.zeros(1, 64)) > 0
+        assert all(p.grad is None for p in model.parameters())
+        for n, p in model.named_parameters():
+            assert p.is_meta == meta and (meta or torch.equal(p, before[n]))

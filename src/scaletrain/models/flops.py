@@ -89,12 +89,11 @@ def transformer_flops(
 
 def traced_flops(model: nn.Module, inputs: torch.Tensor, **extras: torch.Tensor) -> int:
     """FLOPs of one forward and backward of `model` on `inputs`, counted by torch's
-    FlopCounterMode on the meta device (the model is traced on meta: a real one is copied
-    there as shapes first, its values untouched)."""
+    FlopCounterMode on the meta device. The trace runs on a copy made of meta tensors (a
+    real model's values are not copied; a meta model's parameters get no `.grad`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    if any(not p.is_meta for p in model.parameters()):
-        model = meta_copy(model)
+    model = meta_copy(model)  # even a meta model: backward would leave .grad on the caller's
     inputs = inputs.to("meta")
     extras = {k: v.to("meta") for k, v in extras.items()}
     with FlopCounterMode(display=False) as counter:

@@ -7,7 +7,7 @@
 - Memory bandwidth: a large tensor copied (the optimizer's and element-wise work's bound).
 - All-reduce and all-gather on the backend, per world size, at message sizes from 4 KiB to
   64 MiB, timed on ranks started by torch's own elastic agent (`elastic_launch`): latency
-  and bus bandwidth fitted to t = latency + bytes on the wire / bandwidth.
+  and bus bandwidth fitted to t = latency + bytes on the wire / bandwidth (`_fit`).
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ def op_overhead() -> float:
 
 
 def _fit(points: list[tuple[float, float]]) -> Link:
-    """Least squares t = latency + bytes / bw over (bytes on the wire, seconds)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    latency = max(my - slope * mx, 0.0)
-    return Link(bus_bw=1.0 / max(slope, 1e-15), latency_s=latency)
+    """t = latency + bytes / bw from (bytes on the wire, seconds), smallest message first:
+    the latency is the smallest message's time, the bandwidth the largest's rate beyond it
+    (a least-squares line over sizes 4 KiB..64 MiB is all large messages and puts the
+    intercept anywhere, below zero included)."""
+    points = sorted(points)
+    latency = points[0][1]
+    largest_bytes, largest_s = points[-1]
+    return Link(bus_bw=largest_bytes / max(largest_s - latency, 1e-12), latency_s=latency)
 
 
 def collective_worker(sizes: tuple[int, ...]) -> dict:
@@ -115,7 +115,8 @@ def collective_worker(sizes: tuple[int, ...]) -> dict:
     return out
 
 
-def measure_collectives(world: int) -> Link:
+def measure_collectives(world: int) -> tuple[Link, Link]:
+    """(all-reduce, all-gather) of `world` ranks of this machine on gloo."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -130,8 +131,7 @@ def measure_collectives(world: int) -> Link:
         start_method="spawn",
     )
     results = elastic_launch(config, collective_worker)(SIZES)
-    points = results[0]["all_reduce"] + results[0]["all_gather"]
-    return _fit(points)
+    return _fit(results[0]["all_reduce"]), _fit(results[0]["all_gather"])
 
 
 def calibrate(
@@ -150,10 +150,16 @@ def calibrate(
     say(f"per-op overhead: {per_op * 1e6:.1f} us")
     intra = {}
     for world in worlds:
-        intra[world] = measure_collectives(world)
-        say(
-            f"gloo, {world} ranks: bus bandwidth {intra[world].bus_bw / 1e9:.2f} GB/s, "
-            f"latency {intra[world].latency_s * 1e6:.0f} us"
+        links = measure_collectives(world)
+        for name, link in zip(("all-reduce", "all-gather"), links, strict=True):
+            say(
+                f"gloo {name}, {world} ranks: bus bandwidth {link.bus_bw / 1e9:.2f} GB/s, "
+                f"latency {link.latency_s * 1e6:.0f} us"
+            )
+        # one link per world size: the slower of the two (reduce-scatter is all-gather's twin)
+        intra[world] = Link(
+            bus_bw=min(link.bus_bw for link in links),
+            latency_s=max(link.latency_s for link in links),
         )
     cores = len(os.sched_getaffinity(0))
     return Profile(

@@ -1,0 +1,177 @@
+"""The planner against real runs: predicted and measured step time and peak memory, side by
+side, for a grid of layouts of the built-in GPT at two sizes and world sizes 2 and 4.
+
+Each layout is trained for real (`scaletrain train`, its own run directory, the same steps,
+log.every windows) and predicted by the planner for the same config and world
+(`planner.plan_layouts(only_configured=True)`), with the profile `scaletrain calibrate` wrote
+(run first when there is none). Measured: the median `step_time_s` of the logged windows
+after the first (warm-up), and the largest `window_peak_above_baseline_bytes` (the CPU has no
+allocator peak counter: the RSS high-water mark of each window above what the rank held
+after set-up, which already holds the parameters: the prediction compared is its peak less
+the parameters). Printed: every row, each ratio, the summary errors, and for each (size,
+world) whether the planner's pick is within 10% of the fastest measured layout and in the
+measured top 3.
+
+    .venv/bin/python bench/plan.py [--sizes small,base] [--worlds 2,4] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCALETRAIN = [sys.executable, "-m", "scaletrain"]
+
+CONFIG = """
+[model]
+name = "gpt"
+size = "{size}"
+[data]
+source = "wikitext"
+seq_len = 128
+[train]
+steps = {steps}
+seed = 0
+global_batch = 16
+micro_batch = 8
+eval_examples = 16
+[log]
+every = 2
+quiet = true
+"""
+
+# world -> layouts (overrides); each must be one the launcher accepts for both sizes
+GRID = {
+    2: {
+        "ddp": ["parallel.dp_replicate=2"],
+        "zero3": ["parallel.dp_shard=2"],
+        "zero2": ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"],
+        "zero3-mb4": ["parallel.dp_shard=2", "train.micro_batch=4"],
+        "zero3-ac-full": ["parallel.dp_shard=2", "parallel.activation_checkpointing=full"],
+        "tp2": ["parallel.tp=2", "train.micro_batch=16"],
+        "pp2-1f1b": ["parallel.pp=2", "train.micro_batch=16"],
+    },
+    4: {
+        "zero3x4": ["parallel.dp_shard=4", "train.micro_batch=4"],
+        "hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
+        "zero3xtp2": ["parallel.dp_shard=2", "parallel.tp=2"],
+        "pp2xzero3": ["parallel.pp=2", "parallel.dp_shard=2"],
+        "pp2xtp2": ["parallel.pp=2", "parallel.tp=2", "train.micro_batch=16"],
+        "ddp4": ["parallel.dp_replicate=4", "train.micro_batch=4"],
+    },
+}
+
+
+def measure(cfg: Path, overrides: list[str], world: int, run_dir: Path) -> dict:
+    cmd = [
+        *SCALETRAIN,
+        "train",
+        str(cfg),
+        *overrides,
+        "--nproc",
+        str(world),
+        "--run-dir",
+        str(run_dir),
+    ]
+    subprocess.run(
+        cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900
+    )
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("kind") == "train"][1:]  # the first window warms up
+    return {
+        "step_time_s": statistics.median(r["step_time_s"] for r in train),
+        "above_baseline": max(r["window_peak_above_baseline_bytes"] for r in train),
+        "config": run_dir / "config.toml",
+    }
+
+
+def predict(config_path: Path, world: int, profile) -> dict:
+    from scaletrain.config import load_config
+    from scaletrain.planner import build_for_plan, plan_layouts
+
+    config = load_config(config_path)
+    dataset, model = build_for_plan(config)
+    (pred,) = plan_layouts(
+        config,
+        world_size=world,
+        profile=profile,
+        dataset=dataset,
+        model=model,
+        only_configured=True,
+    )
+    m = pred.memory_bytes
+    return {"step_time_s": pred.step_time_s, "above_baseline": m["peak"] - m["params"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--sizes", default="small,base")
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--steps", type=int, default=8)
+    a = p.parse_args()
+    from scaletrain.hardware import CALIBRATED, load_profile
+
+    if not CALIBRATED.is_file():
+        subprocess.run([*SCALETRAIN, "calibrate", "--world", a.worlds], check=True)
+    profile = load_profile(str(CALIBRATED))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in a.sizes.split(","):
+            cfg = Path(tmp) / f"{size}.toml"
+            cfg.write_text(CONFIG.format(size=size, steps=a.steps))
+            for world in (int(w) for w in a.worlds.split(",")):
+                for name, overrides in GRID[world].items():
+                    got = measure(cfg, overrides, world, Path(tmp) / f"{size}-{world}-{name}")
+                    pred = predict(got["config"], world, profile)
+                    rows.append(
+                        {"size": size, "world": world, "layout": name, "meas": got, "pred": pred}
+                    )
+                    _print_row(rows[-1])
+    _summary(rows)
+
+
+def _print_row(r: dict) -> None:
+    m, p = r["meas"], r["pred"]
+    print(
+        f"{r['size']:>5} w{r['world']} {r['layout']:<14} step pred {p['step_time_s']:.3f} s "
+        f"meas {m['step_time_s']:.3f} s ratio {p['step_time_s'] / m['step_time_s']:.2f} | "
+        f"peak above baseline pred {p['above_baseline'] / 2**20:.1f} MiB meas "
+        f"{m['above_baseline'] / 2**20:.1f} MiB ratio {p['above_baseline'] / max(m['above_baseline'], 1):.2f}",
+        flush=True,
+    )
+
+
+def _summary(rows: list[dict]) -> None:
+    def err(key):
+        return [abs(r["pred"][key] / max(r["meas"][key], 1e-12) - 1) for r in rows]
+
+    for key, label in (("step_time_s", "step time"), ("above_baseline", "peak above baseline")):
+        e = err(key)
+        print(
+            f"{label}: median |error| {statistics.median(e):.0%}, max {max(e):.0%}, "
+            f"within 20%: {sum(x <= 0.2 for x in e)} of {len(e)}"
+        )
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["size"], r["world"]), []).append(r)
+    for (size, world), group in groups.items():
+        measured = sorted(group, key=lambda r: r["meas"]["step_time_s"])
+        pick = min(group, key=lambda r: r["pred"]["step_time_s"])
+        rank = measured.index(pick) + 1
+        slower = pick["meas"]["step_time_s"] / measured[0]["meas"]["step_time_s"] - 1
+        print(
+            f"{size} w{world}: pick {pick['layout']} is measured #{rank} of {len(group)}, "
+            f"{slower:.0%} slower than the fastest ({measured[0]['layout']})"
+        )
+
+
+if __name__ == "__main__":
+    main()
