@@ -353,3 +353,16 @@ def test_counting_flops_leaves_the_model_as_it_was():
         assert all(p.grad is None for p in model.parameters())
         for n, p in model.named_parameters():
             assert p.is_meta == meta and (meta or torch.equal(p, before[n]))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_the_layer_count_is_flop_counter_modes_for_the_mlp_and_cnn(name):
+    from scaletrain.data.sources import TaskSpec
+    from scaletrain.models import build_model
+    from scaletrain.models.flops import layer_flops
+
+    shape = (64,) if name == "mlp" else (1, 28, 28)
+    task = TaskSpec(kind="classification", input_shape=shape, num_classes=10)
+    model = build_model(name, size="small", task=task)
+    inputs = torch.zeros(3, *shape)
+    assert layer_flops(model, inputs) == train_flops(model, inputs) == traced_flops(model, inputs)

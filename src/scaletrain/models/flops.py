@@ -117,14 +117,52 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def layer_flops(model: nn.Module, inputs: torch.Tensor) -> int:
+    """FLOPs of one forward and backward of a model whose only products are `nn.Linear` and
+    `nn.Conv2d` layers (the built-in MLP and CNN), from each layer's output shape on one
+    forward of a twin with uninitialised values: forward 2 x outputs x inputs per output; backward the weight's gradient, and
+    the input's unless the input needs none (the first layer's raw data), as autograd and
+    FlopCounterMode count them. It needs no dispatch mode, so no import of torch._dynamo
+    (2-3 s of CPU per process that would not import it otherwise)."""
+    total = [0]
+
+    def count(module, args, out) -> None:
+        if isinstance(module, nn.Linear):
+            forward = 2 * out.numel() * module.in_features
+        else:
+            kh, kw = module.kernel_size
+            forward = 2 * out.numel() * module.in_channels // module.groups * kh * kw
+        total[0] += forward * (2 + bool(args[0].requires_grad))
+
+    # On the CPU with uninitialised values: the built-ins are small, and a meta convolution
+    # runs a Python meta kernel whose decorator imports torch._dynamo.
+    twin = meta_copy(model).to_empty(device="cpu")
+    handles = [
+        m.register_forward_hook(count)
+        for m in twin.modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d))
+    ]
+    try:
+        twin(torch.zeros(inputs.shape, dtype=next(twin.parameters()).dtype))
+    finally:
+        for h in handles:
+            h.remove()
+    return total[0]
+
+
 def train_flops(
     model: nn.Module, inputs: torch.Tensor, *, recomputed_blocks: int = 0, **extras
 ) -> int:
     """FLOPs of one forward and backward of `model` on `inputs` (B, ...): the closed form
-    where the model is a transformer it knows, else traced. The metrics' MFU and the
-    planner both count with this."""
+    where the model is a transformer it knows, shape by shape for the built-in MLP and
+    CNN, else traced. The metrics' MFU and the planner both count with this."""
+    from scaletrain.models.cnn import CNN
+    from scaletrain.models.mlp import MLP
+
     shape = transformer_shape(model)
     if shape is not None and inputs.dim() == 2:
         batch, seq = inputs.shape
         return transformer_flops(shape, batch=batch, seq=seq, recomputed_blocks=recomputed_blocks)
+    if isinstance(model, (MLP, CNN)) and not extras:
+        return layer_flops(model, inputs)
     return traced_flops(model, inputs, **extras)
