@@ -59,7 +59,7 @@ GRID = {
     },
     4: {
         "zero3x4": ["parallel.dp_shard=4", "train.micro_batch=4"],
-        "hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
+        "hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batch=4"],
         "zero3xtp2": ["parallel.dp_shard=2", "parallel.tp=2"],
         "pp2xzero3": ["parallel.pp=2", "parallel.dp_shard=2"],
         "pp2xtp2": ["parallel.pp=2", "parallel.tp=2", "train.micro_batch=16"],
