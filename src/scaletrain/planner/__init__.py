@@ -7,7 +7,7 @@
     predict.py      memory peak, bytes per collective, step time, MFU (the cost model)
 
 `plan_layouts` runs them over every candidate and ranks the ones that fit by predicted step
-time; `scaletrain plan` prints it, `parallel.layout = "auto"` trains the first.
+time; `scaletrain plan` prints it, `scaletrain train --plan` trains the first.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def plan_layouts(
         pred = predict(
             cand.config,
             cand.derived,
-            layout_keys=cand.layout,
+            layout_keys=cand.overrides,
             held=held,
             acts=acts,
             model=model,

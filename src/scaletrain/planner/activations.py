@@ -115,9 +115,10 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter.mode:
                 with precision.forward_context():
                     loss_fn(forward(par.model, batch, precision), batch)
+            kept = sum(saved.values()) + sum(entries)
+            largest = max(saved.values(), default=0)
             recompute = 0
             if wrapped:  # one block run plainly: what its recomputation holds
-                kept_before, saved_before = sum(saved.values()), dict(saved)
                 saved.clear()
                 block = wrapped[0]._checkpoint_wrapped_module
                 x = first_input[0].detach().requires_grad_()
@@ -125,13 +126,9 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
                     with precision.forward_context():
                         block(x)
                 recompute = sum(saved.values())
-                saved.clear()
-                saved.update(saved_before)
-                assert sum(saved.values()) == kept_before
-    kept = sum(saved.values()) + sum(entries)
     return Activations(
         saved=kept,
-        largest=max(saved.values(), default=0),
+        largest=largest,
         recompute=recompute,
         ops=counter.ops,
         written=counter.written,

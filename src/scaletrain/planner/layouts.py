@@ -27,14 +27,9 @@ AC_MODES = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Candidate:
-    overrides: dict  # dotted key -> value, what `scaletrain train` takes
+    overrides: dict  # dotted key -> value: the `parallel.*` keys and train.micro_batch
     config: Config
     derived: Derived
-
-    @property
-    def layout(self) -> dict:
-        """The `parallel.*` keys and train.micro_batch that make this layout (--json)."""
-        return dict(self.overrides)
 
 
 def layout_overrides(config: Config, *, world_size: int) -> dict:
@@ -79,7 +74,7 @@ def _micro_batches(config: Config, dp: int) -> list[int]:
     return sorted(out, reverse=True)
 
 
-def candidates(config: Config, *, world_size: int, model, dataset=None) -> list[Candidate]:
+def candidates(config: Config, *, world_size: int, model) -> list[Candidate]:
     """The accepted layouts of `world_size` (module docstring), the configured one first
     when it is accepted. `model`: the bare model on meta (its spec and blocks are read)."""
     spec = model_spec(model)

@@ -104,14 +104,14 @@ def predict(
     width = 2 if dtype in ("bf16", "fp16") else (8 if dtype == "fp64" else 4)
 
     # memory
-    stage_share = 1.0 / (lay.pp * stages) * stages if lay.pp > 1 else 1.0
+    share = 1.0 / lay.pp  # a stage's part of the blocks (and of their ops and bytes)
     if pipe is None:
         in_flight = 1
     elif pipe.schedule == "gpipe":
         in_flight = chunks
     else:
         in_flight = min(chunks, lay.pp * stages)
-    activations = int(acts.saved * stage_share * in_flight)
+    activations = int(acts.saved * share * in_flight)
     transient = acts.largest + acts.recompute
     unsharded = held.params * lay.dp_shard  # rank 0's stage, whole again
     gathered = 0
@@ -190,7 +190,6 @@ def predict(
     )
     # Beyond the matmuls: every op's dispatch and the element-wise work's memory traffic
     # (a forward's ops and written bytes, traced; backward about twice; read and written).
-    share = 1.0 / lay.pp if lay.pp > 1 else 1.0
     chunk_steps = accum * chunks
     overhead_s = (
         chunk_steps
