@@ -3,8 +3,9 @@ side, for a grid of layouts of the built-in GPT at two sizes and world sizes 2 a
 
 Each layout is trained for real (`scaletrain train`, its own run directory, the same steps,
 log.every windows) and predicted by the planner for the same config and world
-(`planner.plan_layouts(only_configured=True)`), with the profile `scaletrain calibrate` wrote
-(run first when there is none). Measured: the median `step_time_s` of the logged windows
+(`planner.plan_layouts(only_configured=True)`), with the profile `scaletrain calibrate CONFIG`
+writes for that size first (the model's own steps on one process fit what a step costs
+beyond its matmuls; the collectives are measured per world size: planner/reference.py). Measured: the median `step_time_s` of the logged windows
 after the first (warm-up), and the largest `window_peak_above_baseline_bytes` (the CPU has no
 allocator peak counter: the RSS high-water mark of each window above what the rank held
 after set-up, which already holds the parameters: the prediction compared is its peak less
@@ -115,18 +116,21 @@ def main() -> None:
     )
     p.add_argument("--sizes", default="small,base")
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
     a = p.parse_args()
-    from scaletrain.hardware import CALIBRATED, load_profile
+    from scaletrain.hardware import load_profile
 
-    if not CALIBRATED.is_file():
-        subprocess.run([*SCALETRAIN, "calibrate", "--world", a.worlds], check=True)
-    profile = load_profile(str(CALIBRATED))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in a.sizes.split(","):
             cfg = Path(tmp) / f"{size}.toml"
             cfg.write_text(CONFIG.format(size=size, steps=a.steps))
+            out = Path(tmp) / f"{size}-profile.toml"
+            subprocess.run(
+                [*SCALETRAIN, "calibrate", str(cfg), "--world", a.worlds, "--out", str(out)],
+                check=True,
+            )
+            profile = load_profile(str(out))
             for world in (int(w) for w in a.worlds.split(",")):
                 for name, overrides in GRID[world].items():
                     got = measure(cfg, overrides, world, Path(tmp) / f"{size}-{world}-{name}")

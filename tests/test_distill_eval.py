@@ -109,7 +109,7 @@ def test_parsing_counts_pairs_documents_and_sentences():
     assert len(held) == 300 == len(set(held)) and held == ev.held_out_sentences()
     assert all(len(s.split()) >= 5 for s in held)
     assert held[0].startswith("Hundreds of people") and held[0].endswith("Hill Top.")
-    assert ev.held_out_sentences(1000)[:300] == held
+    assert ev.held_out_sentences(350)[:300] == held  # 399 in all: 300 + what the hash holds out
     with pytest.raises(ValueError, match="usable sentences"):
         ev.held_out_sentences(10**6)
 

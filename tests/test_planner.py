@@ -25,6 +25,8 @@ from scaletrain.plan import resolve
 
 from harness import Case, assert_planner_bytes_match
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def _flop_counter_mode(model, inputs) -> int:
     """torch's FlopCounterMode over one forward and backward, with the model and inputs on
@@ -320,8 +322,11 @@ def test_a_profile_round_trips_and_the_collectives_fit_their_line(tmp_path):
     from scaletrain.hardware import Link, Profile, load_profile, profile_toml
     from scaletrain.planner.calibrate import _fit
 
-    # t = 200 us + bytes / 1 GB/s, timed at three sizes
-    link = _fit([(n, 200e-6 + n / 1e9) for n in (4096, 2**20, 2**26)])
+    # t = 200 us + bytes / 1 GB/s, timed at four sizes; the second smallest hiccuped (a
+    # scheduler's 5 ms): the latency is the fastest of the three smallest
+    sizes = (4096, 16384, 2**20, 2**26)
+    points = [(n, 200e-6 + n / 1e9 + (5e-3 if n == 16384 else 0)) for n in sizes]
+    link = _fit(points)
     assert link.latency_s == pytest.approx(200e-6 + 4096 / 1e9)
     assert link.bus_bw == pytest.approx(2**26 / (2**26 / 1e9 - 4096 / 1e9), rel=1e-9)
     profile = Profile(
@@ -329,9 +334,12 @@ def test_a_profile_round_trips_and_the_collectives_fit_their_line(tmp_path):
         flops={"fp32": 1e11, "bf16": 4e11},
         memory_bytes=2**34,
         memory_bw=1e10,
-        intra={2: link, 4: Link(bus_bw=5e8, latency_s=3e-4)},
+        intra={2: link, 4: Link(bus_bw=5e8, latency_s=3e-4, fsdp_call_s=2e-3, tp_call_s=4e-3)},
         cores=2,
-        op_overhead_s=6e-6,
+        op_s=6e-6,
+        byte_s=3e-10,
+        rss_fixed=4e6,
+        rss_ratio=1.4,
     )
     path = tmp_path / "p.toml"
     path.write_text(profile_toml(profile))
@@ -366,3 +374,87 @@ def test_the_layer_count_is_flop_counter_modes_for_the_mlp_and_cnn(name):
     model = build_model(name, size="small", task=task)
     inputs = torch.zeros(3, *shape)
     assert layer_flops(model, inputs) == train_flops(model, inputs) == traced_flops(model, inputs)
+
+
+def test_the_step_cost_fit_solves_both_points_and_never_goes_negative():
+    from scaletrain.planner.reference import _solve2
+
+    # t = ops x 10 us + bytes x 0.5 ns at two micro-batches
+    p, q = _solve2(1000, 2e6, 1000 * 1e-5 + 2e6 * 5e-10, 1200, 9e6, 1200 * 1e-5 + 9e6 * 5e-10)
+    assert (p, q) == (pytest.approx(1e-5), pytest.approx(5e-10))
+    # the exact solution would need a negative byte cost: the op cost alone is fitted
+    p, q = _solve2(1000, 2e6, 0.020, 1200, 9e6, 0.021)
+    assert q == 0.0 and p == pytest.approx((1000 * 0.020 + 1200 * 0.021) / (1000**2 + 1200**2))
+
+
+def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
+    """runtime = rss_fixed + (rss_ratio - 1) x what a step adds over the parameters; a GPU
+    profile (and a CPU one without the fit) adds nothing."""
+    import dataclasses
+
+    from scaletrain.config import validate_config
+    from scaletrain.hardware import BUILTIN
+    from scaletrain.planner import build_for_plan, plan_layouts
+
+    config = validate_config(
+        {
+            "model": {"name": "gpt", "size": "tiny"},
+            "data": {"source": "wikitext", "seq_len": 32},
+            "train": {"micro_batch": 4, "global_batch": 4},
+        }
+    )
+    dataset, model = build_for_plan(config)
+    gpu = BUILTIN["h100"]
+    cpu = dataclasses.replace(gpu, name="cpu", cores=2, rss_fixed=3e6, rss_ratio=1.5)
+
+    def memory(profile):
+        (pred,) = plan_layouts(
+            config,
+            world_size=1,
+            profile=profile,
+            dataset=dataset,
+            model=model,
+            only_configured=True,
+        )
+        return pred.memory_bytes
+
+    bare, slack = memory(gpu), memory(cpu)
+    assert bare["runtime"] == 0
+    live = bare["peak"] - bare["params"]
+    assert slack["runtime"] == int(3e6 + 0.5 * live)
+    assert slack["peak"] == bare["peak"] + slack["runtime"]
+
+
+def test_an_hf_decoder_under_full_checkpointing_is_traced_with_its_keyword_inputs():
+    """An HF decoder layer takes its rotary tables by keyword: the recomputation pass calls
+    the checkpointed block with every argument it got (it raised a TypeError when it passed
+    the hidden states alone)."""
+    from scaletrain.config import load_config
+    from scaletrain.planner import build_for_plan
+    from scaletrain.planner.activations import traced_activations
+
+    config = load_config(
+        ROOT / "configs" / "hf-llama.toml", ["parallel.activation_checkpointing=full"]
+    )
+    dataset, _ = build_for_plan(config)
+    acts = traced_activations(config, dataset=dataset, examples=2, tp=1)
+    plain = traced_activations(
+        load_config(ROOT / "configs" / "hf-llama.toml"), dataset=dataset, examples=2, tp=1
+    )
+    assert 0 < acts.recompute < plain.saved
+    assert acts.saved < plain.saved
+
+
+def test_calibrate_times_gloo_and_the_per_call_cost_of_fsdp_and_tensor_parallelism():
+    """Two ranks started by torch's elastic agent: every rank runs the same count of each
+    collective (a time budget per size once let ranks stop apart and hang), and FSDP2's and
+    DTensor's collectives cost at least a collective per call over the plain stack (about 0
+    if they never ran)."""
+    from scaletrain.planner.calibrate import measure_collectives
+
+    all_reduce, all_gather, calls = measure_collectives(2, sizes=(4096, 16384, 65536))
+    for link in (all_reduce, all_gather):
+        assert link.bus_bw > 0 and link.latency_s > 0
+    # a call carries at least its collective (the timing's noise alone stays far below)
+    assert calls["fsdp_call_s"] > 0.5 * all_gather.latency_s
+    assert calls["tp_call_s"] > 0.5 * all_reduce.latency_s

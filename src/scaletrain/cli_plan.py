@@ -138,10 +138,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--world {args.world!r}: a comma-separated list of world sizes, e.g. 2,4"
         ) from None
-    shapes = None
+    shapes = reference = None
     if args.config:
-        shapes = model_shapes(load_config(args.config, args.overrides))
-    profile = calibrate(worlds=worlds, shapes=shapes, name="this-machine", say=print)
+        config = load_config(args.config, args.overrides)
+        shapes, reference = model_shapes(config), config.model_dump(mode="json")
+    profile = calibrate(
+        worlds=worlds, shapes=shapes, reference=reference, name="this-machine", say=print
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(profile_toml(profile))
     print(f"scaletrain: profile written to {args.out}", file=sys.stderr)

@@ -33,6 +33,10 @@ class Link:
 
     bus_bw: float  # bytes/s of the ring's bus bandwidth (what nccl-tests call busbw)
     latency_s: float
+    # seconds per collective call beyond its bytes, the framework's Python included, where
+    # calibrate measured it (planner/reference.py); 0: latency_s
+    fsdp_call_s: float = 0.0
+    tp_call_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,12 @@ class Profile:
     devices_per_node: int = 1
     overlap: bool = False  # do collectives overlap compute (GPU streams: yes; gloo on CPU: no)
     cores: int = 0  # a CPU profile: flops are per core, shared by the node's ranks; 0: a GPU
-    op_overhead_s: float = 0.0  # seconds per op beyond its arithmetic (dispatch, autograd)
+    # Beyond the matmuls and the collectives' bytes (calibrate fits these from real steps of
+    # a reference model, planner/reference.py; a GPU's stay 0 but byte_s):
+    op_s: float = 0.0  # seconds per forward op, its backward included (dispatch, autograd)
+    byte_s: float = 0.0  # seconds per byte the forward's ops write, backward included
+    rss_fixed: float = 0.0  # CPU: resident bytes a training step adds beyond live tensors
+    rss_ratio: float = 1.0  # CPU: resident bytes per live tensor byte (the allocator's slack)
     source: str = ""
 
     def link(self, group_size: int, *, spans_nodes: bool = False) -> Link:
@@ -82,6 +91,9 @@ def _gpu(name, *, bf16, fp32, memory_gib, memory_bw, nvlink, ib, source) -> Prof
         inter=Link(ib, 20e-6),
         devices_per_node=8,
         overlap=True,
+        # element-wise work: a forward op's output written, then read and written again by
+        # the backward (about 6 bytes of traffic per byte written), at the HBM's bandwidth
+        byte_s=6 / memory_bw,
         source=source,
     )
 
@@ -122,6 +134,9 @@ BUILTIN = {
 }
 
 
+_FLOAT_KEYS = ("op_s", "byte_s", "rss_fixed", "rss_ratio")
+
+
 class ProfileError(UserError):
     pass
 
@@ -149,7 +164,7 @@ def load_profile(name_or_path: str) -> Profile:
             devices_per_node=int(data.get("devices_per_node", 1)),
             overlap=bool(data.get("overlap", False)),
             cores=int(data.get("cores", 0)),
-            op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+            **{k: float(data[k]) for k in _FLOAT_KEYS if k in data},
             source=data.get("source", str(path)),
         )
     except (KeyError, TypeError) as e:

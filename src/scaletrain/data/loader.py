@@ -55,7 +55,8 @@ def load_dataset(
         path: for "shards": a directory written by `scaletrain shard` (with train/ and
             eval/), or one split's directory, or a Parquet directory written by Spark
             (its eval split held out of its rows).
-        seq_len, synthetic_examples, seed: for the built-in sources.
+        seq_len, synthetic_examples, seed: for the built-in sources; seed also seeds the
+            "sentences" source's augmentation (data.kwargs.augment).
         shuffle_window: the sampler's window (0 = whole split), so the row-group cache holds
             what one window touches; None for splits read in storage order (eval).
         kwargs: for a user's data function (`data.kwargs`).
@@ -70,7 +71,11 @@ def load_dataset(
         from scaletrain.data.sentences import load_sentences
 
         return load_sentences(
-            split=split, seq_len=seq_len, kwargs=kwargs or {}, tokenizer_dir=tokenizer_dir
+            split=split,
+            seq_len=seq_len,
+            kwargs=kwargs or {},
+            tokenizer_dir=tokenizer_dir,
+            seed=seed,  # data.kwargs.augment's variants follow train.seed
         )
     if source == "shards":
         from scaletrain.data.shards import load_dataset as load_shards

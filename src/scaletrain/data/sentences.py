@@ -1,11 +1,28 @@
 """Tokenized sentences for an encoder (`data.source = "sentences"`, task kind "encode").
 
-What a sentence encoder is distilled on: sentences cut from gensim's Wikipedia excerpt (the
-same 106 articles as the `wikitext` source, markup stripped), and, so that the student also
-learns what the teacher does with a word alone (word-similarity benchmarks encode single
-words), the most frequent words of that text as items of their own. Lee's news documents,
-the word-similarity sets and the sentiment sentences are never read here: they are the
-evaluation (`distill/evaluate.py`).
+What a sentence encoder is distilled on: English sentences from the installed packages
+(data/corpora.py: where each corpus comes from, how it is cleaned, what is left out), named
+by data.kwargs.corpora:
+
+- "wikipedia": gensim's Wikipedia excerpt (106 articles), ~20k sentences;
+- "words": the excerpt's most frequent words as items of their own, so that the student also
+  learns what the teacher does with a word alone (word-similarity benchmarks encode single
+  words);
+- "news" (Lee's background news), "reviews" (10 IMDB reviews), "python-docs" (the
+  interpreter's language reference), "articles" (the other English Wikipedia gensim ships).
+
+The default stays ["wikipedia", "words"]. The chosen corpora are concatenated in the order
+given and deduplicated. The eval split is the items `corpora.held_out` holds back (1 in 20,
+by a hash of the text: the same sentence is on the same side whatever the mix), the train
+split the rest, less any sentence evaluation scores (`corpora.evaluation_keys`: Lee's
+documents, the sentiment probe, the reserved news), so distill/evaluate.py never scores
+text the student trained on.
+
+data.kwargs.augment = { n = 4, p = 0.4, k = 15 } adds TinyBERT's word-replacement variants of
+the training sentences (data/augment.py), seeded by train.seed, to the train split only; the
+variants pass the same filter as the sentences, and the teacher labels them like any item
+(online, or once through distill-cache, which iterates the dataset). The neighbours come
+from the word embeddings in the tokenizer's directory.
 
 Items are tokenized once with the teacher's WordPiece tokenizer (a directory handed in by
 the caller: data.kwargs.tokenizer resolved above this layer, by default the packaged
@@ -14,47 +31,34 @@ as the model's `attention_mask` keyword. There are no labels: the targets are ze
 count is examples, and the loss comes from the teacher (distill/objective.py).
 
 data.kwargs: tokenizer (directory or 'all-MiniLM-L6-v2'), corpora (["wikipedia", "words"]),
-words (how many frequent words, 5000). One item in 20 is held out as the eval split, by
-position, so the two splits never share an item.
+words (how many frequent words, 5000), augment (absent: none).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import os
-import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scaletrain.data.augment import Augment, augment, parse_augment
+from scaletrain.data.corpora import (
+    READERS,
+    dedup,
+    evaluation_keys,
+    frequent_words,
+    held_out,
+    sentence_key,
+)
 from scaletrain.data.sources import Batch, TaskSpec
+from scaletrain.errors import ConfigError
 
-CORPORA = ("wikipedia", "words")
-KWARGS = ("tokenizer", "corpora", "words")
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
-_WORD = re.compile(r"[a-z]{3,}")
-
-
-def wikipedia_sentences() -> list[str]:
-    """Sentences of 5 to 64 words from the Wikipedia excerpt, in text order (~20k)."""
-    from scaletrain.data.sources import _wikitext_bytes
-
-    out = []
-    for paragraph in _wikitext_bytes().decode("utf-8").split("\n\n"):
-        for s in _SENTENCE_END.split(paragraph.replace("\n", " ")):
-            if 5 <= len(s.split()) <= 64:
-                out.append(s.strip())
-    return out
-
-
-def frequent_words(n: int) -> list[str]:
-    """The n most frequent lower-case words (3+ letters) of the excerpt, most frequent first."""
-    from scaletrain.data.sources import _wikitext_bytes
-
-    counts = collections.Counter(_WORD.findall(_wikitext_bytes().decode("utf-8").lower()))
-    return [w for w, _ in counts.most_common(n)]
+CORPORA = ("wikipedia", "words", *(name for name in READERS if name != "wikipedia"))
+DEFAULT_CORPORA = ("wikipedia", "words")
+KWARGS = ("tokenizer", "corpora", "words", "augment")
 
 
 @functools.lru_cache(maxsize=4)
@@ -110,37 +114,92 @@ def tokenize(
     return enc["input_ids"].long(), enc["attention_mask"].long(), len(tok)
 
 
+def check_kwargs(kwargs: dict[str, Any]) -> tuple[list[str], int, Augment | None]:
+    """data.kwargs of the sentences source checked: (corpora, words, augment).
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    unknown = sorted(set(kwargs) - set(KWARGS))
+    if unknown:
+        raise ConfigError(
+            f"data.kwargs {unknown} are not read by data.source = 'sentences'; "
+            f"allowed: {', '.join(KWARGS)}"
+        )
+    corpora = list(kwargs.get("corpora", DEFAULT_CORPORA))
+    bad = [c for c in corpora if c not in CORPORA]
+    if bad or not corpora:
+        raise ConfigError(
+            f"data.kwargs.corpora = {corpora!r}: allowed {', '.join(CORPORA)} (at least one)"
+        )
+    return corpora, int(kwargs.get("words", 5000)), parse_augment(kwargs.get("augment"))
+
+
+def items_of(corpora: Iterable[str], *, words: int) -> list[str]:
+    """Every item of the named corpora, in the order given, deduplicated (both splits)."""
+    return dedup(
+        item
+        for name in corpora
+        for item in (frequent_words(words) if name == "words" else READERS[name]())
+    )
+
+
+def split_items(items: Iterable[str], *, split: str) -> list[str]:
+    """The items of one split: "eval" the held-out ones; "train" the others, less any text
+    evaluation scores (a rule for variants too, which arrive after the split)."""
+    if split == "eval":
+        return [t for t in items if held_out(t)]
+    scored = evaluation_keys()
+    return [t for t in items if not held_out(t) and sentence_key(t) not in scored]
+
+
+def split_texts(
+    kwargs: dict[str, Any], *, split: str, seed: int, tokenizer_dir: str | Path | None
+) -> list[str]:
+    """The text of one split's items: the split's share of the corpora, and for "train"
+    with data.kwargs.augment the variants of its sentences after them.
+
+    Args:
+        kwargs: data.kwargs (corpora, words, augment).
+        split: "train" or "eval".
+        seed: the run's seed, which seeds the augmentation.
+        tokenizer_dir: where the word embeddings for the augmentation are.
+    """
+    corpora, words, options = check_kwargs(kwargs)
+    texts = split_items(items_of(corpora, words=words), split=split)
+    if options is None or split != "train":
+        return texts
+    if tokenizer_dir is None:
+        raise ConfigError(
+            "data.kwargs.augment reads the word embeddings beside the tokenizer, but no "
+            "tokenizer directory was given (load_dataset(tokenizer_dir=...))"
+        )
+    # Sentences only: a single-word item's variant is just another word.
+    sentences = [t for t in texts if " " in t]
+    variants = augment(sentences, options=options, seed=seed, model_dir=tokenizer_dir)
+    return texts + split_items(variants, split="train")  # held-out or scored text: dropped
+
+
 def load_sentences(
-    *, split: str, seq_len: int, kwargs: dict[str, Any], tokenizer_dir: str | Path
+    *,
+    split: str,
+    seq_len: int,
+    kwargs: dict[str, Any],
+    tokenizer_dir: str | Path,
+    seed: int = 0,
 ) -> TokenDataset:
     """One split of the sentence mix (see the module docstring).
 
     Args:
         split: "train" or "eval".
         seq_len: tokens per item (truncated or padded).
-        kwargs: data.kwargs (corpora, words; tokenizer is resolved by the caller).
+        kwargs: data.kwargs (corpora, words, augment; tokenizer is resolved by the caller).
         tokenizer_dir: the tokenizer's directory, decided above the data layer
             (distill/build.sentence_tokenizer_dir: data.kwargs.tokenizer, or the packaged
-            teacher's), so that data/ asks no other layer where a tokenizer lives.
+            teacher's), so that data/ asks no other layer where a tokenizer lives; with
+            augment, its safetensors give the word embeddings too.
+        seed: the run's seed (train.seed), which seeds the augmentation.
     """
-    unknown = sorted(set(kwargs) - set(KWARGS))
-    if unknown:
-        raise ValueError(
-            f"data.kwargs {unknown} are not read by data.source = 'sentences'; "
-            f"allowed: {', '.join(KWARGS)}"
-        )
-    corpora = list(kwargs.get("corpora", CORPORA))
-    bad = [c for c in corpora if c not in CORPORA]
-    if bad or not corpora:
-        raise ValueError(
-            f"data.kwargs.corpora = {corpora!r}: allowed {', '.join(CORPORA)} (at least one)"
-        )
-    items: list[str] = []
-    if "wikipedia" in corpora:
-        items += wikipedia_sentences()
-    if "words" in corpora:
-        items += frequent_words(int(kwargs.get("words", 5000)))
-    # Every 20th item is held out: both kinds of item are in both splits.
-    picked = [t for i, t in enumerate(items) if (i % 20 == 19) == (split == "eval")]
-    ids, mask, vocab = tokenize(picked, tokenizer_dir=tokenizer_dir, seq_len=seq_len)
+    texts = split_texts(kwargs, split=split, seed=seed, tokenizer_dir=tokenizer_dir)
+    ids, mask, vocab = tokenize(texts, tokenizer_dir=tokenizer_dir, seq_len=seq_len)
     return TokenDataset(ids, mask, vocab_size=vocab)

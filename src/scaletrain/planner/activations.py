@@ -78,7 +78,7 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
     batch = dataset.get(torch.arange(examples) % len(dataset))
     saved: dict[int, int] = {}
     entries: list[int] = []
-    first_input: list[torch.Tensor] = []
+    first_call: list[tuple[tuple, dict]] = []  # the first checkpointed block's arguments
 
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
@@ -88,10 +88,10 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
         saved[storage._cdata] = storage.nbytes()
         return t
 
-    def at_entry(module, args) -> None:
+    def at_entry(module, args, kwargs) -> None:
         tensors = [a for a in args if torch.is_tensor(a)]
         entries.extend(local(a).untyped_storage().nbytes() for a in tensors)
-        first_input.extend(tensors[:1] if not first_input else [])
+        first_call.extend([] if first_call else [(args, kwargs)])
 
     with fake_world(tp, 0):
         par = parallelize(
@@ -108,7 +108,7 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
         )
         wrapped = [m for m in par.model.modules() if isinstance(m, CheckpointWrapper)]
         for m in wrapped:
-            m.register_forward_pre_hook(at_entry)
+            m.register_forward_pre_hook(at_entry, with_kwargs=True)
         with FakeTensorMode(allow_non_fake_inputs=True):
             par.model.to_empty(device="cpu")
             counter = _OpCounter()
@@ -121,10 +121,11 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
             if wrapped:  # one block run plainly: what its recomputation holds
                 saved.clear()
                 block = wrapped[0]._checkpoint_wrapped_module
-                x = first_input[0].detach().requires_grad_()
+                args, kwargs = first_call[0]  # an HF layer takes its rotary tables by keyword
+                x, *rest = args
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     with precision.forward_context():
-                        block(x)
+                        block(x.detach().requires_grad_(), *rest, **kwargs)
                 recompute = sum(saved.values())
     return Activations(
         saved=kept,

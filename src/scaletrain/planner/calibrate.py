@@ -7,11 +7,15 @@
 - Memory bandwidth: a large tensor copied (the optimizer's and element-wise work's bound).
 - All-reduce and all-gather on the backend, per world size, at message sizes from 4 KiB to
   64 MiB, timed on ranks started by torch's own elastic agent (`elastic_launch`): latency
-  and bus bandwidth fitted to t = latency + bytes on the wire / bandwidth (`_fit`).
+  and bus bandwidth fitted to t = latency + bytes on the wire / bandwidth (`_fit`); on the
+  same ranks, FSDP's and tensor parallelism's cost per collective call (reference.py).
+- What a step costs beyond its matmuls, and a process's resident memory beyond its live
+  tensors, fitted from real steps of a reference model (reference.py).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import statistics
 import time
@@ -19,6 +23,7 @@ import time
 import torch
 
 from scaletrain.hardware import Link, Profile
+from scaletrain.planner.reference import collective_overheads, step_costs
 
 SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB .. 64 MiB
 DTYPE_OF = {
@@ -59,28 +64,14 @@ def memory_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / seconds  # read and write
 
 
-def op_overhead() -> float:
-    """Seconds per op of a chain of tiny ops run forward and backward under autograd: the
-    cost of an op beyond its arithmetic (dispatch, autograd's bookkeeping)."""
-    x = torch.ones(8, requires_grad=True)
-    n = 200
-
-    def chain():
-        y = x
-        for _ in range(n):
-            y = y * 1.0001
-        y.sum().backward()
-
-    return _median_seconds(chain, reps=20) / (3 * n)  # backward: about two ops per op
-
-
 def _fit(points: list[tuple[float, float]]) -> Link:
     """t = latency + bytes / bw from (bytes on the wire, seconds), smallest message first:
-    the latency is the smallest message's time, the bandwidth the largest's rate beyond it
-    (a least-squares line over sizes 4 KiB..64 MiB is all large messages and puts the
+    the latency is the fastest of the three smallest messages (one scheduler hiccup on a
+    shared CPU does not make it), the bandwidth the largest's rate beyond it (a
+    least-squares line over sizes 4 KiB..64 MiB is all large messages and puts the
     intercept anywhere, below zero included)."""
     points = sorted(points)
-    latency = points[0][1]
+    latency = min(t for _, t in points[:3])
     largest_bytes, largest_s = points[-1]
     return Link(bus_bw=largest_bytes / max(largest_s - latency, 1e-12), latency_s=latency)
 
@@ -90,7 +81,7 @@ def collective_worker(sizes: tuple[int, ...]) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
     out = {"all_reduce": [], "all_gather": []}
     try:
@@ -104,19 +95,23 @@ def collective_worker(sizes: tuple[int, ...]) -> dict:
             def gather(x=x, g=gathered):
                 dist.all_gather_single(g, x)
 
-            reps = 20 if nbytes < 2**22 else 5
-            t_ar = _median_seconds(reduce, reps=reps, budget_s=2.0)
-            t_ag = _median_seconds(gather, reps=reps, budget_s=2.0)
+            # the same count on every rank (a time budget would let ranks stop apart and
+            # pair one rank's all-reduce with another's all-gather: a hang)
+            reps = 15 if nbytes < 2**22 else 4
+            t_ar = _median_seconds(reduce, reps=reps, budget_s=float("inf"))
+            t_ag = _median_seconds(gather, reps=reps, budget_s=float("inf"))
             # bytes each rank puts on the wire in a ring
             out["all_reduce"].append((2 * (world - 1) / world * nbytes, t_ar))
             out["all_gather"].append(((world - 1) * nbytes, t_ag))
+        out.update(collective_overheads(world))
     finally:
         dist.destroy_process_group()
     return out
 
 
-def measure_collectives(world: int) -> tuple[Link, Link]:
-    """(all-reduce, all-gather) of `world` ranks of this machine on gloo."""
+def measure_collectives(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, Link, dict]:
+    """(all-reduce, all-gather, FSDP's and TP's seconds per call) of `world` ranks of this
+    machine on gloo."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -130,14 +125,26 @@ def measure_collectives(world: int) -> tuple[Link, Link]:
         monitor_interval=0.1,
         start_method="spawn",
     )
-    results = elastic_launch(config, collective_worker)(SIZES)
-    return _fit(results[0]["all_reduce"]), _fit(results[0]["all_gather"])
+    results = elastic_launch(config, collective_worker)(sizes)
+    got = results[0]
+    return _fit(got["all_reduce"]), _fit(got["all_gather"]), got
 
 
 def calibrate(
-    *, worlds: list[int], shapes: list[tuple[int, int, int]] | None, name: str, say=print
+    *,
+    worlds: list[int],
+    shapes: list[tuple[int, int, int]] | None,
+    reference: dict | None = None,
+    name: str,
+    say=print,
 ) -> Profile:
-    """Measure this machine (module docstring) and return its profile."""
+    """Measure this machine (module docstring) and return its profile.
+
+    Args:
+        shapes: the model's matmul shapes (m, k, n); None: 1024^3.
+        reference: the config (as a dict) whose model's real steps fit the costs beyond the
+            matmuls (reference.py); None: the built-in GPT tiny.
+    """
     torch.set_num_threads(1)
     shapes = shapes or [(1024, 1024, 1024)]
     flops = {}
@@ -146,20 +153,30 @@ def calibrate(
         say(f"matmul {key}: {flops[key] / 1e9:.1f} GFLOP/s per core")
     bw = memory_bandwidth()
     say(f"memory bandwidth: {bw / 1e9:.1f} GB/s")
-    per_op = op_overhead()
-    say(f"per-op overhead: {per_op * 1e6:.1f} us")
+    costs = step_costs(reference, flops=flops, memory_bw=bw, say=say)
+    say(
+        f"beyond the matmuls: {costs['op_s'] * 1e6:.1f} us per op, "
+        f"{costs['byte_s'] * 1e9:.3f} ns per byte written; resident memory "
+        f"{costs['rss_fixed'] / 2**20:.1f} MiB + {costs['rss_ratio']:.2f} x the live tensors"
+    )
     intra = {}
     for world in worlds:
-        links = measure_collectives(world)
-        for name, link in zip(("all-reduce", "all-gather"), links, strict=True):
+        *links, calls = measure_collectives(world)
+        for kind, link in zip(("all-reduce", "all-gather"), links, strict=True):
             say(
-                f"gloo {name}, {world} ranks: bus bandwidth {link.bus_bw / 1e9:.2f} GB/s, "
+                f"gloo {kind}, {world} ranks: bus bandwidth {link.bus_bw / 1e9:.2f} GB/s, "
                 f"latency {link.latency_s * 1e6:.0f} us"
             )
+        say(
+            f"{world} ranks, per call: FSDP {calls['fsdp_call_s'] * 1e6:.0f} us, "
+            f"tensor parallel {calls['tp_call_s'] * 1e6:.0f} us"
+        )
         # one link per world size: the slower of the two (reduce-scatter is all-gather's twin)
         intra[world] = Link(
             bus_bw=min(link.bus_bw for link in links),
             latency_s=max(link.latency_s for link in links),
+            fsdp_call_s=calls["fsdp_call_s"],
+            tp_call_s=calls["tp_call_s"],
         )
     cores = len(os.sched_getaffinity(0))
     return Profile(
@@ -171,7 +188,7 @@ def calibrate(
         devices_per_node=max(worlds),
         overlap=False,
         cores=cores,
-        op_overhead_s=per_op,
+        **costs,
         source=f"scaletrain calibrate on {_cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
     )
 

@@ -10,6 +10,9 @@ Memory per rank (the peak of a step):
   + one checkpointed block's activations  while it recomputes
   + FSDP's gathered parameters            two units (the one running, the one prefetched);
                                           ZeRO-2 keeps every unit gathered until backward
+  + runtime (a CPU profile)               what a process holds beyond its live tensors:
+                                          rss_fixed + (rss_ratio - 1) x what a step adds
+                                          (the allocator's slack, fitted by calibrate)
 
 Communication per rank and step, by collective (ring algorithms, bytes on the wire):
     DDP / HSDP replicas   all-reduce of the gradients, 2 (r - 1) / r x their bytes, once a step
@@ -22,8 +25,11 @@ Communication per rank and step, by collective (ring algorithms, bytes on the wi
     pipeline              send/recv of each chunk's (B, T, C) boundary, forward and backward
 
 Step time: compute (hardware FLOPs, recomputation included, over the profile's rate for
-the compute dtype) + the optimizer's pass over its bytes (memory bandwidth) + what of the
-communication does not overlap (on a GPU FSDP's and DDP's collectives hide behind compute;
+the compute dtype; plus the forward's traced ops x op_s and written bytes x byte_s, each
+with its backward, fitted by calibrate on a reference model's real steps) + the
+optimizer's pass over its bytes (memory bandwidth) + the collectives (bytes over the bus
+bandwidth, plus per call the framework's measured cost for FSDP and tensor parallelism,
+else the link's latency), of which what does not overlap (on a GPU FSDP's and DDP's collectives hide behind compute;
 gloo on a CPU overlaps nothing), stretched by the pipeline's bubble (p - 1) / (v m).
 MFU = model FLOPs (no recomputation) / (step time x peak x world).
 """
@@ -52,6 +58,8 @@ class Prediction:
     mfu: float | None
     compute_s: float = 0.0
     comm_s: float = 0.0
+    ops: float = 0.0  # forward ops a step runs on this rank (each runs backward too)
+    written: float = 0.0  # bytes those forward ops write
     bubble: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -120,27 +128,34 @@ def predict(
             2 * held.largest_unit if p.reshard_after_forward else unsharded + 2 * held.largest_unit
         )
         gathered = gathered * width // _param_width(config)
-    peak = held.params + held.grads + held.optim + activations + transient + gathered
+    live = held.grads + held.optim + activations + transient + gathered  # a step's, over params
+    # a CPU process's resident memory beyond its live tensors (calibrated; 0 on a GPU profile)
+    runtime = int(profile.rss_fixed + (profile.rss_ratio - 1.0) * live)
+    peak = held.params + live + runtime
     memory = {
         "params": held.params,
         "grads": held.grads,
         "optim": held.optim,
         "activations": activations + transient,
         "buffers": gathered,
+        "runtime": runtime,
         "peak": peak,
     }
     budget = budget_bytes or profile.memory_bytes
 
-    # communication: (collective, group size, bytes, calls, overlaps compute on a GPU)
-    flows: list[tuple[str, int, float, int, bool]] = []
+    # communication: (collective, group size, bytes, calls, overlaps compute on a GPU, seconds
+    # per call beyond the bytes where calibrate measured the framework's own: else the link's
+    # latency)
+    flows: list[tuple[str, int, float, int, bool, float]] = []
     accum = derived.accumulation
     shape = transformer_shape(model)
     units = max(1, held.units)
     if lay.dp_replicate > 1:
         r = lay.dp_replicate
-        flows.append(("all_reduce", r, 2 * (r - 1) / r * held.grads, 1, True))
+        flows.append(("all_reduce", r, 2 * (r - 1) / r * held.grads, 1, True, 0.0))
     if lay.dp_shard > 1:
         s = lay.dp_shard
+        fsdp_s = profile.link(lay.world_size).fsdp_call_s  # measured among the world's ranks
         gathers = 2 if p.reshard_after_forward else 1
         unsharded_c = unsharded * width / _param_width(config)
         flows.append(
@@ -150,27 +165,42 @@ def predict(
                 gathers * (s - 1) / s * unsharded_c * accum,
                 gathers * units * accum,
                 True,
+                fsdp_s,
             )
         )
-        flows.append(("reduce_scatter", s, (s - 1) / s * unsharded * accum, units * accum, True))
+        flows.append(
+            (
+                "reduce_scatter",
+                s,
+                (s - 1) / s * unsharded * accum,
+                units * accum,
+                True,
+                fsdp_s,
+            )
+        )
     seq = example.shape[-1] if example.dim() >= 1 else 1
     if lay.tp > 1 and shape is not None:
         t = lay.tp
         stream = mb * seq * shape.attention_width * width  # the (B, T, C) stream
         blocks = shape.layers // lay.pp
         calls = 4 * blocks * accum  # two in forward, two in backward, per block
+        per_call = profile.link(lay.world_size).tp_call_s
         if p.sequence_parallel:
-            flows.append(("all_gather", t, calls * (t - 1) / t * stream, calls, False))
-            flows.append(("reduce_scatter", t, calls * (t - 1) / t * stream, calls, False))
+            flows.append(("all_gather", t, calls * (t - 1) / t * stream, calls, False, per_call))
+            flows.append(
+                ("reduce_scatter", t, calls * (t - 1) / t * stream, calls, False, per_call)
+            )
         else:
-            flows.append(("all_reduce", t, calls * 2 * (t - 1) / t * stream, calls, False))
+            flows.append(
+                ("all_reduce", t, calls * 2 * (t - 1) / t * stream, calls, False, per_call)
+            )
     if lay.pp > 1 and shape is not None:
         boundary = mb * seq * shape.attention_width * width / (lay.tp if p.sequence_parallel else 1)
         flows.append(
-            ("send_recv", 2, 4 * stages * boundary * accum, 4 * stages * chunks * accum, False)
+            ("send_recv", 2, 4 * stages * boundary * accum, 4 * stages * chunks * accum, False, 0.0)
         )
     comm = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "send_recv": 0.0}
-    for name, _, nbytes, _, _ in flows:
+    for name, _, nbytes, *_ in flows:
         comm[name] += nbytes
 
     # time
@@ -188,21 +218,18 @@ def predict(
     rate = profile.peak(dtype, ranks_per_node=per_node) or profile.peak(
         "fp32", ranks_per_node=per_node
     )
-    # Beyond the matmuls: every op's dispatch and the element-wise work's memory traffic
-    # (a forward's ops and written bytes, traced; backward about twice; read and written).
+    # Beyond the matmuls (profile.op_s and byte_s, fitted by calibrate on a reference model's
+    # real steps): every op's dispatch and the element-wise work's memory traffic, per chunk
     chunk_steps = accum * chunks
-    overhead_s = (
-        chunk_steps
-        * share
-        * (3 * acts.ops * profile.op_overhead_s + 6 * acts.written / profile.memory_bw)
-        * profile.slowdown(per_node)
-    )
+    ops = chunk_steps * share * acts.ops
+    written = chunk_steps * share * acts.written
+    overhead_s = (ops * profile.op_s + written * profile.byte_s) * profile.slowdown(per_node)
     compute_s = hw_rank / rate + overhead_s
     optim_s = 3 * (held.params + held.grads + held.optim) / profile.memory_bw
     comm_s = overlapped = 0.0
-    for _, group, nbytes, calls, overlaps in flows:
+    for _, group, nbytes, calls, overlaps, per_call in flows:
         link = profile.link(group, spans_nodes=lay.world_size > profile.devices_per_node)
-        seconds = nbytes / link.bus_bw + calls * link.latency_s
+        seconds = nbytes / link.bus_bw + calls * (per_call or link.latency_s)
         comm_s += seconds
         overlapped += seconds if overlaps else 0.0
     exposed = comm_s - (min(overlapped, compute_s) if profile.overlap else 0.0)
@@ -220,6 +247,8 @@ def predict(
         mfu=mfu,
         compute_s=compute_s,
         comm_s=comm_s,
+        ops=ops,
+        written=written,
         bubble=bubble,
     )
 

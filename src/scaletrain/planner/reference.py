@@ -1,0 +1,195 @@
+"""What `scaletrain calibrate` learns from real training steps rather than from kernels alone.
+
+A small model on a CPU spends most of a step outside its matmuls: each op's dispatch and
+autograd bookkeeping, element-wise work bound by memory, and in a sharded layout the Python
+around each collective (FSDP's copy-in and copy-out, DTensor's redistribution). And a
+process's resident memory rises by more than its live tensors (glibc keeps freed blocks,
+threads take stacks, kernels their scratch). None of this shows in a matmul benchmark, so
+calibrate measures it on real steps:
+
+- `step_costs`: the configured model (`scaletrain calibrate CONFIG`; else the built-in GPT
+  `tiny`) trained for real by one process at two micro-batches, one thread, each in a fresh
+  process (so that the calibration's own large buffers do not hide the rise). This is the
+  profiling-based cost model of layout searchers (Galvatron, Alpa): the model is measured
+  once on one process, and every distributed layout is predicted from that.
+  Each step's time less its matmuls (FLOPs over the measured rate) and its optimizer pass
+  is fitted to ops x op_s + bytes written x byte_s, with the forward's ops and written
+  bytes counted by the planner's own trace (activations.py): two micro-batches, two
+  unknowns. The resident rise above the post-set-up baseline is fitted to a fixed part
+  plus a ratio of the planner's own live-tensor peak (the same two runs): `rss_fixed` and
+  `rss_ratio`, what the planner adds on a CPU profile (on a GPU the reference is the
+  allocator's own peak and both stay 0).
+- `collective_overheads` (on the ranks that time the collectives): a stack of small Linear
+  units run forward and backward under FSDP2 and under DTensor tensor parallelism, against
+  the same stack unsharded; the difference per collective call is `fsdp_call_s` and
+  `tp_call_s`, gloo's latency and the framework's Python together.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+GPT_TINY = {
+    "model": {"name": "gpt", "size": "tiny"},
+    "data": {"source": "wikitext", "seq_len": 128},
+    "train": {"seed": 0, "micro_batch": 16},
+}
+
+
+def reference_config(data: dict, micro_batch: int):
+    """`data` (a config as a dict) as one process training micro-batches of `micro_batch`."""
+    from scaletrain.config import validate_config
+
+    data = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
+    data["train"].update(micro_batch=micro_batch, global_batch=micro_batch)
+    data["parallel"] = {}  # the defaults: one process
+    return validate_config(data)
+
+
+def reference_batches(data: dict) -> tuple[int, int]:
+    """Two micro-batches to fit at: the configured one and a quarter of it."""
+    mb = int(data.get("train", {}).get("micro_batch", 16))
+    return (max(1, mb // 4), max(2, mb))
+
+
+def step_worker(data: dict, micro_batch: int, steps: int = 8) -> dict:
+    """One fresh process: the reference trained `steps` steps on one thread; the median step
+    time after two warm-up steps and the resident peak above the post-set-up baseline
+    (memory.WindowPeak, as every run logs it)."""
+    from scaletrain.memory import WindowPeak
+    from scaletrain.planner import build_for_plan
+    from scaletrain.precision import make_precision
+    from scaletrain.training.assemble import build_net, build_objective
+    from scaletrain.training.optim import build_optimizer
+    from scaletrain.training.step import forward
+
+    torch.set_num_threads(1)
+    config = reference_config(data, micro_batch)
+    dataset, _ = build_for_plan(config)
+    precision = make_precision(config.precision.mode, device_type="cpu")
+    net = build_net(config, dataset)
+    model, loss_fn, _ = build_objective(config, net, dataset, precision=precision)
+    model = precision.convert_module(model)
+    o = config.optim
+    optimizer = build_optimizer(
+        model, name=o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, momentum=o.momentum
+    )
+    batch = dataset.get(torch.arange(micro_batch) % len(dataset))
+    peak = WindowPeak.start()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        with precision.forward_context():
+            loss, _ = loss_fn(forward(model, batch, precision), batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+    return {"step_s": statistics.median(times[2:]), "rise": peak.peak() - peak.baseline}
+
+
+def step_costs(
+    data: dict | None, *, flops: dict[str, float], memory_bw: float, say=print
+) -> dict[str, float]:
+    """op_s, byte_s, rss_fixed, rss_ratio fitted from the reference's real steps (module
+    docstring), each run in a fresh process. `data`: the config as a dict (None: GPT tiny)."""
+    import multiprocessing
+
+    from scaletrain.hardware import Profile
+    from scaletrain.planner import build_for_plan, plan_layouts
+
+    data = data or GPT_TINY
+    ctx = multiprocessing.get_context("spawn")
+    # the planner's own prediction with no per-op, per-byte or slack terms: what the fit adds to
+    bare = Profile(name="bare", flops=flops, memory_bytes=2**62, memory_bw=memory_bw, cores=1)
+    rows = []
+    for mb in reference_batches(data):
+        with ctx.Pool(1) as pool:
+            got = pool.apply(step_worker, (data, mb))
+        config = reference_config(data, mb)
+        dataset, model = build_for_plan(config)
+        (pred,) = plan_layouts(
+            config, world_size=1, profile=bare, dataset=dataset, model=model, only_configured=True
+        )
+        live = pred.memory_bytes["peak"] - pred.memory_bytes["params"]
+        rows.append((pred.ops, pred.written, got["step_s"] - pred.step_time_s, got["rise"], live))
+        say(
+            f"reference step ({config.model.name} {config.model.size or ''}, micro-batch {mb}, "
+            f"1 thread): {got['step_s'] * 1e3:.1f} ms, {got['rise'] / 2**20:.1f} MiB above "
+            f"baseline ({live / 2**20:.1f} MiB of live tensors predicted)"
+        )
+    (ops1, w1, t1, rise1, live1), (ops2, w2, t2, rise2, live2) = rows
+    op_s, byte_s = _solve2(ops1, w1, t1, ops2, w2, t2)
+    ratio = max(1.0, (rise2 - rise1) / max(live2 - live1, 1))
+    fixed = max(0.0, rise1 - ratio * live1)
+    return {"op_s": op_s, "byte_s": byte_s, "rss_fixed": fixed, "rss_ratio": ratio}
+
+
+def _solve2(x1, y1, t1, x2, y2, t2) -> tuple[float, float]:
+    """Non-negative (p, q) with x p + y q = t at both points (one clamped to 0 where the exact
+    solution would make it negative, the other then fitted by least squares)."""
+    det = x1 * y2 - x2 * y1
+    if det:
+        p, q = (t1 * y2 - t2 * y1) / det, (x1 * t2 - x2 * t1) / det
+        if p >= 0 and q >= 0:
+            return p, q
+    p_only = max(0.0, (x1 * t1 + x2 * t2) / (x1 * x1 + x2 * x2))
+    q_only = max(0.0, (y1 * t1 + y2 * t2) / (y1 * y1 + y2 * y2))
+    err_p = (x1 * p_only - t1) ** 2 + (x2 * p_only - t2) ** 2
+    err_q = (y1 * q_only - t1) ** 2 + (y2 * q_only - t2) ** 2
+    return (p_only, 0.0) if err_p <= err_q else (0.0, q_only)
+
+
+def collective_overheads(world: int, *, units: int = 8, width: int = 64) -> dict[str, float]:
+    """Seconds per FSDP collective call and per tensor-parallel collective call on `world`
+    ranks (module docstring). Call on every rank of an initialised gloo group."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(8, width)
+    plain = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(units)))
+    t_plain = _fwd_bwd_seconds(plain, x)
+
+    sharded = copy.deepcopy(plain)
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    t_fsdp = _fwd_bwd_seconds(sharded, x)
+    # per unit: all-gather in forward, again in backward (reshard after forward), reduce-scatter
+    fsdp_call_s = max(0.0, (t_fsdp - t_plain) / (3 * units))
+
+    pairs = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(units)))
+    t_pairs = _fwd_bwd_seconds(pairs, x)
+    plan = {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(units)}
+    parallelize_module(pairs, mesh, plan)
+    t_tp = _fwd_bwd_seconds(pairs, x)
+    # per column-row pair: one all-reduce in forward, one in backward
+    tp_call_s = max(0.0, (t_tp - t_pairs) / units)
+    dist.barrier()
+    return {"fsdp_call_s": fsdp_call_s, "tp_call_s": tp_call_s}
+
+
+def _fwd_bwd_seconds(model: torch.nn.Module, x: torch.Tensor, reps: int = 15) -> float:
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(reps + 2):
+        if dist.is_initialized():
+            dist.barrier()
+        t = time.perf_counter()
+        model(x).sum().backward()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[2:])
