@@ -387,22 +387,23 @@ def test_the_step_cost_fit_solves_both_points_and_never_goes_negative():
     assert q == 0.0 and p == pytest.approx((1000 * 0.020 + 1200 * 0.021) / (1000**2 + 1200**2))
 
 
+RAW = {
+    "model": {"name": "gpt", "size": "tiny"},
+    "data": {"source": "wikitext", "seq_len": 32},
+    "train": {"micro_batch": 4, "global_batch": 8},
+}
+
+
 def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
     """runtime = rss_fixed + (rss_ratio - 1) x what a step adds over the parameters; a GPU
     profile (and a CPU one without the fit) adds nothing."""
     import dataclasses
 
     from scaletrain.config import validate_config
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.hardware import BUILTIN, Link
     from scaletrain.planner import build_for_plan, plan_layouts
 
-    config = validate_config(
-        {
-            "model": {"name": "gpt", "size": "tiny"},
-            "data": {"source": "wikitext", "seq_len": 32},
-            "train": {"micro_batch": 4, "global_batch": 4},
-        }
-    )
+    config = validate_config(RAW)
     dataset, model = build_for_plan(config)
     gpu = BUILTIN["h100"]
     cpu = dataclasses.replace(gpu, name="cpu", cores=2, rss_fixed=3e6, rss_ratio=1.5)
@@ -423,6 +424,29 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
     live = bare["peak"] - bare["params"]
     assert slack["runtime"] == int(3e6 + 0.5 * live)
     assert slack["peak"] == bare["peak"] + slack["runtime"]
+
+    # a layout that shards (FSDP2) or splits tensors (DTensor) pays what their first use
+    # loads, once each, as calibrated for the world size
+    link = Link(bus_bw=1e9, latency_s=1e-4, fsdp_rss=7_000_000, tp_rss=11_000_000)
+    # both: the larger once (FSDP2's parameters are DTensors: the same machinery)
+    link4 = dataclasses.replace(link, fsdp_rss=13_000_000)
+    cpu = dataclasses.replace(cpu, intra={2: link, 4: link4})
+    cases = (
+        ({"dp_shard": 2}, 2, 7_000_000),
+        ({"tp": 2}, 2, 11_000_000),
+        ({"dp_shard": 2, "tp": 2}, 4, 13_000_000),
+    )
+    for parallel, world, extra in cases:
+        shaped = validate_config({**RAW, "parallel": parallel})
+        data, net = build_for_plan(shaped)
+        (plain,) = plan_layouts(
+            shaped, world_size=world, profile=gpu, dataset=data, model=net, only_configured=True
+        )
+        (paid,) = plan_layouts(
+            shaped, world_size=world, profile=cpu, dataset=data, model=net, only_configured=True
+        )
+        live = plain.memory_bytes["peak"] - plain.memory_bytes["params"]
+        assert paid.memory_bytes["runtime"] == int(3e6 + 0.5 * live + extra)
 
 
 def test_an_hf_decoder_under_full_checkpointing_is_traced_with_its_keyword_inputs():

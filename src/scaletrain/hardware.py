@@ -37,6 +37,10 @@ class Link:
     # calibrate measured it (planner/reference.py); 0: latency_s
     fsdp_call_s: float = 0.0
     tp_call_s: float = 0.0
+    # CPU: resident bytes a rank adds on its first FSDP2 / tensor-parallel steps (the code
+    # and state those load), measured per world size by calibrate; 0 on a GPU
+    fsdp_rss: int = 0
+    tp_rss: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import time
 import torch
 
 from scaletrain.hardware import Link, Profile
-from scaletrain.planner.reference import collective_overheads, step_costs
+from scaletrain.planner.reference import collective_overheads, first_use_worker, step_costs
 
 SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB .. 64 MiB
 DTYPE_OF = {
@@ -112,6 +112,21 @@ def collective_worker(sizes: tuple[int, ...]) -> dict:
 def measure_collectives(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, Link, dict]:
     """(all-reduce, all-gather, FSDP's and TP's seconds per call) of `world` ranks of this
     machine on gloo."""
+    got = _launch(world, collective_worker, sizes)[0]
+    return _fit(got["all_reduce"]), _fit(got["all_gather"]), got
+
+
+def measure_first_use(world: int) -> dict[str, int]:
+    """The resident bytes a rank adds on its first FSDP2 and tensor-parallel steps, each in
+    fresh ranks (reference.first_use_worker); the largest rank's."""
+    return {
+        f"{kind}_rss": max(_launch(world, first_use_worker, kind).values())
+        for kind in ("fsdp", "tp")
+    }
+
+
+def _launch(world: int, fn, *args) -> dict:
+    """`fn(*args)` on `world` ranks started by torch's elastic agent; rank -> its result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -125,9 +140,7 @@ def measure_collectives(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[
         monitor_interval=0.1,
         start_method="spawn",
     )
-    results = elastic_launch(config, collective_worker)(sizes)
-    got = results[0]
-    return _fit(got["all_reduce"]), _fit(got["all_gather"]), got
+    return elastic_launch(config, fn)(*args)
 
 
 def calibrate(
@@ -167,9 +180,11 @@ def calibrate(
                 f"gloo {kind}, {world} ranks: bus bandwidth {link.bus_bw / 1e9:.2f} GB/s, "
                 f"latency {link.latency_s * 1e6:.0f} us"
             )
+        first = measure_first_use(world)
         say(
             f"{world} ranks, per call: FSDP {calls['fsdp_call_s'] * 1e6:.0f} us, "
-            f"tensor parallel {calls['tp_call_s'] * 1e6:.0f} us"
+            f"tensor parallel {calls['tp_call_s'] * 1e6:.0f} us; first use per rank: FSDP "
+            f"{first['fsdp_rss'] / 2**20:.1f} MiB, tensor parallel {first['tp_rss'] / 2**20:.1f} MiB"
         )
         # one link per world size: the slower of the two (reduce-scatter is all-gather's twin)
         intra[world] = Link(
@@ -177,6 +192,7 @@ def calibrate(
             latency_s=max(link.latency_s for link in links),
             fsdp_call_s=calls["fsdp_call_s"],
             tp_call_s=calls["tp_call_s"],
+            **first,
         )
     cores = len(os.sched_getaffinity(0))
     return Profile(

@@ -12,7 +12,10 @@ Memory per rank (the peak of a step):
                                           ZeRO-2 keeps every unit gathered until backward
   + runtime (a CPU profile)               what a process holds beyond its live tensors:
                                           rss_fixed + (rss_ratio - 1) x what a step adds
-                                          (the allocator's slack, fitted by calibrate)
+                                          (the allocator's slack, fitted by calibrate),
+                                          plus what a rank's first FSDP2 or DTensor steps
+                                          load (calibrate's fsdp_rss, tp_rss; the larger
+                                          once where a layout has both)
 
 Communication per rank and step, by collective (ring algorithms, bytes on the wire):
     DDP / HSDP replicas   all-reduce of the gradients, 2 (r - 1) / r x their bytes, once a step
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scaletrain.config import Config
-from scaletrain.hardware import Profile
+from scaletrain.hardware import Link, Profile
 from scaletrain.models.flops import train_flops, transformer_flops, transformer_shape
 from scaletrain.plan import Derived
 from scaletrain.planner.activations import Activations
@@ -130,7 +133,18 @@ def predict(
         gathered = gathered * width // _param_width(config)
     live = held.grads + held.optim + activations + transient + gathered  # a step's, over params
     # a CPU process's resident memory beyond its live tensors (calibrated; 0 on a GPU profile)
-    runtime = int(profile.rss_fixed + (profile.rss_ratio - 1.0) * live)
+    # and what a rank's first FSDP2 or DTensor steps load (a one-process reference has none)
+    first_use = profile.link(lay.world_size) if profile.intra else Link(bus_bw=1.0, latency_s=0.0)
+    # FSDP2's parameters are DTensors too: the two load much the same machinery, so a layout
+    # with both pays the larger once (their sum over-predicted dp_shard x tp by ~30 MiB)
+    runtime = int(
+        profile.rss_fixed
+        + (profile.rss_ratio - 1.0) * live
+        + max(
+            first_use.fsdp_rss if lay.dp_shard > 1 else 0,
+            first_use.tp_rss if lay.tp > 1 else 0,
+        )
+    )
     peak = held.params + live + runtime
     memory = {
         "params": held.params,

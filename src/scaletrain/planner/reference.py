@@ -23,6 +23,10 @@ calibrate measures it on real steps:
   units run forward and backward under FSDP2 and under DTensor tensor parallelism, against
   the same stack unsharded; the difference per collective call is `fsdp_call_s` and
   `tp_call_s`, gloo's latency and the framework's Python together.
+- `first_use_worker` (fresh ranks per mechanism): the resident memory a process adds the
+  first time it runs FSDP2 or DTensor tensor parallelism, after plain steps warmed the
+  rest: `fsdp_rss` and `tp_rss`, a fixed cost per rank that the planner adds to a CPU
+  layout using them.
 """
 
 from __future__ import annotations
@@ -180,6 +184,54 @@ def collective_overheads(world: int, *, units: int = 8, width: int = 64) -> dict
     tp_call_s = max(0.0, (t_tp - t_pairs) / units)
     dist.barrier()
     return {"fsdp_call_s": fsdp_call_s, "tp_call_s": tp_call_s}
+
+
+def first_use_worker(kind: str, *, units: int = 8, width: int = 64) -> int:
+    """One rank of a fresh process: the resident rise of its first FSDP2 ("fsdp") or
+    tensor-parallel ("tp") steps, after plain steps and a collective have warmed the rest
+    (autograd, the kernels, gloo). What the rise holds: the code and Python state the
+    mechanism loads on first use (FSDP2's and DTensor's modules, DTensor's sharding
+    caches, the library pages they fault in), a fixed cost per process that a one-process
+    reference run never pays. Started by `elastic_launch` (calibrate.measure_first_use)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from scaletrain.memory import lifetime_peak_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        torch.manual_seed(0)
+        x = torch.randn(8, width)
+        model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(units)))
+        for _ in range(3):
+            model(x).sum().backward()
+            dist.all_reduce(torch.ones(1024))
+        before = lifetime_peak_bytes()
+        if kind == "fsdp":
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            plan = {
+                str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(units)
+            }
+            parallelize_module(model, mesh, plan)
+        for _ in range(3):
+            model(x).sum().backward()
+        dist.barrier()
+        return lifetime_peak_bytes() - before
+    finally:
+        dist.destroy_process_group()
 
 
 def _fwd_bwd_seconds(model: torch.nn.Module, x: torch.Tensor, reps: int = 15) -> float:
