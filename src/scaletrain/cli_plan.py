@@ -33,9 +33,17 @@ def add_parsers(sub) -> None:
     plan.add_argument(
         "--all", action="store_true", dest="show_all", help="every layout, not the best 15"
     )
-    cal = sub.add_parser("calibrate", help="measure this machine's matmul, memory and collectives")
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure this machine: matmul, memory, collectives, FSDP/TP costs, a model's steps",
+    )
     cal.add_argument(
-        "config", type=Path, nargs="?", metavar="CONFIG.toml", help="measure at its model's shapes"
+        "config",
+        type=Path,
+        nargs="?",
+        metavar="CONFIG.toml",
+        help="measure at its model's shapes and fit the step costs on its model's own steps "
+        "(default: the built-in GPT tiny)",
     )
     cal.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
     cal.add_argument(
