@@ -32,8 +32,9 @@ the compute dtype; plus the forward's traced ops x op_s and written bytes x byte
 with its backward, fitted by calibrate on a reference model's real steps) + the
 optimizer's pass over its bytes (memory bandwidth) + the collectives (bytes over the bus
 bandwidth, plus per call the framework's measured cost for FSDP and tensor parallelism,
-else the link's latency), of which what does not overlap (on a GPU FSDP's and DDP's collectives hide behind compute;
-gloo on a CPU overlaps nothing), stretched by the pipeline's bubble (p - 1) / (v m).
+else the link's latency), of which what does not overlap (on a GPU FSDP's and DDP's
+collectives hide behind compute; gloo on a CPU overlaps nothing), stretched by the
+pipeline's bubble (p - 1) / (v m).
 MFU = model FLOPs (no recomputation) / (step time x peak x world).
 """
 
@@ -132,19 +133,7 @@ def predict(
         )
         gathered = gathered * width // _param_width(config)
     live = held.grads + held.optim + activations + transient + gathered  # a step's, over params
-    # a CPU process's resident memory beyond its live tensors (calibrated; 0 on a GPU profile)
-    # and what a rank's first FSDP2 or DTensor steps load (a one-process reference has none)
-    first_use = profile.link(lay.world_size) if profile.intra else Link(bus_bw=1.0, latency_s=0.0)
-    # FSDP2's parameters are DTensors too: the two load much the same machinery, so a layout
-    # with both pays the larger once (their sum over-predicted dp_shard x tp by ~30 MiB)
-    runtime = int(
-        profile.rss_fixed
-        + (profile.rss_ratio - 1.0) * live
-        + max(
-            first_use.fsdp_rss if lay.dp_shard > 1 else 0,
-            first_use.tp_rss if lay.tp > 1 else 0,
-        )
-    )
+    runtime = _runtime_bytes(profile, lay, live=live)
     peak = held.params + live + runtime
     memory = {
         "params": held.params,
@@ -264,6 +253,23 @@ def predict(
         ops=ops,
         written=written,
         bubble=bubble,
+    )
+
+
+def _runtime_bytes(profile: Profile, lay, *, live: int) -> int:
+    """A CPU process's resident memory beyond its live tensors (0 on a GPU profile): the
+    allocator's slack on what a step adds, and what a rank's first FSDP2 or DTensor steps
+    load (a one-process reference run has none of it). FSDP2's parameters are DTensors too:
+    the two load much the same machinery, so a layout with both pays the larger once (their
+    sum over-predicted dp_shard x tp by ~30 MiB)."""
+    first_use = profile.link(lay.world_size) if profile.intra else Link(bus_bw=1.0, latency_s=0.0)
+    return int(
+        profile.rss_fixed
+        + (profile.rss_ratio - 1.0) * live
+        + max(
+            first_use.fsdp_rss if lay.dp_shard > 1 else 0,
+            first_use.tp_rss if lay.tp > 1 else 0,
+        )
     )
 
 
