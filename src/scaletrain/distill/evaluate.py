@@ -52,7 +52,6 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import Normalizer
 
 from scaletrain.data.corpora import evaluation_news
-from scaletrain.data.corpora import split_sentences as _split_sentences  # noqa: F401 (tests)
 
 Encode = Callable[[list[str]], np.ndarray]  # texts -> (N, D) float64 embeddings, not normalised
 

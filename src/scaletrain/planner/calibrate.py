@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import statistics
 import time
@@ -23,7 +22,12 @@ import time
 import torch
 
 from scaletrain.hardware import Link, Profile
-from scaletrain.planner.reference import collective_overheads, first_use_worker, step_costs
+from scaletrain.planner.reference import (
+    collective_overheads,
+    first_use_worker,
+    gloo_group,
+    step_costs,
+)
 
 SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB .. 64 MiB
 DTYPE_OF = {
@@ -81,10 +85,9 @@ def collective_worker(sizes: tuple[int, ...]) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    world = dist.get_world_size()
-    out = {"all_reduce": [], "all_gather": []}
-    try:
+    with gloo_group():
+        world = dist.get_world_size()
+        out = {"all_reduce": [], "all_gather": []}
         for nbytes in sizes:
             x = torch.ones(nbytes // 4)
             gathered = torch.empty(x.numel() * world)
@@ -104,9 +107,7 @@ def collective_worker(sizes: tuple[int, ...]) -> dict:
             out["all_reduce"].append((2 * (world - 1) / world * nbytes, t_ar))
             out["all_gather"].append(((world - 1) * nbytes, t_ag))
         out.update(collective_overheads(world))
-    finally:
-        dist.destroy_process_group()
-    return out
+        return out
 
 
 def measure_collectives(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, Link, dict]:

@@ -132,8 +132,10 @@ def predict(
             2 * held.largest_unit if p.reshard_after_forward else unsharded + 2 * held.largest_unit
         )
         gathered = gathered * width // _param_width(config)
+    # the costs calibrate measured among the world's ranks (none in a profile without links)
+    world_link = profile.link(lay.world_size) if profile.intra else Link(bus_bw=1.0, latency_s=0.0)
     live = held.grads + held.optim + activations + transient + gathered  # a step's, over params
-    runtime = _runtime_bytes(profile, lay, live=live)
+    runtime = _runtime_bytes(profile, lay, world_link, live=live)
     peak = held.params + live + runtime
     memory = {
         "params": held.params,
@@ -158,7 +160,7 @@ def predict(
         flows.append(("all_reduce", r, 2 * (r - 1) / r * held.grads, 1, True, 0.0))
     if lay.dp_shard > 1:
         s = lay.dp_shard
-        fsdp_s = profile.link(lay.world_size).fsdp_call_s  # measured among the world's ranks
+        fsdp_s = world_link.fsdp_call_s
         gathers = 2 if p.reshard_after_forward else 1
         unsharded_c = unsharded * width / _param_width(config)
         flows.append(
@@ -187,7 +189,7 @@ def predict(
         stream = mb * seq * shape.attention_width * width  # the (B, T, C) stream
         blocks = shape.layers // lay.pp
         calls = 4 * blocks * accum  # two in forward, two in backward, per block
-        per_call = profile.link(lay.world_size).tp_call_s
+        per_call = world_link.tp_call_s
         if p.sequence_parallel:
             flows.append(("all_gather", t, calls * (t - 1) / t * stream, calls, False, per_call))
             flows.append(
@@ -256,13 +258,12 @@ def predict(
     )
 
 
-def _runtime_bytes(profile: Profile, lay, *, live: int) -> int:
+def _runtime_bytes(profile: Profile, lay, first_use: Link, *, live: int) -> int:
     """A CPU process's resident memory beyond its live tensors (0 on a GPU profile): the
     allocator's slack on what a step adds, and what a rank's first FSDP2 or DTensor steps
     load (a one-process reference run has none of it). FSDP2's parameters are DTensors too:
     the two load much the same machinery, so a layout with both pays the larger once (their
     sum over-predicted dp_shard x tp by ~30 MiB)."""
-    first_use = profile.link(lay.world_size) if profile.intra else Link(bus_bw=1.0, latency_s=0.0)
     return int(
         profile.rss_fixed
         + (profile.rss_ratio - 1.0) * live

@@ -31,8 +31,11 @@ calibrate measures it on real steps:
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -154,12 +157,6 @@ def collective_overheads(world: int, *, units: int = 8, width: int = 64) -> dict
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))
@@ -167,19 +164,14 @@ def collective_overheads(world: int, *, units: int = 8, width: int = 64) -> dict
     plain = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(units)))
     t_plain = _fwd_bwd_seconds(plain, x)
 
-    sharded = copy.deepcopy(plain)
-    for layer in sharded:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
+    sharded = shard_stack(copy.deepcopy(plain), mesh, kind="fsdp")
     t_fsdp = _fwd_bwd_seconds(sharded, x)
     # per unit: all-gather in forward, again in backward (reshard after forward), reduce-scatter
     fsdp_call_s = max(0.0, (t_fsdp - t_plain) / (3 * units))
 
     pairs = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(units)))
     t_pairs = _fwd_bwd_seconds(pairs, x)
-    plan = {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(units)}
-    parallelize_module(pairs, mesh, plan)
-    t_tp = _fwd_bwd_seconds(pairs, x)
+    t_tp = _fwd_bwd_seconds(shard_stack(pairs, mesh, kind="tp"), x)
     # per column-row pair: one all-reduce in forward, one in backward
     tp_call_s = max(0.0, (t_tp - t_pairs) / units)
     dist.barrier()
@@ -193,22 +185,15 @@ def first_use_worker(kind: str, *, units: int = 8, width: int = 64) -> int:
     mechanism loads on first use (FSDP2's and DTensor's modules, DTensor's sharding
     caches, the library pages they fault in), a fixed cost per process that a one-process
     reference run never pays. Started by `elastic_launch` (calibrate.measure_first_use)."""
-    import datetime
-
     import torch.distributed as dist
+    import torch.distributed.fsdp  # noqa: F401 imported before the baseline, as a run
+    import torch.distributed.tensor.parallel  # noqa: F401 imports them at set-up
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     from scaletrain.memory import lifetime_peak_bytes
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    try:
+    with gloo_group():
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         torch.manual_seed(0)
         x = torch.randn(8, width)
@@ -217,21 +202,44 @@ def first_use_worker(kind: str, *, units: int = 8, width: int = 64) -> int:
             model(x).sum().backward()
             dist.all_reduce(torch.ones(1024))
         before = lifetime_peak_bytes()
-        if kind == "fsdp":
-            for layer in model:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        else:
-            plan = {
-                str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(units)
-            }
-            parallelize_module(model, mesh, plan)
+        model = shard_stack(model, mesh, kind=kind)
         for _ in range(3):
             model(x).sum().backward()
         dist.barrier()
         return lifetime_peak_bytes() - before
+
+
+@contextlib.contextmanager
+def gloo_group() -> Iterator[None]:
+    """This rank's gloo group (the elastic agent's environment), closed on the way out; a
+    collective that waits 120 s raises instead of hanging calibrate."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def shard_stack(model: torch.nn.Sequential, mesh, *, kind: str) -> torch.nn.Module:
+    """A stack of Linear layers under FSDP2 ("fsdp": each layer a unit, then the root) or
+    tensor parallelism ("tp": column-wise and row-wise in turn, one all-reduce per pair)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if kind == "fsdp":
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    plan = {
+        str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(len(model))
+    }
+    return parallelize_module(model, mesh, plan)
 
 
 def _fwd_bwd_seconds(model: torch.nn.Module, x: torch.Tensor, reps: int = 15) -> float:
