@@ -567,6 +567,23 @@ def test_good_config_passes_validation(tmp_path: Path, capsys: pytest.CaptureFix
     assert re.search(r"epochs\W+0\.0111 \(2 steps x 8 / 1438 rows\)", out), out
 
 
+def test_explain_counts_a_sentence_recipes_epochs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The sentences source's rows are counted for explain (they were 'unknown'): the MiniLM
+    recipe's corpora without augmentation, 28,377 training items (BENCHMARKS.md)."""
+    config = Path(__file__).parents[1] / "configs" / "distill-minilm.toml"
+    code = cli_main(
+        [
+            "explain",
+            str(config),
+            'data.kwargs={tokenizer="all-MiniLM-L6-v2",corpora=["wikipedia","words","news",'
+            '"reviews","python-docs","articles"]}',
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert re.search(r"epochs\W+6\.77 \(3000 steps x 64 / 28377 rows\)", out), out
+
+
 @pytest.mark.parametrize("model", ["gpt", "cnn"])
 def test_model_that_does_not_fit_the_shards_is_refused_before_launch(
     model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

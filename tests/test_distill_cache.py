@@ -396,3 +396,100 @@ def test_a_cached_bert_run_resumes_bit_identically(
     for step in (6, 8, 10, 12):
         for key in SAME_IN_RECORDS:
             assert got[step].get(key) == ref[step].get(key), (step, key)
+
+
+def test_a_bf16_teacher_is_cached_as_its_bits(tmp_path: Path) -> None:
+    """A bf16 teacher's outputs are stored as bf16 (its 16 bits, half float32's bytes) and read
+    back as the same bf16 values: lossless, and the dtype the cache records."""
+    from scaletrain.data.sentences import TokenDataset
+    from scaletrain.distill.cache import CachedDataset, write_cache
+
+    ids = torch.arange(40).reshape(10, 4)  # (N, T)
+    ds = TokenDataset(ids, torch.ones_like(ids), vocab_size=64)
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(10, 4, 6, generator=gen).bfloat16()  # (N, T, D), a teacher's states
+
+    def targets(batch) -> dict[str, torch.Tensor]:
+        return {"hidden.1": values[batch.inputs[:, 0] // 4]}
+
+    info = write_cache(
+        tmp_path, splits={"train": ds}, targets_fn=targets, info={}, top_k=0, report=str
+    )
+    assert info["splits"]["train"]["shapes"]["hidden.1"] == {"shape": [4, 6], "dtype": "bfloat16"}
+    import pyarrow.parquet as pq
+
+    stored = pq.read_table(next((tmp_path / "train").glob("*.parquet")))
+    assert str(stored.schema.field("hidden.1").type.value_type) == "int16"  # 2 bytes a value
+    cached = CachedDataset(ds, tmp_path, split="train", shapes=info["splits"]["train"]["shapes"])
+    got = cached.get(torch.tensor([7, 2, 9])).teacher["hidden.1"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, values[[7, 2, 9]])
+
+
+def test_wide_rows_get_a_row_group_each_and_files_open_once(tmp_path: Path, monkeypatch) -> None:
+    """A batch draws rows at random, and a read decodes a whole row group: rows as wide as the
+    MiniLM recipe's (four 64 x 384 bf16 states, ~200 KB) are written one per row group, narrow
+    ones (logits) CHUNK per group; a file's footer is parsed once, not for every row read."""
+    import pyarrow as pa
+
+    from scaletrain.data.sentences import TokenDataset
+    from scaletrain.distill import cache as cache_mod
+
+    def table(row_bytes: int) -> pa.Table:
+        return pa.table({"x": pa.array([b"\0" * row_bytes] * 8)})
+
+    assert cache_mod._group_rows(table(4 * 64 * 384 * 2)) == 1
+    assert cache_mod._group_rows(table(40)) == cache_mod.CHUNK
+    ids = torch.arange(600).reshape(300, 2)  # (N, T)
+    ds = TokenDataset(ids, torch.ones_like(ids), vocab_size=1000)
+    monkeypatch.setattr(cache_mod, "ROWS_PER_FILE", 100)  # a file per chunk: 2 files
+    info = cache_mod.write_cache(
+        tmp_path,
+        splits={"train": ds},
+        targets_fn=lambda b: {"pooled": b.inputs.double()},
+        info={},
+        top_k=0,
+        report=str,
+    )
+    opened = []
+    real = cache_mod.pq.ParquetFile
+    monkeypatch.setattr(
+        cache_mod.pq, "ParquetFile", lambda path, **kw: opened.append(path) or real(path, **kw)
+    )
+    cached = cache_mod.CachedDataset(
+        ds, tmp_path, split="train", shapes=info["splits"]["train"]["shapes"]
+    )
+    opened.clear()  # the footers read at open
+    order = torch.randperm(300, generator=torch.Generator().manual_seed(0))
+    for idx in order.split(10):
+        assert torch.equal(cached.get(idx).teacher["pooled"], ids[idx].double())
+    assert len(cached.files) == 2 and len(opened) == len(set(opened)) == 2
+
+
+def test_the_minilm_recipes_share_one_cache() -> None:
+    """The README's claim: the cache written for configs/distill-minilm-3.toml serves
+    configs/distill-minilm.toml. Same data (every key that decides the rows: the data
+    section, the seed that seeds the augmentation) and teacher, and the 2-layer recipe's
+    outputs a subset of the 3-layer's, so check_cache accepts it (it refuses only a
+    missing output)."""
+    from scaletrain.config import load_config
+    from scaletrain.distill.build import weights_of
+    from scaletrain.distill.objective import needs_of
+
+    root = Path(__file__).parents[1] / "configs"
+    three, two = (
+        load_config(root / name, []) for name in ("distill-minilm-3.toml", "distill-minilm.toml")
+    )
+    assert three.data == two.data and three.train.seed == two.train.seed
+    assert three.distill.teacher == two.distill.teacher
+    assert (
+        three.precision == two.precision
+        and three.distill.teacher_precision == two.distill.teacher_precision
+    )
+    keys = {
+        name: needs_of(
+            weights_of(c), task_kind="encode", layer_map=list(c.distill.layer_map)
+        ).keys()
+        for name, c in (("three", three), ("two", two))
+    }
+    assert keys["three"] == ["pooled", "hidden.0", "hidden.1", "hidden.5", "hidden.6"]
+    assert set(keys["two"]) < set(keys["three"])

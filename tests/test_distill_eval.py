@@ -245,3 +245,94 @@ def test_eval_refuses_pickle_weights_and_never_unpickles(tiny_bert, tmp_path, mo
     assert "pytorch_model.bin" in err and "safetensors" in err, err
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         ev.hf_encoder(tmp_path, tokenizer_dir=TEACHER_DIR)
+
+
+def test_topic_data_is_the_two_groups_without_headers_or_quotes():
+    """200 posts, 100 per group, read without unpickling; no header, quote or signature left."""
+    texts, y = ev.topic_data()
+    assert len(texts) == 200 and y.sum() == 100
+    for text in texts:
+        assert not text.startswith(("From:", "Newsgroups:", "Subject:", "Path:"))
+        assert " writes:" not in text  # (one post quotes a forwarded header in its body)
+    assert ev._post_body("Hi there.\n> quoted\nIn article <1@x> a wrote:\nok\n--\nJo Sig") == (
+        "Hi there. ok"
+    )
+
+
+def test_topic_probe_is_at_chance_on_a_random_encoder():
+    result = ev.topic_probe(_hashed_random())
+    assert result["examples"] == 200 and 0.35 < result["accuracy"] < 0.65
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _TimedEncoder:
+    """tokenize and forward advance a fake clock by set amounts (forward's cycle through
+    `forward_s`), so speed_ratio's arithmetic is checked without timing anything."""
+
+    def __init__(self, clock: _FakeClock, *, tokenize_s: float, forward_s: list[float]) -> None:
+        self.clock, self.tokenize_s, self.forward_s, self.calls = clock, tokenize_s, forward_s, 0
+
+    def tokenize(self, texts):
+        self.clock.now += self.tokenize_s
+        return [texts]
+
+    def forward(self, batches):
+        self.clock.now += self.forward_s[self.calls % len(self.forward_s)]
+        self.calls += 1
+        return np.zeros((1, 1))
+
+
+def test_speed_ratio_times_forwards_apart_from_tokenizing():
+    clock = _FakeClock()
+    student = _TimedEncoder(clock, tokenize_s=0.5, forward_s=[1.0])
+    teacher = _TimedEncoder(clock, tokenize_s=0.5, forward_s=[3.0])
+    got = ev.speed_ratio(student, teacher, ["a"] * 100, clock=clock)
+    assert got["ratio"] == pytest.approx(3.0) and got["rounds"] == 5  # steady: the minimum
+    assert got["student_sentences_per_s"] == pytest.approx(100.0)
+    assert got["teacher_sentences_per_s"] == pytest.approx(100 / 3)
+    assert got["tokenize_sentences_per_s"] == pytest.approx(200.0)  # tokenizing is not in them
+
+
+def test_speed_ratio_runs_rounds_until_the_ratio_is_stable():
+    clock = _FakeClock()
+    # The warm-up takes forward_s[0]; then the rounds' ratios alternate 2 and 4 (stdev 1.0 about 3).
+    noisy = _TimedEncoder(clock, tokenize_s=0.0, forward_s=[1.0, 1.5, 0.75])
+    teacher = _TimedEncoder(clock, tokenize_s=0.0, forward_s=[3.0])
+    got = ev.speed_ratio(noisy, teacher, ["a"] * 10, clock=clock, max_rounds=400)
+    low, high = got["ci95"]
+    assert got["rounds"] > 5 and (high - low) / 2 <= 0.05 * got["ratio"]
+    capped = ev.speed_ratio(noisy, teacher, ["a"] * 10, clock=clock, max_rounds=8)
+    assert capped["rounds"] == 8  # never past max_rounds, the interval then says how unsure
+
+
+def test_eval_prints_both_probes_the_ratios_and_the_timed_speed(tiny_bert, tmp_path, capsys):
+    """`scaletrain eval DIR --teacher DIR`: a line per score with its ratio (the topic probe
+    among them), the held-out cosine and the speed line; the JSON holds the same, the speed
+    with its interval and the tokenizer's rate measured apart. An encoder against itself has
+    every score ratio 1 and cosine 1 (its speed ratio is a measurement: not asserted)."""
+    import json
+
+    from harness import cli_main
+
+    tiny_bert.save_pretrained(tmp_path / "enc")
+    out = tmp_path / "scores.json"
+    code = cli_main(
+        ["eval", str(tmp_path / "enc"), "--teacher", str(tmp_path / "enc"), "--out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    for key in (*ev.SCORE_KEYS, "cosine", "speed"):
+        assert any(line.startswith(key) for line in printed.splitlines()), (key, printed)
+    report = json.loads(out.read_text())
+    assert report["ratio"] == pytest.approx({k: 1.0 for k in ev.SCORE_KEYS})
+    assert report["cosine_held_out"] == pytest.approx(1.0)
+    speed = report["speed"]
+    assert 5 <= speed["rounds"] <= 40 and speed["ci95"][0] <= speed["ratio"] <= speed["ci95"][1]
+    assert speed["tokenize_sentences_per_s"] > 0

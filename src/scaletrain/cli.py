@@ -392,6 +392,18 @@ def _train_rows(config: Config) -> int | None:
             split = find_split_dir(Path(d.path), "train")
             if split is not None and (split / MANIFEST).is_file():
                 return read_manifest(split).rows
+        if d.source == "sentences":  # the items, untokenized (with augment: ~10-20 s)
+            from scaletrain.data.sentences import split_texts
+            from scaletrain.distill.build import sentence_tokenizer_dir
+
+            return len(
+                split_texts(
+                    d.kwargs,
+                    split="train",
+                    seed=config.train.seed,
+                    tokenizer_dir=sentence_tokenizer_dir(config),
+                )
+            )
         from scaletrain.data.loader import load_dataset
 
         return len(

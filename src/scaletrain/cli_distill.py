@@ -6,8 +6,10 @@ then `distill.cache = OUT_DIR` trains with no teacher.
 
 eval MODEL [--teacher T]: a sentence encoder (a scaletrain run directory of a "sentences"
 student, a Hugging Face directory, or 'all-MiniLM-L6-v2') scored on Lee (Pearson),
-WordSim353, SimLex-999, the sentiment probe and, with a teacher, each score's ratio to the
-teacher's and the student-teacher cosine on held-out news sentences (distill/evaluate.py).
+WordSim353, SimLex-999, the sentiment and topic probes and, with a teacher, each score's
+ratio to the teacher's, the student-teacher cosine on held-out news sentences, and the
+student's encode speed over the teacher's (forwards alone, tokenization timed apart;
+--no-speed skips it) (distill/evaluate.py).
 
 A CLI-level module (beside cli.py, which registers its parsers): it builds data, model and
 loss with training/assemble.py, which sits above distill/, so it cannot live in distill/.
@@ -47,6 +49,11 @@ def add_parsers(sub) -> None:
     ev.add_argument("--teacher", help="the teacher to compare with (e.g. all-MiniLM-L6-v2)")
     ev.add_argument("--max-len", type=int, default=128, help="tokens per text")
     ev.add_argument("--out", type=Path, help="write the scores as JSON here")
+    ev.add_argument(
+        "--no-speed",
+        action="store_true",
+        help="skip timing the student against the teacher (it takes 10-60 s)",
+    )
 
 
 def cmd_distill_cache(args: argparse.Namespace) -> int:
@@ -179,7 +186,12 @@ def _safetensors_dir(path: Path, model: str) -> Path:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from scaletrain.distill.evaluate import encoder_report, hf_encoder
+    from scaletrain.distill.evaluate import (
+        encoder_report,
+        held_out_sentences,
+        hf_encoder,
+        speed_ratio,
+    )
     from scaletrain.models.hf import _import_transformers
 
     logging = _import_transformers().utils.logging
@@ -192,6 +204,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         t_dir, t_tok = _encoder_dir(args.teacher)
         teacher = hf_encoder(t_dir, tokenizer_dir=t_tok, max_len=args.max_len)
     report = encoder_report(encode, teacher=teacher)
+    if teacher is not None and not args.no_speed:
+        report["speed"] = speed_ratio(encode, teacher, held_out_sentences())
     for line in format_report(report):
         print(line)
     out = args.out or (
@@ -206,7 +220,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def format_report(report: dict) -> list[str]:
     """One line per score: the student's, the teacher's and their ratio."""
     lines = []
-    for key in ("lee_pearson", "wordsim353", "simlex999", "polarity"):
+    for key in ("lee_pearson", "wordsim353", "simlex999", "polarity", "topic"):
         score = _score(report[key])
         line = f"{key:<12} {score:.4f}"
         if "teacher" in report:
@@ -216,6 +230,15 @@ def format_report(report: dict) -> list[str]:
     if "cosine_held_out" in report:
         lines.append(
             f"{'cosine':<12} {report['cosine_held_out']:.4f} (student-teacher, held-out news)"
+        )
+    if "speed" in report:
+        sp = report["speed"]
+        low, high = sp["ci95"]
+        lines.append(
+            f"{'speed':<12} {sp['student_sentences_per_s']:.0f} sentences/s   teacher "
+            f"{sp['teacher_sentences_per_s']:.0f}   ratio {sp['ratio']:.2f} (95% CI "
+            f"{low:.2f}-{high:.2f}, {sp['rounds']} rounds; forwards alone, tokenizing "
+            f"{sp['tokenize_sentences_per_s']:.0f} sentences/s apart)"
         )
     return lines
 

@@ -22,6 +22,13 @@ The benchmarks, all from gensim's bundled test data so that nothing is downloade
   leaks nothing across folds. On the teacher this gives 0.728 against 0.69 for per-feature
   standardisation, and the repeats cut the spread over seeds from 0.02 to 0.003, well below
   the student/teacher gaps it is meant to show.
+* ``topic_probe``: the same probe on another unseen task, topic: the 200 Usenet posts of
+  gensim's ``mini_newsgroup`` (20 Newsgroups' alt.atheism and sci.space, 100 each), their
+  headers, quoted lines and signatures removed as scikit-learn's ``remove=("headers",
+  "footers", "quotes")`` does, labelled by the group they were posted to. The file is a
+  pickle of a scikit-learn ``Bunch``; it is never unpickled (that can run code): its strings
+  are read off the pickle's opcodes (``pickletools.genops``), which executes nothing.
+  Training never reads it (data/corpora.py lists no Usenet corpus).
 * ``mean_cosine`` on ``held_out_sentences()``: agreement with the teacher on news sentences
   from ``lee_background.cor`` that no training set reads: the first sentence of each story,
   which data/corpora.py reserves (its "news" corpus trains on the others, less the 1 in 20
@@ -34,13 +41,25 @@ scores Lee Pearson 0.654 at 128 and 0.656 (the published figure) at its own limi
 Compare a student and its teacher at the same ``max_len``.
 Texts are encoded in batches sorted by length, which removes most padding and is the main
 reason encoding is fast on CPU; the results come back in the caller's order.
+
+Speed (``speed_ratio``): how much faster the student encodes than the teacher, its forward
+passes alone. Both encoders tokenize the texts first, untimed (the same tokenizer; its cost
+is reported apart, as sentences per second), then rounds time the teacher's and the
+student's forwards back to back, so that whatever else the machine does at that moment
+slows both; the ratio is the median of the rounds' ratios, and rounds continue (5 to 40)
+until the ratio's 95% confidence interval is within 5% of it.
 """
 
 from __future__ import annotations
 
 import functools
+import pickletools
+import re
+import statistics
 import time
+import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +80,62 @@ SCORE_KEYS: dict[str, str] = {
     "wordsim353": "spearman",
     "simlex999": "spearman",
     "polarity": "accuracy",
+    "topic": "accuracy",
 }
 POOLINGS = ("mean", "cls")
 
 
 # ---------------------------------------------------------------------------- encoders
+
+
+@dataclass
+class HFEncoder:
+    """A Hugging Face encoder as an ``Encode``, with its two halves apart for timing:
+    ``tokenize`` (texts -> length-sorted padded batches) and ``forward`` (batches -> pooled
+    embeddings). Calling it does both and returns the caller's order."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    max_len: int
+    batch_size: int
+    pooling: str
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        texts = list(texts)
+        # Sort by length so each batch pads to a similar length; undo the order at the end.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        sorted_emb = self.forward(self.tokenize([texts[i] for i in order]))  # (N, D)
+        out = np.empty_like(sorted_emb)
+        out[order] = sorted_emb
+        return out
+
+    def tokenize(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        """``texts`` in batches of ``batch_size`` in the order given, each padded to its longest."""
+        return [
+            self.tokenizer(
+                texts[start : start + self.batch_size],
+                padding=True,
+                truncation=True,
+                max_length=self.max_len,
+                return_tensors="pt",
+            )
+            for start in range(0, len(texts), self.batch_size)
+        ]
+
+    def forward(self, batches: list[dict[str, torch.Tensor]]) -> np.ndarray:
+        """Pooled embeddings of tokenized batches, float64 ``(N, D)`` in batch order."""
+        model = self.model
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()  # dropout off: embeddings must not depend on the call
+        try:
+            with torch.inference_mode():
+                chunks = [
+                    _embed_batch(model, enc, device=device, pooling=self.pooling) for enc in batches
+                ]
+        finally:
+            model.train(was_training)
+        return np.concatenate(chunks) if chunks else np.zeros((0, 0))
 
 
 def hf_encoder(
@@ -76,7 +146,7 @@ def hf_encoder(
     batch_size: int = 64,
     pooling: str = "mean",
     dtype: torch.dtype = torch.float32,
-) -> Encode:
+) -> HFEncoder:
     """Wrap a Hugging Face encoder (a local directory or a module in memory) as an ``Encode``.
 
     Args:
@@ -110,47 +180,13 @@ def hf_encoder(
             str(model_dir_or_module), local_files_only=True, use_safetensors=True, dtype=dtype
         )
         model.eval()
-
-    def encode(texts: list[str]) -> np.ndarray:
-        texts = list(texts)
-        device = next(model.parameters()).device
-        # Sort by length so each batch pads to a similar length; undo the order at the end.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        was_training = model.training
-        model.eval()  # dropout off: embeddings must not depend on the call
-        chunks = []
-        try:
-            with torch.inference_mode():
-                for start in range(0, len(order), batch_size):
-                    batch = [texts[i] for i in order[start : start + batch_size]]
-                    chunks.append(
-                        _embed_batch(
-                            model, tokenizer, batch, device=device, max_len=max_len, pooling=pooling
-                        )
-                    )
-        finally:
-            model.train(was_training)
-        if not chunks:
-            return np.zeros((0, 0))
-        sorted_emb = np.concatenate(chunks)  # (N, D) in length order
-        out = np.empty_like(sorted_emb)
-        out[order] = sorted_emb
-        return out
-
-    return encode
+    return HFEncoder(model, tokenizer, max_len=max_len, batch_size=batch_size, pooling=pooling)
 
 
 def _embed_batch(
-    model: torch.nn.Module,
-    tokenizer,
-    texts: list[str],
-    *,
-    device: torch.device,
-    max_len: int,
-    pooling: str,
+    model: torch.nn.Module, enc: dict[str, torch.Tensor], *, device: torch.device, pooling: str
 ) -> np.ndarray:
-    """Pooled embeddings of one batch, as float64 numpy ``(B, D)``."""
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+    """Pooled embeddings of one tokenized batch, as float64 numpy ``(B, D)``."""
     ids = enc["input_ids"].to(device)  # (B, T)
     mask = enc["attention_mask"].to(device)  # (B, T)
     out = model(input_ids=ids, attention_mask=mask)
@@ -179,6 +215,70 @@ def encode_speed(encode: Encode, texts: list[str], *, repeats: int = 3) -> float
         encode(texts)
         best = min(best, time.perf_counter() - start)
     return len(texts) / best
+
+
+def speed_ratio(
+    student: HFEncoder,
+    teacher: HFEncoder,
+    texts: list[str],
+    *,
+    min_rounds: int = 5,
+    max_rounds: int = 40,
+    tolerance: float = 0.05,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
+    """The student's encode speed over the teacher's, forward passes alone (see the module
+    docstring), and the tokenizer's speed measured apart.
+
+    Args:
+        student, teacher: the encoders; each tokenizes ``texts`` once, untimed, with its own
+            tokenizer and batch size.
+        texts: what both encode every round (sorted by length, as encoding does).
+        min_rounds, max_rounds: rounds of (teacher forward, student forward) back to back.
+        tolerance: stop once the 95% confidence interval of the median ratio (normal
+            approximation, 1.2533 x the standard error of the mean) is within this fraction
+            of it on each side.
+        clock: the timer (a test passes a fake one).
+
+    Returns:
+        ``{"ratio", "ci95", "rounds", "student_sentences_per_s", "teacher_sentences_per_s",
+        "tokenize_sentences_per_s"}``; the speeds are the medians of the rounds.
+    """
+    ordered = sorted(texts, key=len)
+    start = clock()
+    student_batches = student.tokenize(ordered)
+    tokenize_s = clock() - start
+    teacher_batches = teacher.tokenize(ordered)
+    student.forward(student_batches[:1])  # warm-up: first-call allocations are not speed
+    teacher.forward(teacher_batches[:1])
+    s_times: list[float] = []
+    t_times: list[float] = []
+    ratios: list[float] = []
+    half_width = float("inf")
+    while len(ratios) < max_rounds:
+        for encoder, batches, times in (
+            (teacher, teacher_batches, t_times),
+            (student, student_batches, s_times),
+        ):
+            start = clock()
+            encoder.forward(batches)
+            times.append(max(clock() - start, 1e-12))
+        ratios.append(t_times[-1] / s_times[-1])
+        if len(ratios) >= min_rounds:
+            median = statistics.median(ratios)
+            sem = statistics.stdev(ratios) / len(ratios) ** 0.5
+            half_width = 1.96 * 1.2533 * sem  # the median's standard error ~ 1.2533 x the mean's
+            if half_width <= tolerance * median:
+                break
+    median = statistics.median(ratios)
+    return {
+        "ratio": median,
+        "ci95": [median - half_width, median + half_width],
+        "rounds": len(ratios),
+        "student_sentences_per_s": len(texts) / statistics.median(s_times),
+        "teacher_sentences_per_s": len(texts) / statistics.median(t_times),
+        "tokenize_sentences_per_s": len(texts) / max(tokenize_s, 1e-12),
+    }
 
 
 # ---------------------------------------------------------------------------- data
@@ -245,6 +345,48 @@ def polarity_data() -> tuple[tuple[str, ...], np.ndarray]:
     y = np.array(labels)
     y.setflags(write=False)
     return tuple(texts), y
+
+
+@functools.cache
+def topic_data() -> tuple[tuple[str, ...], np.ndarray]:
+    """The posts of gensim's ``mini_newsgroup`` without headers, quotes and signatures, and
+    their labels (1 = sci.space, 0 = alt.atheism), read from the pickle's opcodes without
+    unpickling it (module docstring). Posts left empty are dropped."""
+    from gensim.test.utils import datapath
+
+    raw = zlib.decompress(Path(datapath("mini_newsgroup")).read_bytes())
+    texts, labels = [], []
+    for op, arg, _ in pickletools.genops(raw):  # reads the opcodes; executes nothing
+        if "UNICODE" not in op.name or not isinstance(arg, str):
+            continue
+        head, _, body = arg.partition("\n\n")
+        groups = re.search(r"^Newsgroups:\s*(\S+)", head, re.M)
+        if groups is None:
+            continue  # a field name or a file name, not a post
+        names = groups.group(1).split(",")
+        space, atheism = "sci.space" in names, "alt.atheism" in names
+        if space == atheism:
+            raise ValueError(f"mini_newsgroup: a post in {names}, expected one of the two groups")
+        text = _post_body(body)
+        if text:
+            texts.append(text)
+            labels.append(int(space))
+    y = np.array(labels)
+    y.setflags(write=False)
+    return tuple(texts), y
+
+
+def _post_body(body: str) -> str:
+    """A post's text as scikit-learn's remove=("footers", "quotes") leaves it, on one line:
+    nothing from the last line that starts with "--" (a signature), no quoted line (">",
+    "|") and no attribution ("In article ...", "... writes:")."""
+    lines = body.splitlines()
+    cut = [k for k, line in enumerate(lines) if line.startswith("--")]
+    kept = [line for line in lines[: cut[-1] if cut else None] if not _QUOTE.search(line)]
+    return " ".join(" ".join(kept).split())
+
+
+_QUOTE = re.compile(r"(writes in|writes:|wrote:|says:|said:|^In article|^Quoted from|^\||^>)")
 
 
 def held_out_sentences(n: int = 300) -> list[str]:
@@ -324,7 +466,19 @@ def polarity_probe(encode: Encode, *, seed: int = 0, repeats: int = 5) -> dict:
             (5 x 5 fits of a 200-example probe take about 0.2 s).
     """
     texts, y = polarity_data()
-    x = np.asarray(encode(list(texts)), dtype=np.float64)  # (200, D)
+    return _probe(encode, list(texts), y, seed=seed, repeats=repeats)
+
+
+def topic_probe(encode: Encode, *, seed: int = 0, repeats: int = 5) -> dict:
+    """Topic probe on frozen embeddings (alt.atheism or sci.space, ``topic_data``):
+    ``{"accuracy", "examples"}``, the probe and folds of ``polarity_probe``."""
+    texts, y = topic_data()
+    return _probe(encode, list(texts), y, seed=seed, repeats=repeats)
+
+
+def _probe(encode: Encode, texts: list[str], y: np.ndarray, *, seed: int, repeats: int) -> dict:
+    """Unit-length embeddings, logistic regression, stratified 5-fold x ``repeats``."""
+    x = np.asarray(encode(texts), dtype=np.float64)  # (N, D)
     probe = make_pipeline(Normalizer(), LogisticRegression(max_iter=2000))
     folds = RepeatedStratifiedKFold(n_splits=5, n_repeats=repeats, random_state=seed)
     acc = cross_val_score(probe, x, y, cv=folds, scoring="accuracy")
@@ -352,6 +506,7 @@ def _scores(encode: Encode) -> dict:
         "wordsim353": wordsim353(encode),
         "simlex999": simlex999(encode),
         "polarity": polarity_probe(encode),
+        "topic": topic_probe(encode),
     }
 
 
