@@ -3,22 +3,27 @@ side, for a grid of layouts of the built-in GPT at two sizes and world sizes 2 a
 
 Each layout is trained for real (`scaletrain train`, its own run directory, the same steps,
 log.every windows) and predicted by the planner for the same config and world
-(`planner.plan_layouts(only_configured=True)`), with the profile `scaletrain calibrate CONFIG`
-writes for that size first (the model's own steps on one process fit what a step costs
-beyond its matmuls; the collectives are measured per world size: planner/reference.py). Measured: the median `step_time_s` of the logged windows
-after the first (warm-up), and the largest `window_peak_above_baseline_bytes` (the CPU has no
-allocator peak counter: the RSS high-water mark of each window above what the rank held
-after set-up, which already holds the parameters: the prediction compared is its peak less
-the parameters). Printed: every row, each ratio, the summary errors, and for each (size,
-world) whether the planner's pick is within 10% of the fastest measured layout and in the
-measured top 3.
+(`planner.plan_layouts(only_configured=True)`), with the profile `scaletrain calibrate
+CONFIG` writes for that size first (the model's own steps on one process fit what a step
+costs beyond its matmuls; the collectives are measured per world size:
+planner/reference.py).
 
-    .venv/bin/python bench/plan.py [--sizes small,base] [--worlds 2,4] [--steps 8]
+Measured: the median `step_time_s` of the logged windows after the first (warm-up), and the
+largest `window_peak_above_baseline_bytes` (the CPU has no allocator peak counter: the RSS
+high-water mark of each window above what the rank held after set-up). The baseline
+already holds the parameters, and under DDP the gradients in its buckets, so the prediction
+compared is the peak less those (`held_at_setup`). Printed: every row, each ratio, the
+summary errors, and for each (size, world) whether the planner's pick is within 10% of the
+fastest measured layout and in the measured top 3. --keep DIR keeps the configs, the
+profiles and every run directory, to predict again after a change to the planner.
+
+    .venv/bin/python bench/plan.py [--sizes small,base] [--worlds 2,4] [--steps 12] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -107,7 +112,17 @@ def predict(config_path: Path, world: int, profile) -> dict:
         only_configured=True,
     )
     m = pred.memory_bytes
-    return {"step_time_s": pred.step_time_s, "above_baseline": m["peak"] - m["params"]}
+    return {"step_time_s": pred.step_time_s, "above_baseline": m["peak"] - held_at_setup(config, m)}
+
+
+def held_at_setup(config, memory: dict) -> int:
+    """What the planner predicts a rank holds before its first step, which the measured
+    baseline already contains: the parameters, and under plain DDP with
+    gradient_as_bucket_view (the default) the gradients too, which are views into the
+    buckets DDP allocates when it wraps the model."""
+    par = config.parallel
+    ddp_buckets = par.dp_replicate > 1 and par.dp_shard == 1 and par.gradient_as_bucket_view
+    return memory["params"] + (memory["grads"] if ddp_buckets else 0)
 
 
 def main() -> None:
@@ -117,11 +132,18 @@ def main() -> None:
     p.add_argument("--sizes", default="small,base")
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument(
+        "--keep",
+        type=Path,
+        help="keep the configs, profiles and run directories here (default: a temporary one)",
+    )
     a = p.parse_args()
     from scaletrain.hardware import load_profile
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    if a.keep:
+        a.keep.mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext(str(a.keep)) if a.keep else tempfile.TemporaryDirectory() as tmp:
         for size in a.sizes.split(","):
             cfg = Path(tmp) / f"{size}.toml"
             cfg.write_text(CONFIG.format(size=size, steps=a.steps))
