@@ -19,13 +19,15 @@ lacks is refused with a message naming the difference; a cache is never silently
 Then no teacher is loaded: each batch carries its rows' outputs (`Batch.teacher`).
 
 Outputs are stored in the dtype the teacher computed: float32, float64, or bfloat16 as its
-16 bits in an unsigned 16-bit column (half the bytes of float32, lossless: a bf16 value is
-what the teacher gave). What a recipe reads decides the size: pooled (D) and the mapped
-hidden states (T x D each) are ~50 KB a row per state at T = 64 and D = 384 in bf16; an
-attention map (H x T x T) is twice a hidden state, which is why the MiniLM recipes train
-without attention maps. A cache holds every output its config needs, so another recipe on
-the same data and teacher whose needs are a subset (the 2-layer MiniLM student's states
-{0, 5, 6} in the 3-layer's {0, 1, 5, 6}) reads the same cache: it is written once. In fp64 a cached run reads exactly what the online teacher gives; in fp32 and
+16 bits in an int16 column (half the bytes of float32, lossless: a bf16 value is what the
+teacher gave). What a recipe reads decides the size: pooled (D) and the mapped hidden
+states (T x D each) are ~50 KB a row per state at T = 64 and D = 384 in bf16; an attention
+map (H x T x T) is twice a hidden state, which is why the MiniLM recipes train without
+attention maps. A cache holds every output its config needs, so another recipe on the same
+data and teacher whose needs are a subset (the 2-layer MiniLM student's states {0, 5, 6} in
+the 3-layer's {0, 1, 5, 6}) reads the same cache: it is written once.
+
+In fp64 a cached run reads exactly what the online teacher gives; in fp32 and
 bf16 the teacher's kernels differ with threads and batch size, so the outputs agree to about
 1e-5 (fp32) or one ulp (bf16), not bit for bit.
 """

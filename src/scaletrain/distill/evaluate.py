@@ -376,6 +376,9 @@ def topic_data() -> tuple[tuple[str, ...], np.ndarray]:
     return tuple(texts), y
 
 
+_QUOTE = re.compile(r"(writes in|writes:|wrote:|says:|said:|^In article|^Quoted from|^\||^>)")
+
+
 def _post_body(body: str) -> str:
     """A post's text as scikit-learn's remove=("footers", "quotes") leaves it, on one line:
     nothing from the last line that starts with "--" (a signature), no quoted line (">",
@@ -384,9 +387,6 @@ def _post_body(body: str) -> str:
     cut = [k for k, line in enumerate(lines) if line.startswith("--")]
     kept = [line for line in lines[: cut[-1] if cut else None] if not _QUOTE.search(line)]
     return " ".join(" ".join(kept).split())
-
-
-_QUOTE = re.compile(r"(writes in|writes:|wrote:|says:|said:|^In article|^Quoted from|^\||^>)")
 
 
 def held_out_sentences(n: int = 300) -> list[str]:
