@@ -15,9 +15,11 @@ already holds the parameters, and under DDP the gradients in its buckets, so the
 compared is the peak less those (`held_at_setup`). Printed: every row, each ratio, the
 summary errors, and for each (size, world) whether the planner's pick is within 10% of the
 fastest measured layout and in the measured top 3. --keep DIR keeps the configs, the
-profiles and every run directory, to predict again after a change to the planner.
+profiles and every run directory; --from DIR predicts again for them (after a change to the
+planner) and trains nothing.
 
     .venv/bin/python bench/plan.py [--sizes small,base] [--worlds 2,4] [--steps 12] [--keep DIR]
+    .venv/bin/python bench/plan.py --from DIR
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ def measure(cfg: Path, overrides: list[str], world: int, run_dir: Path) -> dict:
     subprocess.run(
         cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900
     )
+    return measured(run_dir)
+
+
+def measured(run_dir: Path) -> dict:
+    """A finished run's median step time and largest peak above baseline (module doc)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r.get("kind") == "train"][1:]  # the first window warms up
     return {
@@ -112,7 +119,11 @@ def predict(config_path: Path, world: int, profile) -> dict:
         only_configured=True,
     )
     m = pred.memory_bytes
-    return {"step_time_s": pred.step_time_s, "above_baseline": m["peak"] - held_at_setup(config, m)}
+    return {
+        "step_time_s": pred.step_time_s,
+        "above_baseline": m["peak"] - held_at_setup(config, m),
+        "memory": m,
+    }
 
 
 def held_at_setup(config, memory: dict) -> int:
@@ -137,10 +148,29 @@ def main() -> None:
         type=Path,
         help="keep the configs, profiles and run directories here (default: a temporary one)",
     )
+    p.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        help="predict again for the runs and profiles a --keep DIR holds; train nothing",
+    )
     a = p.parse_args()
     from scaletrain.hardware import load_profile
 
     rows = []
+    if a.source:
+        for size in a.sizes.split(","):
+            profile = load_profile(str(a.source / f"{size}-profile.toml"))
+            for world in (int(w) for w in a.worlds.split(",")):
+                for name in GRID[world]:
+                    got = measured(a.source / f"{size}-{world}-{name}")
+                    pred = predict(got["config"], world, profile)
+                    rows.append(
+                        {"size": size, "world": world, "layout": name, "meas": got, "pred": pred}
+                    )
+                    _print_row(rows[-1])
+        _summary(rows)
+        return
     if a.keep:
         a.keep.mkdir(parents=True, exist_ok=True)
     with contextlib.nullcontext(str(a.keep)) if a.keep else tempfile.TemporaryDirectory() as tmp:
@@ -171,6 +201,12 @@ def _print_row(r: dict) -> None:
         f"meas {m['step_time_s']:.3f} s ratio {p['step_time_s'] / m['step_time_s']:.2f} | "
         f"peak above baseline pred {p['above_baseline'] / 2**20:.1f} MiB meas "
         f"{m['above_baseline'] / 2**20:.1f} MiB ratio {p['above_baseline'] / max(m['above_baseline'], 1):.2f}",
+        flush=True,
+    )
+    m = p["memory"]
+    print(
+        "      predicted MiB: "
+        + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in m.items() if k != "peak"),
         flush=True,
     )
 

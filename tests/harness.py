@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -813,3 +814,48 @@ if __name__ == "__main__":
         _zygote_main()
     else:  # --pool DIR: a fresh pool's rank
         _pool_main(Path(sys.argv[2]))
+
+
+# ------------------------------------------------ who listens where (/proc/net)
+
+
+def decode_address(hex_addr: str) -> str:
+    """/proc/net/tcp{,6}'s local address (host byte order, hex) as text."""
+    if len(hex_addr) == 8:
+        return ".".join(str(int(hex_addr[i : i + 2], 16)) for i in (6, 4, 2, 0))
+    words = [hex_addr[i : i + 8] for i in range(0, 32, 8)]
+    raw = b"".join(bytes.fromhex(w)[::-1] for w in words)
+    if raw[:12] == b"\0" * 10 + b"\xff\xff":  # IPv4-mapped
+        return ".".join(map(str, raw[12:]))
+    import ipaddress
+
+    return str(ipaddress.IPv6Address(raw))
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` LISTENs on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        m = re.fullmatch(r"socket:\[(\d+)\]", target)
+        if m:
+            inodes.add(m[1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: TCP_LISTEN
+                addr, port = cols[1].split(":")
+                found.append((decode_address(addr), int(port, 16)))
+    return found
+
+
+def env_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)

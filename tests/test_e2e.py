@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from harness import cli_env, free_port, records, run_cli, worker_pids
+from harness import (
+    cli_env,
+    cli_main,
+    free_port,
+    rank_env,
+    records,
+    run_cli,
+    worker_pids,
+    zygote_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +56,48 @@ def config(tmp_path: Path) -> Path:
     return path
 
 
-def test_train_two_processes_writes_the_whole_run_directory(tmp_path: Path, config: Path) -> None:
-    run_dir = tmp_path / "run"
-    r = run_cli(["train", str(config), "--nproc", "2", "--run-dir", str(run_dir)])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"run directory {run_dir}" in r.stdout
+def test_two_nodes_meet_through_c10d_rendezvous_and_write_the_whole_run_directory(
+    tmp_path: Path, config: Path
+) -> None:
+    """Two launcher processes, one worker each, on loopback: one world of 2 that trains and
+    writes the whole run directory, as one launcher with --nproc 2 does (that path, one
+    node of 2 workers, is what tests/test_launch_signals.py, test_killed_rank_ends_the_run
+    below and tests/test_api.py launch)."""
+    run_dir, port = tmp_path / "run", free_port()
+    common = [
+        "train",
+        str(config),
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "two-nodes",
+        "--run-dir",
+        str(run_dir),
+    ]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "scaletrain", *common, "--node-rank", str(i)],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [n.communicate(timeout=150) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    for n, (_, err) in zip(nodes, outs):
+        assert n.returncode == 0, err[-3000:]
+    assert f"run directory {run_dir}" in outs[0][0]
     for name in ("config.toml", "metrics.jsonl", "model.safetensors", "summary.json", "report.png"):
         assert (run_dir / name).is_file(), name
     assert "global_batch = 32" in (run_dir / "config.toml").read_text()
@@ -77,55 +123,12 @@ def test_train_two_processes_writes_the_whole_run_directory(tmp_path: Path, conf
     weights = load_file(str(run_dir / "model.safetensors"))
     assert not any(k.startswith("module.") for k in weights)  # no DDP prefix
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["eval"]["accuracy"] == evals[-1]["accuracy"]
+    assert summary["world_size"] == 2 and summary["steps"] == 40
+    assert summary["eval"]["accuracy"] == evals[-1]["accuracy"]
 
     out = tmp_path / "both.png"
-    r = run_cli(["report", str(run_dir), str(run_dir), "--out", str(out)])
-    assert r.returncode == 0, r.stderr
+    assert cli_main(["report", str(run_dir), str(run_dir), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-
-
-def test_two_nodes_meet_through_c10d_rendezvous(tmp_path: Path, config: Path) -> None:
-    """Two launcher processes, one worker each, on loopback: one world of 2 that trains."""
-    run_dir, port = tmp_path / "run", free_port()
-    common = [
-        "train",
-        str(config),
-        "--nnodes",
-        "2",
-        "--nproc",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv-id",
-        "two-nodes",
-        "--run-dir",
-        str(run_dir),
-        "train.steps=20",
-    ]
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "scaletrain", *common, "--node-rank", str(i)],
-            env=cli_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        outs = [n.communicate(timeout=150) for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()
-    for n, (_, err) in zip(nodes, outs):
-        assert n.returncode == 0, err[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 20
-    train = records(run_dir)
-    assert train[-1]["examples"] == 5 * 32 and train[-1]["loss"] < train[0]["loss"]
 
 
 def _wait_for(predicate, timeout: float) -> None:
@@ -217,8 +220,7 @@ def test_one_process_prints_evals_labels_throughput_and_writes_readable_weights(
     os.umask(umask)
     assert (run_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     out = tmp_path / "exported.safetensors"
-    r = run_cli(["export", str(run_dir), str(out)])
-    assert r.returncode == 0, r.stderr
+    assert cli_main(["export", str(run_dir), str(out)]) == 0
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
@@ -227,46 +229,36 @@ def test_hung_rank_times_out_naming_the_collective_and_the_rank(
 ) -> None:
     """Rank 1 is stopped (SIGSTOP): rank 0's gradient all-reduce times out and says who."""
     run_dir, port = tmp_path / "run", free_port()
-    procs = []
-    for rank in range(2):
-        env = cli_env(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TORCHELASTIC_RUN_ID="hang",
+    args = [
+        "train",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "train.steps=100000",
+        "log.every=1",
+        "parallel.timeout_s=4",
+    ]
+    zygote = zygote_for(2)  # each rank forked from the session's zygote: no interpreter start
+    ranks = [
+        zygote.spawn(
+            args,
+            env={**rank_env(rank, world_size=2, port=port), "TORCHELASTIC_RUN_ID": "hang"},
+            cwd=tmp_path,
+            out=tmp_path / f"rank-{rank}.out",
+            err=tmp_path / f"rank-{rank}.err",
         )
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "scaletrain",
-                    "train",
-                    str(config),
-                    "--run-dir",
-                    str(run_dir),
-                    "train.steps=100000",
-                    "log.every=1",
-                    "parallel.timeout_s=4",
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        for rank in range(2)
+    ]
     try:
         _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), timeout=90)
-        os.kill(procs[1].pid, signal.SIGSTOP)
+        os.kill(ranks[1], signal.SIGSTOP)
         started = time.monotonic()
-        _, err = procs[0].communicate(timeout=60)
+        code = zygote.wait(ranks[0], timeout=60)
         waited = time.monotonic() - started
     finally:
-        for p in procs:
-            p.kill()
-    assert procs[0].returncode == 1, err[-3000:]
+        for r in ranks:
+            zygote.kill(r)  # SIGKILL ends a stopped process too
+    err = (tmp_path / "rank-0.err").read_text()
+    assert code == 1, err[-3000:]
     assert "collective '" in err and "rank(s) 1 did not arrive" in err, err[-3000:]
     assert waited < 30

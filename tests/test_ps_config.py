@@ -1,5 +1,7 @@
 """parallel.strategy = "ps" from the command line: every mistake is refused before anything
-starts, `explain` describes the roles, and a running job listens on loopback only.
+starts, `explain` describes the roles, and with `ps.interface` set the servers' own gloo group
+listens there too. (That a job listens on loopback only by default is shown in
+tests/test_ps_faults.py, on its run of 2 servers and 4 workers.)
 
 The refusals follow tests/test_cli_errors.py's contract: `scaletrain train ...` exits 2 with
 one `scaletrain: error: ...` line on stderr naming the key, no traceback, and writes nothing.
@@ -18,8 +20,6 @@ import os
 import re
 import shlex
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +28,19 @@ import pytest
 import scaletrain.cli
 import scaletrain.launch
 
-from harness import cli_env, cli_main, file_tree, forbid_starting, records, refuse_start, run_cli
+from harness import (
+    cli_main,
+    decode_address,
+    file_tree,
+    forbid_starting,
+    free_port,
+    listening,
+    rank_env,
+    records,
+    refuse_start,
+    run_cli,
+    zygote_for,
+)
 
 # 1 server + 2 workers, 4 steps: a valid job (and the digits MLP has 4 parameter tensors).
 PS_TOML = """\
@@ -363,127 +375,15 @@ def test_refusal_as_a_real_process(argv: str, want: str, tmp_path: Path) -> None
 # ---------------------------------------------------------------------- loopback only
 
 
-def _decode(hex_addr: str) -> str:
-    """/proc/net/tcp{,6}'s local address (host byte order, hex) as text."""
-    if len(hex_addr) == 8:
-        return ".".join(str(int(hex_addr[i : i + 2], 16)) for i in (6, 4, 2, 0))
-    words = [hex_addr[i : i + 8] for i in range(0, 32, 8)]
-    raw = b"".join(bytes.fromhex(w)[::-1] for w in words)
-    if raw[:12] == b"\0" * 10 + b"\xff\xff":  # IPv4-mapped
-        return ".".join(map(str, raw[12:]))
-    import ipaddress
-
-    return str(ipaddress.IPv6Address(raw))
-
-
-def listening(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket process `pid` LISTENs on."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        m = re.fullmatch(r"socket:\[(\d+)\]", target)
-        if m:
-            inodes.add(m[1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:  # 0A: TCP_LISTEN
-                addr, port = cols[1].split(":")
-                found.append((_decode(addr), int(port, 16)))
-    return found
-
-
 def test_decode_proc_net_addresses() -> None:
-    assert _decode("0100007F") == "127.0.0.1"
-    assert _decode("00000000") == "0.0.0.0"
-    assert _decode("00000000000000000000000000000000") == "::"
-    assert _decode("0000000000000000FFFF00000100007F") == "127.0.0.1"
-    assert _decode("00000000000000000000000001000000") == "::1"
+    assert decode_address("0100007F") == "127.0.0.1"
+    assert decode_address("00000000") == "0.0.0.0"
+    assert decode_address("00000000000000000000000000000000") == "::"
+    assert decode_address("0000000000000000FFFF00000100007F") == "127.0.0.1"
+    assert decode_address("00000000000000000000000001000000") == "::1"
 
 
 ROLE_LINE = re.compile(r"^# scaletrain ps (server|worker) (\d+): rank (\d+), pid (\d+)$", re.M)
-
-
-@pytest.mark.slow
-def test_ps_processes_listen_on_loopback_only(tmp_path: Path) -> None:
-    """With ps.interface = "lo" (the default) no server or worker process accepts a
-    connection from outside the machine: every socket they LISTEN on is 127.0.0.1's."""
-    cfg = tmp_path / "ps.toml"
-    cfg.write_text(PS_TOML)
-    run_dir = tmp_path / "run"
-    # 2 servers (their gloo group too) + 2 workers; long enough to be looked at, then stopped.
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "scaletrain",
-            "train",
-            str(cfg),
-            "ps.servers=2",
-            "train.steps=100000",
-            "log.every=1",
-            "log.quiet=true",
-            "--nproc",
-            "4",
-            "--run-dir",
-            str(run_dir),
-        ],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
-    try:
-        roles: dict[int, tuple[str, int]] = {}  # pid -> (role, index)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and launcher.poll() is None:
-            for log in sorted((run_dir / "logs").glob("rank-*.log")):
-                for m in ROLE_LINE.finditer(log.read_text()):
-                    roles[int(m[4])] = (m[1], int(m[2]))
-            if len(roles) == 4 and (run_dir / "metrics.jsonl").exists() and records(run_dir):
-                break  # every role is up and the servers have applied gradients
-            time.sleep(0.5)
-        assert launcher.poll() is None, f"the run ended early:\n{launcher.stderr.read()[-3000:]}"
-        assert sorted(roles.values()) == [
-            ("server", 0),
-            ("server", 1),
-            ("worker", 0),
-            ("worker", 1),
-        ], roles
-        seen: dict[int, set[tuple[str, int]]] = {pid: set() for pid in roles}
-        for _ in range(3):  # a few looks, in case a listener comes late
-            for pid in roles:
-                seen[pid].update(listening(pid))
-            time.sleep(0.5)
-        for pid, (role, index) in sorted(roles.items(), key=lambda kv: kv[1]):
-            assert seen[pid], f"{role} {index} (pid {pid}) listens on nothing: wrong pid?"
-            outside = sorted(s for s in seen[pid] if s[0] != "127.0.0.1")
-            assert not outside, (
-                f"{role} {index} (pid {pid}) listens beyond loopback: "
-                f"{outside} (MASTER_PORT="
-                f"{_env_of(pid).get('MASTER_PORT')})"
-            )
-    finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            launcher.kill()  # its workers die with it (PR_SET_PDEATHSIG)
-            launcher.communicate(timeout=30)
-
-
-def _env_of(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
 
 
 def _other_interface() -> tuple[str, str] | None:
@@ -509,59 +409,47 @@ def _other_interface() -> tuple[str, str] | None:
 def test_ps_interface_other_than_lo_holds_the_servers_gloo_group_too(tmp_path: Path) -> None:
     """ps.interface = eth0 (say): the servers' gloo group (checkpoints, sync's clipping norm)
     listens there as TensorPipe and the store do, not where gloo would pick from the host
-    name (here: loopback). Ranks started as torchrun would (harness.run_workers' env), with
-    MASTER_ADDR on that interface."""
+    name (here: loopback). Ranks started as torchrun would (harness.run_workers' env, forked
+    from the session's zygote), with MASTER_ADDR on that interface."""
     found = _other_interface()
     if found is None:
         pytest.skip("this machine has no non-loopback IPv4 interface")
     name, address = found
-    from harness import free_port
 
     cfg = tmp_path / "ps.toml"
     cfg.write_text(PS_TOML)
     run_dir, port, world = tmp_path / "run", free_port(), 3  # 2 servers + 1 worker
-    procs = []
-    for rank in range(world):
-        env = cli_env(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR=address,
-            MASTER_PORT=str(port),
-            TORCHELASTIC_RUN_ID="test",
-            OMP_NUM_THREADS="1",
+    args = [
+        "train",
+        str(cfg),
+        "ps.servers=2",
+        "parallel.dp=1",
+        f"ps.interface={name}",
+        "train.steps=100000",
+        "log.every=1",
+        "log.quiet=true",
+        "checkpoint.every=0",
+        "--run-dir",
+        str(run_dir),
+    ]
+    # Each rank is `scaletrain train ARGS` forked from the session's zygote (harness.py):
+    # the worker's own entry and environment, without an interpreter's start each.
+    zygote = zygote_for(world)
+    ranks = [
+        zygote.spawn(
+            args,
+            env={**rank_env(rank, world_size=world, port=port), "MASTER_ADDR": address},
+            cwd=tmp_path,
+            out=tmp_path / f"rank-{rank}.out",
+            err=tmp_path / f"rank-{rank}.err",
         )
-        with open(tmp_path / f"rank-{rank}.err", "w") as err:  # the child keeps the fd
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "scaletrain",
-                        "train",
-                        str(cfg),
-                        "ps.servers=2",
-                        "parallel.dp=1",
-                        f"ps.interface={name}",
-                        "train.steps=100000",
-                        "log.every=1",
-                        "log.quiet=true",
-                        "checkpoint.every=0",
-                        "--run-dir",
-                        str(run_dir),
-                    ],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=err,
-                    cwd=tmp_path,
-                )
-            )
+        for rank in range(world)
+    ]
     servers: dict[int, int] = {}  # pid -> index
     children: set[int] = set()  # every role's pid, killed at the end if still there
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        while time.monotonic() < deadline and not any(zygote.exited(r) for r in ranks):
             for log in sorted(tmp_path.glob("rank-*.err")):
                 for m in ROLE_LINE.finditer(log.read_text()):
                     children.add(int(m[4]))
@@ -570,7 +458,7 @@ def test_ps_interface_other_than_lo_holds_the_servers_gloo_group_too(tmp_path: P
             if len(servers) == 2 and (run_dir / "metrics.jsonl").exists() and records(run_dir):
                 break  # both servers up, their group formed, gradients applied
             time.sleep(0.5)
-        assert all(p.poll() is None for p in procs), "a rank ended early:\n" + "\n".join(
+        assert not any(zygote.exited(r) for r in ranks), "a rank ended early:\n" + "\n".join(
             log.read_text()[-2000:] for log in sorted(tmp_path.glob("rank-*.err"))
         )
         assert len(servers) == 2, servers
@@ -583,15 +471,13 @@ def test_ps_interface_other_than_lo_holds_the_servers_gloo_group_too(tmp_path: P
                 f"ps.interface = {name} ({address}): {elsewhere}"
             )
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=30)
+        for r in ranks:
+            if not zygote.exited(r):
+                os.kill(r, signal.SIGTERM)
+        for r in ranks:
+            if zygote.wait(r, timeout=60) is None:
+                zygote.kill(r)
+                zygote.wait(r, timeout=30)
         for pid in children:  # a role child its supervisor left behind
             try:
                 os.kill(pid, signal.SIGKILL)

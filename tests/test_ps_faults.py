@@ -3,7 +3,8 @@ decides who is alive and tells server 1; both must refuse the same workers).
 
 One sync run of 2 servers and 4 workers takes three faults at once, each held by a
 condition, not a race: once the first train record is written, worker 1 is SIGKILLed and
-workers 2 and 3 are SIGSTOPped. Sync cannot move without them, so the run waits until both
+workers 2 and 3 are SIGSTOPped (before that, what every role listens on is read from
+/proc: loopback only, ps.interface's default). Sync cannot move without them, so the run waits until both
 servers have logged every one of them declared dead (after ps.worker_timeout_s); then
 worker 2 gets SIGCONT, is told it was declared dead (its late messages refused) and leaves
 by itself, while worker 3 stays stopped and is killed by its supervisor once the run has
@@ -26,7 +27,7 @@ import pytest
 
 from scaletrain.checkpoint_files import latest_valid, list_checkpoints
 
-from harness import cli_env, records
+from harness import cli_env, env_of, listening, records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -176,8 +177,10 @@ class Faults:
         finished_before_cont: bool,
         woken_left_by_itself: bool,
         stopped_gone: bool,
+        listeners: dict[str, list[tuple[str, int]]],
     ) -> None:
         self.run_dir, self.out, self.err, self.code = run_dir, out, err, code
+        self.listeners = listeners  # "server 0" -> the (address, port)s it LISTENs on
         self.finished_before_cont = finished_before_cont
         self.woken_left_by_itself = woken_left_by_itself
         self.stopped_gone = stopped_gone
@@ -189,9 +192,17 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Faults:
     launcher, run_dir = _start(tmp_path_factory.mktemp("faults"))
     pids: dict[int, int] = {}
     try:
-        for w in (1, 2, 3):
+        for w in range(WORKERS):
             pids[w] = _role_pid(launcher, run_dir, "worker", w, rank=SERVERS + w)
+        servers = {k: _role_pid(launcher, run_dir, "server", k, rank=k) for k in range(SERVERS)}
         _wait(launcher, "a train record", lambda: _trained(run_dir))
+        # Every role is up and gradients were applied: what each listens on (one look each
+        # at /proc, milliseconds, before the faults; the environment names the port if not)
+        listeners = {
+            f"{role} {i}": [(*s, env_of(pid).get("MASTER_PORT")) for s in listening(pid)]
+            for role, roles in (("server", servers), ("worker", pids))
+            for i, pid in roles.items()
+        }
         os.kill(pids[1], signal.SIGKILL)
         os.kill(pids[2], signal.SIGSTOP)
         os.kill(pids[3], signal.SIGSTOP)
@@ -217,7 +228,23 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Faults:
         finished_before_cont=finished_before_cont,
         woken_left_by_itself=woken_left,
         stopped_gone=stopped_gone,
+        listeners=listeners,
     )
+
+
+def test_every_role_listens_on_loopback_only(faults: Faults) -> None:
+    """With ps.interface = "lo" (the default) no server or worker accepts a connection from
+    outside the machine: every socket they LISTEN on (TensorPipe's, the servers' gloo group,
+    the store) is 127.0.0.1's. Seen on this run's 6 roles before the faults."""
+    assert sorted(faults.listeners) == [f"server {k}" for k in range(SERVERS)] + [
+        f"worker {w}" for w in range(WORKERS)
+    ]
+    for role, sockets in faults.listeners.items():
+        assert sockets, f"{role} listens on nothing: wrong pid?"
+        outside = [s for s in sockets if s[0] != "127.0.0.1"]
+        assert not outside, (
+            f"{role} listens beyond loopback (address, port, MASTER_PORT): {outside}"
+        )
 
 
 def test_the_run_finishes_with_the_survivor(faults: Faults) -> None:
