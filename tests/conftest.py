@@ -99,12 +99,12 @@ FILE_SECONDS = {
     "test_api.py": 30,
     "test_layout_resume.py": 25,
     "test_accumulation.py": 20,
-    "test_fsdp_memory.py": 20,
+    "test_fsdp_memory.py": 15,
     "test_user_model_parity.py": 20,
     "test_distill_cache.py": 20,
     "test_dp_parity.py": 20,
     "test_compile.py": 20,
-    "test_pipeline.py": 15,
+    "test_pipeline.py": 10,
 }
 
 

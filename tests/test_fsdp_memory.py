@@ -19,8 +19,9 @@ state, and whole parameters between forward and backward only under ZeRO-2.
    the model's bytes. Gathering the state dict to rank 0, as the save once did, put all of
    it there.
 
-Run as a script (`python test_fsdp_memory.py RESHARD DIR`, with torchrun's environment), this
-file is the worker of test 2 and prints its observations as one JSON line.
+Run as a script (`python test_fsdp_memory.py DIR`, with torchrun's environment), this file is
+the worker of tests 2 and 3 (one job: ZeRO-2's probe, ZeRO-3's, then the save's) and prints
+its observations as one JSON line.
 """
 
 from __future__ import annotations
@@ -174,24 +175,34 @@ def test_rank_holds_its_share(runs: dict[str, dict], name: str) -> None:
 # ---------------------------------------------------------------- ZeRO-2 versus ZeRO-3
 
 
-def _probe(reshard_after_forward: bool, run_dir: Path) -> dict:
-    """One rank of the direct test: shard the GPT, run forward and backward, and note what
-    each block's registered parameters are at each point."""
+def _job(run_dir: Path) -> dict:
+    """One rank of tests 2 and 3, in one process group: the probe under ZeRO-2, then under
+    ZeRO-3 (each a GPT of its own), then the final save's probe."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    seen = {f"zero{z}": _probe(z == 3, mesh) for z in (2, 3)}
+    seen["save"] = _save_probe(mesh, run_dir)
+    dist.destroy_process_group()
+    return seen
+
+
+def _probe(reshard_after_forward: bool, mesh) -> dict:
+    """One rank of the direct test: shard the GPT, run forward and backward, and note what
+    each block's registered parameters are at each point."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
     from scaletrain.memory import local_bytes
     from scaletrain.parallel.fsdp import apply_fsdp
 
-    dist.init_process_group("gloo")
     torch.manual_seed(0)  # the same model on both ranks
     model = _gpt()
     blocks = list(model.blocks.values())
     full_bytes = local_bytes(blocks[0].parameters())  # every block has the same shapes
     full_q = list(blocks[0].attn.q.weight.shape)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     apply_fsdp(
         model,
         mesh,
@@ -224,8 +235,6 @@ def _probe(reshard_after_forward: bool, run_dir: Path) -> dict:
     seen["after_forward"] = look()
     logits.float().pow(2).mean().backward()
     seen["after_backward"] = look()
-    seen["save"] = _save_probe(mesh, run_dir)
-    dist.destroy_process_group()
     return seen
 
 
@@ -271,13 +280,14 @@ def _save_probe(mesh, run_dir: Path) -> dict:
     }
 
 
-def _run_probe(reshard_after_forward: bool) -> list[dict]:
-    """Both ranks of the probe, as subprocesses with torchrun's environment and a timeout."""
+def _run_job() -> list[dict]:
+    """Both ranks of the job (`_job`), as subprocesses with torchrun's environment and a
+    timeout."""
     port, world_size = str(free_port()), 2
     run_dir = Path(tempfile.mkdtemp(prefix="fsdp-save-"))  # test 3's final weights
     procs = [
         subprocess.Popen(
-            [sys.executable, str(Path(__file__)), str(int(reshard_after_forward)), str(run_dir)],
+            [sys.executable, str(Path(__file__)), str(run_dir)],
             env=cli_env(
                 RANK=str(rank),
                 WORLD_SIZE=str(world_size),
@@ -312,21 +322,15 @@ def _run_probe(reshard_after_forward: bool) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def probes() -> dict[int, list[dict]]:
-    """ZeRO stage -> both ranks' observations, each probe job run on first use."""
-
-    class Lazy(dict):
-        def __missing__(self, zero: int) -> list[dict]:
-            self[zero] = _run_probe(reshard_after_forward=zero == 3)
-            return self[zero]
-
-    return Lazy()
+def probes() -> list[dict]:
+    """Both ranks' observations (`_job`), the job run once for the module."""
+    return _run_job()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [2, 3], ids=["zero2", "zero3"])
-def test_reshard_after_forward(probes: dict[int, list[dict]], zero: int) -> None:
-    for rank, seen in enumerate(probes[zero]):
+def test_reshard_after_forward(probes: list[dict], zero: int) -> None:
+    for rank, seen in enumerate(job[f"zero{zero}"] for job in probes):
         full, full_q = seen["full_bytes"], seen["full_q"]
         half_q = [full_q[0] // 2, *full_q[1:]]
         print(
@@ -350,8 +354,8 @@ def test_reshard_after_forward(probes: dict[int, list[dict]], zero: int) -> None
 
 
 @pytest.mark.slow
-def test_the_final_save_holds_the_whole_model_on_no_rank(probes: dict[int, list[dict]]) -> None:
-    rank0, rank1 = (seen["save"] for seen in probes[3])
+def test_the_final_save_holds_the_whole_model_on_no_rank(probes: list[dict]) -> None:
+    rank0, rank1 = (seen["save"] for seen in probes)
     full = rank0["full_bytes"]
     print(
         f"final save: peak above baseline rank 0 {rank0['peak_above']}, rank 1 "
@@ -386,5 +390,5 @@ def test_the_peak_is_the_process_own_not_its_parents() -> None:
 if __name__ == "__main__":
     from scaletrain.runtime import exit_worker
 
-    print(json.dumps(_probe(bool(int(sys.argv[1])), run_dir=Path(sys.argv[2]))))
+    print(json.dumps(_job(Path(sys.argv[1]))))
     exit_worker(0)  # without gloo's shutdown abort ("terminate called ..."), as a worker leaves

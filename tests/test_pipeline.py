@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -234,26 +235,22 @@ def job(tmp_path_factory) -> dict:
         WORLD_SIZE=str(WORLD),
         OMP_NUM_THREADS="1",
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(out)],
-            env=env | {"RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a pipeline rank did not finish within 120 s") from None
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+    # one interpreter: rank 0, which forks rank 1 once the imports are done (_main)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, str(out)],
+        env=env | {"RANK": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # both ranks one process group: killed together
+    )
+    try:
+        log = proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError("the pipeline ranks did not finish within 120 s") from None
+    assert proc.returncode == 0, f"a rank failed:\n{log[-4000:]}"
     return {
         (r, case): result
         for r in range(WORLD)
@@ -411,5 +408,37 @@ def _worker(out_dir: Path) -> None:
     dist.destroy_process_group()
 
 
+def _main(out_dir: Path) -> None:
+    """Rank 0 forks rank 1 once what both import is imported (no thread or group yet, as
+    DataLoader workers are forked): the job starts one interpreter, not two. Ends with the
+    first non-zero status of the two."""
+    import torch.distributed.pipelining  # noqa: F401
+
+    import scaletrain.parallel.pipeline  # noqa: F401
+
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.environ["RANK"] = "1"
+        os._exit(_status(out_dir))  # os._exit: no gloo shutdown abort at the child's exit
+    codes = [_status(out_dir), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])]
+    os._exit(next((c for c in codes if c != 0), 0))
+
+
+def _status(out_dir: Path) -> int:
+    """`_worker`'s status in this process: 0, or 1 with the traceback printed."""
+    try:
+        _worker(out_dir)
+        return 0
+    except BaseException:  # noqa: BLE001 - into the job's output, then the job ends
+        import traceback
+
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    _main(Path(sys.argv[1]))
