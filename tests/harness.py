@@ -98,20 +98,11 @@ def run_workers(
     """Start `world_size` ranks of `scaletrain train CONFIG overrides --run-dir RUN_DIR`
     (in `cwd`, where a user's own package would be imported from), each forked from the
     session's `Zygote`: `python -m scaletrain` without the interpreter's start."""
-    port = free_port()
     args = ["train", str(config), *overrides, "--run-dir", str(run_dir)]
-    zygote = zygote_for(world_size)
     outputs = Path(tempfile.mkdtemp(prefix="ranks-"))
-    pids = [
-        zygote.spawn(
-            args,
-            env=rank_env(rank, world_size=world_size, port=port),
-            cwd=cwd or Path.cwd(),
-            out=outputs / f"{rank}.out",
-            err=outputs / f"{rank}.err",
-        )
-        for rank in range(world_size)
-    ]
+    zygote, pids = spawn_ranks(
+        args, world_size=world_size, port=free_port(), cwd=cwd or Path.cwd(), outputs=outputs
+    )
     deadline = time.monotonic() + timeout
     codes = [zygote.wait(pid, timeout=max(0.1, deadline - time.monotonic())) for pid in pids]
     if None in codes:
@@ -122,8 +113,8 @@ def run_workers(
         subprocess.CompletedProcess(
             ["scaletrain", *args],
             code,
-            (outputs / f"{rank}.out").read_text(),
-            (outputs / f"{rank}.err").read_text(),
+            (outputs / f"rank-{rank}.out").read_text(),
+            (outputs / f"rank-{rank}.err").read_text(),
         )
         for rank, code in enumerate(codes)
     ]
@@ -131,6 +122,27 @@ def run_workers(
         for rank, r in enumerate(results):
             assert r.returncode == 0, f"rank {rank} failed ({r.returncode}):\n{r.stderr[-3000:]}"
     return results
+
+
+def spawn_ranks(
+    args: list[str], *, world_size: int, port: int, cwd: Path, outputs: Path, **env: str
+) -> tuple[Zygote, list[int]]:
+    """`world_size` ranks of `scaletrain ARGS` forked from the session's zygote, each with
+    the environment torchrun gives it (and `env` on top), in `cwd`; rank N's stdout and
+    stderr in outputs/rank-N.out and .err. Returns the zygote (to wait on or kill them)
+    and their pids, rank order."""
+    zygote = zygote_for(world_size)
+    pids = [
+        zygote.spawn(
+            args,
+            env={**rank_env(rank, world_size=world_size, port=port), **env},
+            cwd=cwd,
+            out=outputs / f"rank-{rank}.out",
+            err=outputs / f"rank-{rank}.err",
+        )
+        for rank in range(world_size)
+    ]
+    return zygote, pids
 
 
 class Zygote:

@@ -19,11 +19,10 @@ from harness import (
     cli_env,
     cli_main,
     free_port,
-    rank_env,
     records,
     run_cli,
+    spawn_ranks,
     worker_pids,
-    zygote_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -238,17 +237,10 @@ def test_hung_rank_times_out_naming_the_collective_and_the_rank(
         "log.every=1",
         "parallel.timeout_s=4",
     ]
-    zygote = zygote_for(2)  # each rank forked from the session's zygote: no interpreter start
-    ranks = [
-        zygote.spawn(
-            args,
-            env={**rank_env(rank, world_size=2, port=port), "TORCHELASTIC_RUN_ID": "hang"},
-            cwd=tmp_path,
-            out=tmp_path / f"rank-{rank}.out",
-            err=tmp_path / f"rank-{rank}.err",
-        )
-        for rank in range(2)
-    ]
+    # each rank forked from the session's zygote: no interpreter start
+    zygote, ranks = spawn_ranks(
+        args, world_size=2, port=port, cwd=tmp_path, outputs=tmp_path, TORCHELASTIC_RUN_ID="hang"
+    )
     try:
         _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), timeout=90)
         os.kill(ranks[1], signal.SIGSTOP)

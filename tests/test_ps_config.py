@@ -35,11 +35,10 @@ from harness import (
     forbid_starting,
     free_port,
     listening,
-    rank_env,
     records,
     refuse_start,
     run_cli,
-    zygote_for,
+    spawn_ranks,
 )
 
 # 1 server + 2 workers, 4 steps: a valid job (and the digits MLP has 4 parameter tensors).
@@ -434,17 +433,9 @@ def test_ps_interface_other_than_lo_holds_the_servers_gloo_group_too(tmp_path: P
     ]
     # Each rank is `scaletrain train ARGS` forked from the session's zygote (harness.py):
     # the worker's own entry and environment, without an interpreter's start each.
-    zygote = zygote_for(world)
-    ranks = [
-        zygote.spawn(
-            args,
-            env={**rank_env(rank, world_size=world, port=port), "MASTER_ADDR": address},
-            cwd=tmp_path,
-            out=tmp_path / f"rank-{rank}.out",
-            err=tmp_path / f"rank-{rank}.err",
-        )
-        for rank in range(world)
-    ]
+    zygote, ranks = spawn_ranks(
+        args, world_size=world, port=port, cwd=tmp_path, outputs=tmp_path, MASTER_ADDR=address
+    )
     servers: dict[int, int] = {}  # pid -> index
     children: set[int] = set()  # every role's pid, killed at the end if still there
     try:
