@@ -10,7 +10,10 @@ planner/reference.py).
 
 Measured: the median `step_time_s` of the logged windows after the first (warm-up), and the
 largest `window_peak_above_baseline_bytes` (the CPU has no allocator peak counter: the RSS
-high-water mark of each window above what the rank held after set-up). The baseline
+high-water mark of each window above what the rank held after set-up). Each layout runs 160
+steps by default: under FSDP2 the resident peak climbs for ~120 steps before it settles
+(glibc's heap fragments around the per-unit gather buffers; BENCHMARKS.md), and "late rise"
+prints how much it still rose over the last SETTLED_STEPS steps. The baseline
 already holds the parameters, and under DDP the gradients in its buckets, so the prediction
 compared is the peak less those (`held_at_setup`). Printed: every row, each ratio, the
 summary errors, and for each (size, world) whether the planner's pick is within 10% of the
@@ -18,7 +21,8 @@ fastest measured layout and in the measured top 3. --keep DIR keeps the configs,
 profiles and every run directory; --from DIR predicts again for them (after a change to the
 planner) and trains nothing.
 
-    .venv/bin/python bench/plan.py [--sizes small,base] [--worlds 2,4] [--steps 12] [--keep DIR]
+    .venv/bin/python bench/plan.py [--sizes small,base] [--worlds 2,4] [--steps 160] [--every 10]
+        [--keep DIR]
     .venv/bin/python bench/plan.py --from DIR
 """
 
@@ -34,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SETTLED_STEPS = 40  # a peak that did not rise over this many last steps has settled
 SCALETRAIN = [sys.executable, "-m", "scaletrain"]
 
 CONFIG = """
@@ -50,7 +55,7 @@ global_batch = 16
 micro_batch = 8
 eval_examples = 16
 [log]
-every = 2
+every = {every}
 quiet = true
 """
 
@@ -97,9 +102,14 @@ def measured(run_dir: Path) -> dict:
     """A finished run's median step time and largest peak above baseline (module doc)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r.get("kind") == "train"][1:]  # the first window warms up
+    peaks = [r["window_peak_above_baseline_bytes"] for r in train]
+    last = [r for r in train if r["step"] > train[-1]["step"] - SETTLED_STEPS]
     return {
         "step_time_s": statistics.median(r["step_time_s"] for r in train),
-        "above_baseline": max(r["window_peak_above_baseline_bytes"] for r in train),
+        "above_baseline": max(peaks),
+        # how much the peak still rose over the last SETTLED_STEPS steps (0: it had settled)
+        "late_rise": max(peaks)
+        - max(p for r, p in zip(train, peaks, strict=True) if r not in last),
         "config": run_dir / "config.toml",
     }
 
@@ -142,7 +152,8 @@ def main() -> None:
     )
     p.add_argument("--sizes", default="small,base")
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--every", type=int, default=10, help="steps per logged window")
     p.add_argument(
         "--keep",
         type=Path,
@@ -176,7 +187,7 @@ def main() -> None:
     with contextlib.nullcontext(str(a.keep)) if a.keep else tempfile.TemporaryDirectory() as tmp:
         for size in a.sizes.split(","):
             cfg = Path(tmp) / f"{size}.toml"
-            cfg.write_text(CONFIG.format(size=size, steps=a.steps))
+            cfg.write_text(CONFIG.format(size=size, steps=a.steps, every=a.every))
             out = Path(tmp) / f"{size}-profile.toml"
             subprocess.run(
                 [*SCALETRAIN, "calibrate", str(cfg), "--world", a.worlds, "--out", str(out)],
@@ -200,7 +211,8 @@ def _print_row(r: dict) -> None:
         f"{r['size']:>5} w{r['world']} {r['layout']:<14} step pred {p['step_time_s']:.3f} s "
         f"meas {m['step_time_s']:.3f} s ratio {p['step_time_s'] / m['step_time_s']:.2f} | "
         f"peak above baseline pred {p['above_baseline'] / 2**20:.1f} MiB meas "
-        f"{m['above_baseline'] / 2**20:.1f} MiB ratio {p['above_baseline'] / max(m['above_baseline'], 1):.2f}",
+        f"{m['above_baseline'] / 2**20:.1f} MiB ratio {p['above_baseline'] / max(m['above_baseline'], 1):.2f} "
+        f"(late rise {m['late_rise'] / 2**20:.1f} MiB)",
         flush=True,
     )
     m = p["memory"]

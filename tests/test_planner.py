@@ -395,8 +395,9 @@ RAW = {
 
 
 def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
-    """runtime = rss_fixed + (rss_ratio - 1) x what a step adds over the parameters; a GPU
-    profile (and a CPU one without the fit) adds nothing."""
+    """runtime = rss_fixed + the larger of (rss_ratio - 1) x what a step adds over the
+    parameters and what FSDP2 or DTensor add once settled; a GPU profile (and a CPU one
+    without the fit) adds nothing."""
     import dataclasses
 
     from scaletrain.config import validate_config
@@ -425,18 +426,19 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
     assert slack["runtime"] == int(3e6 + 0.5 * live)
     assert slack["peak"] == bare["peak"] + slack["runtime"]
 
-    # a layout that shards (FSDP2) or splits tensors (DTensor) pays what their first use
-    # loads, once each, as calibrated for the world size
+    # a layout that shards (FSDP2) or splits tensors (DTensor) adds what they hold once
+    # settled, a fixed part plus a part per byte of the stage's whole parameters, as
+    # calibrated for the world size; the larger once where a layout has both, and the
+    # larger of that and the slack, not their sum (one free heap serves both)
     link = Link(bus_bw=1e9, latency_s=1e-4, fsdp_rss=7_000_000, tp_rss=11_000_000)
-    # both: the larger once (FSDP2's parameters are DTensors: the same machinery)
     link4 = dataclasses.replace(link, fsdp_rss=13_000_000)
-    cpu = dataclasses.replace(cpu, intra={2: link, 4: link4})
+    cpu = dataclasses.replace(cpu, intra={2: link, 4: link4}, fsdp_rss_per_byte=2.0)
     cases = (
-        ({"dp_shard": 2}, 2, 7_000_000),
-        ({"tp": 2}, 2, 11_000_000),
-        ({"dp_shard": 2, "tp": 2}, 4, 13_000_000),
+        ({"dp_shard": 2}, 2, lambda stage: 7_000_000 + 2.0 * stage),
+        ({"tp": 2}, 2, lambda stage: 11_000_000),
+        ({"dp_shard": 2, "tp": 2}, 4, lambda stage: 13_000_000 + 2.0 * stage),
     )
-    for parallel, world, extra in cases:
+    for parallel, world, settled in cases:
         shaped = validate_config({**RAW, "parallel": parallel})
         data, net = build_for_plan(shaped)
         (plain,) = plan_layouts(
@@ -446,7 +448,17 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
             shaped, world_size=world, profile=cpu, dataset=data, model=net, only_configured=True
         )
         live = plain.memory_bytes["peak"] - plain.memory_bytes["params"]
-        assert paid.memory_bytes["runtime"] == int(3e6 + 0.5 * live + extra)
+        # the stage's whole parameters: a rank's share, times the ranks that split it
+        stage = plain.memory_bytes["params"] * parallel.get("dp_shard", 1) * parallel.get("tp", 1)
+        sharded = settled(stage)
+        assert sharded > 0.5 * live  # the sharded part is the larger here
+        assert paid.memory_bytes["runtime"] == int(3e6 + sharded)
+        # a slack larger than the sharded part is paid alone
+        big = dataclasses.replace(cpu, rss_ratio=1.0 + 2 * sharded / live)
+        (slack,) = plan_layouts(
+            shaped, world_size=world, profile=big, dataset=data, model=net, only_configured=True
+        )
+        assert slack.memory_bytes["runtime"] == int(3e6 + 2 * sharded / live * live)
 
 
 def test_an_hf_decoder_under_full_checkpointing_is_traced_with_its_keyword_inputs():
@@ -482,3 +494,112 @@ def test_calibrate_times_gloo_and_the_per_call_cost_of_fsdp_and_tensor_paralleli
     # a call carries at least its collective (the timing's noise alone stays far below)
     assert calls["fsdp_call_s"] > 0.5 * all_gather.latency_s
     assert calls["tp_call_s"] > 0.5 * all_reduce.latency_s
+
+
+def test_planning_leaves_the_process_excepthook_as_it_found_it():
+    """torch's init_process_group wraps sys.excepthook with a "[rankN]: " prefix and never
+    unwraps it: every fake group the planner opened added one more to the launcher's
+    tracebacks."""
+    import sys
+
+    from scaletrain.planner.held import fake_world
+
+    hook = sys.excepthook
+    with fake_world(2, 0):
+        assert sys.excepthook is not hook  # torch's wrapper, while the group is open
+    assert sys.excepthook is hook
+
+
+def test_a_pipeline_bubble_on_shared_cores_lends_them_to_the_other_ranks():
+    """With ranks to spare for every core, a pipeline's bubble stretches the step; with more
+    ranks than cores, a waiting stage's core serves the other ranks, and the step is the
+    longer of the shared cores' work and the critical path (base pp2 x ZeRO-3 at world 4
+    on 2 cores was predicted 1.30x its measured time with the bubble on top)."""
+    import dataclasses
+
+    from scaletrain.config import validate_config
+    from scaletrain.hardware import BUILTIN
+    from scaletrain.planner import build_for_plan, plan_layouts
+
+    config = validate_config(
+        {
+            **RAW,
+            "train": {"micro_batch": 2, "global_batch": 8},
+            "parallel": {"pp": 2, "dp_shard": 2},
+        }
+    )
+    dataset, model = build_for_plan(config)
+
+    def planned(cores):
+        profile = dataclasses.replace(BUILTIN["h100"], name="cpu", cores=cores, overlap=False)
+        (pred,) = plan_layouts(
+            config,
+            world_size=4,
+            profile=profile,
+            dataset=dataset,
+            model=model,
+            only_configured=True,
+        )
+        return pred
+
+    spare, shared = planned(8), planned(2)
+    assert "configured" in spare.notes and "configured" in shared.notes
+    assert spare.bubble == shared.bubble > 0
+    busy = spare.compute_s + spare.comm_s
+    assert spare.step_time_s == pytest.approx(busy * (1 + spare.bubble) + spare.optim_s)
+    # 4 ranks on 2 cores take turns (compute twice as long); the bubble (<= 1) hides in them
+    busy = shared.compute_s + shared.comm_s
+    assert shared.bubble <= 1
+    assert shared.step_time_s == pytest.approx(busy + shared.optim_s)
+
+
+def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_path):
+    """sharded_rss trains the configured model under dp_shard = 2 and tp = 2 (here a stand-in
+    launcher writes the run's metrics) and keeps what the settled peak holds beyond the
+    planner's live bytes, rss_fixed and the first use, per byte of the stage's parameters:
+    0 when nothing is beyond them, and every further byte of peak counted once."""
+    import json
+
+    from scaletrain.plan import resolve
+    from scaletrain.planner import build_for_plan
+    from scaletrain.planner.held import held_on_rank
+    from scaletrain.planner.reference import (
+        SHARDED_PROBES,
+        sharded_config,
+        sharded_rss,
+        sharded_worker,
+    )
+
+    calls = []
+
+    def measured(peak):
+        def launch(world, fn, data, kind, run_dir, steps):
+            calls.append((world, fn, kind, steps))
+            rows = [
+                {"kind": "train", "step": s, "window_peak_above_baseline_bytes": p}
+                for s, p in ((10, peak // 2), (20, peak), (30, peak))
+            ]
+            (Path(run_dir) / "metrics.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in rows)
+            )
+
+        return sharded_rss(
+            RAW,
+            launch=launch,
+            first_use={"fsdp_rss": 10**6, "tp_rss": 10**6},
+            rss_fixed=10**6,
+            steps=20,
+            say=lambda *_: None,
+        )
+
+    assert measured(10**6) == {"fsdp_rss_per_byte": 0.0, "tp_rss_per_byte": 0.0}
+    assert calls == [(2, sharded_worker, kind, 20) for kind in SHARDED_PROBES]
+    extra = 2**30  # far beyond what the tiny GPT's step holds
+    low, high = measured(extra), measured(2 * extra)
+    for kind in SHARDED_PROBES:
+        config = sharded_config(RAW, kind, steps=20)
+        dataset, _ = build_for_plan(config)
+        held = held_on_rank(config, resolve(config, world_size=2), dataset=dataset)
+        stage = held.params * 2
+        per_byte = high[f"{kind}_rss_per_byte"] - low[f"{kind}_rss_per_byte"]
+        assert per_byte == pytest.approx(extra / stage)

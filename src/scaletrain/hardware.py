@@ -61,6 +61,12 @@ class Profile:
     byte_s: float = 0.0  # seconds per byte the forward's ops write, backward included
     rss_fixed: float = 0.0  # CPU: resident bytes a training step adds beyond live tensors
     rss_ratio: float = 1.0  # CPU: resident bytes per live tensor byte (the allocator's slack)
+    # CPU: what a rank under FSDP2 / tensor parallelism holds once its steps have settled,
+    # beyond the links' fsdp_rss / tp_rss, per byte of the stage's whole parameters (the
+    # heap's holes around their gathered buffers), measured by calibrate on the configured
+    # model's own sharded steps (planner/reference.py)
+    fsdp_rss_per_byte: float = 0.0
+    tp_rss_per_byte: float = 0.0
     source: str = ""
 
     def link(self, group_size: int, *, spans_nodes: bool = False) -> Link:
@@ -138,7 +144,14 @@ BUILTIN = {
 }
 
 
-_FLOAT_KEYS = ("op_s", "byte_s", "rss_fixed", "rss_ratio")
+_FLOAT_KEYS = (
+    "op_s",
+    "byte_s",
+    "rss_fixed",
+    "rss_ratio",
+    "fsdp_rss_per_byte",
+    "tp_rss_per_byte",
+)
 
 
 class ProfileError(UserError):

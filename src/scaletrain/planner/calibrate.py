@@ -26,6 +26,7 @@ from scaletrain.planner.reference import (
     collective_overheads,
     first_use_worker,
     gloo_group,
+    sharded_rss,
     step_costs,
 )
 
@@ -195,6 +196,13 @@ def calibrate(
             tp_call_s=calls["tp_call_s"],
             **first,
         )
+    sharded = sharded_rss(
+        reference,
+        launch=_launch,
+        first_use={k: getattr(_nearest(intra, 2), k) for k in ("fsdp_rss", "tp_rss")},
+        rss_fixed=costs["rss_fixed"],
+        say=say,
+    )
     cores = len(os.sched_getaffinity(0))
     return Profile(
         name=name,
@@ -206,8 +214,14 @@ def calibrate(
         overlap=False,
         cores=cores,
         **costs,
+        **sharded,
         source=f"scaletrain calibrate on {_cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
     )
+
+
+def _nearest(intra: dict[int, Link], world: int) -> Link:
+    """The link measured at `world` ranks, else at the nearest world measured."""
+    return intra[min(intra, key=lambda w: abs(w - world))]
 
 
 def _total_memory() -> int:

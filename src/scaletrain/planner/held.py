@@ -16,6 +16,7 @@ function on the same tensors; tests/test_planner.py holds them equal for every l
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -55,11 +56,15 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("the planner's fake process group needs a process without one")
+    # init_process_group wraps sys.excepthook to prefix "[rankN]: " and nothing unwraps it:
+    # a launcher that planned 26 layouts printed its next traceback with 26 prefixes a line
+    hook = sys.excepthook
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def held_on_rank(

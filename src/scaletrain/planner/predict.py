@@ -11,11 +11,12 @@ Memory per rank (the peak of a step):
   + FSDP's gathered parameters            two units (the one running, the one prefetched);
                                           ZeRO-2 keeps every unit gathered until backward
   + runtime (a CPU profile)               what a process holds beyond its live tensors:
-                                          rss_fixed + (rss_ratio - 1) x what a step adds
-                                          (the allocator's slack, fitted by calibrate),
-                                          plus what a rank's first FSDP2 or DTensor steps
-                                          load (calibrate's fsdp_rss, tp_rss; the larger
-                                          once where a layout has both)
+                                          rss_fixed + the larger of (rss_ratio - 1) x what
+                                          a step adds (the allocator's slack, fitted by
+                                          calibrate) and what FSDP2 or DTensor add once
+                                          settled (calibrate's fsdp_rss, tp_rss, plus their
+                                          per-byte parts x the stage's parameters; the
+                                          larger once where a layout has both)
 
 Communication per rank and step, by collective (ring algorithms, bytes on the wire):
     DDP / HSDP replicas   all-reduce of the gradients, 2 (r - 1) / r x their bytes, once a step
@@ -34,7 +35,9 @@ optimizer's pass over its bytes (memory bandwidth) + the collectives (bytes over
 bandwidth, plus per call the framework's measured cost for FSDP and tensor parallelism,
 else the link's latency), of which what does not overlap (on a GPU FSDP's and DDP's
 collectives hide behind compute; gloo on a CPU overlaps nothing), stretched by the
-pipeline's bubble (p - 1) / (v m).
+pipeline's bubble (p - 1) / (v m). Where a CPU's ranks outnumber its cores, a stage waiting
+in the bubble lends its core to the others: the step is then the longer of the shared
+cores' work and the critical path (a rank's work at a whole core, stretched by the bubble).
 MFU = model FLOPs (no recomputation) / (step time x peak x world).
 """
 
@@ -62,6 +65,7 @@ class Prediction:
     mfu: float | None
     compute_s: float = 0.0
     comm_s: float = 0.0
+    optim_s: float = 0.0
     ops: float = 0.0  # forward ops a step runs on this rank (each runs backward too)
     written: float = 0.0  # bytes those forward ops write
     bubble: float = 0.0
@@ -135,7 +139,7 @@ def predict(
     # the costs calibrate measured among the world's ranks (none in a profile without links)
     world_link = profile.link(lay.world_size) if profile.intra else Link(bus_bw=1.0, latency_s=0.0)
     live = held.grads + held.optim + activations + transient + gathered  # a step's, over params
-    runtime = _runtime_bytes(profile, lay, world_link, live=live)
+    runtime = _runtime_bytes(profile, lay, world_link, live=live, stage_params=unsharded * lay.tp)
     peak = held.params + live + runtime
     memory = {
         "params": held.params,
@@ -239,7 +243,15 @@ def predict(
         overlapped += seconds if overlaps else 0.0
     exposed = comm_s - (min(overlapped, compute_s) if profile.overlap else 0.0)
     bubble = (lay.pp - 1) / (stages * chunks) if lay.pp > 1 else 0.0
-    step = (compute_s + exposed) * (1 + bubble) + optim_s
+    busy = compute_s + exposed
+    turns = profile.slowdown(per_node)
+    if turns > 1:
+        # more ranks than cores (a CPU): a stage waiting in the bubble hands its core to the
+        # other ranks, so the step is the longer of the shared cores' work and the
+        # pipeline's critical path (a rank's own work at a whole core, stretched by the bubble)
+        step = max(busy, busy / turns * (1 + bubble)) + optim_s
+    else:
+        step = busy * (1 + bubble) + optim_s
     model_flops_step = hw * config.train.global_batch
     peak_flops = profile.peak(dtype, ranks_per_node=per_node)
     mfu = model_flops_step / (step * peak_flops * lay.world_size) if peak_flops else None
@@ -252,26 +264,31 @@ def predict(
         mfu=mfu,
         compute_s=compute_s,
         comm_s=comm_s,
+        optim_s=optim_s,
         ops=ops,
         written=written,
         bubble=bubble,
     )
 
 
-def _runtime_bytes(profile: Profile, lay, first_use: Link, *, live: int) -> int:
-    """A CPU process's resident memory beyond its live tensors (0 on a GPU profile): the
-    allocator's slack on what a step adds, and what a rank's first FSDP2 or DTensor steps
-    load (a one-process reference run has none of it). FSDP2's parameters are DTensors too:
-    the two load much the same machinery, so a layout with both pays the larger once (their
-    sum over-predicted dp_shard x tp by ~30 MiB)."""
-    return int(
-        profile.rss_fixed
-        + (profile.rss_ratio - 1.0) * live
-        + max(
-            first_use.fsdp_rss if lay.dp_shard > 1 else 0,
-            first_use.tp_rss if lay.tp > 1 else 0,
-        )
+def _runtime_bytes(profile: Profile, lay, first_use: Link, *, live: int, stage_params: int) -> int:
+    """A CPU process's resident memory beyond its live tensors (0 on a GPU profile):
+    rss_fixed, plus the larger of two claims on the same free heap:
+    - the allocator's slack on what a step adds, (rss_ratio - 1) x the live bytes;
+    - what FSDP2 or DTensor adds once a rank's steps have settled (a one-process reference
+      has none of it): a fixed part (the code and state they load) and a part per byte of
+      the stage's whole parameters (the holes their gathered buffers leave in the heap).
+      FSDP2's parameters are DTensors too: a layout with both pays the larger once (their
+      sum over-predicted dp_shard x tp by ~30 MiB).
+    Why the larger and not the sum: both are free blocks the heap keeps, and the next
+    step's activations and gathered buffers reuse whichever are there. Measured: small's
+    ZeRO-3 settles at 95, 89 and 92 MiB above baseline at micro-batch 8, 4 and 8 with full
+    recomputation, while its live bytes go 46, 28 and 22 (BENCHMARKS.md, the planner)."""
+    sharded = max(
+        first_use.fsdp_rss + profile.fsdp_rss_per_byte * stage_params if lay.dp_shard > 1 else 0,
+        first_use.tp_rss + profile.tp_rss_per_byte * stage_params if lay.tp > 1 else 0,
     )
+    return int(profile.rss_fixed + max((profile.rss_ratio - 1.0) * live, sharded))
 
 
 def _param_width(config: Config) -> int:

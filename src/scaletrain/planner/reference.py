@@ -27,6 +27,15 @@ calibrate measures it on real steps:
   first time it runs FSDP2 or DTensor tensor parallelism, after plain steps warmed the
   rest: `fsdp_rss` and `tp_rss`, a fixed cost per rank that the planner adds to a CPU
   layout using them.
+- `sharded_rss`: the configured model trained for real by the trainer on 2 ranks, under
+  dp_shard = 2 and under tp = 2, until the resident peak has settled (SETTLE_STEPS). Under
+  either, glibc's heap keeps the holes that the per-unit gathered parameters and gradients
+  leave between activations, and a rank settles higher than its live tensors, the slack and
+  the first use explain, by an amount that grows with the model (BENCHMARKS.md, the
+  planner): measured here, per byte of the stage's whole parameters,
+  `fsdp_rss_per_byte` and `tp_rss_per_byte`. A stack of Linear layers does not show it
+  (its few activations leave the heap no holes to keep): 10x per byte under FSDP2, 0
+  under tensor parallelism, against 3.5-5x and 4x on the GPT.
 """
 
 from __future__ import annotations
@@ -133,6 +142,103 @@ def step_costs(
     ratio = max(1.0, (rise2 - rise1) / max(live2 - live1, 1))
     fixed = max(0.0, rise1 - ratio * live1)
     return {"op_s": op_s, "byte_s": byte_s, "rss_fixed": fixed, "rss_ratio": ratio}
+
+
+SETTLE_STEPS = 160  # steps after which an FSDP2 rank's resident peak has stopped rising
+SHARDED_PROBES = {"fsdp": {"dp_shard": 2}, "tp": {"tp": 2}}
+
+
+def sharded_config(data: dict, kind: str, *, steps: int = SETTLE_STEPS):
+    """`data` (a config as a dict) trained on 2 ranks under `kind`'s layout for `steps`
+    steps, windows of 10, no checkpoint, 8 examples of evaluation at the end."""
+    from scaletrain.config import validate_config
+
+    data = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
+    parallel = SHARDED_PROBES[kind]
+    mb = int(data.setdefault("train", {}).get("micro_batch", 16))
+    data["train"].update(
+        micro_batch=mb,
+        global_batch=mb * parallel.get("dp_shard", 1),
+        steps=steps,
+        eval_every=0,
+        eval_examples=8,
+    )
+    data["parallel"] = dict(parallel)
+    data["log"] = {"every": 10, "quiet": True}
+    data["checkpoint"] = {"every": 0}
+    return validate_config(data)
+
+
+def sharded_worker(data: dict, kind: str, run_dir: str, steps: int) -> None:
+    """One rank of a sharded probe (started by elastic_launch): the trainer itself."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from scaletrain.training.trainer import train
+
+    try:
+        train(sharded_config(data, kind, steps=steps), run_dir=Path(run_dir))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def sharded_rss(
+    data: dict | None,
+    *,
+    launch,
+    first_use: dict[str, int],
+    rss_fixed: float,
+    steps: int = SETTLE_STEPS,
+    say=print,
+) -> dict[str, float]:
+    """fsdp_rss_per_byte and tp_rss_per_byte from the configured model's settled sharded
+    steps (module docstring): the largest logged peak above baseline, less what the planner
+    predicts without them (its live bytes, rss_fixed and the first use), per byte of the
+    stage's whole parameters. `launch(world, fn, *args)` starts ranks (calibrate._launch);
+    `first_use`: the 2-rank link's fsdp_rss and tp_rss."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from scaletrain.hardware import Link, Profile
+    from scaletrain.planner import build_for_plan, plan_layouts
+
+    data = data or GPT_TINY
+
+    bare = Profile(  # the planner's memory without any CPU term (its time is not read here)
+        name="bare",
+        flops={"fp32": 1e12},
+        memory_bytes=2**62,
+        memory_bw=1e12,
+        intra={2: Link(bus_bw=1e12, latency_s=0.0)},
+    )
+    out = {}
+    for kind in SHARDED_PROBES:
+        with tempfile.TemporaryDirectory() as tmp:
+            launch(2, sharded_worker, data, kind, tmp, steps)
+            rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        settled = max(
+            r["window_peak_above_baseline_bytes"] for r in rows if r.get("kind") == "train"
+        )
+        config = sharded_config(data, kind, steps=steps)
+        dataset, model = build_for_plan(config)
+        (pred,) = plan_layouts(
+            config, world_size=2, profile=bare, dataset=dataset, model=model, only_configured=True
+        )
+        memory = pred.memory_bytes
+        live = memory["peak"] - memory["params"]  # the baseline holds the parameters
+        stage = memory["params"] * 2  # the one stage's whole parameters
+        beyond = settled - live - rss_fixed - first_use[f"{kind}_rss"]
+        out[f"{kind}_rss_per_byte"] = max(0.0, beyond / stage)
+        say(
+            f"{kind} on 2 ranks, {steps} steps: {settled / 2**20:.1f} MiB above baseline, "
+            f"{live / 2**20:.1f} MiB of live tensors predicted: "
+            f"{out[f'{kind}_rss_per_byte']:.2f} x the stage's {stage / 2**20:.1f} MiB of "
+            "parameters beyond the slack and first use"
+        )
+    return out
 
 
 def _solve2(x1, y1, t1, x2, y2, t2) -> tuple[float, float]:
