@@ -67,3 +67,48 @@ def test_none_changes_nothing() -> None:
     model = _model()
     assert apply_activation_checkpointing(model, blocks_path="blocks", mode="none") is model
     assert all(type(b).__name__ == "Block" for b in model.blocks.values())
+
+
+def _backward_ops(model: GPT, x: torch.Tensor) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+    """The aten ops backward runs, by name, and the gradients."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: Counter = Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten(), reduction="sum")
+    with Count():
+        loss.backward()
+    grads = {
+        n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
+    }
+    return ops, grads
+
+
+def test_op_mode_recomputes_the_element_wise_ops_and_no_matmul() -> None:
+    """ "op" keeps every block's matmul and attention outputs and runs the rest again in
+    backward: backward multiplies no more matrices than without checkpointing (full
+    checkpointing multiplies the forward's again) but does run the blocks' norms again, and
+    every gradient is bit-identical."""
+    x = torch.randint(0, 256, (4, 32))
+    plain, _ = _backward_ops(_model(), x)
+    full, _ = _backward_ops(
+        apply_activation_checkpointing(_model(), blocks_path="blocks", mode="full"), x
+    )
+    model = apply_activation_checkpointing(_model(), blocks_path="blocks", mode="op")
+    assert [type(b).__name__ for b in model.blocks.values()] == ["CheckpointWrapper"] * 4
+    op, grads = _backward_ops(model, x)
+    matmuls = ("mm", "addmm", "bmm")
+    assert sum(full[k] for k in matmuls) > sum(plain[k] for k in matmuls)
+    assert sum(op[k] for k in matmuls) == sum(plain[k] for k in matmuls)
+    assert plain["native_layer_norm"] == 0 and op["native_layer_norm"] == 2 * 4  # ln_1, ln_2
+    _, plain_grads = _saved_bytes_and_grads(_model(), x)
+    assert grads.keys() == plain_grads.keys()
+    for name, g in plain_grads.items():
+        assert torch.equal(g, grads[name]), name

@@ -603,3 +603,110 @@ def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_pa
         stage = held.params * 2
         per_byte = high[f"{kind}_rss_per_byte"] - low[f"{kind}_rss_per_byte"]
         assert per_byte == pytest.approx(extra / stage)
+
+
+def test_op_checkpointing_is_traced_with_the_matmul_outputs_its_policy_keeps():
+    """Under "op" checkpointing torch's selective checkpoint holds every block's matmul and
+    attention outputs itself, where no saved-tensor hook sees them: the trace counts them as
+    they are made. On the tiny GPT (2 blocks, B 4, T 32, C 64, 2 heads, fp32) that is, per
+    block, q, k, v, the attention projection, the MLP's 4C-wide fc and its projection, and
+    attention's output and log-sum-exp, on top of what full checkpointing keeps."""
+    from scaletrain.config import validate_config
+    from scaletrain.planner import build_for_plan
+    from scaletrain.planner.activations import traced_activations
+
+    def traced(mode):
+        config = validate_config({**RAW, "parallel": {"activation_checkpointing": mode}})
+        dataset, _ = build_for_plan(config)
+        return traced_activations(config, dataset=dataset, examples=4, tp=1)
+
+    none, full, op = traced("none"), traced("full"), traced("op")
+    B, T, C, H, blocks = 4, 32, 64, 2, 2
+    per_block = B * T * (4 * C + 4 * C + C + C) * 4 + B * H * T * 4
+    assert op.saved - full.saved == blocks * per_block
+    assert full.saved < op.saved < none.saved
+
+
+def test_checkpointing_counts_what_backward_runs_again():
+    """The step's cost beyond the matmuls counts the ops a checkpointed block runs again in
+    backward: none without checkpointing, the block's forward under "full", and under "op"
+    the same less what its policy keeps: per block of the tiny GPT 7 kept outputs (q, k, v,
+    attention and its log-sum-exp from one op, the projection, fc, its projection: 6 ops)
+    whose bytes are exactly what "op" saves beyond "full"."""
+    from scaletrain.config import validate_config
+    from scaletrain.planner import build_for_plan
+    from scaletrain.planner.activations import traced_activations
+
+    def traced(mode):
+        config = validate_config({**RAW, "parallel": {"activation_checkpointing": mode}})
+        dataset, _ = build_for_plan(config)
+        return traced_activations(config, dataset=dataset, examples=4, tp=1)
+
+    none, full, op = traced("none"), traced("full"), traced("op")
+    assert (none.again_ops, none.again_written) == (0, 0)
+    assert 0 < op.again_ops < full.again_ops < none.ops
+    assert full.again_written - op.again_written == op.saved - full.saved
+    assert (full.ops, full.written) == (none.ops, none.written)
+
+    # and the step's prediction pays their forward (a third of an op's cost, backward
+    # included): one process, 2 micro-batches of 4
+    import dataclasses
+
+    from scaletrain.hardware import BUILTIN
+    from scaletrain.planner import plan_layouts
+    from scaletrain.planner.predict import RECOMPUTED_SHARE
+
+    bare = dataclasses.replace(BUILTIN["h100"], op_s=0.0, byte_s=0.0)
+    for mode, acts in (("none", none), ("full", full), ("op", op)):
+        config = validate_config({**RAW, "parallel": {"activation_checkpointing": mode}})
+        dataset, model = build_for_plan(config)
+
+        def compute_s(profile, config=config, dataset=dataset, model=model):
+            (pred,) = plan_layouts(
+                config,
+                world_size=1,
+                profile=profile,
+                dataset=dataset,
+                model=model,
+                only_configured=True,
+            )
+            return pred.compute_s
+
+        per_op = compute_s(dataclasses.replace(bare, op_s=1e-3)) - compute_s(bare)
+        assert per_op == pytest.approx(2e-3 * (acts.ops + RECOMPUTED_SHARE * acts.again_ops))
+        per_byte = compute_s(dataclasses.replace(bare, byte_s=1e-9)) - compute_s(bare)
+        expected = 2e-9 * (acts.written + RECOMPUTED_SHARE * acts.again_written)
+        assert per_byte == pytest.approx(expected)
+
+
+def test_auto_precision_is_planned_as_the_run_on_the_profiles_hardware_decides(monkeypatch):
+    """precision.mode = "auto" runs bf16-mixed on a GPU of compute capability >= 8.0 and on a
+    CPU with avx512_bf16 or AMX, else fp32: the plan predicts what will run (it planned fp32
+    for "auto" everywhere, so a bf16 CPU's calibrate fitted nothing beyond the matmuls)."""
+    import dataclasses
+
+    from scaletrain import precision
+    from scaletrain.config import validate_config
+    from scaletrain.hardware import BUILTIN
+    from scaletrain.planner import build_for_plan, plan_layouts
+
+    def planned(mode, profile):
+        config = validate_config({**RAW, "precision": {"mode": mode}})
+        dataset, model = build_for_plan(config)
+        (pred,) = plan_layouts(
+            config,
+            world_size=1,
+            profile=profile,
+            dataset=dataset,
+            model=model,
+            only_configured=True,
+        )
+        return pred.step_time_s, pred.memory_bytes
+
+    gpu = BUILTIN["h100"]
+    assert planned("auto", gpu) == planned("bf16-mixed", gpu) != planned("fp32", gpu)
+    cpu = dataclasses.replace(gpu, name="cpu", cores=2)
+    for bf16, mode in ((True, "bf16-mixed"), (False, "fp32")):
+        hw = precision.Hardware("cpu", avx512_bf16=bf16)
+        monkeypatch.setattr(precision, "detect_hardware", lambda device_type, hw=hw: hw)
+        assert planned("auto", cpu) == planned(mode, cpu)

@@ -191,8 +191,8 @@ class ParallelConfig(_Section):
     """Pipeline stages on each rank: 1 for gpipe/1f1b, >= 2 for interleaved-1f1b, any for zero-bubble (1 = ZB-H1); 0 = 1 for gpipe/1f1b, else 2."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2, more memory, one all-gather fewer)."""
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: full (every block), selective (every other block), none."""
+    activation_checkpointing: Literal["none", "full", "selective", "op"] = "none"
+    """Recompute activations in backward: full (every block), selective (every other block), op (every block, keeping its matmuls' and attention's outputs: only element-wise ops run again), none."""
     fsdp_offload: bool = False
     """FSDP2's CPU offload: parameters, gradients and optimizer step in CPU memory. Tested on CPU runs (gloo: equal to one process); refused on GPUs until scaletrain creates the CPU process group the offloaded gradients need beside NCCL."""
 

@@ -39,6 +39,7 @@ def plan_layouts(
         model: the bare model on meta (candidates.py reads its spec).
         only_configured: predict the configured layout alone (`scaletrain train`'s check).
     """
+    config = resolve_auto_precision(config, profile)
     found = candidates(config, world_size=world_size, model=model)
     if only_configured:
         found = found[:1]
@@ -76,6 +77,20 @@ def plan_layouts(
     return sorted(
         out, key=lambda p: (not p.fits, p.step_time_s if p.fits else p.memory_bytes["peak"])
     )
+
+
+def resolve_auto_precision(config: Config, profile: Profile) -> Config:
+    """`config` with precision.mode "auto" decided as a run on `profile`'s hardware decides
+    it (precision.decide_auto): a GPU profile is Ampere or later (every built-in is), so
+    bf16-mixed; a CPU profile was calibrated on this machine, so this CPU's answer."""
+    from scaletrain.precision import Hardware, decide_auto, detect_hardware
+
+    if config.precision.mode != "auto":
+        return config
+    on = detect_hardware("cpu") if profile.cores else Hardware("cuda", cuda_capability=(8, 0))
+    mode, _ = decide_auto(on)
+    precision = config.precision.model_copy(update={"mode": mode})
+    return config.model_copy(update={"precision": precision})
 
 
 def build_for_plan(config: Config, code=None):

@@ -5,7 +5,8 @@ checkpointing (`parallelize`, in a fake process group of tp ranks), materialised
 tensors (torch's FakeTensorMode: shapes, no memory) and run forward on a micro-batch of the
 asked size. Every tensor autograd saves for backward is counted once by its storage
 (`saved_tensors_hooks`); a checkpointed block's input, which the checkpoint keeps by its
-own means, is counted at the block's entry. What comes back is the bytes one micro-batch
+own means, is counted at the block's entry, and under "op" checkpointing so are the outputs
+its policy keeps (counted as they are made: torch's selective checkpoint holds them itself). What comes back is the bytes one micro-batch
 keeps until its backward, the largest single saved tensor (the logits, typically: the
 backward's transient gradient is as large) and, under checkpointing, one block's whole
 activations (what its recomputation holds for a moment).
@@ -37,13 +38,20 @@ class Activations:
     recompute: int  # one checkpointed block's activations, held while it recomputes
     ops: int  # aten ops of the forward (each costs a dispatch: the CPU's floor per op)
     written: int  # bytes the forward's ops write (element-wise work is bound by memory)
+    again_ops: int = 0  # of those, the ops backward runs again (checkpointed, not kept)
+    again_written: int = 0  # and the bytes they write
 
 
 class _OpCounter:
-    """A dispatch mode counting the ops that run and the bytes their outputs take."""
+    """A dispatch mode counting the ops that run and the bytes their outputs take, and, while
+    `inside` a checkpointed block, the ops its backward runs again and the bytes they write,
+    and under "op" the bytes of what its policy keeps instead (SAVED_OPS' outputs, held by
+    torch's selective checkpoint where no saved-tensor hook sees them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keeps_ops: bool) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
+
+        from scaletrain.parallel.checkpointing import SAVED_OPS
 
         counter = self
 
@@ -51,13 +59,33 @@ class _OpCounter:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 counter.ops += 1
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor):
-                        counter.written += t.numel() * t.element_size()
+                outs = [
+                    t
+                    for t in (out if isinstance(out, (tuple, list)) else (out,))
+                    if isinstance(t, torch.Tensor)
+                ]
+                nbytes = sum(t.numel() * t.element_size() for t in outs)
+                counter.written += nbytes
+                if counter.inside and keeps_ops and func in SAVED_OPS:
+                    counter.kept += nbytes
+                elif counter.inside and _makes_memory(outs, args):
+                    # run again in backward (an output on an input's storage, a view or
+                    # selective checkpoint's detach of what it keeps, makes nothing)
+                    counter.again_ops += 1
+                    counter.again_written += nbytes
                 return out
 
-        self.ops = self.written = 0
+        self.ops = self.written = self.kept = self.inside = 0
+        self.again_ops = self.again_written = 0
         self.mode = Mode()
+
+
+def _makes_memory(outs: list[torch.Tensor], args: tuple) -> bool:
+    """Whether an op's outputs include one on a storage none of its inputs have."""
+    from torch.utils._pytree import tree_leaves
+
+    inputs = {t.untyped_storage()._cdata for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+    return any(t.untyped_storage()._cdata not in inputs for t in outs)
 
 
 def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Activations:
@@ -92,6 +120,12 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
         tensors = [a for a in args if torch.is_tensor(a)]
         entries.extend(local(a).untyped_storage().nbytes() for a in tensors)
         first_call.extend([] if first_call else [(args, kwargs)])
+        counter.inside += 1
+
+    def at_exit(module, args, output) -> None:
+        counter.inside -= 1
+
+    counter = _OpCounter(keeps_ops=config.parallel.activation_checkpointing == "op")
 
     with fake_world(tp, 0):
         par = parallelize(
@@ -109,13 +143,13 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
         wrapped = [m for m in par.model.modules() if isinstance(m, CheckpointWrapper)]
         for m in wrapped:
             m.register_forward_pre_hook(at_entry, with_kwargs=True)
+            m.register_forward_hook(at_exit)
         with FakeTensorMode(allow_non_fake_inputs=True):
             par.model.to_empty(device="cpu")
-            counter = _OpCounter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter.mode:
                 with precision.forward_context():
                     loss_fn(forward(par.model, batch, precision), batch)
-            kept = sum(saved.values()) + sum(entries)
+            kept = sum(saved.values()) + sum(entries) + counter.kept
             largest = max(saved.values(), default=0)
             recompute = 0
             if wrapped:  # one block run plainly: what its recomputation holds
@@ -133,4 +167,6 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
         recompute=recompute,
         ops=counter.ops,
         written=counter.written,
+        again_ops=counter.again_ops,
+        again_written=counter.again_written,
     )

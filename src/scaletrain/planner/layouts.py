@@ -4,7 +4,7 @@ A candidate is a set of overrides of the [parallel] keys and train.micro_batch: 
 (pp x dp_replicate x dp_shard x tp = the world), under pp the schedule (1f1b, gpipe,
 interleaved-1f1b with two stages per rank), the micro-batch (the configured one and every
 power-of-two divisor of the per-rank batch below it, down to a quarter), activation
-checkpointing (none, selective, full; where the model declares blocks) and, under FSDP,
+checkpointing (none, op, selective, full; where the model declares blocks) and, under FSDP,
 ZeRO-3 or ZeRO-2 (parallel.reshard_after_forward true / false). Each is put through the
 launcher's own checks, `plan.resolve` and `compose.check_model_fits` on the model built on
 meta: a layout that would be refused before launch is not a candidate.
@@ -22,7 +22,7 @@ from scaletrain.parallel.compose import check_model_fits
 from scaletrain.plan import Derived, resolve
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "op", "selective", "full")
 
 
 @dataclass(frozen=True)

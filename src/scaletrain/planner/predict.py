@@ -30,7 +30,9 @@ Communication per rank and step, by collective (ring algorithms, bytes on the wi
 
 Step time: compute (hardware FLOPs, recomputation included, over the profile's rate for
 the compute dtype; plus the forward's traced ops x op_s and written bytes x byte_s, each
-with its backward, fitted by calibrate on a reference model's real steps) + the
+with its backward, fitted by calibrate on a reference model's real steps, and a third of
+that again for the ops activation checkpointing runs a second time: only their forward,
+about 2 of the 6 bytes of traffic per byte written) + the
 optimizer's pass over its bytes (memory bandwidth) + the collectives (bytes over the bus
 bandwidth, plus per call the framework's measured cost for FSDP and tensor parallelism,
 else the link's latency), of which what does not overlap (on a GPU FSDP's and DDP's
@@ -53,6 +55,8 @@ from scaletrain.models.flops import train_flops, transformer_flops, transformer_
 from scaletrain.plan import Derived
 from scaletrain.planner.activations import Activations
 from scaletrain.planner.held import Held
+
+RECOMPUTED_SHARE = 1 / 3  # of an op's cost (forward and backward), what its forward alone costs
 
 
 @dataclass
@@ -217,6 +221,8 @@ def predict(
     hw = train_flops(model, example.unsqueeze(0), recomputed_blocks=0)
     model_flops_rank = hw * examples_per_rank / (lay.tp * lay.pp)
     recomputed = held.recomputed_blocks * (lay.pp if lay.pp > 1 else 1)
+    if p.activation_checkpointing == "op":  # it keeps the matmuls: none run again
+        recomputed = 0
     if shape is not None and recomputed:
         extra = transformer_flops(shape, batch=1, seq=seq, recomputed_blocks=recomputed)
         extra -= transformer_flops(shape, batch=1, seq=seq)
@@ -228,11 +234,15 @@ def predict(
         "fp32", ranks_per_node=per_node
     )
     # Beyond the matmuls (profile.op_s and byte_s, fitted by calibrate on a reference model's
-    # real steps): every op's dispatch and the element-wise work's memory traffic, per chunk
+    # real steps): every op's dispatch and the element-wise work's memory traffic, per chunk,
+    # and the forward again of what activation checkpointing recomputes in backward
     chunk_steps = accum * chunks
     ops = chunk_steps * share * acts.ops
     written = chunk_steps * share * acts.written
-    overhead_s = (ops * profile.op_s + written * profile.byte_s) * profile.slowdown(per_node)
+    ops_paid = ops + RECOMPUTED_SHARE * chunk_steps * share * acts.again_ops
+    written_paid = written + RECOMPUTED_SHARE * chunk_steps * share * acts.again_written
+    overhead_s = ops_paid * profile.op_s + written_paid * profile.byte_s
+    overhead_s *= profile.slowdown(per_node)
     compute_s = hw_rank / rate + overhead_s
     optim_s = 3 * (held.params + held.grads + held.optim) / profile.memory_bw
     comm_s = overlapped = 0.0
