@@ -3,7 +3,7 @@ side, for a grid of layouts of the built-in GPT at two sizes and world sizes 2 a
 
 Each layout is trained for real (`scaletrain train`, its own run directory, the same steps,
 log.every windows) and predicted by the planner for the same config and world
-(`planner.plan_layouts(only_configured=True)`), with the profile `scaletrain calibrate
+(`planner.predict_configured`), with the profile `scaletrain calibrate
 CONFIG` writes for that size first (the model's own steps on one process fit what a step
 costs beyond its matmuls; the collectives are measured per world size:
 planner/reference.py).
@@ -116,18 +116,10 @@ def measured(run_dir: Path) -> dict:
 
 def predict(config_path: Path, world: int, profile) -> dict:
     from scaletrain.config import load_config
-    from scaletrain.planner import build_for_plan, plan_layouts
+    from scaletrain.planner import predict_configured
 
     config = load_config(config_path)
-    dataset, model = build_for_plan(config)
-    (pred,) = plan_layouts(
-        config,
-        world_size=world,
-        profile=profile,
-        dataset=dataset,
-        model=model,
-        only_configured=True,
-    )
+    pred = predict_configured(config, world_size=world, profile=profile)
     m = pred.memory_bytes
     return {
         "step_time_s": pred.step_time_s,

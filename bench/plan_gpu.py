@@ -5,7 +5,7 @@ the built-in GPT base, over micro-batch x activation checkpointing x precision.
 Measured: each layout trained for real by `scaletrain train` (backend nccl, one process;
 `log.every` windows), its step time the median of the windows after the first, its peak
 the largest `window_peak_mem_bytes` (on CUDA: `torch.cuda.max_memory_allocated`, reset each
-window). Predicted: `planner.plan_layouts(only_configured=True)` with the built-in profile
+window). Predicted: `planner.predict_configured` with the built-in profile
 named by --hardware (h200 by default), whose peak is compared whole (the allocator's
 counter starts at zero, so the parameters are in both). The issue's target on a GPU: peak
 within 10%. Step time is printed beside it with the profile's datasheet peak as the rate
@@ -83,7 +83,7 @@ GRID = [
 
 def run_one(tmp: Path, model: str, name: str, overrides: list[str], mb: int, steps: int, profile):
     from scaletrain.config import load_config
-    from scaletrain.planner import build_for_plan, plan_layouts
+    from scaletrain.planner import predict_configured
 
     cfg = tmp / f"{model}-{mb}.toml"
     cfg.write_text(MODELS[model] + COMMON.format(steps=steps, mb=mb))
@@ -98,10 +98,7 @@ def run_one(tmp: Path, model: str, name: str, overrides: list[str], mb: int, ste
     meas_step = statistics.median(r["step_time_s"] for r in train)
     meas_peak = max(r["window_peak_mem_bytes"] for r in train)
     config = load_config(run_dir / "config.toml")
-    dataset, net = build_for_plan(config)
-    (pred,) = plan_layouts(
-        config, world_size=1, profile=profile, dataset=dataset, model=net, only_configured=True
-    )
+    pred = predict_configured(config, world_size=1, profile=profile)
     row = {
         "model": model,
         "layout": name,

@@ -115,23 +115,15 @@ mode = "bf16-mixed"
 
 def main() -> None:
     from scaletrain.config import load_config
-    from scaletrain.planner import build_for_plan, plan_layouts
+    from scaletrain.planner import predict_configured
 
     with tempfile.TemporaryDirectory() as tmp:
         for row in ROWS:
             path = Path(tmp) / "c.toml"
             path.write_text(config_text(row))
             config = load_config(path)
-            dataset, model = build_for_plan(config)
             profile = profile_of(row["hardware"])
-            (pred,) = plan_layouts(
-                config,
-                world_size=row["world"],
-                profile=profile,
-                dataset=dataset,
-                model=model,
-                only_configured=True,
-            )
+            pred = predict_configured(config, world_size=row["world"], profile=profile)
             tps = row["local_batch"] * row["seq"] / pred.step_time_s
             peak = pred.memory_bytes["peak"] / 2**30
             line = (

@@ -394,6 +394,12 @@ RAW = {
 }
 
 
+def _configured(config, profile, *, world_size: int = 1):
+    from scaletrain.planner import predict_configured
+
+    return predict_configured(config, world_size=world_size, profile=profile)
+
+
 def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
     """runtime = rss_fixed + the larger of (rss_ratio - 1) x what a step adds over the
     parameters and what FSDP2 or DTensor add once settled; a GPU profile (and a CPU one
@@ -402,25 +408,11 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
 
     from scaletrain.config import validate_config
     from scaletrain.hardware import BUILTIN, Link
-    from scaletrain.planner import build_for_plan, plan_layouts
 
     config = validate_config(RAW)
-    dataset, model = build_for_plan(config)
     gpu = BUILTIN["h100"]
     cpu = dataclasses.replace(gpu, name="cpu", cores=2, rss_fixed=3e6, rss_ratio=1.5)
-
-    def memory(profile):
-        (pred,) = plan_layouts(
-            config,
-            world_size=1,
-            profile=profile,
-            dataset=dataset,
-            model=model,
-            only_configured=True,
-        )
-        return pred.memory_bytes
-
-    bare, slack = memory(gpu), memory(cpu)
+    bare, slack = _configured(config, gpu).memory_bytes, _configured(config, cpu).memory_bytes
     assert bare["runtime"] == 0
     live = bare["peak"] - bare["params"]
     assert slack["runtime"] == int(3e6 + 0.5 * live)
@@ -440,13 +432,8 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
     )
     for parallel, world, settled in cases:
         shaped = validate_config({**RAW, "parallel": parallel})
-        data, net = build_for_plan(shaped)
-        (plain,) = plan_layouts(
-            shaped, world_size=world, profile=gpu, dataset=data, model=net, only_configured=True
-        )
-        (paid,) = plan_layouts(
-            shaped, world_size=world, profile=cpu, dataset=data, model=net, only_configured=True
-        )
+        plain = _configured(shaped, gpu, world_size=world)
+        paid = _configured(shaped, cpu, world_size=world)
         live = plain.memory_bytes["peak"] - plain.memory_bytes["params"]
         # the stage's whole parameters: a rank's share, times the ranks that split it
         stage = plain.memory_bytes["params"] * parallel.get("dp_shard", 1) * parallel.get("tp", 1)
@@ -455,9 +442,7 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
         assert paid.memory_bytes["runtime"] == int(3e6 + sharded)
         # a slack larger than the sharded part is paid alone
         big = dataclasses.replace(cpu, rss_ratio=1.0 + 2 * sharded / live)
-        (slack,) = plan_layouts(
-            shaped, world_size=world, profile=big, dataset=data, model=net, only_configured=True
-        )
+        slack = _configured(shaped, big, world_size=world)
         assert slack.memory_bytes["runtime"] == int(3e6 + 2 * sharded / live * live)
 
 
@@ -519,7 +504,6 @@ def test_a_pipeline_bubble_on_shared_cores_lends_them_to_the_other_ranks():
 
     from scaletrain.config import validate_config
     from scaletrain.hardware import BUILTIN
-    from scaletrain.planner import build_for_plan, plan_layouts
 
     config = validate_config(
         {
@@ -528,19 +512,10 @@ def test_a_pipeline_bubble_on_shared_cores_lends_them_to_the_other_ranks():
             "parallel": {"pp": 2, "dp_shard": 2},
         }
     )
-    dataset, model = build_for_plan(config)
 
     def planned(cores):
         profile = dataclasses.replace(BUILTIN["h100"], name="cpu", cores=cores, overlap=False)
-        (pred,) = plan_layouts(
-            config,
-            world_size=4,
-            profile=profile,
-            dataset=dataset,
-            model=model,
-            only_configured=True,
-        )
-        return pred
+        return _configured(config, profile, world_size=4)
 
     spare, shared = planned(8), planned(2)
     assert "configured" in spare.notes and "configured" in shared.notes
@@ -653,24 +628,14 @@ def test_checkpointing_counts_what_backward_runs_again():
     import dataclasses
 
     from scaletrain.hardware import BUILTIN
-    from scaletrain.planner import plan_layouts
     from scaletrain.planner.predict import RECOMPUTED_SHARE
 
     bare = dataclasses.replace(BUILTIN["h100"], op_s=0.0, byte_s=0.0)
     for mode, acts in (("none", none), ("full", full), ("op", op)):
         config = validate_config({**RAW, "parallel": {"activation_checkpointing": mode}})
-        dataset, model = build_for_plan(config)
 
-        def compute_s(profile, config=config, dataset=dataset, model=model):
-            (pred,) = plan_layouts(
-                config,
-                world_size=1,
-                profile=profile,
-                dataset=dataset,
-                model=model,
-                only_configured=True,
-            )
-            return pred.compute_s
+        def compute_s(profile, config=config):
+            return _configured(config, profile).compute_s
 
         per_op = compute_s(dataclasses.replace(bare, op_s=1e-3)) - compute_s(bare)
         assert per_op == pytest.approx(2e-3 * (acts.ops + RECOMPUTED_SHARE * acts.again_ops))
@@ -688,19 +653,9 @@ def test_auto_precision_is_planned_as_the_run_on_the_profiles_hardware_decides(m
     from scaletrain import precision
     from scaletrain.config import validate_config
     from scaletrain.hardware import BUILTIN
-    from scaletrain.planner import build_for_plan, plan_layouts
 
     def planned(mode, profile):
-        config = validate_config({**RAW, "precision": {"mode": mode}})
-        dataset, model = build_for_plan(config)
-        (pred,) = plan_layouts(
-            config,
-            world_size=1,
-            profile=profile,
-            dataset=dataset,
-            model=model,
-            only_configured=True,
-        )
+        pred = _configured(validate_config({**RAW, "precision": {"mode": mode}}), profile)
         return pred.step_time_s, pred.memory_bytes
 
     gpu = BUILTIN["h100"]

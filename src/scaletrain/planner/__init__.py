@@ -79,6 +79,21 @@ def plan_layouts(
     )
 
 
+def predict_configured(config: Config, *, world_size: int, profile: Profile) -> Prediction:
+    """The prediction for `config`'s own layout on `world_size` ranks (data and model built
+    as the launcher's checks build them)."""
+    dataset, model = build_for_plan(config)
+    (pred,) = plan_layouts(
+        config,
+        world_size=world_size,
+        profile=profile,
+        dataset=dataset,
+        model=model,
+        only_configured=True,
+    )
+    return pred
+
+
 def resolve_auto_precision(config: Config, profile: Profile) -> Config:
     """`config` with precision.mode "auto" decided as a run on `profile`'s hardware decides
     it (precision.decide_auto): a GPU profile is Ampere or later (every built-in is), so

@@ -115,7 +115,7 @@ def step_costs(
     import multiprocessing
 
     from scaletrain.hardware import Profile
-    from scaletrain.planner import build_for_plan, plan_layouts
+    from scaletrain.planner import predict_configured
 
     data = data or GPT_TINY
     ctx = multiprocessing.get_context("spawn")
@@ -126,10 +126,7 @@ def step_costs(
         with ctx.Pool(1) as pool:
             got = pool.apply(step_worker, (data, mb))
         config = reference_config(data, mb)
-        dataset, model = build_for_plan(config)
-        (pred,) = plan_layouts(
-            config, world_size=1, profile=bare, dataset=dataset, model=model, only_configured=True
-        )
+        pred = predict_configured(config, world_size=1, profile=bare)
         live = pred.memory_bytes["peak"] - pred.memory_bytes["params"]
         rows.append((pred.ops, pred.written, got["step_s"] - pred.step_time_s, got["rise"], live))
         say(
@@ -203,7 +200,7 @@ def sharded_rss(
     from pathlib import Path
 
     from scaletrain.hardware import Link, Profile
-    from scaletrain.planner import build_for_plan, plan_layouts
+    from scaletrain.planner import predict_configured
 
     data = data or GPT_TINY
 
@@ -223,10 +220,7 @@ def sharded_rss(
             r["window_peak_above_baseline_bytes"] for r in rows if r.get("kind") == "train"
         )
         config = sharded_config(data, kind, steps=steps)
-        dataset, model = build_for_plan(config)
-        (pred,) = plan_layouts(
-            config, world_size=2, profile=bare, dataset=dataset, model=model, only_configured=True
-        )
+        pred = predict_configured(config, world_size=2, profile=bare)
         memory = pred.memory_bytes
         live = memory["peak"] - memory["params"]  # the baseline holds the parameters
         stage = memory["params"] * 2  # the one stage's whole parameters
