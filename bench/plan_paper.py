@@ -15,6 +15,17 @@ Sources (torchtitan's docs/performance.md, read 2026-12):
   2,973 tokens/s per GPU, MFU 58.2%.
 - Llama 3 70B, 64 A100 80 GB, FSDP, local batch 1, sequence 8192, full AC: 331 tokens/s
   per GPU, MFU 51.7%.
+- Megatron-LM's GPT-3 175B on 1024 A100 80 GB (Narayanan et al. 2021, "Efficient Large-Scale
+  Language Model Training on GPU Clusters Using Megatron-LM", section 5.1: batch 1536,
+  140 TFLOP/s per GPU, counted with its 96 B s l h^2 (1 + s/6h + V/16lh), which includes
+  the recomputed forward), in Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh
+  layout: tensor parallel 8, pipeline 16 (1F1B), so data parallel 8 (planned as ZeRO-2
+  over 8, as scaletrain's DDP does not compose with tp and pp); micro-batch 1,
+  sequence 2048, fp16, full recompute, vocabulary padded to 51,200. The published figure is
+  FLOP/s; the row converts it to tokens/s per GPU with that formula. The model is
+  scaletrain's built-in GPT (GPT-3's architecture: learned positions, pre-LayerNorm, a 4h
+  GELU MLP) at GPT-3's shapes, through `gpt3_175b` below as the config's model factory (a
+  Hugging Face model has no pipeline stages in scaletrain yet). No memory was published.
 
     .venv/bin/python bench/plan_paper.py
 """
@@ -22,6 +33,7 @@ Sources (torchtitan's docs/performance.md, read 2026-12):
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 from pathlib import Path
 
@@ -34,6 +46,21 @@ LLAMA3_8B = dict(
     num_key_value_heads=8,
     max_position_embeddings=8192,
 )
+
+
+def narayanan_flops_per_token(*, l: int, h: int, s: int, V: int) -> float:  # noqa: E741
+    """Narayanan et al. 2021's FLOPs per token of a GPT step with full recompute."""
+    return 96 * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def gpt3_175b(task, **kwargs):
+    """The config's model factory for GPT-3 175B: the built-in GPT at its shapes."""
+    from scaletrain.models.gpt import GPT, GPTShape
+
+    shape = GPTShape(n_layer=96, n_head=96, n_embd=12288)
+    return GPT(vocab_size=51200, block_size=2048, shape=shape)
+
+
 LLAMA3_70B = dict(
     vocab_size=128256,
     hidden_size=8192,
@@ -77,6 +104,32 @@ ROWS = [
         "tokens_per_s": 331,
         "memory_gib": None,
     },
+    {
+        "name": "Megatron-LM GPT-3 175B, 1024 A100, tp 8 x pp 16 x dp 8, full AC",
+        "model": "plan_paper:gpt3_175b",
+        "hardware": "a100",
+        "world": 1024,
+        # a step's 192 micro-batches of 1 per data-parallel rank: in scaletrain, one
+        # micro-batch of 192 that the pipeline splits into 192 chunks
+        "local_batch": 192,
+        "global_batch": 1536,
+        "seq": 2048,
+        "ac": "full",
+        # Megatron's data parallelism all-reduces; scaletrain's DDP does not compose with
+        # tp or pp, so ZeRO-2 (one gather of the parameters per step, the gradients
+        # reduce-scattered: the same bytes as an all-reduce)
+        "parallel": {
+            "tp": 8,
+            "pp": 16,
+            "dp_shard": 8,
+            "reshard_after_forward": False,
+            "pp_schedule": "1f1b",
+            "pp_microbatches": 192,
+        },
+        "precision": "fp16-mixed",
+        "tokens_per_s": 140e12 / narayanan_flops_per_token(l=96, h=12288, s=2048, V=51200),
+        "memory_gib": None,
+    },
 ]
 
 
@@ -92,13 +145,20 @@ def profile_of(name: str):
 
 
 def config_text(row: dict) -> str:
-    kwargs = ", ".join(f"{k} = {v}" for k, v in row["model"].items())
-    batch = row["local_batch"] * row["world"]
+    if isinstance(row["model"], str):  # a model factory
+        model = f'name = "{row["model"]}"'
+    else:  # an HF LlamaConfig's arguments
+        kwargs = ", ".join(f"{k} = {v}" for k, v in row["model"].items())
+        model = f'name = "hf"\nhf_config = "LlamaConfig"\nkwargs = {{ {kwargs} }}'
+    batch = row.get("global_batch", row["local_batch"] * row["world"])
+    parallel = row.get("parallel", {"dp_shard": row["world"]})
+    layout = "\n".join(  # JSON's scalars are TOML's
+        f"{k} = {json.dumps(v)}"
+        for k, v in {**parallel, "activation_checkpointing": row["ac"]}.items()
+    )
     return f"""
 [model]
-name = "hf"
-hf_config = "LlamaConfig"
-kwargs = {{ {kwargs} }}
+{model}
 [data]
 source = "wikitext"
 seq_len = {row["seq"]}
@@ -106,10 +166,9 @@ seq_len = {row["seq"]}
 global_batch = {batch}
 micro_batch = {row["local_batch"]}
 [parallel]
-dp_shard = {row["world"]}
-activation_checkpointing = "{row["ac"]}"
+{layout}
 [precision]
-mode = "bf16-mixed"
+mode = "{row.get("precision", "bf16-mixed")}"
 """
 
 
@@ -124,11 +183,12 @@ def main() -> None:
             config = load_config(path)
             profile = profile_of(row["hardware"])
             pred = predict_configured(config, world_size=row["world"], profile=profile)
-            tps = row["local_batch"] * row["seq"] / pred.step_time_s
+            batch = row.get("global_batch", row["local_batch"] * row["world"])
+            tps = batch * row["seq"] / row["world"] / pred.step_time_s
             peak = pred.memory_bytes["peak"] / 2**30
             line = (
                 f"{row['name']}: tokens/s per GPU predicted {tps:,.0f}, published "
-                f"{row['tokens_per_s']:,} (ratio {tps / row['tokens_per_s']:.2f}); "
+                f"{row['tokens_per_s']:,.0f} (ratio {tps / row['tokens_per_s']:.2f}); "
                 f"predicted MFU {pred.mfu:.1%}; peak predicted {peak:.1f} GiB"
             )
             if row["memory_gib"]:

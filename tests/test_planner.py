@@ -665,3 +665,75 @@ def test_auto_precision_is_planned_as_the_run_on_the_profiles_hardware_decides(m
         hw = precision.Hardware("cpu", avx512_bf16=bf16)
         monkeypatch.setattr(precision, "detect_hardware", lambda device_type, hw=hw: hw)
         assert planned("auto", cpu) == planned(mode, cpu)
+
+
+def test_the_configured_layout_alone_is_planned_or_refused_never_replaced():
+    """Asked for the configured layout alone, the planner predicts it or raises the
+    launcher's error; it planned the first accepted other layout in its place (DDP x TP
+    is refused: it returned dp_shard x tp's prediction as the configured one's)."""
+    from scaletrain.config import validate_config
+    from scaletrain.errors import UserError
+    from scaletrain.hardware import BUILTIN
+
+    refused = validate_config({**RAW, "parallel": {"dp_replicate": 2, "tp": 2}})
+    with pytest.raises(UserError, match="dp_replicate = 2 with tp = 2"):
+        _configured(refused, BUILTIN["h100"], world_size=4)
+    accepted = validate_config({**RAW, "parallel": {"dp_shard": 2, "tp": 2}})
+    pred = _configured(accepted, BUILTIN["h100"], world_size=4)
+    assert "configured" in pred.notes
+    assert pred.layout["parallel.dp_shard"] == 2 and pred.layout["parallel.tp"] == 2
+
+
+def test_the_trace_counts_the_bytes_an_op_writes_to_new_storage_by_its_local_shard():
+    """The cost beyond the matmuls is per byte written: a view or alias writes nothing (the
+    trace counted every `t()` and `view` of a weight, GPT-3's 175B over 7x its real
+    traffic), and a tensor-parallel DTensor writes its local shard (this mode sees DTensor's
+    ops at their global shapes)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from scaletrain.planner.activations import _OpCounter
+    from scaletrain.planner.held import fake_world
+
+    counter = _OpCounter(keeps_ops=False)
+    x = torch.ones(64, 32)
+    with counter.mode:
+        x.view(2048), x.t(), x.detach(), x + 1
+    assert (counter.ops, counter.written) == (4, 64 * 32 * 4)
+
+    with fake_world(2, 0):
+        mesh = init_device_mesh("cpu", (2,))
+        d = DTensor.from_local(torch.ones(4, 32), mesh, [Shard(0)])
+        counter = _OpCounter(keeps_ops=False)
+        with counter.mode:
+            y = d * 2
+        assert y.shape == (8, 32) and counter.written == 4 * 32 * 4
+
+
+def test_a_group_spans_nodes_by_where_the_mesh_puts_its_ranks():
+    """Ranks are row-major over (pp, dp_replicate, dp_shard, tp): on nodes of 8, tensor
+    parallel 8 stays inside a node (NVLink) while its data-parallel and pipeline peers are
+    8 ranks apart, on other nodes (InfiniBand). Every group of a world over 8 was priced at
+    the inter-node link: Megatron's GPT-3 175B was planned with 8.5x its communication time."""
+    from scaletrain.parallel.layout import ParallelLayout
+    from scaletrain.planner.predict import spans_nodes
+
+    megatron = ParallelLayout(pp=16, dp_replicate=1, dp_shard=8, tp=8)
+    assert [spans_nodes(megatron, d, 8) for d in ("tp", "dp_shard", "pp")] == [False, True, True]
+    small = ParallelLayout(pp=2, dp_replicate=2, dp_shard=2, tp=2)
+    spans = [spans_nodes(small, d, 8) for d in ("tp", "dp_shard", "dp_replicate", "pp")]
+    assert spans == [False, False, False, True]
+
+
+def test_the_configured_pipeline_chunks_are_planned():
+    """parallel.pp_microbatches splits each micro-batch into that many chunks: the bubble is
+    (p - 1) / chunks. The configured layout was planned with the default (pp chunks)."""
+    from scaletrain.config import validate_config
+    from scaletrain.hardware import BUILTIN
+
+    for chunks, bubble in ((0, 1 / 2), (4, 1 / 4)):
+        parallel = {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": chunks}
+        config = validate_config({**RAW, "parallel": parallel})
+        pred = _configured(config, BUILTIN["h100"], world_size=2)
+        assert "configured" in pred.notes and pred.bubble == bubble

@@ -37,12 +37,11 @@ def plan_layouts(
     Args:
         dataset: the training data (its task sizes the model; one example is traced).
         model: the bare model on meta (candidates.py reads its spec).
-        only_configured: predict the configured layout alone (`scaletrain train`'s check).
+        only_configured: predict the configured layout alone (`scaletrain train`'s check);
+            the launcher's UserError where it would refuse it.
     """
     config = resolve_auto_precision(config, profile)
-    found = candidates(config, world_size=world_size, model=model)
-    if only_configured:
-        found = found[:1]
+    found = candidates(config, world_size=world_size, model=model, only_configured=only_configured)
     held_cache: dict = {}
     act_cache: dict = {}
     example = dataset.get(_first()).inputs[0]

@@ -43,10 +43,12 @@ class Activations:
 
 
 class _OpCounter:
-    """A dispatch mode counting the ops that run and the bytes their outputs take, and, while
-    `inside` a checkpointed block, the ops its backward runs again and the bytes they write,
-    and under "op" the bytes of what its policy keeps instead (SAVED_OPS' outputs, held by
-    torch's selective checkpoint where no saved-tensor hook sees them)."""
+    """A dispatch mode counting the ops that run and the bytes their outputs write (new
+    storage only: a view or an alias of an input writes nothing; a DTensor's by its local
+    shard, as this mode sees tensor parallelism's ops at their global shapes), and, while
+    `inside` a checkpointed block, the ops its backward runs again and the bytes they
+    write, and under "op" the bytes of what its policy keeps instead (SAVED_OPS' outputs,
+    held by torch's selective checkpoint where no saved-tensor hook sees them)."""
 
     def __init__(self, *, keeps_ops: bool) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,18 +61,13 @@ class _OpCounter:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 counter.ops += 1
-                outs = [
-                    t
-                    for t in (out if isinstance(out, (tuple, list)) else (out,))
-                    if isinstance(t, torch.Tensor)
-                ]
-                nbytes = sum(t.numel() * t.element_size() for t in outs)
+                fresh = _new_storage(func, out, (args, kwargs))
+                nbytes = sum(t.numel() * t.element_size() for t in fresh)
                 counter.written += nbytes
                 if counter.inside and keeps_ops and func in SAVED_OPS:
                     counter.kept += nbytes
-                elif counter.inside and _makes_memory(outs, args):
-                    # run again in backward (an output on an input's storage, a view or
-                    # selective checkpoint's detach of what it keeps, makes nothing)
+                elif counter.inside and fresh:  # run again in backward (a view is not:
+                    # selective checkpoint hands back what it keeps as detached aliases)
                     counter.again_ops += 1
                     counter.again_written += nbytes
                 return out
@@ -80,12 +77,27 @@ class _OpCounter:
         self.mode = Mode()
 
 
-def _makes_memory(outs: list[torch.Tensor], args: tuple) -> bool:
-    """Whether an op's outputs include one on a storage none of its inputs have."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t  # no dispatch, no autograd
+
+
+# a functional collective's wait hands back its input (fake tensors make it a new one)
+_RETURNS_ITS_INPUT = frozenset((torch.ops._c10d_functional.wait_tensor.default,))
+
+
+def _new_storage(func, out, inputs) -> list[torch.Tensor]:
+    """The local tensors of an op's outputs that are on a storage none of its inputs have."""
     from torch.utils._pytree import tree_leaves
 
-    inputs = {t.untyped_storage()._cdata for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
-    return any(t.untyped_storage()._cdata not in inputs for t in outs)
+    def local_tensors(tree):
+        return [_local(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+    if func in _RETURNS_ITS_INPUT:
+        return []
+    held = {t.untyped_storage()._cdata for t in local_tensors(inputs)}
+    return [t for t in local_tensors(out) if t.untyped_storage()._cdata not in held]
 
 
 def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Activations:
@@ -93,7 +105,6 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
     config's activation checkpointing and precision (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.tensor import DTensor
 
     layout = ParallelLayout(pp=1, dp_replicate=1, dp_shard=1, tp=tp)
     precision = make_precision(config.precision.mode, device_type="cpu", sharded=tp > 1)
@@ -108,17 +119,14 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
     entries: list[int] = []
     first_call: list[tuple[tuple, dict]] = []  # the first checkpointed block's arguments
 
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = local(t).untyped_storage()
+        storage = _local(t).untyped_storage()
         saved[storage._cdata] = storage.nbytes()
         return t
 
     def at_entry(module, args, kwargs) -> None:
         tensors = [a for a in args if torch.is_tensor(a)]
-        entries.extend(local(a).untyped_storage().nbytes() for a in tensors)
+        entries.extend(_local(a).untyped_storage().nbytes() for a in tensors)
         first_call.extend([] if first_call else [(args, kwargs)])
         counter.inside += 1
 

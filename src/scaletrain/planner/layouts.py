@@ -50,6 +50,12 @@ def layout_overrides(config: Config, *, world_size: int) -> dict:
     }
     if degrees[0] > 1:
         keys["parallel.pp_schedule"] = p.pp_schedule
+        # chunks per micro-batch and stages per rank as configured (0: the launcher's
+        # default, which every other candidate takes)
+        if p.pp_microbatches:
+            keys["parallel.pp_microbatches"] = p.pp_microbatches
+        if p.pp_stages_per_rank:
+            keys["parallel.pp_stages_per_rank"] = p.pp_stages_per_rank
     if degrees[2] > 1:
         keys["parallel.reshard_after_forward"] = p.reshard_after_forward
     return keys
@@ -74,14 +80,21 @@ def _micro_batches(config: Config, dp: int) -> list[int]:
     return sorted(out, reverse=True)
 
 
-def candidates(config: Config, *, world_size: int, model) -> list[Candidate]:
+def candidates(
+    config: Config, *, world_size: int, model, only_configured: bool = False
+) -> list[Candidate]:
     """The accepted layouts of `world_size` (module docstring), the configured one first
-    when it is accepted. `model`: the bare model on meta (its spec and blocks are read)."""
+    when it is accepted. `model`: the bare model on meta (its spec and blocks are read).
+    `only_configured`: the configured layout alone, and the launcher's error where it
+    would refuse it (never another layout in its place)."""
     spec = model_spec(model)
     has_blocks = bool(spec.blocks)
     base = config.model_dump(mode="json")
+    configured = layout_overrides(config, world_size=world_size)
+    if only_configured:
+        return [_accepted(base, configured, world_size=world_size, model=model, spec=spec)]
     seen, out = set(), []
-    wanted = [layout_overrides(config, world_size=world_size)]
+    wanted = [configured]
     for pp, rep, shard, tp in _degrees(world_size):
         schedules = SCHEDULES if pp > 1 else (None,)
         for schedule, mb, ac, zero3 in itertools.product(
@@ -108,28 +121,27 @@ def candidates(config: Config, *, world_size: int, model) -> list[Candidate]:
         if frozen in seen:
             continue
         seen.add(frozen)
-        got = _accepted(base, keys, world_size=world_size, model=model, spec=spec)
-        if got is not None:
-            out.append(got)
+        try:
+            out.append(_accepted(base, keys, world_size=world_size, model=model, spec=spec))
+        except UserError:
+            continue  # a layout the launcher refuses
     return out
 
 
-def _accepted(base: dict, keys: dict, *, world_size: int, model, spec) -> Candidate | None:
+def _accepted(base: dict, keys: dict, *, world_size: int, model, spec) -> Candidate:
+    """`keys` applied to `base` as the launcher would take them, or its UserError."""
     extra = {"parallel.dp": -1, "parallel.pp_microbatches": 0, "parallel.pp_stages_per_rank": 0}
     items = [f"{k}={_toml(v)}" for k, v in {**extra, **keys}.items()]
-    try:
-        config = validate_config(apply_overrides(base, items))
-        derived = resolve(config, world_size=world_size)
-        check_model_fits(
-            model,
-            spec,
-            layout=derived.layout,
-            parallel=config.parallel,
-            pipeline=derived.pipeline,
-            model_label=f"model.name = {config.model.name!r}",
-        )
-    except UserError:
-        return None
+    config = validate_config(apply_overrides(base, items))
+    derived = resolve(config, world_size=world_size)
+    check_model_fits(
+        model,
+        spec,
+        layout=derived.layout,
+        parallel=config.parallel,
+        pipeline=derived.pipeline,
+        model_label=f"model.name = {config.model.name!r}",
+    )
     return Candidate(overrides=keys, config=config, derived=derived)
 
 

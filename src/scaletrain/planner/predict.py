@@ -45,6 +45,7 @@ MFU = model FLOPs (no recomputation) / (step time x peak x world).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,19 @@ class Prediction:
             "comm_s": self.comm_s,
             "bubble": self.bubble,
         }
+
+
+def spans_nodes(lay, dim: str, per_node: int) -> bool:
+    """Whether a group of mesh dimension `dim` (a pipeline's: two neighbouring stages) has
+    ranks on two nodes of `per_node` devices. Ranks are row-major over (pp, dp_replicate,
+    dp_shard, tp) (parallel/layout.py), so a group's ranks are `inner` apart, where `inner`
+    is the product of the degrees after its own, and it spans inner x size ranks."""
+    order = ("pp", "dp_replicate", "dp_shard", "tp")
+    degrees = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard}
+    degrees["tp"] = lay.tp
+    inner = math.prod(degrees[d] for d in order[order.index(dim) + 1 :])
+    size = 2 if dim == "pp" else degrees[dim]
+    return inner * size > per_node
 
 
 def compute_dtype(mode: str) -> str:
@@ -156,16 +170,16 @@ def predict(
     }
     budget = budget_bytes or profile.memory_bytes
 
-    # communication: (collective, group size, bytes, calls, overlaps compute on a GPU, seconds
-    # per call beyond the bytes where calibrate measured the framework's own: else the link's
-    # latency)
-    flows: list[tuple[str, int, float, int, bool, float]] = []
+    # communication: (collective, mesh dimension, group size, bytes, calls, overlaps compute
+    # on a GPU, seconds per call beyond the bytes where calibrate measured the framework's
+    # own: else the link's latency)
+    flows: list[tuple[str, str, int, float, int, bool, float]] = []
     accum = derived.accumulation
     shape = transformer_shape(model)
     units = max(1, held.units)
     if lay.dp_replicate > 1:
         r = lay.dp_replicate
-        flows.append(("all_reduce", r, 2 * (r - 1) / r * held.grads, 1, True, 0.0))
+        flows.append(("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * held.grads, 1, True, 0.0))
     if lay.dp_shard > 1:
         s = lay.dp_shard
         fsdp_s = world_link.fsdp_call_s
@@ -174,6 +188,7 @@ def predict(
         flows.append(
             (
                 "all_gather",
+                "dp_shard",
                 s,
                 gathers * (s - 1) / s * unsharded_c * accum,
                 gathers * units * accum,
@@ -184,6 +199,7 @@ def predict(
         flows.append(
             (
                 "reduce_scatter",
+                "dp_shard",
                 s,
                 (s - 1) / s * unsharded * accum,
                 units * accum,
@@ -199,21 +215,18 @@ def predict(
         calls = 4 * blocks * accum  # two in forward, two in backward, per block
         per_call = world_link.tp_call_s
         if p.sequence_parallel:
-            flows.append(("all_gather", t, calls * (t - 1) / t * stream, calls, False, per_call))
-            flows.append(
-                ("reduce_scatter", t, calls * (t - 1) / t * stream, calls, False, per_call)
-            )
+            gathered_s = calls * (t - 1) / t * stream
+            flows.append(("all_gather", "tp", t, gathered_s, calls, False, per_call))
+            flows.append(("reduce_scatter", "tp", t, gathered_s, calls, False, per_call))
         else:
-            flows.append(
-                ("all_reduce", t, calls * 2 * (t - 1) / t * stream, calls, False, per_call)
-            )
+            reduced = calls * 2 * (t - 1) / t * stream
+            flows.append(("all_reduce", "tp", t, reduced, calls, False, per_call))
     if lay.pp > 1 and shape is not None:
         boundary = mb * seq * shape.attention_width * width / (lay.tp if p.sequence_parallel else 1)
-        flows.append(
-            ("send_recv", 2, 4 * stages * boundary * accum, 4 * stages * chunks * accum, False, 0.0)
-        )
+        sends = 4 * stages * chunks * accum
+        flows.append(("send_recv", "pp", 2, 4 * stages * boundary * accum, sends, False, 0.0))
     comm = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "send_recv": 0.0}
-    for name, _, nbytes, *_ in flows:
+    for name, _, _, nbytes, *_ in flows:
         comm[name] += nbytes
 
     # time
@@ -246,8 +259,8 @@ def predict(
     compute_s = hw_rank / rate + overhead_s
     optim_s = 3 * (held.params + held.grads + held.optim) / profile.memory_bw
     comm_s = overlapped = 0.0
-    for _, group, nbytes, calls, overlaps, per_call in flows:
-        link = profile.link(group, spans_nodes=lay.world_size > profile.devices_per_node)
+    for _, dim, group, nbytes, calls, overlaps, per_call in flows:
+        link = profile.link(group, spans_nodes=spans_nodes(lay, dim, profile.devices_per_node))
         seconds = nbytes / link.bus_bw + calls * (per_call or link.latency_s)
         comm_s += seconds
         overlapped += seconds if overlaps else 0.0
