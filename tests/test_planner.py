@@ -580,6 +580,39 @@ def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_pa
         assert per_byte == pytest.approx(extra / stage)
 
 
+def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):
+    """A CNN has no tensor-parallel plan: calibrate's tp = 2 probe is refused by the
+    launcher's own checks before any rank starts (it was launched, and its ranks failed),
+    its per-byte part stays 0, and the FSDP probe still runs."""
+    import json
+
+    from scaletrain.planner.reference import sharded_rss
+
+    launched, said = [], []
+
+    def launch(world, fn, data, kind, run_dir, steps):
+        launched.append(kind)
+        row = {"kind": "train", "step": steps, "window_peak_above_baseline_bytes": 0}
+        (Path(run_dir) / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+
+    cnn = {
+        "model": {"name": "cnn", "size": "tiny"},
+        "data": {"source": "digits"},
+        "train": {"micro_batch": 8, "global_batch": 16},
+    }
+    got = sharded_rss(
+        cnn,
+        launch=launch,
+        first_use={"fsdp_rss": 0, "tp_rss": 0},
+        rss_fixed=0.0,
+        steps=10,
+        say=said.append,
+    )
+    assert launched == ["fsdp"]
+    assert got == {"fsdp_rss_per_byte": 0.0, "tp_rss_per_byte": 0.0}
+    assert "tp on 2 ranks: not measured" in said[-1] and "tensor-parallel plan" in said[-1]
+
+
 def test_op_checkpointing_is_traced_with_the_matmul_outputs_its_policy_keeps():
     """Under "op" checkpointing torch's selective checkpoint holds every block's matmul and
     attention outputs itself, where no saved-tensor hook sees them: the trace counts them as

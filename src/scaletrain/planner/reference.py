@@ -199,6 +199,7 @@ def sharded_rss(
     import tempfile
     from pathlib import Path
 
+    from scaletrain.errors import UserError
     from scaletrain.hardware import Link, Profile
     from scaletrain.planner import predict_configured
 
@@ -213,14 +214,19 @@ def sharded_rss(
     )
     out = {}
     for kind in SHARDED_PROBES:
+        config = sharded_config(data, kind, steps=steps)
+        try:  # the launcher's own checks: a model without a TP plan cannot run tp = 2
+            pred = predict_configured(config, world_size=2, profile=bare)
+        except UserError as e:
+            out[f"{kind}_rss_per_byte"] = 0.0
+            say(f"{kind} on 2 ranks: not measured, the model cannot run it ({e})")
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             launch(2, sharded_worker, data, kind, tmp, steps)
             rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         settled = max(
             r["window_peak_above_baseline_bytes"] for r in rows if r.get("kind") == "train"
         )
-        config = sharded_config(data, kind, steps=steps)
-        pred = predict_configured(config, world_size=2, profile=bare)
         memory = pred.memory_bytes
         live = memory["peak"] - memory["params"]  # the baseline holds the parameters
         stage = memory["params"] * 2  # the one stage's whole parameters
