@@ -6,10 +6,11 @@ tensors (torch's FakeTensorMode: shapes, no memory) and run forward on a micro-b
 asked size. Every tensor autograd saves for backward is counted once by its storage
 (`saved_tensors_hooks`); a checkpointed block's input, which the checkpoint keeps by its
 own means, is counted at the block's entry, and under "op" checkpointing so are the outputs
-its policy keeps (counted as they are made: torch's selective checkpoint holds them itself). What comes back is the bytes one micro-batch
-keeps until its backward, the largest single saved tensor (the logits, typically: the
-backward's transient gradient is as large) and, under checkpointing, one block's whole
-activations (what its recomputation holds for a moment).
+its policy keeps (counted as they are made: torch's selective checkpoint holds them
+itself). What comes back is the bytes one micro-batch keeps until its backward, the
+largest single saved tensor (the logits, typically: the backward's transient gradient is
+as large) and, under checkpointing, one block's whole activations (what its recomputation
+holds for a moment), with the ops the forward dispatches and the bytes they write.
 
 FSDP does not change a rank's activations (each rank runs its own examples through whole
 layers) and a pipeline stage keeps its own blocks' share: the caller scales by the stage.
@@ -20,9 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from scaletrain.config import Config
 from scaletrain.models.protocol import model_spec
+from scaletrain.parallel.checkpointing import SAVED_OPS
 from scaletrain.parallel.compose import parallelize
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.planner.held import fake_world
@@ -53,8 +57,6 @@ class _OpCounter:
     def __init__(self, *, keeps_ops: bool) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from scaletrain.parallel.checkpointing import SAVED_OPS
-
         counter = self
 
         class Mode(TorchDispatchMode):
@@ -78,8 +80,6 @@ class _OpCounter:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else t  # no dispatch, no autograd
 
 
@@ -89,7 +89,6 @@ _RETURNS_ITS_INPUT = frozenset((torch.ops._c10d_functional.wait_tensor.default,)
 
 def _new_storage(func, out, inputs) -> list[torch.Tensor]:
     """The local tensors of an op's outputs that are on a storage none of its inputs have."""
-    from torch.utils._pytree import tree_leaves
 
     def local_tensors(tree):
         return [_local(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]

@@ -45,7 +45,7 @@ class Held:
     optim: int
     largest_unit: int  # the largest FSDP unit's whole parameters (what one all-gather holds)
     units: int  # FSDP units on this rank (one all-gather and one reduce-scatter each)
-    recomputed_blocks: int  # blocks activation checkpointing wraps on this rank
+    recomputed_blocks: int  # blocks whose forward matmuls backward runs again on this rank
 
 
 @contextlib.contextmanager
@@ -123,7 +123,7 @@ def held_on_rank(
             optim=held["optim_state_bytes"],
             largest_unit=_largest_unit(par.model),
             units=_units(par.model),
-            recomputed_blocks=_recomputed(par.model),
+            recomputed_blocks=_recomputed(par.model, mode=config.parallel.activation_checkpointing),
         )
 
 
@@ -153,7 +153,11 @@ def _units(model: nn.Module) -> int:
     return sum(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def _recomputed(model: nn.Module) -> int:
+def _recomputed(model: nn.Module, *, mode: str) -> int:
+    """The checkpointed blocks whose matmuls run again in backward: every wrapped one, but
+    none under "op", whose policy keeps what the matmuls return (checkpointing.SAVED_OPS)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+    if mode == "op":
+        return 0
     return sum(isinstance(m, CheckpointWrapper) for m in model.modules())

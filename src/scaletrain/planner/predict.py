@@ -96,10 +96,8 @@ def spans_nodes(lay, dim: str, per_node: int) -> bool:
     dp_shard, tp) (parallel/layout.py), so a group's ranks are `inner` apart, where `inner`
     is the product of the degrees after its own, and it spans inner x size ranks."""
     order = ("pp", "dp_replicate", "dp_shard", "tp")
-    degrees = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard}
-    degrees["tp"] = lay.tp
-    inner = math.prod(degrees[d] for d in order[order.index(dim) + 1 :])
-    size = 2 if dim == "pp" else degrees[dim]
+    inner = math.prod(getattr(lay, d) for d in order[order.index(dim) + 1 :])
+    size = 2 if dim == "pp" else getattr(lay, dim)
     return inner * size > per_node
 
 
@@ -234,8 +232,6 @@ def predict(
     hw = train_flops(model, example.unsqueeze(0), recomputed_blocks=0)
     model_flops_rank = hw * examples_per_rank / (lay.tp * lay.pp)
     recomputed = held.recomputed_blocks * (lay.pp if lay.pp > 1 else 1)
-    if p.activation_checkpointing == "op":  # it keeps the matmuls: none run again
-        recomputed = 0
     if shape is not None and recomputed:
         extra = transformer_flops(shape, batch=1, seq=seq, recomputed_blocks=recomputed)
         extra -= transformer_flops(shape, batch=1, seq=seq)
