@@ -41,6 +41,10 @@ LAYOUTS = {  # name: (overrides, what it is)
         ["parallel.dp_shard=2", "parallel.activation_checkpointing=full"],
         "ZeRO-3 + full activation checkpointing",
     ),
+    "zero3-ac-op": (
+        ["parallel.dp_shard=2", "parallel.activation_checkpointing=op"],
+        "ZeRO-3 + per-op checkpointing (matmul outputs kept)",
+    ),
     "tp": (["parallel.tp=2"], "tensor parallel (Megatron plan)"),
     "pp-gpipe": (["parallel.pp=2", "parallel.pp_schedule=gpipe"], "pipeline, GPipe"),
     "pp-1f1b": (["parallel.pp=2", "parallel.pp_schedule=1f1b"], "pipeline, 1F1B"),
