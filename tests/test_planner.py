@@ -770,3 +770,23 @@ def test_the_configured_pipeline_chunks_are_planned():
         config = validate_config({**RAW, "parallel": parallel})
         pred = _configured(config, BUILTIN["h100"], world_size=2)
         assert "configured" in pred.notes and pred.bubble == bubble
+
+
+def test_a_gpu_times_its_matmuls_at_the_achievable_rate_and_reports_mfu_against_the_peak():
+    """A built-in GPU profile times matmuls at the part's measured Maximum Achievable Matmul
+    FLOPS (its share of the datasheet peak) while MFU stays against the datasheet peak, as
+    torchtitan and Megatron-LM report it: every matmul was planned at the datasheet rate."""
+    import dataclasses
+
+    from scaletrain.config import validate_config
+    from scaletrain.hardware import BUILTIN
+
+    config = validate_config(RAW)
+    h100 = dataclasses.replace(BUILTIN["h100"], op_s=0.0, byte_s=0.0)
+    datasheet = dataclasses.replace(h100, matmul_efficiency=1.0)
+    real, ideal = _configured(config, h100), _configured(config, datasheet)
+    assert h100.matmul_efficiency == pytest.approx(794.5 / 989)
+    assert real.compute_s == pytest.approx(ideal.compute_s / h100.matmul_efficiency, rel=1e-12)
+    # the same model FLOPs over the same peak: MFU x step time does not move
+    assert real.mfu * real.step_time_s == pytest.approx(ideal.mfu * ideal.step_time_s, rel=1e-12)
+    assert real.mfu < ideal.mfu

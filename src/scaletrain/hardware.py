@@ -67,6 +67,10 @@ class Profile:
     # model's own sharded steps (planner/reference.py)
     fsdp_rss_per_byte: float = 0.0
     tp_rss_per_byte: float = 0.0
+    # the share of `flops` a matmul reaches, for the planner's step time (MFU stays against
+    # `flops`): a GPU's measured Maximum Achievable Matmul FLOPS over its datasheet peak; 1 on
+    # a CPU, whose `flops` calibrate measured at the model's own shapes
+    matmul_efficiency: float = 1.0
     source: str = ""
 
     def link(self, group_size: int, *, spans_nodes: bool = False) -> Link:
@@ -90,7 +94,7 @@ class Profile:
         return max(1.0, ranks_per_node / self.cores) if self.cores else 1.0
 
 
-def _gpu(name, *, bf16, fp32, memory_gib, memory_bw, nvlink, ib, source) -> Profile:
+def _gpu(name, *, bf16, fp32, mamf, memory_gib, memory_bw, nvlink, ib, source) -> Profile:
     # NVLink's bus bandwidth per GPU is its one-direction figure; latency ~10 us (nccl-tests)
     return Profile(
         name=name,
@@ -104,17 +108,25 @@ def _gpu(name, *, bf16, fp32, memory_gib, memory_bw, nvlink, ib, source) -> Prof
         # element-wise work: a forward op's output written, then read and written again by
         # the backward (about 6 bytes of traffic per byte written), at the HBM's bandwidth
         byte_s=6 / memory_bw,
+        matmul_efficiency=mamf / bf16,
         source=source,
     )
 
 
 # Datasheet figures (dense, no sparsity). fp32 is the TF32 tensor-core rate torch uses with
-# `torch.backends.cuda.matmul.allow_tf32`; plain fp32 is lower.
+# `torch.backends.cuda.matmul.allow_tf32`; plain fp32 is lower. `mamf`: the best bf16 matmul
+# rate measured on the part (its share of the peak applies to every dtype), from Stas
+# Bekman's Maximum Achievable Matmul FLOPS table (github.com/stas00/ml-engineering,
+# compute/accelerator/README.md, the v2 BF16 table: the mean of 100 iterations of the best
+# shape found, torch 2.6-2.7). No datasheet rate is reached by a real matmul; the planner
+# times matmuls at this one and reports MFU against the datasheet's, as torchtitan and
+# Megatron-LM do.
 BUILTIN = {
     "a100": _gpu(
         "a100",
         bf16=312e12,
         fp32=156e12,
+        mamf=271.2e12,  # 86.9%, torch 2.6.0+cu126
         memory_gib=80,
         memory_bw=2.039e12,
         nvlink=300e9,  # NVLink 3: 600 GB/s bidirectional
@@ -125,6 +137,7 @@ BUILTIN = {
         "h100",
         bf16=989e12,
         fp32=494e12,
+        mamf=794.5e12,  # 80.3%, torch 2.7.0+cu126
         memory_gib=80,
         memory_bw=3.35e12,
         nvlink=450e9,  # NVLink 4: 900 GB/s bidirectional
@@ -135,6 +148,7 @@ BUILTIN = {
         "h200",
         bf16=989e12,
         fp32=494e12,
+        mamf=794.5e12,  # the H100 SXM's: the same GH100 die and clocks (no H200 row yet)
         memory_gib=141,
         memory_bw=4.8e12,
         nvlink=450e9,
@@ -151,6 +165,7 @@ _FLOAT_KEYS = (
     "rss_ratio",
     "fsdp_rss_per_byte",
     "tp_rss_per_byte",
+    "matmul_efficiency",
 )
 
 

@@ -29,11 +29,11 @@ Communication per rank and step, by collective (ring algorithms, bytes on the wi
     pipeline              send/recv of each chunk's (B, T, C) boundary, forward and backward
 
 Step time: compute (hardware FLOPs, recomputation included, over the profile's rate for
-the compute dtype; plus the forward's traced ops x op_s and written bytes x byte_s, each
-with its backward, fitted by calibrate on a reference model's real steps, and a third of
-that again for the ops activation checkpointing runs a second time: only their forward,
-about 2 of the 6 bytes of traffic per byte written) + the
-optimizer's pass over its bytes (memory bandwidth) + the collectives (bytes over the bus
+the compute dtype, a GPU's at the share of it a real matmul reaches; plus the forward's
+traced ops x op_s and written bytes x byte_s, each with its backward, fitted by calibrate
+on a reference model's real steps, and a third of that again for the ops activation
+checkpointing runs a second time: only their forward, about 2 of the 6 bytes of traffic
+per byte written) + the optimizer's pass over its bytes (memory bandwidth) + the collectives (bytes over the bus
 bandwidth, plus per call the framework's measured cost for FSDP and tensor parallelism,
 else the link's latency), of which what does not overlap (on a GPU FSDP's and DDP's
 collectives hide behind compute; gloo on a CPU overlaps nothing), stretched by the
@@ -242,6 +242,7 @@ def predict(
     rate = profile.peak(dtype, ranks_per_node=per_node) or profile.peak(
         "fp32", ranks_per_node=per_node
     )
+    rate *= profile.matmul_efficiency  # what a real matmul reaches of that peak
     # Beyond the matmuls (profile.op_s and byte_s, fitted by calibrate on a reference model's
     # real steps): every op's dispatch and the element-wise work's memory traffic, per chunk,
     # and the forward again of what activation checkpointing recomputes in backward
