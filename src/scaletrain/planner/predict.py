@@ -68,6 +68,7 @@ class Prediction:
     comm_bytes: dict[str, float]
     step_time_s: float
     mfu: float | None
+    comm_calls: dict[str, int] = field(default_factory=dict)  # collective calls per step
     compute_s: float = 0.0
     comm_s: float = 0.0
     optim_s: float = 0.0
@@ -208,9 +209,9 @@ def predict(
     seq = example.shape[-1] if example.dim() >= 1 else 1
     if lay.tp > 1 and shape is not None:
         t = lay.tp
-        stream = mb * seq * shape.attention_width * width  # the (B, T, C) stream
+        stream = mb * seq * shape.attention_width * width / chunks  # a chunk's (B, T, C)
         blocks = shape.layers // lay.pp
-        calls = 4 * blocks * accum  # two in forward, two in backward, per block
+        calls = 4 * blocks * accum * chunks  # two in forward, two in backward, per block and chunk
         per_call = world_link.tp_call_s
         if p.sequence_parallel:
             gathered_s = calls * (t - 1) / t * stream
@@ -224,8 +225,10 @@ def predict(
         sends = 4 * stages * chunks * accum
         flows.append(("send_recv", "pp", 2, 4 * stages * boundary * accum, sends, False, 0.0))
     comm = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "send_recv": 0.0}
-    for name, _, _, nbytes, *_ in flows:
+    comm_calls = dict.fromkeys(comm, 0)
+    for name, _, _, nbytes, calls, *_ in flows:
         comm[name] += nbytes
+        comm_calls[name] += calls
 
     # time
     examples_per_rank = derived.examples_per_rank
@@ -281,6 +284,7 @@ def predict(
         memory_bytes=memory,
         comm_bytes={k: int(v) for k, v in comm.items()},
         step_time_s=step,
+        comm_calls=comm_calls,
         mfu=mfu,
         compute_s=compute_s,
         comm_s=comm_s,
