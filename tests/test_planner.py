@@ -528,20 +528,49 @@ def test_a_pipeline_bubble_on_shared_cores_lends_them_to_the_other_ranks():
     assert shared.step_time_s == pytest.approx(busy + shared.optim_s)
 
 
-def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_path):
-    """sharded_rss trains the configured model under dp_shard = 2 and tp = 2 (here a stand-in
-    launcher writes the run's metrics) and keeps what the settled peak holds beyond the
-    planner's live bytes, rss_fixed and the first use, per byte of the stage's parameters:
-    0 when nothing is beyond them, and every further byte of peak counted once."""
+def _cpu_profile(*, fsdp_call_s=0.0, tp_call_s=0.0):
+    """A 2-core CPU profile as calibrate has it before its sharded probes."""
+    from scaletrain.hardware import Link, Profile
+
+    link = Link(
+        bus_bw=1e9,
+        latency_s=1e-4,
+        fsdp_call_s=fsdp_call_s,
+        tp_call_s=tp_call_s,
+        fsdp_rss=10**6,
+        tp_rss=10**6,
+    )
+    return Profile(
+        name="cpu",
+        flops={"fp32": 1e10, "bf16": 1e10, "fp64": 5e9},
+        memory_bytes=2**34,
+        memory_bw=1e10,
+        intra={2: link},
+        cores=2,
+        op_s=1e-5,
+        byte_s=1e-10,
+        rss_fixed=10**6,
+    )
+
+
+def _probe_rows(run_dir, rows) -> None:
     import json
 
+    (Path(run_dir) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_path):
+    """sharded_probes trains the configured model under dp_shard = 2 and tp = 2 (here a
+    stand-in launcher writes the run's metrics) and keeps what the settled peak holds beyond
+    the planner's live bytes, rss_fixed and the first use, per byte of the stage's
+    parameters: 0 when nothing is beyond them, and every further byte of peak counted once."""
     from scaletrain.plan import resolve
     from scaletrain.planner import build_for_plan
     from scaletrain.planner.held import held_on_rank
     from scaletrain.planner.reference import (
         SHARDED_PROBES,
         sharded_config,
-        sharded_rss,
+        sharded_probes,
         sharded_worker,
     )
 
@@ -551,21 +580,15 @@ def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_pa
         def launch(world, fn, data, kind, run_dir, steps):
             calls.append((world, fn, kind, steps))
             rows = [
-                {"kind": "train", "step": s, "window_peak_above_baseline_bytes": p}
-                for s, p in ((10, peak // 2), (20, peak), (30, peak))
+                {"kind": "train", "window_peak_above_baseline_bytes": p, "step_time_s": 1.0}
+                for p in (peak // 2, peak, peak)
             ]
-            (Path(run_dir) / "metrics.jsonl").write_text(
-                "".join(json.dumps(r) + "\n" for r in rows)
-            )
+            _probe_rows(run_dir, rows)
 
-        return sharded_rss(
-            RAW,
-            launch=launch,
-            first_use={"fsdp_rss": 10**6, "tp_rss": 10**6},
-            rss_fixed=10**6,
-            steps=20,
-            say=lambda *_: None,
+        got = sharded_probes(
+            RAW, launch=launch, profile=_cpu_profile(), steps=20, say=lambda *_: None
         )
+        return {k: v for k, v in got.items() if k.endswith("_per_byte")}
 
     assert measured(10**6) == {"fsdp_rss_per_byte": 0.0, "tp_rss_per_byte": 0.0}
     assert calls == [(2, sharded_worker, kind, 20) for kind in SHARDED_PROBES]
@@ -580,36 +603,85 @@ def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_pa
         assert per_byte == pytest.approx(extra / stage)
 
 
+def test_calibrate_reads_the_cost_per_call_off_the_models_own_sharded_steps():
+    """The same probes' logged step time (the median after the first window, which holds
+    the warm-up), less the planner's step with no per-call cost (the Linear stack's is not
+    charged), over the step's collective calls: FSDP's 3 per unit (2 blocks and the root:
+    gather in forward and in backward, reduce-scatter), tensor parallelism's 4 per block
+    (sequence parallel: an all-gather and a reduce-scatter each way)."""
+    from scaletrain.planner import predict_configured
+    from scaletrain.planner.reference import sharded_config, sharded_probes
+
+    profile = _cpu_profile(fsdp_call_s=0.5, tp_call_s=0.5)  # the stack's, not to be charged
+
+    def probed(step_s):
+        def launch(world, fn, data, kind, run_dir, steps):
+            times = (100.0, step_s, step_s, 3 * step_s)  # the warm-up window, then a median
+            rows = [
+                {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": t}
+                for t in times
+            ]
+            _probe_rows(run_dir, rows)
+
+        return sharded_probes(RAW, launch=launch, profile=profile, steps=40, say=lambda *_: None)
+
+    slow, fast = probed(2.0), probed(1.0)
+    for kind, calls in (("fsdp", 9), ("tp", 16)):
+        config = sharded_config(RAW, kind, steps=40)
+        pred = predict_configured(config, world_size=2, profile=profile)
+        assert sum(pred.comm_calls.values()) == calls
+        assert slow[f"{kind}_call_s"] - fast[f"{kind}_call_s"] == pytest.approx(1.0 / calls)
+        # and the rest of the step is the planner's own, without the stack's 0.5 s a call
+        planned = fast[f"{kind}_call_s"] * calls + pred.step_time_s - 0.5 * calls
+        assert planned == pytest.approx(1.0, rel=1e-6)
+
+
+def test_calibrate_puts_the_probed_cost_per_call_on_the_2_rank_link_alone(monkeypatch):
+    """calibrate keeps the Linear stack's cost per call for every world size it timed,
+    except 2 ranks, where the configured model's own sharded steps measured it."""
+    from scaletrain.hardware import Link
+    from scaletrain.planner import calibrate as cal
+
+    def stack(world):
+        link = Link(bus_bw=1e9, latency_s=1e-4)
+        return link, link, {"fsdp_call_s": world * 1e-3, "tp_call_s": world * 2e-3}
+
+    costs = {"op_s": 0.0, "byte_s": 0.0, "rss_fixed": 0.0, "rss_ratio": 1.0}
+    probed = {"fsdp_rss_per_byte": 1.5, "fsdp_call_s": 7e-3, "tp_rss_per_byte": 0.5}
+    monkeypatch.setattr(cal, "matmul_rate", lambda dtype, shapes: 1e10)
+    monkeypatch.setattr(cal, "memory_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(cal, "step_costs", lambda *a, **k: costs)
+    monkeypatch.setattr(cal, "measure_collectives", stack)
+    monkeypatch.setattr(cal, "measure_first_use", lambda world: {"fsdp_rss": 0, "tp_rss": 0})
+    monkeypatch.setattr(cal, "sharded_probes", lambda *a, **k: dict(probed))
+    got = cal.calibrate(worlds=[2, 4], shapes=None, name="t", say=lambda *_: None)
+    assert (got.intra[2].fsdp_call_s, got.intra[2].tp_call_s) == (7e-3, 4e-3)  # tp: no probe
+    assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (4e-3, 8e-3)
+    assert (got.fsdp_rss_per_byte, got.tp_rss_per_byte) == (1.5, 0.5)
+
+
 def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):
     """A CNN has no tensor-parallel plan: calibrate's tp = 2 probe is refused by the
     launcher's own checks before any rank starts (it was launched, and its ranks failed),
     its per-byte part stays 0, and the FSDP probe still runs."""
-    import json
-
-    from scaletrain.planner.reference import sharded_rss
+    from scaletrain.planner.reference import sharded_probes
 
     launched, said = [], []
 
     def launch(world, fn, data, kind, run_dir, steps):
         launched.append(kind)
-        row = {"kind": "train", "step": steps, "window_peak_above_baseline_bytes": 0}
-        (Path(run_dir) / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+        row = {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 1.0}
+        _probe_rows(run_dir, [row])
 
     cnn = {
         "model": {"name": "cnn", "size": "tiny"},
         "data": {"source": "digits"},
         "train": {"micro_batch": 8, "global_batch": 16},
     }
-    got = sharded_rss(
-        cnn,
-        launch=launch,
-        first_use={"fsdp_rss": 0, "tp_rss": 0},
-        rss_fixed=0.0,
-        steps=10,
-        say=said.append,
-    )
+    got = sharded_probes(cnn, launch=launch, profile=_cpu_profile(), steps=10, say=said.append)
     assert launched == ["fsdp"]
-    assert got == {"fsdp_rss_per_byte": 0.0, "tp_rss_per_byte": 0.0}
+    assert got["tp_rss_per_byte"] == 0.0 and "tp_call_s" not in got
+    assert got["fsdp_rss_per_byte"] == 0.0 and got["fsdp_call_s"] >= 0.0
     assert "tp on 2 ranks: not measured" in said[-1] and "tensor-parallel plan" in said[-1]
 
 

@@ -10,11 +10,14 @@
   and bus bandwidth fitted to t = latency + bytes on the wire / bandwidth (`_fit`); on the
   same ranks, FSDP's and tensor parallelism's cost per collective call (reference.py).
 - What a step costs beyond its matmuls, and a process's resident memory beyond its live
-  tensors, fitted from real steps of a reference model (reference.py).
+  tensors, fitted from real steps of a reference model (reference.py); and from its
+  sharded steps on 2 ranks, the resident bytes FSDP2 and DTensor hold per byte of
+  parameters and their cost per collective call on the model's own units.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -26,7 +29,7 @@ from scaletrain.planner.reference import (
     collective_overheads,
     first_use_worker,
     gloo_group,
-    sharded_rss,
+    sharded_probes,
     step_costs,
 )
 
@@ -196,15 +199,8 @@ def calibrate(
             tp_call_s=calls["tp_call_s"],
             **first,
         )
-    sharded = sharded_rss(
-        reference,
-        launch=_launch,
-        first_use={k: getattr(_nearest(intra, 2), k) for k in ("fsdp_rss", "tp_rss")},
-        rss_fixed=costs["rss_fixed"],
-        say=say,
-    )
     cores = len(os.sched_getaffinity(0))
-    return Profile(
+    profile = Profile(
         name=name,
         flops=flops,
         memory_bytes=_total_memory(),
@@ -214,14 +210,15 @@ def calibrate(
         overlap=False,
         cores=cores,
         **costs,
-        **sharded,
         source=f"scaletrain calibrate on {_cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
     )
-
-
-def _nearest(intra: dict[int, Link], world: int) -> Link:
-    """The link measured at `world` ranks, else at the nearest world measured."""
-    return intra[min(intra, key=lambda w: abs(w - world))]
+    probed = sharded_probes(reference, launch=_launch, profile=profile, say=say)
+    # the configured model's own cost per call at 2 ranks replaces the Linear stack's there;
+    # other world sizes keep the stack's, measured at their own ranks
+    per_call = {k: probed.pop(k) for k in ("fsdp_call_s", "tp_call_s") if k in probed}
+    if 2 in intra:
+        intra = {**intra, 2: dataclasses.replace(intra[2], **per_call)}
+    return dataclasses.replace(profile, intra=intra, **probed)
 
 
 def _total_memory() -> int:

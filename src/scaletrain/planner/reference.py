@@ -22,13 +22,19 @@ calibrate measures it on real steps:
 - `collective_overheads` (on the ranks that time the collectives): a stack of small Linear
   units run forward and backward under FSDP2 and under DTensor tensor parallelism, against
   the same stack unsharded; the difference per collective call is `fsdp_call_s` and
-  `tp_call_s`, gloo's latency and the framework's Python together.
+  `tp_call_s`, gloo's latency and the framework's Python together, per world size. At 2
+  ranks `sharded_probes` replaces them with the configured model's own.
 - `first_use_worker` (fresh ranks per mechanism): the resident memory a process adds the
   first time it runs FSDP2 or DTensor tensor parallelism, after plain steps warmed the
   rest: `fsdp_rss` and `tp_rss`, a fixed cost per rank that the planner adds to a CPU
   layout using them.
-- `sharded_rss`: the configured model trained for real by the trainer on 2 ranks, under
-  dp_shard = 2 and under tp = 2, until the resident peak has settled (SETTLE_STEPS). Under
+- `sharded_probes`: the configured model trained for real by the trainer on 2 ranks, under
+  dp_shard = 2 and under tp = 2, until the resident peak has settled (SETTLE_STEPS). Their
+  median step time, less the planner's step without a per-call cost, over the step's
+  collective calls, is the cost per call on the model's own units (`fsdp_call_s`,
+  `tp_call_s` of the 2-rank link): a GPT block's FSDP2 copy-in and copy-out and its
+  DTensor ops cost 2-3x a Linear unit's (small: 2.8 ms a call under FSDP2 against the
+  stack's 1.2 ms; 3.9 ms against 1.8 ms under tensor parallelism). Under
   either, glibc's heap keeps the holes that the per-unit gathered parameters and gradients
   leave between activations, and a rank settles higher than its live tensors, the slack and
   the first use explain, by an amount that grows with the model (BENCHMARKS.md, the
@@ -181,20 +187,27 @@ def sharded_worker(data: dict, kind: str, run_dir: str, steps: int) -> None:
             dist.destroy_process_group()
 
 
-def sharded_rss(
+def sharded_probes(
     data: dict | None,
     *,
     launch,
-    first_use: dict[str, int],
-    rss_fixed: float,
+    profile,
     steps: int = SETTLE_STEPS,
     say=print,
 ) -> dict[str, float]:
-    """fsdp_rss_per_byte and tp_rss_per_byte from the configured model's settled sharded
-    steps (module docstring): the largest logged peak above baseline, less what the planner
-    predicts without them (its live bytes, rss_fixed and the first use), per byte of the
-    stage's whole parameters. `launch(world, fn, *args)` starts ranks (calibrate._launch);
-    `first_use`: the 2-rank link's fsdp_rss and tp_rss."""
+    """What the configured model's own sharded steps show (module docstring), per probe
+    (`kind` fsdp, tp) on 2 ranks:
+    - `{kind}_rss_per_byte`: the largest logged peak above baseline, less what the planner
+      predicts without it (its live bytes, rss_fixed and the first use), per byte of the
+      stage's whole parameters;
+    - `{kind}_call_s`: the median logged step time after the first window, less what the
+      planner predicts with no per-call cost, over the step's collective calls: the
+      framework's cost per call on this model's own units (absent where the probe did not
+      run).
+    `launch(world, fn, *args)` starts ranks (calibrate._launch); `profile`: this machine's so
+    far (its matmul rate, costs beyond the matmuls, slack, and the 2-rank link's bandwidth,
+    latency and first use)."""
+    import dataclasses
     import json
     import tempfile
     from pathlib import Path
@@ -204,13 +217,17 @@ def sharded_rss(
     from scaletrain.planner import predict_configured
 
     data = data or GPT_TINY
-
-    bare = Profile(  # the planner's memory without any CPU term (its time is not read here)
+    link = profile.link(2)
+    bare = Profile(  # the planner's memory without any CPU term
         name="bare",
         flops={"fp32": 1e12},
         memory_bytes=2**62,
         memory_bw=1e12,
         intra={2: Link(bus_bw=1e12, latency_s=0.0)},
+    )
+    no_call_cost = dataclasses.replace(  # 1e-12: a per-call cost of 0 means the link's latency
+        profile,
+        intra={**profile.intra, 2: dataclasses.replace(link, fsdp_call_s=1e-12, tp_call_s=1e-12)},
     )
     out = {}
     for kind in SHARDED_PROBES:
@@ -224,19 +241,24 @@ def sharded_rss(
         with tempfile.TemporaryDirectory() as tmp:
             launch(2, sharded_worker, data, kind, tmp, steps)
             rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-        settled = max(
-            r["window_peak_above_baseline_bytes"] for r in rows if r.get("kind") == "train"
-        )
+        train = [r for r in rows if r.get("kind") == "train"]
+        settled = max(r["window_peak_above_baseline_bytes"] for r in train)
         memory = pred.memory_bytes
         live = memory["peak"] - memory["params"]  # the baseline holds the parameters
         stage = memory["params"] * 2  # the one stage's whole parameters
-        beyond = settled - live - rss_fixed - first_use[f"{kind}_rss"]
+        beyond = settled - live - profile.rss_fixed - getattr(link, f"{kind}_rss")
         out[f"{kind}_rss_per_byte"] = max(0.0, beyond / stage)
+        timed = predict_configured(config, world_size=2, profile=no_call_cost)
+        calls = sum(timed.comm_calls.values())
+        step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
+        out[f"{kind}_call_s"] = max(0.0, (step_s - timed.step_time_s) / calls)
         say(
             f"{kind} on 2 ranks, {steps} steps: {settled / 2**20:.1f} MiB above baseline, "
             f"{live / 2**20:.1f} MiB of live tensors predicted: "
             f"{out[f'{kind}_rss_per_byte']:.2f} x the stage's {stage / 2**20:.1f} MiB of "
-            "parameters beyond the slack and first use"
+            f"parameters beyond the slack and first use; a step {step_s * 1e3:.1f} ms, "
+            f"{timed.step_time_s * 1e3:.1f} ms predicted before its {calls} collective "
+            f"calls: {out[f'{kind}_call_s'] * 1e6:.0f} us per call"
         )
     return out
 
