@@ -883,3 +883,25 @@ def test_a_gpu_times_its_matmuls_at_the_achievable_rate_and_reports_mfu_against_
     # the same model FLOPs over the same peak: MFU x step time does not move
     assert real.mfu * real.step_time_s == pytest.approx(ideal.mfu * ideal.step_time_s, rel=1e-12)
     assert real.mfu < ideal.mfu
+
+
+def test_calibrate_fits_no_cost_per_call_to_a_probe_with_no_calls_planned(monkeypatch):
+    """A model with a TP plan whose blocks the planner cannot see has no tensor-parallel
+    collectives planned: its probe fits no cost per call (it divided by zero)."""
+    import types
+
+    import scaletrain.planner
+    from scaletrain.planner.reference import sharded_probes
+
+    def planned(config, *, world_size, profile):
+        memory = {"peak": 2 * 10**6, "params": 10**6}
+        return types.SimpleNamespace(memory_bytes=memory, comm_calls={}, step_time_s=0.5)
+
+    monkeypatch.setattr(scaletrain.planner, "predict_configured", planned)
+
+    def launch(world, fn, data, kind, run_dir, steps):
+        row = {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 1.0}
+        _probe_rows(run_dir, [row])
+
+    got = sharded_probes(RAW, launch=launch, profile=_cpu_profile(), steps=10, say=print)
+    assert set(got) == {"fsdp_rss_per_byte", "tp_rss_per_byte"}

@@ -23,9 +23,10 @@ Communication per rank and step, by collective (ring algorithms, bytes on the wi
     FSDP                  all-gather (r - 1) / r x the unsharded parameters per micro-batch,
                           twice under ZeRO-3 (forward and backward); reduce-scatter of the
                           gradients per micro-batch
-    tensor parallel       per block and micro-batch, forward and backward: with sequence
-                          parallelism two all-gathers and two reduce-scatters of the (B, T, C)
-                          stream, without it two all-reduces; the head's logits all-gathered
+    tensor parallel       per block and micro-batch (under pp: per chunk of it), forward and
+                          backward: with sequence parallelism two all-gathers and two
+                          reduce-scatters of the (B, T, C) stream, without it two
+                          all-reduces; the head's logits all-gathered
     pipeline              send/recv of each chunk's (B, T, C) boundary, forward and backward
 
 Step time: compute (hardware FLOPs, recomputation included, over the profile's rate for
@@ -33,13 +34,14 @@ the compute dtype, a GPU's at the share of it a real matmul reaches; plus the fo
 traced ops x op_s and written bytes x byte_s, each with its backward, fitted by calibrate
 on a reference model's real steps, and a third of that again for the ops activation
 checkpointing runs a second time: only their forward, about 2 of the 6 bytes of traffic
-per byte written) + the optimizer's pass over its bytes (memory bandwidth) + the collectives (bytes over the bus
-bandwidth, plus per call the framework's measured cost for FSDP and tensor parallelism,
-else the link's latency), of which what does not overlap (on a GPU FSDP's and DDP's
-collectives hide behind compute; gloo on a CPU overlaps nothing), stretched by the
-pipeline's bubble (p - 1) / (v m). Where a CPU's ranks outnumber its cores, a stage waiting
-in the bubble lends its core to the others: the step is then the longer of the shared
-cores' work and the critical path (a rank's work at a whole core, stretched by the bubble).
+per byte written) + the optimizer's pass over its bytes (memory bandwidth) + the
+collectives (bytes over the bus bandwidth, plus per call the framework's measured cost for
+FSDP and tensor parallelism, else the link's latency), of which what does not overlap (on
+a GPU FSDP's and DDP's collectives hide behind compute; gloo on a CPU overlaps nothing),
+stretched by the pipeline's bubble (p - 1) / (v m). Where a CPU's ranks outnumber its
+cores, a stage waiting in the bubble lends its core to the others: the step is then the
+longer of the shared cores' work and the critical path (a rank's work at a whole core,
+stretched by the bubble).
 MFU = model FLOPs (no recomputation) / (step time x peak x world).
 """
 

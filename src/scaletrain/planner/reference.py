@@ -248,17 +248,22 @@ def sharded_probes(
         stage = memory["params"] * 2  # the one stage's whole parameters
         beyond = settled - live - profile.rss_fixed - getattr(link, f"{kind}_rss")
         out[f"{kind}_rss_per_byte"] = max(0.0, beyond / stage)
-        timed = predict_configured(config, world_size=2, profile=no_call_cost)
-        calls = sum(timed.comm_calls.values())
-        step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
-        out[f"{kind}_call_s"] = max(0.0, (step_s - timed.step_time_s) / calls)
         say(
             f"{kind} on 2 ranks, {steps} steps: {settled / 2**20:.1f} MiB above baseline, "
             f"{live / 2**20:.1f} MiB of live tensors predicted: "
             f"{out[f'{kind}_rss_per_byte']:.2f} x the stage's {stage / 2**20:.1f} MiB of "
-            f"parameters beyond the slack and first use; a step {step_s * 1e3:.1f} ms, "
-            f"{timed.step_time_s * 1e3:.1f} ms predicted before its {calls} collective "
-            f"calls: {out[f'{kind}_call_s'] * 1e6:.0f} us per call"
+            "parameters beyond the slack and first use"
+        )
+        timed = predict_configured(config, world_size=2, profile=no_call_cost)
+        calls = sum(timed.comm_calls.values())
+        if not calls:  # tp on a model whose blocks the planner cannot see: none planned
+            continue
+        step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
+        out[f"{kind}_call_s"] = max(0.0, (step_s - timed.step_time_s) / calls)
+        say(
+            f"{kind} on 2 ranks: a step {step_s * 1e3:.1f} ms, {timed.step_time_s * 1e3:.1f} "
+            f"ms predicted before its {calls} collective calls: "
+            f"{out[f'{kind}_call_s'] * 1e6:.0f} us per call"
         )
     return out
 
