@@ -894,7 +894,7 @@ def test_calibrate_fits_no_cost_per_call_to_a_probe_with_no_calls_planned(monkey
     from scaletrain.planner.reference import sharded_probes
 
     def planned(config, *, world_size, profile):
-        memory = {"peak": 2 * 10**6, "params": 10**6}
+        memory = {"peak": 2 * 10**6, "params": 10**6, "runtime": 0}
         return types.SimpleNamespace(memory_bytes=memory, comm_calls={}, step_time_s=0.5)
 
     monkeypatch.setattr(scaletrain.planner, "predict_configured", planned)

@@ -213,18 +213,10 @@ def sharded_probes(
     from pathlib import Path
 
     from scaletrain.errors import UserError
-    from scaletrain.hardware import Link, Profile
     from scaletrain.planner import predict_configured
 
     data = data or GPT_TINY
     link = profile.link(2)
-    bare = Profile(  # the planner's memory without any CPU term
-        name="bare",
-        flops={"fp32": 1e12},
-        memory_bytes=2**62,
-        memory_bw=1e12,
-        intra={2: Link(bus_bw=1e12, latency_s=0.0)},
-    )
     no_call_cost = dataclasses.replace(  # 1e-12: a per-call cost of 0 means the link's latency
         profile,
         intra={**profile.intra, 2: dataclasses.replace(link, fsdp_call_s=1e-12, tp_call_s=1e-12)},
@@ -233,7 +225,7 @@ def sharded_probes(
     for kind in SHARDED_PROBES:
         config = sharded_config(data, kind, steps=steps)
         try:  # the launcher's own checks: a model without a TP plan cannot run tp = 2
-            pred = predict_configured(config, world_size=2, profile=bare)
+            pred = predict_configured(config, world_size=2, profile=no_call_cost)
         except UserError as e:
             out[f"{kind}_rss_per_byte"] = 0.0
             say(f"{kind} on 2 ranks: not measured, the model cannot run it ({e})")
@@ -244,7 +236,9 @@ def sharded_probes(
         train = [r for r in rows if r.get("kind") == "train"]
         settled = max(r["window_peak_above_baseline_bytes"] for r in train)
         memory = pred.memory_bytes
-        live = memory["peak"] - memory["params"]  # the baseline holds the parameters
+        # the live tensors: the baseline holds the parameters, and the CPU's runtime terms
+        # are what this fit is beside
+        live = memory["peak"] - memory["params"] - memory["runtime"]
         stage = memory["params"] * 2  # the one stage's whole parameters
         beyond = settled - live - profile.rss_fixed - getattr(link, f"{kind}_rss")
         out[f"{kind}_rss_per_byte"] = max(0.0, beyond / stage)
@@ -254,14 +248,13 @@ def sharded_probes(
             f"{out[f'{kind}_rss_per_byte']:.2f} x the stage's {stage / 2**20:.1f} MiB of "
             "parameters beyond the slack and first use"
         )
-        timed = predict_configured(config, world_size=2, profile=no_call_cost)
-        calls = sum(timed.comm_calls.values())
+        calls = sum(pred.comm_calls.values())
         if not calls:  # tp on a model whose blocks the planner cannot see: none planned
             continue
         step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
-        out[f"{kind}_call_s"] = max(0.0, (step_s - timed.step_time_s) / calls)
+        out[f"{kind}_call_s"] = max(0.0, (step_s - pred.step_time_s) / calls)
         say(
-            f"{kind} on 2 ranks: a step {step_s * 1e3:.1f} ms, {timed.step_time_s * 1e3:.1f} "
+            f"{kind} on 2 ranks: a step {step_s * 1e3:.1f} ms, {pred.step_time_s * 1e3:.1f} "
             f"ms predicted before its {calls} collective calls: "
             f"{out[f'{kind}_call_s'] * 1e6:.0f} us per call"
         )
