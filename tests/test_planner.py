@@ -905,3 +905,28 @@ def test_calibrate_fits_no_cost_per_call_to_a_probe_with_no_calls_planned(monkey
 
     got = sharded_probes(RAW, launch=launch, profile=_cpu_profile(), steps=10, say=print)
     assert set(got) == {"fsdp_rss_per_byte", "tp_rss_per_byte"}
+
+
+def test_a_hand_edited_profile_is_refused_with_what_was_wrong(tmp_path):
+    """A profile that is not TOML, has a value that is not a number, or a matmul efficiency
+    outside (0, 1] is refused as the user's mistake (a ProfileError naming the file and the
+    key), not a ValueError or TOMLDecodeError traceback."""
+    from scaletrain.hardware import BUILTIN, ProfileError, load_profile, profile_toml
+
+    good = profile_toml(BUILTIN["a100"])
+    cases = {
+        "broken.toml": ("name = [", "not valid TOML"),
+        "word.toml": (good.replace("op_s = 0.0", 'op_s = "fast"'), "missing or wrong key"),
+    }
+    over = good.replace(
+        f"matmul_efficiency = {BUILTIN['a100'].matmul_efficiency}", "matmul_efficiency = 1.5"
+    )
+    cases["over.toml"] = (over, "more than 0, at most 1")
+    for name, (text, says) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ProfileError, match=says):
+            load_profile(str(path))
+    path = tmp_path / "good.toml"
+    path.write_text(good)
+    assert load_profile(str(path)).matmul_efficiency == BUILTIN["a100"].matmul_efficiency

@@ -184,9 +184,12 @@ def load_profile(name_or_path: str) -> Profile:
             f"hardware profile {name_or_path!r} is neither a built-in "
             f"({', '.join(BUILTIN)}) nor a file; `scaletrain calibrate` writes one"
         )
-    data = tomllib.loads(path.read_text())
     try:
-        return Profile(
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"hardware profile {path} is not valid TOML ({e})") from None
+    try:
+        profile = Profile(
             name=data["name"],
             flops={k: float(v) for k, v in data["flops"].items()},
             memory_bytes=int(data["memory_bytes"]),
@@ -199,8 +202,14 @@ def load_profile(name_or_path: str) -> Profile:
             **{k: float(data[k]) for k in _FLOAT_KEYS if k in data},
             source=data.get("source", str(path)),
         )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise ProfileError(f"hardware profile {path}: missing or wrong key ({e})") from None
+    if not 0 < profile.matmul_efficiency <= 1:
+        raise ProfileError(
+            f"hardware profile {path}: matmul_efficiency = {profile.matmul_efficiency} is the "
+            "share of the peak a matmul reaches: more than 0, at most 1"
+        )
+    return profile
 
 
 def profile_toml(profile: Profile) -> str:
