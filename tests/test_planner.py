@@ -376,14 +376,31 @@ def test_the_layer_count_is_flop_counter_modes_for_the_mlp_and_cnn(name):
     assert layer_flops(model, inputs) == train_flops(model, inputs) == traced_flops(model, inputs)
 
 
-def test_the_step_cost_fit_solves_both_points_and_never_goes_negative():
-    from scaletrain.planner.reference import _solve2
+def test_the_step_cost_fit_is_least_squares_over_every_micro_batch_and_never_negative():
+    """op_s and byte_s are fitted over the four micro-batches' steps by least squares: one
+    slow step moves them by its share, not (as a line through two points did) all of it."""
+    import numpy as np
 
-    # t = ops x 10 us + bytes x 0.5 ns at two micro-batches
-    p, q = _solve2(1000, 2e6, 1000 * 1e-5 + 2e6 * 5e-10, 1200, 9e6, 1200 * 1e-5 + 9e6 * 5e-10)
-    assert (p, q) == (pytest.approx(1e-5), pytest.approx(5e-10))
+    from scaletrain.planner.reference import _nonneg_fit, reference_batches
+
+    assert reference_batches({"train": {"micro_batch": 8}}) == (2, 4, 8, 16)
+    assert reference_batches({"train": {"micro_batch": 1}}) == (1, 2)
+    # t = ops x 10 us + bytes x 0.5 ns: exact points give back the line
+    exact = [
+        (1000 + 10 * k, w, (1000 + 10 * k) * 1e-5 + w * 5e-10)
+        for k, w in enumerate((2e6, 4e6, 8e6, 16e6))
+    ]
+    assert _nonneg_fit(exact) == (pytest.approx(1e-5), pytest.approx(5e-10))
+    # the smallest micro-batch's step 3 ms slow: the least-squares solution over all four
+    noisy = [(x, y, t + (3e-3 if i == 0 else 0.0)) for i, (x, y, t) in enumerate(exact)]
+    a = np.array([(x, y) for x, y, _ in noisy])
+    best = np.linalg.lstsq(a, np.array([t for *_, t in noisy]), rcond=None)[0]
+    assert _nonneg_fit(noisy) == (
+        pytest.approx(best[0], rel=1e-9),
+        pytest.approx(best[1], rel=1e-9),
+    )
     # the exact solution would need a negative byte cost: the op cost alone is fitted
-    p, q = _solve2(1000, 2e6, 0.020, 1200, 9e6, 0.021)
+    p, q = _nonneg_fit([(1000, 2e6, 0.020), (1200, 9e6, 0.021)])
     assert q == 0.0 and p == pytest.approx((1000 * 0.020 + 1200 * 0.021) / (1000**2 + 1200**2))
 
 

@@ -8,16 +8,20 @@ threads take stacks, kernels their scratch). None of this shows in a matmul benc
 calibrate measures it on real steps:
 
 - `step_costs`: the configured model (`scaletrain calibrate CONFIG`; else the built-in GPT
-  `tiny`) trained for real by one process at two micro-batches, one thread, each in a fresh
-  process (so that the calibration's own large buffers do not hide the rise). This is the
-  profiling-based cost model of layout searchers (Galvatron, Alpa): the model is measured
-  once on one process, and every distributed layout is predicted from that.
+  `tiny`) trained for real by one process at four micro-batches (a quarter, half, once and
+  twice the configured one: the sizes a layout's chunks run at), one thread, each in a
+  fresh process (so that the calibration's own large buffers do not hide the rise). This
+  is the profiling-based cost model of layout searchers (Galvatron, Alpa): the model is
+  measured once on one process, and every distributed layout is predicted from that.
   Each step's time less its matmuls (FLOPs over the measured rate) and its optimizer pass
-  is fitted to ops x op_s + bytes written x byte_s, with the forward's ops and written
-  bytes counted by the planner's own trace (activations.py): two micro-batches, two
-  unknowns. The resident rise above the post-set-up baseline is fitted to a fixed part
-  plus a ratio of the planner's own live-tensor peak (the same two runs): `rss_fixed` and
-  `rss_ratio`, what the planner adds on a CPU profile (on a GPU the reference is the
+  is fitted to ops x op_s + bytes written x byte_s by least squares, neither below 0
+  (`_nonneg_fit`), with the forward's ops and written bytes counted by the planner's own
+  trace (activations.py). The ops hardly change with the micro-batch, so op_s is the
+  line's intercept: fitted through two points (as it was) it moved 1.9 -> 4.0 -> 7.0 us
+  between three calibrates of GPT small, from 6 steps' medians a few per cent apart. The
+  resident rise above the post-set-up baseline is fitted, by least squares over the same
+  runs, to a fixed part plus a ratio of the planner's own live-tensor peak: `rss_fixed`
+  and `rss_ratio`, what the planner adds on a CPU profile (on a GPU the reference is the
   allocator's own peak and both stay 0).
 - `collective_overheads` (on the ranks that time the collectives): a stack of small Linear
   units run forward and backward under FSDP2 and under DTensor tensor parallelism, against
@@ -71,13 +75,13 @@ def reference_config(data: dict, micro_batch: int):
     return validate_config(data)
 
 
-def reference_batches(data: dict) -> tuple[int, int]:
-    """Two micro-batches to fit at: the configured one and a quarter of it."""
+def reference_batches(data: dict) -> tuple[int, ...]:
+    """The micro-batches to fit at: a quarter, half, once and twice the configured one."""
     mb = int(data.get("train", {}).get("micro_batch", 16))
-    return (max(1, mb // 4), max(2, mb))
+    return tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb, 2 * mb}))
 
 
-def step_worker(data: dict, micro_batch: int, steps: int = 8) -> dict:
+def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
     """One fresh process: the reference trained `steps` steps on one thread; the median step
     time after two warm-up steps and the resident peak above the post-set-up baseline
     (memory.WindowPeak, as every run logs it)."""
@@ -140,10 +144,10 @@ def step_costs(
             f"1 thread): {got['step_s'] * 1e3:.1f} ms, {got['rise'] / 2**20:.1f} MiB above "
             f"baseline ({live / 2**20:.1f} MiB of live tensors predicted)"
         )
-    (ops1, w1, t1, rise1, live1), (ops2, w2, t2, rise2, live2) = rows
-    op_s, byte_s = _solve2(ops1, w1, t1, ops2, w2, t2)
-    ratio = max(1.0, (rise2 - rise1) / max(live2 - live1, 1))
-    fixed = max(0.0, rise1 - ratio * live1)
+    op_s, byte_s = _nonneg_fit([(ops, written, t) for ops, written, t, _, _ in rows])
+    rises, lives = [r[3] for r in rows], [r[4] for r in rows]
+    ratio = max(1.0, statistics.linear_regression(lives, rises).slope)
+    fixed = max(0.0, statistics.fmean(rises) - ratio * statistics.fmean(lives))
     return {"op_s": op_s, "byte_s": byte_s, "rss_fixed": fixed, "rss_ratio": ratio}
 
 
@@ -261,19 +265,27 @@ def sharded_probes(
     return out
 
 
-def _solve2(x1, y1, t1, x2, y2, t2) -> tuple[float, float]:
-    """Non-negative (p, q) with x p + y q = t at both points (one clamped to 0 where the exact
-    solution would make it negative, the other then fitted by least squares)."""
-    det = x1 * y2 - x2 * y1
+def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(p, q), neither below 0, with x p + y q closest to t over `points` (x, y, t) by least
+    squares: the free solution where both come out non-negative, else the better of p alone
+    and q alone (the other 0)."""
+    sxx = sum(x * x for x, _, _ in points)
+    syy = sum(y * y for _, y, _ in points)
+    sxy = sum(x * y for x, y, _ in points)
+    sxt = sum(x * t for x, _, t in points)
+    syt = sum(y * t for _, y, t in points)
+    det = sxx * syy - sxy * sxy
     if det:
-        p, q = (t1 * y2 - t2 * y1) / det, (x1 * t2 - x2 * t1) / det
+        p, q = (sxt * syy - syt * sxy) / det, (sxx * syt - sxy * sxt) / det
         if p >= 0 and q >= 0:
             return p, q
-    p_only = max(0.0, (x1 * t1 + x2 * t2) / (x1 * x1 + x2 * x2))
-    q_only = max(0.0, (y1 * t1 + y2 * t2) / (y1 * y1 + y2 * y2))
-    err_p = (x1 * p_only - t1) ** 2 + (x2 * p_only - t2) ** 2
-    err_q = (y1 * q_only - t1) ** 2 + (y2 * q_only - t2) ** 2
-    return (p_only, 0.0) if err_p <= err_q else (0.0, q_only)
+
+    def residual(p: float, q: float) -> float:
+        return sum((x * p + y * q - t) ** 2 for x, y, t in points)
+
+    p_only = (max(0.0, sxt / sxx) if sxx else 0.0, 0.0)
+    q_only = (0.0, max(0.0, syt / syy) if syy else 0.0)
+    return min(p_only, q_only, key=lambda pq: residual(*pq))
 
 
 def collective_overheads(world: int, *, units: int = 8, width: int = 64) -> dict[str, float]:
