@@ -576,43 +576,48 @@ def _probe_rows(run_dir, rows) -> None:
     (Path(run_dir) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def _quiet_probes(launch, profile, **kw):
+    from scaletrain.planner.reference import sharded_probes
+
+    return sharded_probes(RAW, launch=launch, profile=profile, say=lambda *_: None, **kw)
+
+
 def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_path):
     """sharded_probes trains the configured model under dp_shard = 2 and tp = 2 (here a
     stand-in launcher writes the run's metrics) and keeps what the settled peak holds beyond
     the planner's live bytes, rss_fixed and the first use, per byte of the stage's
-    parameters: 0 when nothing is beyond them, and every further byte of peak counted once."""
+    parameters: 0 when nothing is beyond them, and every further byte of peak counted once.
+    Each kind's second, timed probe takes its steps in 2 micro-batches."""
     from scaletrain.plan import resolve
     from scaletrain.planner import build_for_plan
     from scaletrain.planner.held import held_on_rank
-    from scaletrain.planner.reference import (
-        SHARDED_PROBES,
-        sharded_config,
-        sharded_probes,
-        sharded_worker,
-    )
+    from scaletrain.planner.reference import KINDS, sharded_config, sharded_worker
 
     calls = []
 
     def measured(peak):
-        def launch(world, fn, data, kind, run_dir, steps):
-            calls.append((world, fn, kind, steps))
+        def launch(world, fn, data, parallel, steps, accumulation, run_dir):
+            calls.append((world, fn, parallel, steps, accumulation))
             rows = [
                 {"kind": "train", "window_peak_above_baseline_bytes": p, "step_time_s": 1.0}
                 for p in (peak // 2, peak, peak)
             ]
             _probe_rows(run_dir, rows)
 
-        got = sharded_probes(
-            RAW, launch=launch, profile=_cpu_profile(), steps=20, say=lambda *_: None
-        )
-        return {k: v for k, v in got.items() if k.endswith("_per_byte")}
+        fields, _ = _quiet_probes(launch, _cpu_profile(), steps=20, timed_steps=30)
+        return {k: v for k, v in fields.items() if k.endswith("_per_byte")}
 
     assert measured(10**6) == {"fsdp_rss_per_byte": 0.0, "tp_rss_per_byte": 0.0}
-    assert calls == [(2, sharded_worker, kind, 20) for kind in SHARDED_PROBES]
+    assert calls == [
+        (2, sharded_worker, {"dp_shard": 2}, 20, 1),
+        (2, sharded_worker, {"dp_shard": 2}, 30, 2),
+        (2, sharded_worker, {"tp": 2}, 20, 1),
+        (2, sharded_worker, {"tp": 2}, 30, 2),
+    ]
     extra = 2**30  # far beyond what the tiny GPT's step holds
     low, high = measured(extra), measured(2 * extra)
-    for kind in SHARDED_PROBES:
-        config = sharded_config(RAW, kind, steps=20)
+    for kind in KINDS:
+        config = sharded_config(RAW, {"fsdp": {"dp_shard": 2}, "tp": {"tp": 2}}[kind], steps=20)
         dataset, _ = build_for_plan(config)
         held = held_on_rank(config, resolve(config, world_size=2), dataset=dataset)
         stage = held.params * 2
@@ -620,42 +625,169 @@ def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_pa
         assert per_byte == pytest.approx(extra / stage)
 
 
-def test_calibrate_reads_the_cost_per_call_off_the_models_own_sharded_steps():
-    """The same probes' logged step time (the median after the first window, which holds
-    the warm-up), less the planner's step with no per-call cost (the Linear stack's is not
-    charged), over the step's collective calls: FSDP's 3 per unit (2 blocks and the root:
-    gather in forward and in backward, reduce-scatter), tensor parallelism's 4 per block
+def test_a_probe_with_accumulation_takes_the_same_examples_in_twice_the_calls():
+    from scaletrain.planner import predict_configured
+    from scaletrain.planner.reference import probe_parallel, sharded_config
+
+    assert probe_parallel("fsdp", world=4, group=2) == {"dp_shard": 2, "dp_replicate": 2}
+    assert probe_parallel("fsdp", world=4, group=4) == {"dp_shard": 4}
+    assert probe_parallel("tp", world=4, group=2) == {"tp": 2, "pp": 2}
+    once = sharded_config(RAW, {"dp_shard": 2}, steps=40)
+    twice = sharded_config(RAW, {"dp_shard": 2}, steps=40, accumulation=2)
+    assert (once.train.micro_batch, once.train.global_batch) == (4, 8)
+    assert (twice.train.micro_batch, twice.train.global_batch) == (2, 8)
+    profile = _cpu_profile()
+    calls = [predict_configured(c, world_size=2, profile=profile) for c in (once, twice)]
+    assert calls[1].calls_by_dim["dp_shard"] == 2 * calls[0].calls_by_dim["dp_shard"] == 18
+
+
+def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call():
+    """The probes' logged step time (the median after the first window, which holds the
+    warm-up), less the planner's step with no per-step or per-call cost (the Linear stack's
+    is not charged), at once and twice the calls (2 micro-batches a step), is fitted to a
+    cost per step plus one per call: FSDP's 3 calls per unit (2 blocks and the root: gather
+    in forward and in backward, reduce-scatter), tensor parallelism's 4 per block
     (sequence parallel: an all-gather and a reduce-scatter each way)."""
     from scaletrain.planner import predict_configured
-    from scaletrain.planner.reference import sharded_config, sharded_probes
+    from scaletrain.planner.reference import probe_parallel, sharded_config
 
     profile = _cpu_profile(fsdp_call_s=0.5, tp_call_s=0.5)  # the stack's, not to be charged
+    bare = _cpu_profile(fsdp_call_s=1e-12, tp_call_s=1e-12)
+    per_step, per_call = 0.25, 0.01
 
-    def probed(step_s):
-        def launch(world, fn, data, kind, run_dir, steps):
-            times = (100.0, step_s, step_s, 3 * step_s)  # the warm-up window, then a median
-            rows = [
-                {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": t}
-                for t in times
-            ]
-            _probe_rows(run_dir, rows)
+    def launch(world, fn, data, parallel, steps, accumulation, run_dir):
+        kind = "tp" if "tp" in parallel else "fsdp"
+        config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
+        pred = predict_configured(config, world_size=world, profile=bare)
+        step_s = (
+            pred.step_time_s
+            + per_step
+            + per_call * pred.calls_by_dim[{"fsdp": "dp_shard", "tp": "tp"}[kind]]
+        )
+        times = (100.0, step_s, step_s, 3 * step_s)  # the warm-up window, then a median
+        rows = [
+            {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": t}
+            for t in times
+        ]
+        _probe_rows(run_dir, rows)
 
-        return sharded_probes(RAW, launch=launch, profile=profile, steps=40, say=lambda *_: None)
-
-    slow, fast = probed(2.0), probed(1.0)
+    fields, links = _quiet_probes(launch, profile, steps=40)
     for kind, calls in (("fsdp", 9), ("tp", 16)):
-        config = sharded_config(RAW, kind, steps=40)
-        pred = predict_configured(config, world_size=2, profile=profile)
-        assert sum(pred.comm_calls.values()) == calls
-        assert slow[f"{kind}_call_s"] - fast[f"{kind}_call_s"] == pytest.approx(1.0 / calls)
-        # and the rest of the step is the planner's own, without the stack's 0.5 s a call
-        planned = fast[f"{kind}_call_s"] * calls + pred.step_time_s - 0.5 * calls
-        assert planned == pytest.approx(1.0, rel=1e-6)
+        config = sharded_config(RAW, probe_parallel(kind, world=2, group=2), steps=40)
+        assert (
+            sum(predict_configured(config, world_size=2, profile=bare).comm_calls.values()) == calls
+        )
+        assert fields[f"{kind}_step_s"] == pytest.approx(per_step, rel=1e-6)
+        assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)
 
 
-def test_calibrate_puts_the_probed_cost_per_call_on_the_2_rank_link_alone(monkeypatch):
-    """calibrate keeps the Linear stack's cost per call for every world size it timed,
-    except 2 ranks, where the configured model's own sharded steps measured it."""
+def test_calibrate_times_groups_of_2_and_the_whole_world_on_larger_worlds():
+    """On 4 ranks (2 cores: each rank's per-step cost takes twice as long), the probes
+    time FSDP in groups of 2 (HSDP) and of 4, tensor parallelism in groups of 2 (with
+    pipeline stages, each holding half the parameters): each group's cost per call is what
+    its steps hold beyond the plan and the per-step cost at 4 ranks' turns."""
+    import dataclasses
+
+    from scaletrain.hardware import Link
+    from scaletrain.planner import predict_configured
+    from scaletrain.planner.reference import SHARDED_DIM, sharded_config
+
+    base = _cpu_profile()
+    link4 = Link(bus_bw=5e8, latency_s=3e-4)
+    profile = dataclasses.replace(base, intra={**base.intra, 4: link4}, devices_per_node=4)
+    bare = dataclasses.replace(
+        profile,
+        intra={
+            w: dataclasses.replace(link, fsdp_call_s=1e-12, tp_call_s=1e-12)
+            for w, link in profile.intra.items()
+        },
+    )
+    per_step = 0.25
+    cost = {(2, 2): 0.01, (4, 2): 0.03, (4, 4): 0.05}  # (world, group) -> per call
+    launched = []
+
+    def launch(world, fn, data, parallel, steps, accumulation, run_dir):
+        kind = "tp" if "tp" in parallel else "fsdp"
+        group = parallel[SHARDED_DIM[kind]]
+        launched.append((world, parallel))
+        config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
+        pred = predict_configured(config, world_size=world, profile=bare)
+        calls = pred.calls_by_dim[SHARDED_DIM[kind]]
+        # the cost per step at the stage's share of the rank's share of a core
+        stage = 1 / parallel.get("pp", 1)
+        step_s = pred.step_time_s + per_step * stage * world / 2 + cost[world, group] * calls
+        rows = [{"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": step_s}] * 3
+        _probe_rows(run_dir, rows)
+
+    fields, links = _quiet_probes(launch, profile, worlds=(2, 4), steps=40)
+    assert (4, {"dp_shard": 2, "dp_replicate": 2}) in launched
+    assert (4, {"dp_shard": 4}) in launched and (4, {"tp": 2, "pp": 2}) in launched
+    assert fields["fsdp_step_s"] == pytest.approx(per_step, rel=1e-6)
+    assert links[4]["fsdp_pair_call_s"] == pytest.approx(0.03, rel=1e-6)
+    assert links[4]["fsdp_call_s"] == pytest.approx(0.05, rel=1e-6)
+    assert links[4]["tp_pair_call_s"] == pytest.approx(0.03, rel=1e-6)
+    assert "tp_call_s" not in links[4]  # tp over all 4: the stack's
+
+
+def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_the_step_cost_once():
+    """A group of 2 among 4 ranks pays calibrate's pair cost per call, a group of all 4 the
+    whole world's; FSDP2's and DTensor's cost per step is paid once (the larger), at the
+    stage's share and the rank's share of a core."""
+    import dataclasses
+
+    from scaletrain.config import validate_config
+    from scaletrain.hardware import Link
+
+    base = _cpu_profile()
+    link4 = Link(
+        bus_bw=5e8,
+        latency_s=3e-4,
+        fsdp_call_s=0.05,
+        tp_call_s=0.07,
+        fsdp_pair_call_s=0.03,
+        tp_pair_call_s=0.04,
+    )
+    profile = dataclasses.replace(base, intra={**base.intra, 4: link4}, devices_per_node=4)
+    costly = dataclasses.replace(profile, fsdp_step_s=0.2, tp_step_s=0.3)
+
+    def planned(parallel, prof):
+        config = validate_config(
+            {**RAW, "train": {"micro_batch": 4, "global_batch": 16}, "parallel": parallel}
+        )
+        return _configured(config, prof, world_size=4)
+
+    for parallel, fsdp, tp, step in (
+        ({"dp_shard": 4}, 0.05, 0.0, 0.2),
+        ({"dp_shard": 2, "dp_replicate": 2}, 0.03, 0.0, 0.2),
+        ({"dp_shard": 2, "tp": 2}, 0.03, 0.04, 0.3),
+        ({"pp": 2, "tp": 2}, 0.0, 0.04, 0.15),
+    ):
+        free = dataclasses.replace(
+            profile,
+            intra={
+                **profile.intra,
+                4: dataclasses.replace(
+                    link4,
+                    fsdp_call_s=1e-12,
+                    tp_call_s=1e-12,
+                    fsdp_pair_call_s=0.0,
+                    tp_pair_call_s=0.0,
+                ),
+            },
+        )
+        pred, bare = planned(parallel, profile), planned(parallel, free)
+        calls = pred.calls_by_dim
+        extra = fsdp * calls.get("dp_shard", 0) + tp * calls.get("tp", 0)
+        expected_calls = 1e-12 * (calls.get("dp_shard", 0) + calls.get("tp", 0))
+        assert pred.comm_s - bare.comm_s == pytest.approx(extra - expected_calls, rel=1e-9)
+        # 4 ranks on 2 cores: the per-step cost takes twice as long
+        assert planned(parallel, costly).comm_s - pred.comm_s == pytest.approx(2 * step, rel=1e-9)
+
+
+def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
+    """calibrate keeps the Linear stack's cost per call where no probe measured the
+    configured model's own (here tp: the probe was refused), and puts each probed one on
+    the link of the world size it was measured on."""
     from scaletrain.hardware import Link
     from scaletrain.planner import calibrate as cal
 
@@ -664,29 +796,38 @@ def test_calibrate_puts_the_probed_cost_per_call_on_the_2_rank_link_alone(monkey
         return link, link, {"fsdp_call_s": world * 1e-3, "tp_call_s": world * 2e-3}
 
     costs = {"op_s": 0.0, "byte_s": 0.0, "rss_fixed": 0.0, "rss_ratio": 1.0}
-    probed = {"fsdp_rss_per_byte": 1.5, "fsdp_call_s": 7e-3, "tp_rss_per_byte": 0.5}
+    fields = {"fsdp_rss_per_byte": 1.5, "fsdp_step_s": 0.02, "tp_rss_per_byte": 0.5}
+    links = {2: {"fsdp_call_s": 7e-3}, 4: {"fsdp_call_s": 9e-3, "fsdp_pair_call_s": 6e-3}}
     monkeypatch.setattr(cal, "matmul_rate", lambda dtype, shapes: 1e10)
     monkeypatch.setattr(cal, "memory_bandwidth", lambda: 1e10)
     monkeypatch.setattr(cal, "step_costs", lambda *a, **k: costs)
     monkeypatch.setattr(cal, "measure_collectives", stack)
     monkeypatch.setattr(cal, "measure_first_use", lambda world: {"fsdp_rss": 0, "tp_rss": 0})
-    monkeypatch.setattr(cal, "sharded_probes", lambda *a, **k: dict(probed))
+    probed = []
+
+    def probes(*a, worlds, **k):
+        probed.append(worlds)
+        return dict(fields), links
+
+    monkeypatch.setattr(cal, "sharded_probes", probes)
     got = cal.calibrate(worlds=[2, 4], shapes=None, name="t", say=lambda *_: None)
+    assert probed == [(2, 4)]
     assert (got.intra[2].fsdp_call_s, got.intra[2].tp_call_s) == (7e-3, 4e-3)  # tp: no probe
-    assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (4e-3, 8e-3)
-    assert (got.fsdp_rss_per_byte, got.tp_rss_per_byte) == (1.5, 0.5)
+    assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (9e-3, 8e-3)
+    assert (got.intra[4].fsdp_pair_call_s, got.intra[4].tp_pair_call_s) == (6e-3, 0.0)
+    assert (got.fsdp_rss_per_byte, got.tp_rss_per_byte, got.fsdp_step_s) == (1.5, 0.5, 0.02)
 
 
 def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):
     """A CNN has no tensor-parallel plan: calibrate's tp = 2 probe is refused by the
     launcher's own checks before any rank starts (it was launched, and its ranks failed),
-    its per-byte part stays 0, and the FSDP probe still runs."""
+    its per-byte part stays 0, and the FSDP probes still run."""
     from scaletrain.planner.reference import sharded_probes
 
     launched, said = [], []
 
-    def launch(world, fn, data, kind, run_dir, steps):
-        launched.append(kind)
+    def launch(world, fn, data, parallel, steps, accumulation, run_dir):
+        launched.append(parallel)
         row = {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 1.0}
         _probe_rows(run_dir, [row])
 
@@ -695,11 +836,13 @@ def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):
         "data": {"source": "digits"},
         "train": {"micro_batch": 8, "global_batch": 16},
     }
-    got = sharded_probes(cnn, launch=launch, profile=_cpu_profile(), steps=10, say=said.append)
-    assert launched == ["fsdp"]
-    assert got["tp_rss_per_byte"] == 0.0 and "tp_call_s" not in got
-    assert got["fsdp_rss_per_byte"] == 0.0 and got["fsdp_call_s"] >= 0.0
-    assert "tp on 2 ranks: not measured" in said[-1] and "tensor-parallel plan" in said[-1]
+    fields, links = sharded_probes(
+        cnn, launch=launch, profile=_cpu_profile(), steps=10, say=said.append
+    )
+    assert launched == [{"dp_shard": 2}, {"dp_shard": 2}]
+    assert fields["tp_rss_per_byte"] == 0.0 and "tp_step_s" not in fields
+    assert fields["fsdp_rss_per_byte"] == 0.0 and links[2]["fsdp_call_s"] >= 0.0
+    assert "not measured" in said[-1] and "tensor-parallel plan" in said[-1]
 
 
 def test_op_checkpointing_is_traced_with_the_matmul_outputs_its_policy_keeps():
@@ -912,16 +1055,19 @@ def test_calibrate_fits_no_cost_per_call_to_a_probe_with_no_calls_planned(monkey
 
     def planned(config, *, world_size, profile):
         memory = {"peak": 2 * 10**6, "params": 10**6, "runtime": 0}
-        return types.SimpleNamespace(memory_bytes=memory, comm_calls={}, step_time_s=0.5)
+        return types.SimpleNamespace(memory_bytes=memory, calls_by_dim={}, step_time_s=0.5)
 
     monkeypatch.setattr(scaletrain.planner, "predict_configured", planned)
 
-    def launch(world, fn, data, kind, run_dir, steps):
+    def launch(world, fn, *args):
         row = {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 1.0}
-        _probe_rows(run_dir, [row])
+        _probe_rows(args[-1], [row])
 
-    got = sharded_probes(RAW, launch=launch, profile=_cpu_profile(), steps=10, say=print)
-    assert set(got) == {"fsdp_rss_per_byte", "tp_rss_per_byte"}
+    fields, links = sharded_probes(
+        RAW, launch=launch, profile=_cpu_profile(), worlds=(2, 4), steps=10, say=print
+    )
+    assert set(fields) == {"fsdp_rss_per_byte", "tp_rss_per_byte"}
+    assert links == {2: {}, 4: {}}
 
 
 def test_a_hand_edited_profile_is_refused_with_what_was_wrong(tmp_path):

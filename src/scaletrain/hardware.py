@@ -37,6 +37,11 @@ class Link:
     # calibrate measured it (planner/reference.py); 0: latency_s
     fsdp_call_s: float = 0.0
     tp_call_s: float = 0.0
+    # the same for a group of 2 among this world's ranks (the others in groups of their
+    # own): where ranks outnumber cores, a call waits on fewer peers than the whole world's;
+    # 0: the whole world's
+    fsdp_pair_call_s: float = 0.0
+    tp_pair_call_s: float = 0.0
     # CPU: resident bytes a rank adds on its first FSDP2 / tensor-parallel steps (the code
     # and state those load), measured per world size by calibrate; 0 on a GPU
     fsdp_rss: int = 0
@@ -67,6 +72,11 @@ class Profile:
     # model's own sharded steps (planner/reference.py)
     fsdp_rss_per_byte: float = 0.0
     tp_rss_per_byte: float = 0.0
+    # CPU: what FSDP2 / DTensor cost once a step beyond their calls (the optimizer's and the
+    # gradient norm's pass over DTensor parameters), a whole core's for the whole model's
+    # parameters, measured by calibrate on the configured model's own sharded steps
+    fsdp_step_s: float = 0.0
+    tp_step_s: float = 0.0
     # the share of `flops` a matmul reaches, for the planner's step time (MFU stays against
     # `flops`): a GPU's measured Maximum Achievable Matmul FLOPS over its datasheet peak; 1 on
     # a CPU, whose `flops` calibrate measured at the model's own shapes
@@ -165,6 +175,8 @@ _FLOAT_KEYS = (
     "rss_ratio",
     "fsdp_rss_per_byte",
     "tp_rss_per_byte",
+    "fsdp_step_s",
+    "tp_step_s",
     "matmul_efficiency",
 )
 

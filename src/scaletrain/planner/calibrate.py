@@ -212,13 +212,14 @@ def calibrate(
         **costs,
         source=f"scaletrain calibrate on {_cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
     )
-    probed = sharded_probes(reference, launch=_launch, profile=profile, say=say)
-    # the configured model's own cost per call at 2 ranks replaces the Linear stack's there;
-    # other world sizes keep the stack's, measured at their own ranks
-    per_call = {k: probed.pop(k) for k in ("fsdp_call_s", "tp_call_s") if k in probed}
-    if 2 in intra:
-        intra = {**intra, 2: dataclasses.replace(intra[2], **per_call)}
-    return dataclasses.replace(profile, intra=intra, **probed)
+    fields, links = sharded_probes(
+        reference, launch=_launch, profile=profile, worlds=tuple(intra), say=say
+    )
+    # the configured model's own costs per call replace the Linear stack's where a probe
+    # measured them; the rest (a model without a TP plan, tp over a whole world > 2) keep
+    # the stack's
+    intra = {w: dataclasses.replace(link, **links.get(w, {})) for w, link in intra.items()}
+    return dataclasses.replace(profile, intra=intra, **fields)
 
 
 def _total_memory() -> int:

@@ -36,8 +36,10 @@ on a reference model's real steps, and a third of that again for the ops activat
 checkpointing runs a second time: only their forward, about 2 of the 6 bytes of traffic
 per byte written) + the optimizer's pass over its bytes (memory bandwidth) + the
 collectives (bytes over the bus bandwidth, plus per call the framework's measured cost for
-FSDP and tensor parallelism, else the link's latency), of which what does not overlap (on
-a GPU FSDP's and DDP's collectives hide behind compute; gloo on a CPU overlaps nothing),
+FSDP and tensor parallelism, a group smaller than the world at calibrate's figure for
+groups of 2, else the link's latency) + on a CPU FSDP2's and DTensor's measured cost once
+a step (the stage's share, at the rank's share of a core), of which what does not overlap
+(on a GPU FSDP's and DDP's collectives hide behind compute; gloo on a CPU overlaps nothing),
 stretched by the pipeline's bubble (p - 1) / (v m). Where a CPU's ranks outnumber its
 cores, a stage waiting in the bubble lends its core to the others: the step is then the
 longer of the shared cores' work and the critical path (a rank's work at a whole core,
@@ -71,6 +73,7 @@ class Prediction:
     step_time_s: float
     mfu: float | None
     comm_calls: dict[str, int] = field(default_factory=dict)  # collective calls per step
+    calls_by_dim: dict[str, int] = field(default_factory=dict)  # the same by mesh dimension
     compute_s: float = 0.0
     comm_s: float = 0.0
     optim_s: float = 0.0
@@ -183,7 +186,7 @@ def predict(
         flows.append(("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * held.grads, 1, True, 0.0))
     if lay.dp_shard > 1:
         s = lay.dp_shard
-        fsdp_s = world_link.fsdp_call_s
+        fsdp_s = _per_call(world_link, "fsdp", group=s, world=lay.world_size)
         gathers = 2 if p.reshard_after_forward else 1
         unsharded_c = unsharded * width / _param_width(config)
         flows.append(
@@ -214,7 +217,7 @@ def predict(
         stream = mb * seq * shape.attention_width * width / chunks  # a chunk's (B, T, C)
         blocks = shape.layers // lay.pp
         calls = 4 * blocks * accum * chunks  # two in forward, two in backward, per block and chunk
-        per_call = world_link.tp_call_s
+        per_call = _per_call(world_link, "tp", group=t, world=lay.world_size)
         if p.sequence_parallel:
             gathered_s = calls * (t - 1) / t * stream
             flows.append(("all_gather", "tp", t, gathered_s, calls, False, per_call))
@@ -228,9 +231,11 @@ def predict(
         flows.append(("send_recv", "pp", 2, 4 * stages * boundary * accum, sends, False, 0.0))
     comm = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "send_recv": 0.0}
     comm_calls = dict.fromkeys(comm, 0)
-    for name, _, _, nbytes, calls, *_ in flows:
+    calls_by_dim: dict[str, int] = {}
+    for name, dim, _, nbytes, calls, *_ in flows:
         comm[name] += nbytes
         comm_calls[name] += calls
+        calls_by_dim[dim] = calls_by_dim.get(dim, 0) + calls
 
     # time
     examples_per_rank = derived.examples_per_rank
@@ -266,10 +271,19 @@ def predict(
         seconds = nbytes / link.bus_bw + calls * (per_call or link.latency_s)
         comm_s += seconds
         overlapped += seconds if overlaps else 0.0
+    turns = profile.slowdown(per_node)
+    # FSDP2's and DTensor's cost once a step beyond their calls (a CPU's: calibrate measured
+    # it), the stage's share of it at the rank's share of a core; a layout with both pays
+    # the larger once (its parameters are DTensors once)
+    stepped = max(
+        profile.fsdp_step_s if lay.dp_shard > 1 else 0.0,
+        profile.tp_step_s if lay.tp > 1 else 0.0,
+    )
+    sharded_s = share * turns * stepped
+    comm_s += sharded_s
     exposed = comm_s - (min(overlapped, compute_s) if profile.overlap else 0.0)
     bubble = (lay.pp - 1) / (stages * chunks) if lay.pp > 1 else 0.0
     busy = compute_s + exposed
-    turns = profile.slowdown(per_node)
     if turns > 1:
         # more ranks than cores (a CPU): a stage waiting in the bubble hands its core to the
         # other ranks, so the step is the longer of the shared cores' work and the
@@ -287,6 +301,7 @@ def predict(
         comm_bytes={k: int(v) for k, v in comm.items()},
         step_time_s=step,
         comm_calls=comm_calls,
+        calls_by_dim=calls_by_dim,
         mfu=mfu,
         compute_s=compute_s,
         comm_s=comm_s,
@@ -315,6 +330,14 @@ def _runtime_bytes(profile: Profile, lay, first_use: Link, *, live: int, stage_p
         first_use.tp_rss + profile.tp_rss_per_byte * stage_params if lay.tp > 1 else 0,
     )
     return int(profile.rss_fixed + max((profile.rss_ratio - 1.0) * live, sharded))
+
+
+def _per_call(link: Link, kind: str, *, group: int, world: int) -> float:
+    """Seconds per FSDP ("fsdp") or tensor-parallel ("tp") call beyond its bytes in a group
+    of `group` among `world` ranks: calibrate's figure for groups of 2 where the group is
+    smaller than the world and it has one, else the whole world's (0: the link's latency)."""
+    pair = getattr(link, f"{kind}_pair_call_s")
+    return pair if group < world and pair else getattr(link, f"{kind}_call_s")
 
 
 def _param_width(config: Config) -> int:

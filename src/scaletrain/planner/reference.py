@@ -152,20 +152,31 @@ def step_costs(
 
 
 SETTLE_STEPS = 160  # steps after which an FSDP2 rank's resident peak has stopped rising
-SHARDED_PROBES = {"fsdp": {"dp_shard": 2}, "tp": {"tp": 2}}
+TIMED_STEPS = 40  # a probe that only times steps: 3 windows after the warm-up one
+KINDS = ("fsdp", "tp")
+SHARDED_DIM = {"fsdp": "dp_shard", "tp": "tp"}  # the mesh dimension of each kind's groups
 
 
-def sharded_config(data: dict, kind: str, *, steps: int = SETTLE_STEPS):
-    """`data` (a config as a dict) trained on 2 ranks under `kind`'s layout for `steps`
-    steps, windows of 10, no checkpoint, 8 examples of evaluation at the end."""
+def probe_parallel(kind: str, *, world: int, group: int) -> dict:
+    """The [parallel] keys of a probe: `kind`'s groups of `group` ranks, the rest of the
+    world's ranks FSDP's replicas (HSDP) or tensor parallelism's pipeline stages (DDP does
+    not compose with it)."""
+    rest = {"fsdp": "dp_replicate", "tp": "pp"}[kind]
+    return {SHARDED_DIM[kind]: group, **({rest: world // group} if world > group else {})}
+
+
+def sharded_config(data: dict, parallel: dict, *, steps: int = SETTLE_STEPS, accumulation: int = 1):
+    """`data` (a config as a dict) trained under `parallel` for `steps` steps, each rank
+    taking the configured micro-batch's examples a step in `accumulation` micro-batches,
+    windows of 10, no checkpoint, 8 examples of evaluation at the end."""
     from scaletrain.config import validate_config
 
     data = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
-    parallel = SHARDED_PROBES[kind]
     mb = int(data.setdefault("train", {}).get("micro_batch", 16))
+    replicas = parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1)
     data["train"].update(
-        micro_batch=mb,
-        global_batch=mb * parallel.get("dp_shard", 1),
+        micro_batch=mb // accumulation,
+        global_batch=mb // accumulation * accumulation * replicas,
         steps=steps,
         eval_every=0,
         eval_examples=8,
@@ -176,16 +187,18 @@ def sharded_config(data: dict, kind: str, *, steps: int = SETTLE_STEPS):
     return validate_config(data)
 
 
-def sharded_worker(data: dict, kind: str, run_dir: str, steps: int) -> None:
-    """One rank of a sharded probe (started by elastic_launch): the trainer itself."""
+def sharded_worker(data: dict, parallel: dict, steps: int, accumulation: int, run_dir: str) -> None:
+    """One rank of a sharded probe (started by elastic_launch): the trainer itself on
+    `sharded_config(data, parallel, ...)`."""
     from pathlib import Path
 
     import torch.distributed as dist
 
     from scaletrain.training.trainer import train
 
+    config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
     try:
-        train(sharded_config(data, kind, steps=steps), run_dir=Path(run_dir))
+        train(config, run_dir=Path(run_dir))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -196,22 +209,96 @@ def sharded_probes(
     *,
     launch,
     profile,
+    worlds: tuple[int, ...] = (2,),
     steps: int = SETTLE_STEPS,
+    timed_steps: int = TIMED_STEPS,
     say=print,
-) -> dict[str, float]:
-    """What the configured model's own sharded steps show (module docstring), per probe
-    (`kind` fsdp, tp) on 2 ranks:
+) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    """What the configured model's own sharded steps show (module docstring), per `kind`
+    (fsdp, tp): (the profile's fields, each world size's link fields).
+
+    On 2 ranks, `steps` steps (the resident peak settles):
     - `{kind}_rss_per_byte`: the largest logged peak above baseline, less what the planner
       predicts without it (its live bytes, rss_fixed and the first use), per byte of the
       stage's whole parameters;
-    - `{kind}_call_s`: the median logged step time after the first window, less what the
-      planner predicts with no per-call cost, over the step's collective calls: the
-      framework's cost per call on this model's own units (absent where the probe did not
-      run).
+    - with a second, timed probe taking each step in 2 micro-batches (twice the calls):
+      the median logged step times after the first window, less what the planner predicts
+      with no cost per step or per call, fitted to `{kind}_step_s` + calls x
+      `{kind}_call_s` (neither below 0): a cost per step (the optimizer's and the
+      gradient norm's pass over DTensor parameters, a whole core's) and one per call.
+    On each larger world size, timed: the cost per call of groups of 2 among its ranks
+    (`{kind}_pair_call_s`: FSDP's with replicas, HSDP; tensor parallelism's with pipeline
+    stages) and, for FSDP, of one group of all of them (`fsdp_call_s`): what their steps
+    hold beyond the planner's, the per-step cost included at their share of a core.
+    A probe the model cannot run (no TP plan) or with no calls planned fits nothing.
     `launch(world, fn, *args)` starts ranks (calibrate._launch); `profile`: this machine's so
-    far (its matmul rate, costs beyond the matmuls, slack, and the 2-rank link's bandwidth,
-    latency and first use)."""
+    far (its matmul rate, costs beyond the matmuls, slack, links and first use)."""
     import dataclasses
+
+    data = data or GPT_TINY
+    bare = _without_sharding_costs(profile)
+    fields: dict[str, float] = {}
+    links: dict[int, dict[str, float]] = {w: {} for w in worlds}
+    for kind in KINDS:
+        fields[f"{kind}_rss_per_byte"] = 0.0
+        settled = _probe(data, probe_parallel(kind, world=2, group=2), 2, steps, launch, bare, say)
+        if settled is None:
+            continue
+        pred, train = settled
+        peak = max(r["window_peak_above_baseline_bytes"] for r in train)
+        memory = pred.memory_bytes
+        # the live tensors: the baseline holds the parameters, and the CPU's runtime terms
+        # are what this fit is beside
+        live = memory["peak"] - memory["params"] - memory["runtime"]
+        stage = memory["params"] * 2  # the one stage's whole parameters
+        beyond = peak - live - profile.rss_fixed - getattr(profile.link(2), f"{kind}_rss")
+        fields[f"{kind}_rss_per_byte"] = max(0.0, beyond / stage)
+        say(
+            f"{kind} on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
+            f"{live / 2**20:.1f} MiB of live tensors predicted: "
+            f"{fields[f'{kind}_rss_per_byte']:.2f} x the stage's {stage / 2**20:.1f} MiB of "
+            "parameters beyond the slack and first use"
+        )
+        points = [_excess(pred, train, kind)]
+        if not points[0][1]:  # tp on a model whose blocks the planner cannot see: none planned
+            continue
+        twice = (  # each rank's examples in 2 micro-batches, where it has 2
+            _probe(
+                data, probe_parallel(kind, world=2, group=2), 2, timed_steps, launch, bare, say, 2
+            )
+            if int(data.get("train", {}).get("micro_batch", 16)) >= 2
+            else None
+        )
+        points += [_excess(*twice, kind)] if twice else []
+        step_s, call_s = _nonneg_fit([(1.0, calls, excess) for excess, calls in points])
+        fields[f"{kind}_step_s"], links.setdefault(2, {})[f"{kind}_call_s"] = step_s, call_s
+        say(
+            f"{kind} on 2 ranks: "
+            + ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in points)
+            + f": {step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call"
+        )
+        # the plan for larger worlds holds the cost per step, at their share of a core
+        stepped = dataclasses.replace(bare, **{f"{kind}_step_s": step_s})
+        for world in (w for w in worlds if w > 2):
+            for group in (2, world) if kind == "fsdp" else (2,):
+                parallel = probe_parallel(kind, world=world, group=group)
+                run = _probe(data, parallel, world, timed_steps, launch, stepped, say)
+                excess, calls = _excess(*run, kind) if run else (0.0, 0)
+                if not calls:
+                    continue
+                key = f"{kind}_pair_call_s" if group < world else f"{kind}_call_s"
+                links[world][key] = max(0.0, excess / calls)
+                say(
+                    f"{kind} as {parallel} on {world} ranks: {excess * 1e3:.1f} ms beyond the "
+                    f"plan and its cost per step, {calls} calls: "
+                    f"{links[world][key] * 1e6:.0f} us a call"
+                )
+    return fields, links
+
+
+def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
+    """The planner's prediction for one probe and its logged training windows, or None
+    where the launcher's own checks refuse the layout (a model without a TP plan)."""
     import json
     import tempfile
     from pathlib import Path
@@ -219,50 +306,33 @@ def sharded_probes(
     from scaletrain.errors import UserError
     from scaletrain.planner import predict_configured
 
-    data = data or GPT_TINY
-    link = profile.link(2)
-    no_call_cost = dataclasses.replace(  # 1e-12: a per-call cost of 0 means the link's latency
-        profile,
-        intra={**profile.intra, 2: dataclasses.replace(link, fsdp_call_s=1e-12, tp_call_s=1e-12)},
-    )
-    out = {}
-    for kind in SHARDED_PROBES:
-        config = sharded_config(data, kind, steps=steps)
-        try:  # the launcher's own checks: a model without a TP plan cannot run tp = 2
-            pred = predict_configured(config, world_size=2, profile=no_call_cost)
-        except UserError as e:
-            out[f"{kind}_rss_per_byte"] = 0.0
-            say(f"{kind} on 2 ranks: not measured, the model cannot run it ({e})")
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            launch(2, sharded_worker, data, kind, tmp, steps)
-            rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-        train = [r for r in rows if r.get("kind") == "train"]
-        settled = max(r["window_peak_above_baseline_bytes"] for r in train)
-        memory = pred.memory_bytes
-        # the live tensors: the baseline holds the parameters, and the CPU's runtime terms
-        # are what this fit is beside
-        live = memory["peak"] - memory["params"] - memory["runtime"]
-        stage = memory["params"] * 2  # the one stage's whole parameters
-        beyond = settled - live - profile.rss_fixed - getattr(link, f"{kind}_rss")
-        out[f"{kind}_rss_per_byte"] = max(0.0, beyond / stage)
-        say(
-            f"{kind} on 2 ranks, {steps} steps: {settled / 2**20:.1f} MiB above baseline, "
-            f"{live / 2**20:.1f} MiB of live tensors predicted: "
-            f"{out[f'{kind}_rss_per_byte']:.2f} x the stage's {stage / 2**20:.1f} MiB of "
-            "parameters beyond the slack and first use"
-        )
-        calls = sum(pred.comm_calls.values())
-        if not calls:  # tp on a model whose blocks the planner cannot see: none planned
-            continue
-        step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
-        out[f"{kind}_call_s"] = max(0.0, (step_s - pred.step_time_s) / calls)
-        say(
-            f"{kind} on 2 ranks: a step {step_s * 1e3:.1f} ms, {pred.step_time_s * 1e3:.1f} "
-            f"ms predicted before its {calls} collective calls: "
-            f"{out[f'{kind}_call_s'] * 1e6:.0f} us per call"
-        )
-    return out
+    config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
+    try:
+        pred = predict_configured(config, world_size=world, profile=bare)
+    except UserError as e:
+        say(f"{parallel} on {world} ranks: not measured, the model cannot run it ({e})")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        launch(world, sharded_worker, data, parallel, steps, accumulation, tmp)
+        rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    return pred, [r for r in rows if r.get("kind") == "train"]
+
+
+def _excess(pred, train: list[dict], kind: str) -> tuple[float, int]:
+    """(the median logged step time after the first window, which warms up, less the
+    planner's step; the step's `kind` collective calls)."""
+    step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
+    return step_s - pred.step_time_s, pred.calls_by_dim.get(SHARDED_DIM[kind], 0)
+
+
+def _without_sharding_costs(profile):
+    """`profile` with no FSDP2 or DTensor cost per step and none per call (1e-12 a call: 0
+    would mean the link's latency), what the probes' excess is over."""
+    import dataclasses
+
+    none = {f"{k}_call_s": 1e-12 for k in KINDS} | {f"{k}_pair_call_s": 1e-12 for k in KINDS}
+    intra = {w: dataclasses.replace(link, **none) for w, link in profile.intra.items()}
+    return dataclasses.replace(profile, intra=intra, fsdp_step_s=0.0, tp_step_s=0.0)
 
 
 def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
