@@ -12,7 +12,8 @@
 - What a step costs beyond its matmuls, and a process's resident memory beyond its live
   tensors, fitted from real steps of a reference model (reference.py); and from its
   sharded steps on 2 ranks, the resident bytes FSDP2 and DTensor hold per byte of
-  parameters and their cost per collective call on the model's own units.
+  parameters and their costs per step and per collective call on the model's own units,
+  and on each larger world size the cost per call in groups of 2 and over the world.
 """
 
 from __future__ import annotations

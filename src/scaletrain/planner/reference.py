@@ -26,19 +26,22 @@ calibrate measures it on real steps:
 - `collective_overheads` (on the ranks that time the collectives): a stack of small Linear
   units run forward and backward under FSDP2 and under DTensor tensor parallelism, against
   the same stack unsharded; the difference per collective call is `fsdp_call_s` and
-  `tp_call_s`, gloo's latency and the framework's Python together, per world size. At 2
-  ranks `sharded_probes` replaces them with the configured model's own.
+  `tp_call_s`, gloo's latency and the framework's Python together, per world size. Where
+  `sharded_probes` measures the configured model's own, those replace them.
 - `first_use_worker` (fresh ranks per mechanism): the resident memory a process adds the
   first time it runs FSDP2 or DTensor tensor parallelism, after plain steps warmed the
   rest: `fsdp_rss` and `tp_rss`, a fixed cost per rank that the planner adds to a CPU
   layout using them.
 - `sharded_probes`: the configured model trained for real by the trainer on 2 ranks, under
-  dp_shard = 2 and under tp = 2, until the resident peak has settled (SETTLE_STEPS). Their
-  median step time, less the planner's step without a per-call cost, over the step's
-  collective calls, is the cost per call on the model's own units (`fsdp_call_s`,
-  `tp_call_s` of the 2-rank link): a GPT block's FSDP2 copy-in and copy-out and its
-  DTensor ops cost 2-3x a Linear unit's (small: 2.8 ms a call under FSDP2 against the
-  stack's 1.2 ms; 3.9 ms against 1.8 ms under tensor parallelism). Under
+  dp_shard = 2 and under tp = 2, until the resident peak has settled (SETTLE_STEPS), and
+  again for TIMED_STEPS taking each step in 2 micro-batches (twice the calls). Their
+  median step times, less the planner's step without FSDP2's and DTensor's costs, fit a
+  cost per step (`fsdp_step_s`, `tp_step_s`: GPT base, 31 ms under FSDP2) and one per
+  call on the model's own units (`fsdp_call_s`, `tp_call_s` of the 2-rank link: a GPT
+  block's FSDP2 copy-in and copy-out and its DTensor ops cost more than a Linear unit's).
+  On each larger world size short runs time groups of 2 among its ranks and FSDP over
+  all of them (`*_pair_call_s`, `fsdp_call_s` of its link): with more ranks than cores, a
+  call waits on fewer peers in a group of 2. Under
   either, glibc's heap keeps the holes that the per-unit gathered parameters and gradients
   leave between activations, and a rank settles higher than its live tensors, the slack and
   the first use explain, by an amount that grows with the model (BENCHMARKS.md, the
