@@ -682,10 +682,10 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
 
 
 def test_calibrate_times_groups_of_2_and_the_whole_world_on_larger_worlds():
-    """On 4 ranks (2 cores: each rank's per-step cost takes twice as long), the probes
+    """On 4 ranks (2 cores), the probes
     time FSDP in groups of 2 (HSDP) and of 4, tensor parallelism in groups of 2 (with
     pipeline stages, each holding half the parameters): each group's cost per call is what
-    its steps hold beyond the plan and the per-step cost at 4 ranks' turns."""
+    its steps hold beyond the plan and the stage's share of the per-step cost."""
     import dataclasses
 
     from scaletrain.hardware import Link
@@ -713,9 +713,9 @@ def test_calibrate_times_groups_of_2_and_the_whole_world_on_larger_worlds():
         config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
         pred = predict_configured(config, world_size=world, profile=bare)
         calls = pred.calls_by_dim[SHARDED_DIM[kind]]
-        # the cost per step at the stage's share of the rank's share of a core
+        # the cost per step at the stage's share
         stage = 1 / parallel.get("pp", 1)
-        step_s = pred.step_time_s + per_step * stage * world / 2 + cost[world, group] * calls
+        step_s = pred.step_time_s + per_step * stage + cost[world, group] * calls
         rows = [{"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": step_s}] * 3
         _probe_rows(run_dir, rows)
 
@@ -732,7 +732,7 @@ def test_calibrate_times_groups_of_2_and_the_whole_world_on_larger_worlds():
 def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_the_step_cost_once():
     """A group of 2 among 4 ranks pays calibrate's pair cost per call, a group of all 4 the
     whole world's; FSDP2's and DTensor's cost per step is paid once (the larger), at the
-    stage's share and the rank's share of a core."""
+    stage's share."""
     import dataclasses
 
     from scaletrain.config import validate_config
@@ -780,8 +780,8 @@ def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_th
         extra = fsdp * calls.get("dp_shard", 0) + tp * calls.get("tp", 0)
         expected_calls = 1e-12 * (calls.get("dp_shard", 0) + calls.get("tp", 0))
         assert pred.comm_s - bare.comm_s == pytest.approx(extra - expected_calls, rel=1e-9)
-        # 4 ranks on 2 cores: the per-step cost takes twice as long
-        assert planned(parallel, costly).comm_s - pred.comm_s == pytest.approx(2 * step, rel=1e-9)
+        # the stage's share of it, not stretched by 4 ranks' turns on 2 cores
+        assert planned(parallel, costly).comm_s - pred.comm_s == pytest.approx(step, rel=1e-9)
 
 
 def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):

@@ -38,7 +38,7 @@ per byte written) + the optimizer's pass over its bytes (memory bandwidth) + the
 collectives (bytes over the bus bandwidth, plus per call the framework's measured cost for
 FSDP and tensor parallelism, a group smaller than the world at calibrate's figure for
 groups of 2, else the link's latency) + on a CPU FSDP2's and DTensor's measured cost once
-a step (the stage's share, at the rank's share of a core), of which what does not overlap
+a step (the stage's share), of which what does not overlap
 (on a GPU FSDP's and DDP's collectives hide behind compute; gloo on a CPU overlaps nothing),
 stretched by the pipeline's bubble (p - 1) / (v m). Where a CPU's ranks outnumber its
 cores, a stage waiting in the bubble lends its core to the others: the step is then the
@@ -273,13 +273,15 @@ def predict(
         overlapped += seconds if overlaps else 0.0
     turns = profile.slowdown(per_node)
     # FSDP2's and DTensor's cost once a step beyond their calls (a CPU's: calibrate measured
-    # it), the stage's share of it at the rank's share of a core; a layout with both pays
-    # the larger once (its parameters are DTensors once)
+    # it), the stage's share of it; a layout with both pays the larger once (its parameters
+    # are DTensors once). Not stretched where ranks outnumber cores: GPT small and base
+    # under dp_shard 2 x tp 2 on 4 ranks of 2 cores ran 1.27-1.30x and 1.08x faster than
+    # predicted with it stretched, and within 14% and 3% without (BENCHMARKS.md)
     stepped = max(
         profile.fsdp_step_s if lay.dp_shard > 1 else 0.0,
         profile.tp_step_s if lay.tp > 1 else 0.0,
     )
-    sharded_s = share * turns * stepped
+    sharded_s = share * stepped
     comm_s += sharded_s
     exposed = comm_s - (min(overlapped, compute_s) if profile.overlap else 0.0)
     bubble = (lay.pp - 1) / (stages * chunks) if lay.pp > 1 else 0.0

@@ -232,7 +232,7 @@ def sharded_probes(
     On each larger world size, timed: the cost per call of groups of 2 among its ranks
     (`{kind}_pair_call_s`: FSDP's with replicas, HSDP; tensor parallelism's with pipeline
     stages) and, for FSDP, of one group of all of them (`fsdp_call_s`): what their steps
-    hold beyond the planner's, the per-step cost included at their share of a core.
+    hold beyond the planner's, the stage's share of the per-step cost included.
     A probe the model cannot run (no TP plan) or with no calls planned fits nothing.
     `launch(world, fn, *args)` starts ranks (calibrate._launch); `profile`: this machine's so
     far (its matmul rate, costs beyond the matmuls, slack, links and first use)."""
@@ -280,7 +280,7 @@ def sharded_probes(
             + ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in points)
             + f": {step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call"
         )
-        # the plan for larger worlds holds the cost per step, at their share of a core
+        # the plan for larger worlds holds the cost per step (the stage's share of it)
         stepped = dataclasses.replace(bare, **{f"{kind}_step_s": step_s})
         for world in (w for w in worlds if w > 2):
             for group in (2, world) if kind == "fsdp" else (2,):
