@@ -399,6 +399,8 @@ def test_the_step_cost_fit_is_least_squares_over_every_micro_batch_and_never_neg
         pytest.approx(best[0], rel=1e-9),
         pytest.approx(best[1], rel=1e-9),
     )
+    # one point (a sharded probe without its second run): all of it on the second term
+    assert _nonneg_fit([(1.0, 15, 0.03)]) == (0.0, pytest.approx(0.002))
     # the exact solution would need a negative byte cost: the op cost alone is fitted
     p, q = _nonneg_fit([(1000, 2e6, 0.020), (1200, 9e6, 0.021)])
     assert q == 0.0 and p == pytest.approx((1000 * 0.020 + 1200 * 0.021) / (1000**2 + 1200**2))

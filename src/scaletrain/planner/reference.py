@@ -341,7 +341,8 @@ def _without_sharding_costs(profile):
 def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(p, q), neither below 0, with x p + y q closest to t over `points` (x, y, t) by least
     squares: the free solution where both come out non-negative, else the better of p alone
-    and q alone (the other 0)."""
+    and q alone (the other 0), q where they tie (one sharded probe, a micro-batch of 1: all
+    of its excess per call, as before the cost per step was fitted)."""
     sxx = sum(x * x for x, _, _ in points)
     syy = sum(y * y for _, y, _ in points)
     sxy = sum(x * y for x, y, _ in points)
@@ -358,7 +359,8 @@ def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]
 
     p_only = (max(0.0, sxt / sxx) if sxx else 0.0, 0.0)
     q_only = (0.0, max(0.0, syt / syy) if syy else 0.0)
-    return min(p_only, q_only, key=lambda pq: residual(*pq))
+    tie = 1e-12 * sum(t * t for _, _, t in points)  # rounding, not a better fit
+    return p_only if residual(*p_only) < residual(*q_only) - tie else q_only
 
 
 def collective_overheads(world: int, *, units: int = 8, width: int = 64) -> dict[str, float]:
