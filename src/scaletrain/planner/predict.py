@@ -274,9 +274,9 @@ def predict(
     turns = profile.slowdown(per_node)
     # FSDP2's and DTensor's cost once a step beyond their calls (a CPU's: calibrate measured
     # it), the stage's share of it; a layout with both pays the larger once (its parameters
-    # are DTensors once). Not stretched where ranks outnumber cores: GPT small and base
-    # under dp_shard 2 x tp 2 on 4 ranks of 2 cores ran 1.27-1.30x and 1.08x faster than
-    # predicted with it stretched, and within 14% and 3% without (BENCHMARKS.md)
+    # are DTensors once). Not stretched where ranks outnumber cores: with it stretched, GPT
+    # small's and base's dp_shard 2 x tp 2 on 4 ranks of 2 cores were predicted at 1.27-1.30x
+    # and 1.08x their measured steps; without, 1.05-1.17x and 1.03-1.09x (BENCHMARKS.md)
     stepped = max(
         profile.fsdp_step_s if lay.dp_shard > 1 else 0.0,
         profile.tp_step_s if lay.tp > 1 else 0.0,
