@@ -684,10 +684,10 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
 
 
 def test_calibrate_times_groups_of_2_and_the_whole_world_on_larger_worlds():
-    """On 4 ranks (2 cores), the probes
-    time FSDP in groups of 2 (HSDP) and of 4, tensor parallelism in groups of 2 (with
-    pipeline stages, each holding half the parameters): each group's cost per call is what
-    its steps hold beyond the plan and the stage's share of the per-step cost."""
+    """On 4 ranks (2 cores), the probes time FSDP in groups of 2 (HSDP) and of 4, tensor
+    parallelism in groups of 2 (with pipeline stages, each holding half the parameters):
+    each group's cost per call is what its steps hold beyond the plan and the stage's share
+    of the per-step cost."""
     import dataclasses
 
     from scaletrain.hardware import Link
@@ -751,6 +751,10 @@ def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_th
     )
     profile = dataclasses.replace(base, intra={**base.intra, 4: link4}, devices_per_node=4)
     costly = dataclasses.replace(profile, fsdp_step_s=0.2, tp_step_s=0.3)
+    no_calls = dataclasses.replace(
+        link4, fsdp_call_s=1e-12, tp_call_s=1e-12, fsdp_pair_call_s=0.0, tp_pair_call_s=0.0
+    )
+    free = dataclasses.replace(profile, intra={**profile.intra, 4: no_calls})
 
     def planned(parallel, prof):
         config = validate_config(
@@ -764,19 +768,6 @@ def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_th
         ({"dp_shard": 2, "tp": 2}, 0.03, 0.04, 0.3),
         ({"pp": 2, "tp": 2}, 0.0, 0.04, 0.15),
     ):
-        free = dataclasses.replace(
-            profile,
-            intra={
-                **profile.intra,
-                4: dataclasses.replace(
-                    link4,
-                    fsdp_call_s=1e-12,
-                    tp_call_s=1e-12,
-                    fsdp_pair_call_s=0.0,
-                    tp_pair_call_s=0.0,
-                ),
-            },
-        )
         pred, bare = planned(parallel, profile), planned(parallel, free)
         calls = pred.calls_by_dim
         extra = fsdp * calls.get("dp_shard", 0) + tp * calls.get("tp", 0)

@@ -72,9 +72,9 @@ class Profile:
     # model's own sharded steps (planner/reference.py)
     fsdp_rss_per_byte: float = 0.0
     tp_rss_per_byte: float = 0.0
-    # CPU: what FSDP2 / DTensor cost once a step beyond their calls (the optimizer's and the
-    # gradient norm's pass over DTensor parameters), a whole core's for the whole model's
-    # parameters, measured by calibrate on the configured model's own sharded steps
+    # CPU: what FSDP2 / DTensor cost once a step beyond their calls, for the whole model's
+    # parameters, measured by calibrate on the configured model's own sharded steps on 2
+    # ranks (planner/reference.py)
     fsdp_step_s: float = 0.0
     tp_step_s: float = 0.0
     # the share of `flops` a matmul reaches, for the planner's step time (MFU stays against

@@ -38,8 +38,8 @@ per byte written) + the optimizer's pass over its bytes (memory bandwidth) + the
 collectives (bytes over the bus bandwidth, plus per call the framework's measured cost for
 FSDP and tensor parallelism, a group smaller than the world at calibrate's figure for
 groups of 2, else the link's latency) + on a CPU FSDP2's and DTensor's measured cost once
-a step (the stage's share), of which what does not overlap
-(on a GPU FSDP's and DDP's collectives hide behind compute; gloo on a CPU overlaps nothing),
+a step (the stage's share), of which what does not overlap (on a GPU FSDP's and DDP's
+collectives hide behind compute; gloo on a CPU overlaps nothing),
 stretched by the pipeline's bubble (p - 1) / (v m). Where a CPU's ranks outnumber its
 cores, a stage waiting in the bubble lends its core to the others: the step is then the
 longer of the shared cores' work and the critical path (a rank's work at a whole core,
@@ -271,21 +271,19 @@ def predict(
         seconds = nbytes / link.bus_bw + calls * (per_call or link.latency_s)
         comm_s += seconds
         overlapped += seconds if overlaps else 0.0
-    turns = profile.slowdown(per_node)
     # FSDP2's and DTensor's cost once a step beyond their calls (a CPU's: calibrate measured
     # it), the stage's share of it; a layout with both pays the larger once (its parameters
     # are DTensors once). Not stretched where ranks outnumber cores: with it stretched, GPT
     # small's and base's dp_shard 2 x tp 2 on 4 ranks of 2 cores were predicted at 1.27-1.30x
     # and 1.08x their measured steps; without, 1.05-1.17x and 1.03-1.09x (BENCHMARKS.md)
-    stepped = max(
+    comm_s += share * max(
         profile.fsdp_step_s if lay.dp_shard > 1 else 0.0,
         profile.tp_step_s if lay.tp > 1 else 0.0,
     )
-    sharded_s = share * stepped
-    comm_s += sharded_s
     exposed = comm_s - (min(overlapped, compute_s) if profile.overlap else 0.0)
     bubble = (lay.pp - 1) / (stages * chunks) if lay.pp > 1 else 0.0
     busy = compute_s + exposed
+    turns = profile.slowdown(per_node)
     if turns > 1:
         # more ranks than cores (a CPU): a stage waiting in the bubble hands its core to the
         # other ranks, so the step is the longer of the shared cores' work and the

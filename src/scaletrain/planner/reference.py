@@ -78,9 +78,14 @@ def reference_config(data: dict, micro_batch: int):
     return validate_config(data)
 
 
+def _micro_batch(data: dict) -> int:
+    """The configured micro-batch of `data` (a config as a dict; the default 16)."""
+    return int(data.get("train", {}).get("micro_batch", 16))
+
+
 def reference_batches(data: dict) -> tuple[int, ...]:
     """The micro-batches to fit at: a quarter, half, once and twice the configured one."""
-    mb = int(data.get("train", {}).get("micro_batch", 16))
+    mb = _micro_batch(data)
     return tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb, 2 * mb}))
 
 
@@ -174,8 +179,9 @@ def sharded_config(data: dict, parallel: dict, *, steps: int = SETTLE_STEPS, acc
     windows of 10, no checkpoint, 8 examples of evaluation at the end."""
     from scaletrain.config import validate_config
 
+    mb = _micro_batch(data)
     data = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
-    mb = int(data.setdefault("train", {}).get("micro_batch", 16))
+    data.setdefault("train", {})
     replicas = parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1)
     data["train"].update(
         micro_batch=mb // accumulation,
@@ -227,8 +233,8 @@ def sharded_probes(
     - with a second, timed probe taking each step in 2 micro-batches (twice the calls):
       the median logged step times after the first window, less what the planner predicts
       with no cost per step or per call, fitted to `{kind}_step_s` + calls x
-      `{kind}_call_s` (neither below 0): a cost per step (the optimizer's and the
-      gradient norm's pass over DTensor parameters, a whole core's) and one per call.
+      `{kind}_call_s` (neither below 0): a cost per step (what does not grow with the
+      calls; which part of the step holds it is not measured) and one per call.
     On each larger world size, timed: the cost per call of groups of 2 among its ranks
     (`{kind}_pair_call_s`: FSDP's with replicas, HSDP; tensor parallelism's with pipeline
     stages) and, for FSDP, of one group of all of them (`fsdp_call_s`): what their steps
@@ -244,7 +250,8 @@ def sharded_probes(
     links: dict[int, dict[str, float]] = {w: {} for w in worlds}
     for kind in KINDS:
         fields[f"{kind}_rss_per_byte"] = 0.0
-        settled = _probe(data, probe_parallel(kind, world=2, group=2), 2, steps, launch, bare, say)
+        pair = probe_parallel(kind, world=2, group=2)
+        settled = _probe(data, pair, 2, steps, launch, bare, say)
         if settled is None:
             continue
         pred, train = settled
@@ -266,15 +273,14 @@ def sharded_probes(
         if not points[0][1]:  # tp on a model whose blocks the planner cannot see: none planned
             continue
         twice = (  # each rank's examples in 2 micro-batches, where it has 2
-            _probe(
-                data, probe_parallel(kind, world=2, group=2), 2, timed_steps, launch, bare, say, 2
-            )
-            if int(data.get("train", {}).get("micro_batch", 16)) >= 2
+            _probe(data, pair, 2, timed_steps, launch, bare, say, 2)
+            if _micro_batch(data) >= 2
             else None
         )
         points += [_excess(*twice, kind)] if twice else []
         step_s, call_s = _nonneg_fit([(1.0, calls, excess) for excess, calls in points])
-        fields[f"{kind}_step_s"], links.setdefault(2, {})[f"{kind}_call_s"] = step_s, call_s
+        fields[f"{kind}_step_s"] = step_s
+        links.setdefault(2, {})[f"{kind}_call_s"] = call_s
         say(
             f"{kind} on 2 ranks: "
             + ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in points)
