@@ -43,7 +43,7 @@ LAYOUTS = {  # name: (overrides, what it is)
     ),
     "zero3-ac-op": (
         ["parallel.dp_shard=2", "parallel.activation_checkpointing=op"],
-        "ZeRO-3 + per-op checkpointing (matmul outputs kept)",
+        "ZeRO-3 + per-op checkpointing (every other matmul kept)",
     ),
     "tp": (["parallel.tp=2"], "tensor parallel (Megatron plan)"),
     "pp-gpipe": (["parallel.pp=2", "parallel.pp_schedule=gpipe"], "pipeline, GPipe"),

@@ -9,8 +9,12 @@ layout alone in a fake process group of the published world size. Nothing runs o
 Sources (torchtitan's docs/performance.md, read 2026-12):
 - Llama 3.1 8B, 8 H100 (96 GB HBM2e, 2.4 TB/s, 500 W power limit), FSDP, local batch 2,
   sequence 8192, selective AC, no torch.compile: 5,762 tokens/s per GPU, 82.4 GiB (Table 1).
-  torchtitan's Llama 3 8B recipe selects per op (`selective_ac_option = "op"`: matmul and
-  attention outputs kept), planned here as `activation_checkpointing = "op"`.
+  torchtitan's Llama 3 8B recipe selects per op (`selective_ac_option = "op"`: attention's
+  and every other matmul's outputs kept), which is scaletrain's
+  `activation_checkpointing = "op"`. Its footnote 2: these HBM2e H100s at the lower power
+  limit have a peak "between SXM and NVL", exact value unknown. The row is planned at the
+  midpoint of the two datasheets' dense bf16 peaks (H100 SXM 989 TFLOP/s, H100 NVL 835.5:
+  1,671 with sparsity), the MAMF scaled with it, and printed at both ends too.
 - Llama 3 8B, 64 A100 80 GB, FSDP, local batch 1, sequence 8192, selective (op) AC:
   2,973 tokens/s per GPU, MFU 58.2%.
 - Llama 3 70B, 64 A100 80 GB, FSDP, local batch 1, sequence 8192, full AC: 331 tokens/s
@@ -133,15 +137,29 @@ ROWS = [
 ]
 
 
-def profile_of(name: str):
+# the dense bf16 peaks torchtitan's H100s lie between (its docs/performance.md, footnote 2)
+H100_SXM_BF16, H100_NVL_BF16 = 989e12, 835.5e12
+
+
+def profile_of(name: str, *, bf16: float | None = None):
+    """The built-in profile `name`, or torchtitan's Grand Teton H100 (96 GB HBM2e at
+    2.4 TB/s, 500 W) at the dense bf16 peak `bf16` (default: the SXM-NVL midpoint), the
+    matmuls at the same share of it as the SXM's MAMF."""
     from scaletrain.hardware import BUILTIN
 
-    if name == "h100-96gb-500w":  # torchtitan's Grand Teton H100s: 96 GB HBM2e at 2.4 TB/s
-        h100 = BUILTIN["h100"]
-        return dataclasses.replace(
-            h100, name=name, memory_bytes=96 * 10**9, memory_bw=2.4e12, byte_s=6 / 2.4e12
-        )
-    return BUILTIN[name]
+    if name != "h100-96gb-500w":
+        return BUILTIN[name]
+    h100 = BUILTIN["h100"]
+    bf16 = bf16 or (H100_SXM_BF16 + H100_NVL_BF16) / 2
+    flops = {k: v * bf16 / H100_SXM_BF16 for k, v in h100.flops.items()}
+    return dataclasses.replace(
+        h100,
+        name=name,
+        flops=flops,
+        memory_bytes=96 * 10**9,
+        memory_bw=2.4e12,
+        byte_s=6 / 2.4e12,
+    )
 
 
 def config_text(row: dict) -> str:
@@ -184,13 +202,24 @@ def main() -> None:
             profile = profile_of(row["hardware"])
             pred = predict_configured(config, world_size=row["world"], profile=profile)
             batch = row.get("global_batch", row["local_batch"] * row["world"])
-            tps = batch * row["seq"] / row["world"] / pred.step_time_s
+            tokens = batch * row["seq"] / row["world"]
+            tps = tokens / pred.step_time_s
             peak = pred.memory_bytes["peak"] / 2**30
             line = (
                 f"{row['name']}: tokens/s per GPU predicted {tps:,.0f}, published "
-                f"{row['tokens_per_s']:,.0f} (ratio {tps / row['tokens_per_s']:.2f}); "
-                f"predicted MFU {pred.mfu:.1%}; peak predicted {peak:.1f} GiB"
+                f"{row['tokens_per_s']:,.0f} (ratio {tps / row['tokens_per_s']:.2f}"
             )
+            if row["hardware"] == "h100-96gb-500w":  # the peak's range, each end
+                ends = [
+                    tokens
+                    / predict_configured(
+                        config, world_size=row["world"], profile=profile_of(row["hardware"], bf16=f)
+                    ).step_time_s
+                    / row["tokens_per_s"]
+                    for f in (H100_NVL_BF16, H100_SXM_BF16)
+                ]
+                line += f"; {ends[0]:.2f} at the NVL's peak, {ends[1]:.2f} at the SXM's"
+            line += f"); predicted MFU {pred.mfu:.1%}; peak predicted {peak:.1f} GiB"
             if row["memory_gib"]:
                 line += (
                     f", published {row['memory_gib']} GiB (ratio {peak / row['memory_gib']:.2f})"

@@ -70,7 +70,8 @@ def test_none_changes_nothing() -> None:
 
 
 def _backward_ops(model: GPT, x: torch.Tensor) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
-    """The aten ops backward runs, by name, and the gradients."""
+    """The aten ops backward runs, by name (a matrix product's also by its output's width:
+    "addmm:64"), and the gradients."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -79,8 +80,12 @@ def _backward_ops(model: GPT, x: torch.Tensor) -> tuple[dict[str, int], dict[str
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops[func.__name__.split(".")[0]] += 1
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            ops[name] += 1
+            if name in ("mm", "addmm", "bmm"):
+                ops[f"{name}:{out.shape[-1]}"] += 1
+            return out
 
     loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten(), reduction="sum")
     with Count():
@@ -91,11 +96,12 @@ def _backward_ops(model: GPT, x: torch.Tensor) -> tuple[dict[str, int], dict[str
     return ops, grads
 
 
-def test_op_mode_recomputes_the_element_wise_ops_and_no_matmul() -> None:
-    """ "op" keeps every block's matmul and attention outputs and runs the rest again in
-    backward: backward multiplies no more matrices than without checkpointing (full
-    checkpointing multiplies the forward's again) but does run the blocks' norms again, and
-    every gradient is bit-identical."""
+def test_op_mode_recomputes_the_element_wise_ops_and_every_second_matmul() -> None:
+    """ "op" (torchtitan's) keeps attention's output and every block's 1st and 3rd matrix
+    product (the GPT's q/k/v projection, 3C wide, and its MLP's fc, 4C) and runs the rest
+    again in backward: the 2nd and 4th (the attention and MLP projections, C wide: 2 a
+    block, where full checkpointing multiplies all 4 again) and the blocks' norms; every
+    gradient is bit-identical."""
     x = torch.randint(0, 256, (4, 32))
     plain, _ = _backward_ops(_model(), x)
     full, _ = _backward_ops(
@@ -105,8 +111,10 @@ def test_op_mode_recomputes_the_element_wise_ops_and_no_matmul() -> None:
     assert [type(b).__name__ for b in model.blocks.values()] == ["CheckpointWrapper"] * 4
     op, grads = _backward_ops(model, x)
     matmuls = ("mm", "addmm", "bmm")
-    assert sum(full[k] for k in matmuls) > sum(plain[k] for k in matmuls)
-    assert sum(op[k] for k in matmuls) == sum(plain[k] for k in matmuls)
+    assert sum(full[k] for k in matmuls) > sum(plain[k] for k in matmuls) + 2 * 4
+    assert sum(op[k] for k in matmuls) - sum(plain[k] for k in matmuls) == 2 * 4
+    again = {k: op[k] - plain[k] for k in op if ":" in k and op[k] != plain[k]}
+    assert again == {"addmm:64": 2 * 4}  # each block's two C-wide projections
     assert plain["native_layer_norm"] == 0 and op["native_layer_norm"] == 2 * 4  # ln_1, ln_2
     _, plain_grads = _saved_bytes_and_grads(_model(), x)
     assert grads.keys() == plain_grads.keys()

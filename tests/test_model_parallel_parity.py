@@ -143,10 +143,16 @@ TWO_RANKS = {
         ["parallel.tp=2", "parallel.activation_checkpointing=selective", "train.micro_batch=8"],
         2,
     ),
-    # per-op: the matmul outputs kept by torch's selective checkpoint, the rest recomputed
+    # per-op: attention's and every other matmul's outputs kept by torch's selective
+    # checkpoint, the rest recomputed; under tp also the sequence-parallel reduce-scatters'
     "dp_shard2-ac_op": (
         2,
         ["parallel.dp_shard=2", "parallel.activation_checkpointing=op", "train.micro_batch=4"],
+        2,
+    ),
+    "tp2-ac_op": (
+        2,
+        ["parallel.tp=2", "parallel.activation_checkpointing=op", "train.micro_batch=8"],
         2,
     ),
     "pp2-1f1b-ac_full": (

@@ -839,11 +839,11 @@ def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):
 
 
 def test_op_checkpointing_is_traced_with_the_matmul_outputs_its_policy_keeps():
-    """Under "op" checkpointing torch's selective checkpoint holds every block's matmul and
-    attention outputs itself, where no saved-tensor hook sees them: the trace counts them as
-    they are made. On the tiny GPT (2 blocks, B 4, T 32, C 64, 2 heads, fp32) that is, per
-    block, q, k, v, the attention projection, the MLP's 4C-wide fc and its projection, and
-    attention's output and log-sum-exp, on top of what full checkpointing keeps."""
+    """Under "op" checkpointing torch's selective checkpoint holds what its policy keeps
+    itself, where no saved-tensor hook sees them: the trace counts them as they are made.
+    On the tiny GPT (2 blocks, B 4, T 32, C 64, 2 heads, fp32) that is, per block, the 1st,
+    3rd and 5th of its 6 matrix products (q, v, the MLP's 4C-wide fc) and attention's output
+    and log-sum-exp, on top of what full checkpointing keeps."""
     from scaletrain.config import validate_config
     from scaletrain.planner import build_for_plan
     from scaletrain.planner.activations import traced_activations
@@ -855,9 +855,55 @@ def test_op_checkpointing_is_traced_with_the_matmul_outputs_its_policy_keeps():
 
     none, full, op = traced("none"), traced("full"), traced("op")
     B, T, C, H, blocks = 4, 32, 64, 2, 2
-    per_block = B * T * (4 * C + 4 * C + C + C) * 4 + B * H * T * 4
+    per_block = B * T * (C + C + 4 * C + C) * 4 + B * H * T * 4
     assert op.saved - full.saved == blocks * per_block
     assert full.saved < op.saved < none.saved
+
+
+LLAMA_TINY = {  # 7 matrix products a block: q, k, v, o, gate, up, down
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_op_checkpointings_matmuls_run_again_are_flop_counter_modes(model):
+    """The FLOPs "op" checkpointing adds to a step (the matrix products its policy does not
+    keep, multiplied again in backward) are what torch's FlopCounterMode counts beyond the
+    same step without checkpointing: on the GPT its k and attention projection (the MLP's
+    projection, last, is never needed again: torch's recomputation stops before it), on a
+    Llama its k, attention projection and MLP up projection."""
+    from scaletrain.config import validate_config
+    from scaletrain.models.protocol import model_spec
+    from scaletrain.parallel.checkpointing import apply_activation_checkpointing
+    from scaletrain.planner import build_for_plan
+    from scaletrain.planner.activations import traced_activations
+
+    raw = {**RAW, "parallel": {"activation_checkpointing": "op"}}
+    if model == "llama":
+        raw["model"] = {"name": "hf", "hf_config": "LlamaConfig", "kwargs": LLAMA_TINY}
+    config = validate_config(raw)
+    dataset, net = build_for_plan(config)
+    acts = traced_activations(config, dataset=dataset, examples=4, tp=1)
+    inputs = dataset.get(torch.arange(4)).inputs
+    # on the CPU, where attention is one op as in the trace (on meta it is a decomposition
+    # of matrix products, which the policy would count); its values do not matter
+    net = net.to_empty(device="cpu").requires_grad_(True)
+
+    def counted(model) -> int:
+        with FlopCounterMode(display=False) as counter:
+            out = model(inputs)
+            getattr(out, "logits", out).sum().backward()
+        return counter.get_total_flops()
+
+    plain = counted(net)
+    wrapped = apply_activation_checkpointing(net, blocks_path=model_spec(net).blocks, mode="op")
+    assert acts.again_flops > 0
+    assert counted(wrapped) - plain == acts.again_flops
 
 
 def test_checkpointing_counts_what_backward_runs_again():
@@ -900,6 +946,15 @@ def test_checkpointing_counts_what_backward_runs_again():
         per_byte = compute_s(dataclasses.replace(bare, byte_s=1e-9)) - compute_s(bare)
         expected = 2e-9 * (acts.written + RECOMPUTED_SHARE * acts.again_written)
         assert per_byte == pytest.approx(expected)
+
+    # and the matmuls "op" runs again: their FLOPs at the profile's matmul rate, per chunk
+    def matmul_s(mode):
+        config = validate_config({**RAW, "parallel": {"activation_checkpointing": mode}})
+        return _configured(config, bare).compute_s
+
+    rate = bare.peak("fp32", ranks_per_node=1) * bare.matmul_efficiency
+    assert op.again_flops > 0
+    assert matmul_s("op") - matmul_s("none") == pytest.approx(2 * op.again_flops / rate)
 
 
 def test_auto_precision_is_planned_as_the_run_on_the_profiles_hardware_decides(monkeypatch):

@@ -6,8 +6,8 @@ tensors (torch's FakeTensorMode: shapes, no memory) and run forward on a micro-b
 asked size. Every tensor autograd saves for backward is counted once by its storage
 (`saved_tensors_hooks`); a checkpointed block's input, which the checkpoint keeps by its
 own means, is counted at the block's entry, and under "op" checkpointing so are the outputs
-its policy keeps (counted as they are made: torch's selective checkpoint holds them
-itself). What comes back is the bytes one micro-batch keeps until its backward, the
+its policy keeps (counted as they are made, by asking the policy itself: torch's selective
+checkpoint holds them where no saved-tensor hook sees them). What comes back is the bytes one micro-batch keeps until its backward, the
 largest single saved tensor (the logits, typically: the backward's transient gradient is
 as large) and, under checkpointing, one block's whole activations (what its recomputation
 holds for a moment), with the ops the forward dispatches and the bytes they write.
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from scaletrain.config import Config
 from scaletrain.models.protocol import model_spec
-from scaletrain.parallel.checkpointing import SAVED_OPS
+from scaletrain.parallel.checkpointing import MATMUL_OPS, OpPolicy
 from scaletrain.parallel.compose import parallelize
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.planner.held import fake_world
@@ -44,6 +44,7 @@ class Activations:
     written: int  # bytes the forward's ops write (element-wise work is bound by memory)
     again_ops: int = 0  # of those, the ops backward runs again (checkpointed, not kept)
     again_written: int = 0  # and the bytes they write
+    again_flops: int = 0  # under "op", the FLOPs of the matrix products it runs again
 
 
 class _OpCounter:
@@ -51,8 +52,8 @@ class _OpCounter:
     storage only: a view or an alias of an input writes nothing; a DTensor's by its local
     shard, as this mode sees tensor parallelism's ops at their global shapes), and, while
     `inside` a checkpointed block, the ops its backward runs again and the bytes they
-    write, and under "op" the bytes of what its policy keeps instead (SAVED_OPS' outputs,
-    held by torch's selective checkpoint where no saved-tensor hook sees them)."""
+    write, and under "op" the bytes of what its policy keeps instead (the block's
+    `OpPolicy`, a fresh one each block call, as the run's)."""
 
     def __init__(self, *, keeps_ops: bool) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,7 +67,8 @@ class _OpCounter:
                 fresh = _new_storage(func, out, (args, kwargs))
                 nbytes = sum(t.numel() * t.element_size() for t in fresh)
                 counter.written += nbytes
-                if counter.inside and keeps_ops and func in SAVED_OPS:
+                policy = counter.policy
+                if counter.inside and policy is not None and policy.keeps(func):
                     counter.kept += nbytes
                 elif counter.inside and fresh:  # run again in backward (a view is not:
                     # selective checkpoint hands back what it keeps as detached aliases)
@@ -76,6 +78,8 @@ class _OpCounter:
 
         self.ops = self.written = self.kept = self.inside = 0
         self.again_ops = self.again_written = 0
+        self.keeps_ops = keeps_ops
+        self.policy: OpPolicy | None = None  # the "op" block call's, while inside one
         self.mode = Mode()
 
 
@@ -128,6 +132,7 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
         entries.extend(_local(a).untyped_storage().nbytes() for a in tensors)
         first_call.extend([] if first_call else [(args, kwargs)])
         counter.inside += 1
+        counter.policy = OpPolicy() if counter.keeps_ops else None
 
     def at_exit(module, args, output) -> None:
         counter.inside -= 1
@@ -158,16 +163,22 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
                     loss_fn(forward(par.model, batch, precision), batch)
             kept = sum(saved.values()) + sum(entries) + counter.kept
             largest = max(saved.values(), default=0)
-            recompute = 0
+            recompute = again_flops = 0
             if wrapped:  # one block run plainly: what its recomputation holds
                 saved.clear()
                 block = wrapped[0]._checkpoint_wrapped_module
                 args, kwargs = first_call[0]  # an HF layer takes its rotary tables by keyword
                 x, *rest = args
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+
+                def run_block():
                     with precision.forward_context():
                         block(x.detach().requires_grad_(), *rest, **kwargs)
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    run_block()
                 recompute = sum(saved.values())
+                if counter.keeps_ops:  # every block is wrapped under "op"
+                    again_flops = len(wrapped) * _again_flops(run_block)
     return Activations(
         saved=kept,
         largest=largest,
@@ -176,4 +187,40 @@ def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Ac
         written=counter.written,
         again_ops=counter.again_ops,
         again_written=counter.again_written,
+        again_flops=again_flops,
     )
+
+
+def _again_flops(run_block) -> int:
+    """The FLOPs of the matrix products one "op" block runs again in backward: those its
+    policy does not keep, up to the last op that saves a tensor for backward, where torch's
+    recomputation stops (checkpoint's early stop: the GPT's MLP projection, 6th and last,
+    is not multiplied again). `run_block` runs the block plainly (fake tensors); FLOPs by
+    torch's own formulas, on a DTensor's local shapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    policy = OpPolicy()
+    flops: list[int] = []  # each op's, in order
+    upto = [0]  # the ops run when a tensor was last saved for backward
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            again = func in MATMUL_OPS and not policy.keeps(func)
+            if again:
+                local = tree_map_only(DTensor, _local, (args, kwargs or {}, out))
+                flops.append(
+                    flop_registry[func.overloadpacket](*local[0], **local[1], out_val=local[2])
+                )
+            else:
+                flops.append(0)
+            return out
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        upto[0] = len(flops)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Mode():
+        run_block()
+    return sum(flops[: upto[0]])

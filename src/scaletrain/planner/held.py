@@ -155,7 +155,8 @@ def _units(model: nn.Module) -> int:
 
 def _recomputed(model: nn.Module, *, mode: str) -> int:
     """The checkpointed blocks whose matmuls run again in backward: every wrapped one, but
-    none under "op", whose policy keeps what the matmuls return (checkpointing.SAVED_OPS)."""
+    none under "op", whose policy keeps every other matmul's output (the trace counts the
+    FLOPs of those it runs again: Activations.again_flops)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     if mode == "op":

@@ -248,6 +248,8 @@ def predict(
         hw_rank = (hw + extra) * examples_per_rank / (lay.tp * lay.pp)
     else:
         hw_rank = model_flops_rank
+    # under "op" the matrix products its policy recomputes, as the trace counted them
+    hw_rank += accum * chunks * share * acts.again_flops
     per_node = min(lay.world_size, profile.devices_per_node)
     rate = profile.peak(dtype, ranks_per_node=per_node) or profile.peak(
         "fp32", ranks_per_node=per_node
