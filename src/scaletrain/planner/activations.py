@@ -7,10 +7,12 @@ asked size. Every tensor autograd saves for backward is counted once by its stor
 (`saved_tensors_hooks`); a checkpointed block's input, which the checkpoint keeps by its
 own means, is counted at the block's entry, and under "op" checkpointing so are the outputs
 its policy keeps (counted as they are made, by asking the policy itself: torch's selective
-checkpoint holds them where no saved-tensor hook sees them). What comes back is the bytes one micro-batch keeps until its backward, the
-largest single saved tensor (the logits, typically: the backward's transient gradient is
-as large) and, under checkpointing, one block's whole activations (what its recomputation
-holds for a moment), with the ops the forward dispatches and the bytes they write.
+checkpoint holds them where no saved-tensor hook sees them). What comes back is the bytes
+one micro-batch keeps until its backward, the largest single saved tensor (the logits,
+typically: the backward's transient gradient is as large) and, under checkpointing, one
+block's whole activations (what its recomputation holds for a moment), with the ops the
+forward dispatches and the bytes they write, and under "op" the FLOPs of the matmuls its
+backward multiplies again.
 
 FSDP does not change a rank's activations (each rank runs its own examples through whole
 layers) and a pipeline stage keeps its own blocks' share: the caller scales by the stage.
