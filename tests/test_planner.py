@@ -788,7 +788,7 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
         link = Link(bus_bw=1e9, latency_s=1e-4)
         return link, link, {"fsdp_call_s": world * 1e-3, "tp_call_s": world * 2e-3}
 
-    costs = {"op_s": 0.0, "byte_s": 0.0, "rss_fixed": 0.0, "rss_ratio": 1.0}
+    costs = {"op_s": 0.0, "byte_s": 0.0}
     fields = {"fsdp_rss_per_byte": 1.5, "fsdp_step_s": 0.02, "tp_rss_per_byte": 0.5}
     links = {2: {"fsdp_call_s": 7e-3}, 4: {"fsdp_call_s": 9e-3, "fsdp_pair_call_s": 6e-3}}
     monkeypatch.setattr(cal, "matmul_rate", lambda dtype, shapes: 1e10)
@@ -803,12 +803,47 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
         return dict(fields), links
 
     monkeypatch.setattr(cal, "sharded_probes", probes)
+    slack = {"rss_fixed": 0.0, "rss_ratio": 1.25}
+    monkeypatch.setattr(cal, "slack_probe", lambda *a, **k: slack)
     got = cal.calibrate(worlds=[2, 4], shapes=None, name="t", say=lambda *_: None)
     assert probed == [(2, 4)]
+    assert (got.rss_fixed, got.rss_ratio) == (0.0, 1.25)
     assert (got.intra[2].fsdp_call_s, got.intra[2].tp_call_s) == (7e-3, 4e-3)  # tp: no probe
     assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (9e-3, 8e-3)
     assert (got.intra[4].fsdp_pair_call_s, got.intra[4].tp_pair_call_s) == (6e-3, 0.0)
     assert (got.fsdp_rss_per_byte, got.tp_rss_per_byte, got.fsdp_step_s) == (1.5, 0.5, 0.02)
+
+
+def test_calibrate_reads_the_resident_slack_off_a_ddp_probes_settled_peak():
+    """slack_probe trains the configured model on 2 ranks under DDP (here a stand-in
+    launcher writes the run's metrics) and divides the settled peak above baseline, plus
+    the gradients DDP's buckets put in the baseline at set-up, by the planner's live bytes:
+    a peak of exactly the live bytes beyond the baseline is a ratio of 1, and each further
+    byte adds 1 / live; never below 1."""
+    from scaletrain.planner import predict_configured
+    from scaletrain.planner.reference import sharded_config, sharded_worker, slack_probe
+
+    launched = []
+
+    def measured(peak):
+        def launch(world, fn, data, parallel, steps, accumulation, run_dir):
+            launched.append((world, fn, parallel, steps, accumulation))
+            rows = [
+                {"kind": "train", "window_peak_above_baseline_bytes": p, "step_time_s": 1.0}
+                for p in (peak // 2, peak)
+            ]
+            _probe_rows(run_dir, rows)
+
+        return slack_probe(RAW, launch=launch, profile=_cpu_profile(), steps=20, say=print)
+
+    config = sharded_config(RAW, {"dp_replicate": 2}, steps=20)
+    memory = predict_configured(config, world_size=2, profile=_cpu_profile()).memory_bytes
+    live = memory["grads"] + memory["optim"] + memory["activations"] + memory["buffers"]
+    beyond = live - memory["grads"]  # what a step adds above the baseline
+    assert measured(beyond) == {"rss_fixed": 0.0, "rss_ratio": pytest.approx(1.0)}
+    assert launched == [(2, sharded_worker, {"dp_replicate": 2}, 20, 1)]
+    assert measured(beyond + live // 2)["rss_ratio"] == pytest.approx(1.5, rel=1e-6)
+    assert measured(0)["rss_ratio"] == 1.0
 
 
 def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):

@@ -9,9 +9,10 @@
   64 MiB, timed on ranks started by torch's own elastic agent (`elastic_launch`): latency
   and bus bandwidth fitted to t = latency + bytes on the wire / bandwidth (`_fit`); on the
   same ranks, FSDP's and tensor parallelism's cost per collective call (reference.py).
-- What a step costs beyond its matmuls, and a process's resident memory beyond its live
-  tensors, fitted from real steps of a reference model (reference.py); and from its
-  sharded steps on 2 ranks, the resident bytes FSDP2 and DTensor hold per byte of
+- What a step costs beyond its matmuls, fitted from real steps of a reference model
+  (reference.py); a rank's resident memory beyond its live tensors, from the model
+  trained by the trainer on 2 ranks under DDP; and from its sharded steps on 2 ranks,
+  the resident bytes FSDP2 and DTensor hold per byte of
   parameters and their costs per step and per collective call on the model's own units,
   and on each larger world size the cost per call in groups of 2 and over the world.
 """
@@ -31,6 +32,7 @@ from scaletrain.planner.reference import (
     first_use_worker,
     gloo_group,
     sharded_probes,
+    slack_probe,
     step_costs,
 )
 
@@ -175,8 +177,7 @@ def calibrate(
     costs = step_costs(reference, flops=flops, memory_bw=bw, say=say)
     say(
         f"beyond the matmuls: {costs['op_s'] * 1e6:.1f} us per op, "
-        f"{costs['byte_s'] * 1e9:.3f} ns per byte written; resident memory "
-        f"{costs['rss_fixed'] / 2**20:.1f} MiB + {costs['rss_ratio']:.2f} x the live tensors"
+        f"{costs['byte_s'] * 1e9:.3f} ns per byte written"
     )
     intra = {}
     for world in worlds:
@@ -212,6 +213,9 @@ def calibrate(
         cores=cores,
         **costs,
         source=f"scaletrain calibrate on {_cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
+    )
+    profile = dataclasses.replace(
+        profile, **slack_probe(reference, launch=_launch, profile=profile, say=say)
     )
     fields, links = sharded_probes(
         reference, launch=_launch, profile=profile, worlds=tuple(intra), say=say

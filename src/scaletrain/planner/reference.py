@@ -18,11 +18,13 @@ calibrate measures it on real steps:
   (`_nonneg_fit`), with the forward's ops and written bytes counted by the planner's own
   trace (activations.py). The ops hardly change with the micro-batch, so op_s is the
   line's intercept: fitted through two points (as it was) it moved 1.9 -> 4.0 -> 7.0 us
-  between three calibrates of GPT small, from 6 steps' medians a few per cent apart. The
-  resident rise above the post-set-up baseline is fitted, by least squares over the same
-  runs, to a fixed part plus a ratio of the planner's own live-tensor peak: `rss_fixed`
-  and `rss_ratio`, what the planner adds on a CPU profile (on a GPU the reference is the
-  allocator's own peak and both stay 0).
+  between three calibrates of GPT small, from 6 steps' medians a few per cent apart.
+- `slack_probe`: the configured model trained by the trainer on 2 ranks under DDP (which
+  adds no sharding costs of its own) until its resident peak settles: what it holds
+  beyond the planner's live bytes, per live byte, is `rss_ratio` (`rss_fixed` 0), what
+  the planner adds on a CPU profile (on a GPU the reference is the allocator's own peak).
+  It was fitted on the one-process reference's 12 steps: 1.33 and 1.34 for GPT small and
+  base, where their DDP and pipeline ranks settle at 1.4-1.5 and 1.15-1.2 (BENCHMARKS.md).
 - `collective_overheads` (on the ranks that time the collectives): a stack of small Linear
   units run forward and backward under FSDP2 and under DTensor tensor parallelism, against
   the same stack unsharded; the difference per collective call is `fsdp_call_s` and
@@ -91,9 +93,7 @@ def reference_batches(data: dict) -> tuple[int, ...]:
 
 def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
     """One fresh process: the reference trained `steps` steps on one thread; the median step
-    time after two warm-up steps and the resident peak above the post-set-up baseline
-    (memory.WindowPeak, as every run logs it)."""
-    from scaletrain.memory import WindowPeak
+    time after two warm-up steps."""
     from scaletrain.planner import build_for_plan
     from scaletrain.precision import make_precision
     from scaletrain.training.assemble import build_net, build_objective
@@ -112,7 +112,6 @@ def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
         model, name=o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, momentum=o.momentum
     )
     batch = dataset.get(torch.arange(micro_batch) % len(dataset))
-    peak = WindowPeak.start()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -122,14 +121,14 @@ def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t)
-    return {"step_s": statistics.median(times[2:]), "rise": peak.peak() - peak.baseline}
+    return {"step_s": statistics.median(times[2:])}
 
 
 def step_costs(
     data: dict | None, *, flops: dict[str, float], memory_bw: float, say=print
 ) -> dict[str, float]:
-    """op_s, byte_s, rss_fixed, rss_ratio fitted from the reference's real steps (module
-    docstring), each run in a fresh process. `data`: the config as a dict (None: GPT tiny)."""
+    """op_s and byte_s fitted from the reference's real steps (module docstring), each run
+    in a fresh process. `data`: the config as a dict (None: GPT tiny)."""
     import multiprocessing
 
     from scaletrain.hardware import Profile
@@ -137,7 +136,7 @@ def step_costs(
 
     data = data or GPT_TINY
     ctx = multiprocessing.get_context("spawn")
-    # the planner's own prediction with no per-op, per-byte or slack terms: what the fit adds to
+    # the planner's own prediction with no per-op or per-byte terms: what the fit adds to
     bare = Profile(name="bare", flops=flops, memory_bytes=2**62, memory_bw=memory_bw, cores=1)
     rows = []
     for mb in reference_batches(data):
@@ -145,18 +144,13 @@ def step_costs(
             got = pool.apply(step_worker, (data, mb))
         config = reference_config(data, mb)
         pred = predict_configured(config, world_size=1, profile=bare)
-        live = pred.memory_bytes["peak"] - pred.memory_bytes["params"]
-        rows.append((pred.ops, pred.written, got["step_s"] - pred.step_time_s, got["rise"], live))
+        rows.append((pred.ops, pred.written, got["step_s"] - pred.step_time_s))
         say(
             f"reference step ({config.model.name} {config.model.size or ''}, micro-batch {mb}, "
-            f"1 thread): {got['step_s'] * 1e3:.1f} ms, {got['rise'] / 2**20:.1f} MiB above "
-            f"baseline ({live / 2**20:.1f} MiB of live tensors predicted)"
+            f"1 thread): {got['step_s'] * 1e3:.1f} ms"
         )
-    op_s, byte_s = _nonneg_fit([(ops, written, t) for ops, written, t, _, _ in rows])
-    rises, lives = [r[3] for r in rows], [r[4] for r in rows]
-    ratio = max(1.0, statistics.linear_regression(lives, rises).slope)
-    fixed = max(0.0, statistics.fmean(rises) - ratio * statistics.fmean(lives))
-    return {"op_s": op_s, "byte_s": byte_s, "rss_fixed": fixed, "rss_ratio": ratio}
+    op_s, byte_s = _nonneg_fit(rows)
+    return {"op_s": op_s, "byte_s": byte_s}
 
 
 SETTLE_STEPS = 160  # steps after which an FSDP2 rank's resident peak has stopped rising
@@ -211,6 +205,31 @@ def sharded_worker(data: dict, parallel: dict, steps: int, accumulation: int, ru
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def slack_probe(
+    data: dict | None, *, launch, profile, steps: int = SETTLE_STEPS, say=print
+) -> dict[str, float]:
+    """`rss_fixed` and `rss_ratio` (module docstring): the configured model trained by the
+    trainer on 2 ranks under DDP for `steps` steps; its largest logged peak above baseline
+    against the planner's live bytes. DDP's gradients are views into buckets it allocates
+    at set-up, so the baseline already holds them. `launch` and `profile` as for
+    `sharded_probes`."""
+    import dataclasses
+
+    data = data or GPT_TINY
+    bare = dataclasses.replace(_without_sharding_costs(profile), rss_fixed=0.0, rss_ratio=1.0)
+    pred, train = _probe(data, {"dp_replicate": 2}, 2, steps, launch, bare, say)
+    peak = max(r["window_peak_above_baseline_bytes"] for r in train)
+    memory = pred.memory_bytes
+    live = memory["peak"] - memory["params"] - memory["runtime"]
+    ratio = max(1.0, (peak + memory["grads"]) / live)
+    say(
+        f"DDP on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
+        f"{(live - memory['grads']) / 2**20:.1f} MiB of live tensors beyond it predicted: "
+        f"resident memory {ratio:.2f} x the live tensors"
+    )
+    return {"rss_fixed": 0.0, "rss_ratio": ratio}
 
 
 def sharded_probes(
