@@ -12,8 +12,8 @@ Memory per rank (the peak of a step):
                                           ZeRO-2 keeps every unit gathered until backward
   + runtime (a CPU profile)               what a process holds beyond its live tensors:
                                           rss_fixed + the larger of (rss_ratio - 1) x what
-                                          a step adds (the allocator's slack, fitted by
-                                          calibrate) and what FSDP2 or DTensor add once
+                                          a step adds (the allocator's slack: calibrate's
+                                          DDP probe) and what FSDP2 or DTensor add once
                                           settled (calibrate's fsdp_rss, tp_rss, plus their
                                           per-byte parts x the stage's parameters; the
                                           larger once where a layout has both)

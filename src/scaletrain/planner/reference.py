@@ -213,13 +213,16 @@ def slack_probe(
     """`rss_fixed` and `rss_ratio` (module docstring): the configured model trained by the
     trainer on 2 ranks under DDP for `steps` steps; its largest logged peak above baseline
     against the planner's live bytes. DDP's gradients are views into buckets it allocates
-    at set-up, so the baseline already holds them. `launch` and `profile` as for
-    `sharded_probes`."""
+    at set-up, so the baseline already holds them. Nothing where the launcher refuses the
+    layout. `launch` and `profile` as for `sharded_probes`."""
     import dataclasses
 
     data = data or GPT_TINY
     bare = dataclasses.replace(_without_sharding_costs(profile), rss_fixed=0.0, rss_ratio=1.0)
-    pred, train = _probe(data, {"dp_replicate": 2}, 2, steps, launch, bare, say)
+    settled = _probe(data, {"dp_replicate": 2}, 2, steps, launch, bare, say)
+    if settled is None:  # the launcher refused it: no slack measured
+        return {}
+    pred, train = settled
     peak = max(r["window_peak_above_baseline_bytes"] for r in train)
     memory = pred.memory_bytes
     live = memory["peak"] - memory["params"] - memory["runtime"]
