@@ -11,10 +11,10 @@
   same ranks, FSDP's and tensor parallelism's cost per collective call (reference.py).
 - What a step costs beyond its matmuls, fitted from real steps of a reference model
   (reference.py); a rank's resident memory beyond its live tensors, from the model
-  trained by the trainer on 2 ranks under DDP; and from its sharded steps on 2 ranks,
-  the resident bytes FSDP2 and DTensor hold per byte of
-  parameters and their costs per step and per collective call on the model's own units,
-  and on each larger world size the cost per call in groups of 2 and over the world.
+  trained by the trainer on 2 ranks under DDP; and from its sharded steps on 2 ranks, the
+  resident bytes FSDP2 and DTensor hold per byte of parameters and their costs per step
+  and per collective call on the model's own units, and on each larger world size the
+  cost per call in groups of 2 and over the world.
 """
 
 from __future__ import annotations
