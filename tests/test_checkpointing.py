@@ -97,11 +97,12 @@ def _backward_ops(model: GPT, x: torch.Tensor) -> tuple[dict[str, int], dict[str
 
 
 def test_op_mode_recomputes_the_element_wise_ops_and_every_second_matmul() -> None:
-    """ "op" (torchtitan's) keeps attention's output and every block's 1st and 3rd matrix
-    product (the GPT's q/k/v projection, 3C wide, and its MLP's fc, 4C) and runs the rest
-    again in backward: the 2nd and 4th (the attention and MLP projections, C wide: 2 a
-    block, where full checkpointing multiplies all 4 again) and the blocks' norms; every
-    gradient is bit-identical."""
+    """ "op" (torchtitan's) keeps attention's output and every block's 1st, 3rd and 5th
+    matrix product (the GPT's q, v and its MLP's 4C-wide fc) and runs the rest again in
+    backward: the 2nd and 4th (k and the attention projection, both C wide: 2 a block; the
+    MLP's projection, 6th and last, is never needed again, and torch's recomputation stops
+    before it), where full checkpointing multiplies more again, and the blocks' norms;
+    every gradient is bit-identical."""
     x = torch.randint(0, 256, (4, 32))
     plain, _ = _backward_ops(_model(), x)
     full, _ = _backward_ops(
@@ -114,7 +115,7 @@ def test_op_mode_recomputes_the_element_wise_ops_and_every_second_matmul() -> No
     assert sum(full[k] for k in matmuls) > sum(plain[k] for k in matmuls) + 2 * 4
     assert sum(op[k] for k in matmuls) - sum(plain[k] for k in matmuls) == 2 * 4
     again = {k: op[k] - plain[k] for k in op if ":" in k and op[k] != plain[k]}
-    assert again == {"addmm:64": 2 * 4}  # each block's two C-wide projections
+    assert again == {"addmm:64": 2 * 4}  # each block's k and attention projection
     assert plain["native_layer_norm"] == 0 and op["native_layer_norm"] == 2 * 4  # ln_1, ln_2
     _, plain_grads = _saved_bytes_and_grads(_model(), x)
     assert grads.keys() == plain_grads.keys()
