@@ -50,21 +50,21 @@ KEPT_OPS = frozenset(
 
 class OpPolicy:
     """Which outputs one call of an "op" block keeps: attention's and reduce-scatters'
-    always, a matrix product's when it is the block's 1st, 3rd, 5th, ... The forward and
-    its recomputation count apart (torch asks again for every op it reruns, and both must
-    answer alike). The planner's trace asks the same object (planner/activations.py)."""
+    always, a matrix product's when it is the block's 1st, 3rd, 5th, ... torch asks in the
+    forward only (its recomputation replays the forward's answers by op and invocation),
+    so one count serves. The planner's trace asks the same object (planner/activations.py)."""
 
     def __init__(self) -> None:
-        self.matmuls = {False: 0, True: 0}  # by whether it is the recomputation
+        self.matmuls = 0  # the block call's matrix products so far
 
-    def keeps(self, func, *, recompute: bool = False) -> bool:
+    def keeps(self, func) -> bool:
         if func in MATMUL_OPS:
-            self.matmuls[recompute] += 1
-            return self.matmuls[recompute] % 2 == 1
+            self.matmuls += 1
+            return self.matmuls % 2 == 1
         return func in KEPT_OPS
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        keep = self.keeps(func, recompute=ctx.is_recompute)
+        keep = self.keeps(func)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -10,7 +10,7 @@ calibrate measures it on real steps:
 - `step_costs`: the configured model (`scaletrain calibrate CONFIG`; else the built-in GPT
   `tiny`) trained for real by one process at four micro-batches (a quarter, half, once and
   twice the configured one: the sizes a layout's chunks run at), one thread, each in a
-  fresh process (so that the calibration's own large buffers do not hide the rise). This
+  fresh process (the calibration's own large buffers out of its heap). This
   is the profiling-based cost model of layout searchers (Galvatron, Alpa): the model is
   measured once on one process, and every distributed layout is predicted from that.
   Each step's time less its matmuls (FLOPs over the measured rate) and its optimizer pass
@@ -223,9 +223,8 @@ def slack_probe(
     if settled is None:  # the launcher refused it: no slack measured
         return {}
     pred, train = settled
-    peak = max(r["window_peak_above_baseline_bytes"] for r in train)
+    peak, live = _settled_peak(pred, train)
     memory = pred.memory_bytes
-    live = memory["peak"] - memory["params"] - memory["runtime"]
     ratio = max(1.0, (peak + memory["grads"]) / live)
     say(
         f"DDP on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
@@ -277,12 +276,8 @@ def sharded_probes(
         if settled is None:
             continue
         pred, train = settled
-        peak = max(r["window_peak_above_baseline_bytes"] for r in train)
-        memory = pred.memory_bytes
-        # the live tensors: the baseline holds the parameters, and the CPU's runtime terms
-        # are what this fit is beside
-        live = memory["peak"] - memory["params"] - memory["runtime"]
-        stage = memory["params"] * 2  # the one stage's whole parameters
+        peak, live = _settled_peak(pred, train)
+        stage = pred.memory_bytes["params"] * 2  # the one stage's whole parameters
         beyond = peak - live - profile.rss_fixed - getattr(profile.link(2), f"{kind}_rss")
         fields[f"{kind}_rss_per_byte"] = max(0.0, beyond / stage)
         say(
@@ -347,6 +342,15 @@ def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
         launch(world, sharded_worker, data, parallel, steps, accumulation, tmp)
         rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     return pred, [r for r in rows if r.get("kind") == "train"]
+
+
+def _settled_peak(pred, train: list[dict]) -> tuple[int, int]:
+    """(the probe's largest logged peak above baseline; the planner's live bytes for it:
+    its peak less the parameters, which the baseline holds, and less the CPU's runtime
+    terms, which the probes' fits are beside)."""
+    memory = pred.memory_bytes
+    peak = max(r["window_peak_above_baseline_bytes"] for r in train)
+    return peak, memory["peak"] - memory["params"] - memory["runtime"]
 
 
 def _excess(pred, train: list[dict], kind: str) -> tuple[float, int]:
