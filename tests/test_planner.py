@@ -406,6 +406,93 @@ def test_the_step_cost_fit_is_least_squares_over_every_micro_batch_and_never_neg
     assert q == 0.0 and p == pytest.approx((1000 * 0.020 + 1200 * 0.021) / (1000**2 + 1200**2))
 
 
+def _at_the_barrier(*, barrier):
+    """A process of run_together: its pid, once every process has reached the barrier."""
+    import os
+
+    barrier.wait(timeout=60)
+    return os.getpid()
+
+
+def _one_fails(marker: str, *, barrier):
+    """The first process to create `marker` waits at the barrier; the other fails."""
+    import os
+
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        raise ValueError("the reference model could not be built") from None
+    barrier.wait(timeout=60)
+
+
+def _dies(*, barrier):
+    import os
+
+    os._exit(3)  # as a process killed by the kernel: no error to report
+
+
+def test_the_reference_steps_run_side_by_side_each_begun_together(tmp_path):
+    """run_together starts its processes at once: a barrier of 2 parties lets both through
+    only when both wait at it (run one after the other, the first would wait 60 s and
+    fail). One process's error is raised in the caller (the other's wait broken), and a
+    process that dies without a word fails the call."""
+    from scaletrain.planner.reference import run_together
+
+    pids = run_together(_at_the_barrier, (), 2)
+    assert len(set(pids)) == 2
+    with pytest.raises(RuntimeError, match="could not be built|BrokenBarrierError"):
+        run_together(_one_fails, (str(tmp_path / "first"),), 2)
+    with pytest.raises(RuntimeError, match="exit code 3"):
+        run_together(_dies, (), 1)
+
+
+def test_the_reference_step_is_the_slowest_of_the_processes_side_by_side(monkeypatch):
+    """step_costs runs each micro-batch's reference in `concurrent` processes at once and
+    fits the slowest one's step (a synchronous step waits for it): the same fit as one
+    process alone at that time."""
+    import scaletrain.planner.reference as ref
+
+    seen = []
+
+    def together(fn, args, n):
+        seen.append((args[1], n))
+        return [{"step_s": 0.05 * args[1]}, {"step_s": 0.1 * args[1]}]
+
+    def fit(concurrent):
+        flops = {"fp32": 1e10, "bf16": 1e10, "fp64": 5e9}
+        return ref.step_costs(
+            RAW, flops=flops, memory_bw=1e10, concurrent=concurrent, say=lambda *_: None
+        )
+
+    monkeypatch.setattr(ref, "run_together", together)
+    side_by_side = fit(2)
+    assert seen == [(1, 2), (2, 2), (4, 2), (8, 2)]
+    monkeypatch.setattr(ref, "run_together", lambda fn, args, n: [{"step_s": 0.1 * args[1]}])
+    assert side_by_side == fit(1)
+    assert side_by_side["op_s"] > 0 or side_by_side["byte_s"] > 0
+
+
+def test_a_reference_step_runs_under_the_heap_policy_the_run_would_apply(monkeypatch):
+    """The reference's steps are timed under the run's CPU heap policy (train.allocator),
+    chosen by the model's size as the trainer chooses it: glibc's defaults map and unmap
+    every large block each step, which a run under `retain` never pays."""
+    import scaletrain.allocator as allocator
+    from scaletrain.planner.reference import step_worker
+
+    applied = []
+    monkeypatch.setattr(
+        allocator, "configure_allocator", lambda mode, **k: applied.append((mode, k)) or mode
+    )
+    threads = torch.get_num_threads()
+    try:
+        got = step_worker(RAW | {"train": {**RAW["train"], "allocator": "retain"}}, 2, steps=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert got["step_s"] > 0
+    ((mode, kwargs),) = applied
+    assert mode == "retain" and kwargs["device_type"] == "cpu" and kwargs["model_bytes"] > 0
+
+
 RAW = {
     "model": {"name": "gpt", "size": "tiny"},
     "data": {"source": "wikitext", "seq_len": 32},
@@ -793,7 +880,11 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     links = {2: {"fsdp_call_s": 7e-3}, 4: {"fsdp_call_s": 9e-3, "fsdp_pair_call_s": 6e-3}}
     monkeypatch.setattr(cal, "matmul_rate", lambda dtype, shapes: 1e10)
     monkeypatch.setattr(cal, "memory_bandwidth", lambda: 1e10)
-    monkeypatch.setattr(cal, "step_costs", lambda *a, **k: costs)
+    concurrent = []
+    monkeypatch.setattr(
+        cal, "step_costs", lambda *a, **k: concurrent.append(k["concurrent"]) or costs
+    )
+    monkeypatch.setattr(cal.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(cal, "measure_collectives", stack)
     monkeypatch.setattr(cal, "measure_first_use", lambda world: {"fsdp_rss": 0, "tp_rss": 0})
     probed = []
@@ -807,6 +898,7 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     monkeypatch.setattr(cal, "slack_probe", lambda *a, **k: slack)
     got = cal.calibrate(worlds=[2, 4], shapes=None, name="t", say=lambda *_: None)
     assert probed == [(2, 4)]
+    assert concurrent == [2]  # the reference side by side on the 2 cores 4 ranks keep busy
     assert (got.rss_fixed, got.rss_ratio) == (0.0, 1.25)
     assert (got.intra[2].fsdp_call_s, got.intra[2].tp_call_s) == (7e-3, 4e-3)  # tp: no probe
     assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (9e-3, 8e-3)

@@ -174,7 +174,10 @@ def calibrate(
         say(f"matmul {key}: {flops[key] / 1e9:.1f} GFLOP/s per core")
     bw = memory_bandwidth()
     say(f"memory bandwidth: {bw / 1e9:.1f} GB/s")
-    costs = step_costs(reference, flops=flops, memory_bw=bw, say=say)
+    cores = len(os.sched_getaffinity(0))
+    # the reference steps as the busiest world's ranks run them: side by side on its cores
+    busy = min(cores, max(worlds))
+    costs = step_costs(reference, flops=flops, memory_bw=bw, concurrent=busy, say=say)
     say(
         f"beyond the matmuls: {costs['op_s'] * 1e6:.1f} us per op, "
         f"{costs['byte_s'] * 1e9:.3f} ns per byte written"
@@ -201,7 +204,6 @@ def calibrate(
             tp_call_s=calls["tp_call_s"],
             **first,
         )
-    cores = len(os.sched_getaffinity(0))
     profile = Profile(
         name=name,
         flops=flops,

@@ -8,11 +8,17 @@ threads take stacks, kernels their scratch). None of this shows in a matmul benc
 calibrate measures it on real steps:
 
 - `step_costs`: the configured model (`scaletrain calibrate CONFIG`; else the built-in GPT
-  `tiny`) trained for real by one process at four micro-batches (a quarter, half, once and
-  twice the configured one: the sizes a layout's chunks run at), one thread, each in a
-  fresh process (the calibration's own large buffers out of its heap). This
-  is the profiling-based cost model of layout searchers (Galvatron, Alpa): the model is
-  measured once on one process, and every distributed layout is predicted from that.
+  `tiny`) trained for real at four micro-batches (a quarter, half, once and twice the
+  configured one: the sizes a layout's chunks run at), one thread, under the heap policy
+  the run would apply (allocator.py), in fresh processes (the calibration's own large
+  buffers out of their heap): as many at once, each step begun together, as the cores
+  a world's ranks keep busy, and the slowest one's median step kept. Ranks share the
+  machine's caches and memory bandwidth, and a synchronous step waits for the slowest.
+  Measured on a 2-core AMD EPYC VM (avx2, no avx512), GPT small at micro-batch 8: one
+  process alone under glibc's defaults 115.6 ms a step, where its 2-rank DDP run took
+  178 ms (BENCHMARKS.md, the planner). This is the profiling-based cost model of layout
+  searchers (Galvatron, Alpa): the model is measured once, and every distributed layout
+  is predicted from that.
   Each step's time less its matmuls (FLOPs over the measured rate) and its optimizer pass
   is fitted to ops x op_s + bytes written x byte_s by least squares, neither below 0
   (`_nonneg_fit`), with the forward's ops and written bytes counted by the planner's own
@@ -91,12 +97,15 @@ def reference_batches(data: dict) -> tuple[int, ...]:
     return tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb, 2 * mb}))
 
 
-def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
-    """One fresh process: the reference trained `steps` steps on one thread; the median step
-    time after two warm-up steps."""
+def step_worker(data: dict, micro_batch: int, steps: int = 12, barrier=None) -> dict:
+    """One fresh process: the reference trained `steps` steps on one thread, under the heap
+    policy the run would apply; the median step time after two warm-up steps. With a
+    `barrier` (multiprocessing's), each step begins when every process sharing it is ready,
+    as a synchronous rank's does, and the wait is not timed."""
+    from scaletrain.allocator import configure_allocator
     from scaletrain.planner import build_for_plan
     from scaletrain.precision import make_precision
-    from scaletrain.training.assemble import build_net, build_objective
+    from scaletrain.training.assemble import build_net, build_objective, tensor_bytes
     from scaletrain.training.optim import build_optimizer
     from scaletrain.training.step import forward
 
@@ -105,6 +114,7 @@ def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
     dataset, _ = build_for_plan(config)
     precision = make_precision(config.precision.mode, device_type="cpu")
     net = build_net(config, dataset)
+    configure_allocator(config.train.allocator, device_type="cpu", model_bytes=tensor_bytes(net))
     model, loss_fn, _ = build_objective(config, net, dataset, precision=precision)
     model = precision.convert_module(model)
     o = config.optim
@@ -114,6 +124,8 @@ def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
     batch = dataset.get(torch.arange(micro_batch) % len(dataset))
     times = []
     for _ in range(steps):
+        if barrier is not None:
+            barrier.wait(timeout=BARRIER_S)
         t = time.perf_counter()
         with precision.forward_context():
             loss, _ = loss_fn(forward(model, batch, precision), batch)
@@ -125,32 +137,81 @@ def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
 
 
 def step_costs(
-    data: dict | None, *, flops: dict[str, float], memory_bw: float, say=print
+    data: dict | None,
+    *,
+    flops: dict[str, float],
+    memory_bw: float,
+    concurrent: int = 1,
+    say=print,
 ) -> dict[str, float]:
-    """op_s and byte_s fitted from the reference's real steps (module docstring), each run
-    in a fresh process. `data`: the config as a dict (None: GPT tiny)."""
-    import multiprocessing
-
+    """op_s and byte_s fitted from the reference's real steps (module docstring), run in
+    `concurrent` fresh processes at once (the cores a world's ranks keep busy), the slowest
+    one's median kept. `data`: the config as a dict (None: GPT tiny)."""
     from scaletrain.hardware import Profile
     from scaletrain.planner import predict_configured
 
     data = data or GPT_TINY
-    ctx = multiprocessing.get_context("spawn")
     # the planner's own prediction with no per-op or per-byte terms: what the fit adds to
     bare = Profile(name="bare", flops=flops, memory_bytes=2**62, memory_bw=memory_bw, cores=1)
     rows = []
     for mb in reference_batches(data):
-        with ctx.Pool(1) as pool:
-            got = pool.apply(step_worker, (data, mb))
+        step_s = max(r["step_s"] for r in run_together(step_worker, (data, mb), concurrent))
         config = reference_config(data, mb)
         pred = predict_configured(config, world_size=1, profile=bare)
-        rows.append((pred.ops, pred.written, got["step_s"] - pred.step_time_s))
+        rows.append((pred.ops, pred.written, step_s - pred.step_time_s))
         say(
             f"reference step ({config.model.name} {config.model.size or ''}, micro-batch {mb}, "
-            f"1 thread): {got['step_s'] * 1e3:.1f} ms"
+            f"1 thread, {concurrent} at once): {step_s * 1e3:.1f} ms"
         )
     op_s, byte_s = _nonneg_fit(rows)
     return {"op_s": op_s, "byte_s": byte_s}
+
+
+BARRIER_S = 600.0  # a process of `run_together` that waits longer at a step has failed
+
+
+def run_together(fn, args: tuple, n: int) -> list:
+    """`fn(*args, barrier=...)` in `n` fresh processes at once (spawned), their steps begun
+    together by the barrier; their results, or the first one's error raised here. A
+    process that dies fails this call at once (and the others' barrier in BARRIER_S); one
+    that hangs, after 2 x BARRIER_S."""
+    import multiprocessing
+    import queue
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_report, args=(fn, args, barrier, results)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 2 * BARRIER_S
+    got: list = []
+    try:
+        while len(got) < n:
+            try:
+                got.append(results.get(timeout=1.0))
+            except queue.Empty:
+                died = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if died or time.monotonic() > deadline:
+                    why = f"exit code {died[0]}" if died else f"no result in {2 * BARRIER_S:.0f} s"
+                    raise RuntimeError(f"{fn.__name__}: a process failed ({why})") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = [g for g in got if isinstance(g, str)]
+    if errors:
+        raise RuntimeError(f"{fn.__name__} failed: {errors[0]}")
+    return got
+
+
+def _report(fn, args: tuple, barrier, results) -> None:
+    """One process of `run_together`: its result, or its error as text, on `results`."""
+    try:
+        results.put(fn(*args, barrier=barrier))
+    except BaseException as e:  # reported to the parent, which raises it
+        barrier.abort()  # the others stop waiting for this one
+        results.put(f"{type(e).__name__}: {e}")
 
 
 SETTLE_STEPS = 160  # steps after which an FSDP2 rank's resident peak has stopped rising
