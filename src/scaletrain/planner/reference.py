@@ -15,10 +15,10 @@ calibrate measures it on real steps:
   a world's ranks keep busy, and the slowest one's median step kept. Ranks share the
   machine's caches and memory bandwidth, and a synchronous step waits for the slowest.
   Measured on a 2-core AMD EPYC VM (avx2, no avx512), GPT small at micro-batch 8: one
-  process alone under glibc's defaults 115.6 ms a step, where its 2-rank DDP run took
-  178 ms (BENCHMARKS.md, the planner). This is the profiling-based cost model of layout
-  searchers (Galvatron, Alpa): the model is measured once, and every distributed layout
-  is predicted from that.
+  process alone under glibc's defaults 115.6 ms a step, two side by side under the run's
+  `retain` 146.7 ms, its 2-rank DDP run 178 ms with its all-reduce (BENCHMARKS.md, the
+  planner). This is the profiling-based cost model of layout searchers (Galvatron,
+  Alpa): the model is measured once, and every distributed layout is predicted from that.
   Each step's time less its matmuls (FLOPs over the measured rate) and its optimizer pass
   is fitted to ops x op_s + bytes written x byte_s by least squares, neither below 0
   (`_nonneg_fit`), with the forward's ops and written bytes counted by the planner's own
