@@ -199,10 +199,15 @@ def run_together(fn, args: tuple, n: int) -> list:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    errors = [g for g in got if isinstance(g, str)]
+    # the error that broke the barrier before the waits it broke
+    errors = sorted((g for g in got if isinstance(g, str)), key=_broken_wait)
     if errors:
         raise RuntimeError(f"{fn.__name__} failed: {errors[0]}")
     return got
+
+
+def _broken_wait(error: str) -> bool:
+    return error.startswith("BrokenBarrierError")
 
 
 def _report(fn, args: tuple, barrier, results) -> None:
