@@ -406,44 +406,31 @@ def test_the_step_cost_fit_is_least_squares_over_every_micro_batch_and_never_neg
     assert q == 0.0 and p == pytest.approx((1000 * 0.020 + 1200 * 0.021) / (1000**2 + 1200**2))
 
 
-def _at_the_barrier(*, barrier):
-    """A process of run_together: its pid, once every process has reached the barrier."""
-    import os
+def test_the_reference_steps_run_side_by_side_as_ranks_each_begun_together(monkeypatch):
+    """calibrate's reference runs as ranks do: started side by side by torch's elastic
+    agent (calibrate._launch) into one gloo group, where each step waits at a barrier of
+    all of them, so that every step begins together; a process alone waits at none."""
+    import torch.distributed as dist
 
-    barrier.wait(timeout=60)
-    return os.getpid()
+    from scaletrain.planner.calibrate import _launch
+    from scaletrain.planner.held import fake_world
+    from scaletrain.planner.reference import reference_rank, step_worker
 
+    got = _launch(2, reference_rank, RAW, 2, 3)
+    assert sorted(got) == [0, 1] and all(r["step_s"] > 0 for r in got.values())
 
-def _one_fails(marker: str, *, barrier):
-    """The first process to create `marker` waits at the barrier; the other fails."""
-    import os
-
+    waits = []
+    barrier = dist.barrier
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: waits.append(1) or barrier(*a, **k))
+    threads = torch.get_num_threads()
     try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-    except FileExistsError:
-        raise ValueError("the reference model could not be built") from None
-    barrier.wait(timeout=60)
-
-
-def _dies(*, barrier):
-    import os
-
-    os._exit(3)  # as a process killed by the kernel: no error to report
-
-
-def test_the_reference_steps_run_side_by_side_each_begun_together(tmp_path):
-    """run_together starts its processes at once: a barrier of 2 parties lets both through
-    only when both wait at it (run one after the other, the first would wait 60 s and
-    fail). One process's error is raised in the caller (the other's wait broken), and a
-    process that dies without a word fails the call."""
-    from scaletrain.planner.reference import run_together
-
-    pids = run_together(_at_the_barrier, (), 2)
-    assert len(set(pids)) == 2
-    with pytest.raises(RuntimeError, match="could not be built"):
-        run_together(_one_fails, (str(tmp_path / "first"),), 2)
-    with pytest.raises(RuntimeError, match="exit code 3"):
-        run_together(_dies, (), 1)
+        with fake_world(2, 0):
+            step_worker(RAW, 2, steps=3)
+        assert len(waits) == 3
+        step_worker(RAW, 2, steps=3)
+        assert len(waits) == 3
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_reference_step_is_the_slowest_of_the_processes_side_by_side(monkeypatch):
@@ -454,21 +441,22 @@ def test_the_reference_step_is_the_slowest_of_the_processes_side_by_side(monkeyp
 
     seen = []
 
-    def together(fn, args, n):
-        seen.append((args[1], n))
-        return [{"step_s": 0.05 * args[1]}, {"step_s": 0.1 * args[1]}]
+    def together(n, fn, data, mb):
+        seen.append((fn, mb, n))
+        return {0: {"step_s": 0.05 * mb}, 1: {"step_s": 0.1 * mb}}
 
-    def fit(concurrent):
+    def alone(n, fn, data, mb):
+        return {0: {"step_s": 0.1 * mb}}
+
+    def fit(concurrent, launch):
         flops = {"fp32": 1e10, "bf16": 1e10, "fp64": 5e9}
         return ref.step_costs(
-            RAW, flops=flops, memory_bw=1e10, concurrent=concurrent, say=lambda *_: None
+            RAW, flops=flops, memory_bw=1e10, concurrent=concurrent, launch=launch, say=print
         )
 
-    monkeypatch.setattr(ref, "run_together", together)
-    side_by_side = fit(2)
-    assert seen == [(1, 2), (2, 2), (4, 2), (8, 2)]
-    monkeypatch.setattr(ref, "run_together", lambda fn, args, n: [{"step_s": 0.1 * args[1]}])
-    assert side_by_side == fit(1)
+    side_by_side = fit(2, together)
+    assert seen == [(ref.reference_rank, mb, 2) for mb in (1, 2, 4, 8)]
+    assert side_by_side == fit(1, alone)
     assert side_by_side["op_s"] > 0 or side_by_side["byte_s"] > 0
 
 

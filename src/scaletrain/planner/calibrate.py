@@ -177,7 +177,9 @@ def calibrate(
     cores = len(os.sched_getaffinity(0))
     # the reference steps as the busiest world's ranks run them: side by side on its cores
     busy = min(cores, max(worlds))
-    costs = step_costs(reference, flops=flops, memory_bw=bw, concurrent=busy, say=say)
+    costs = step_costs(
+        reference, flops=flops, memory_bw=bw, concurrent=busy, launch=_launch, say=say
+    )
     say(
         f"beyond the matmuls: {costs['op_s'] * 1e6:.1f} us per op, "
         f"{costs['byte_s'] * 1e9:.3f} ns per byte written"

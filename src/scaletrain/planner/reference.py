@@ -11,8 +11,9 @@ calibrate measures it on real steps:
   `tiny`) trained for real at four micro-batches (a quarter, half, once and twice the
   configured one: the sizes a layout's chunks run at), one thread, under the heap policy
   the run would apply (allocator.py), in fresh processes (the calibration's own large
-  buffers out of their heap): as many at once, each step begun together, as the cores
-  a world's ranks keep busy, and the slowest one's median step kept. Ranks share the
+  buffers out of their heap): as many side by side as the cores a world's ranks keep
+  busy, started as ranks by torch's elastic agent, each step begun together (a gloo
+  barrier, not timed), and the slowest one's median step kept. Ranks share the
   machine's caches and memory bandwidth, and a synchronous step waits for the slowest.
   Measured on a 2-core AMD EPYC VM (avx2, no avx512), GPT small at micro-batch 8: one
   process alone under glibc's defaults 115.6 ms a step, two side by side under the run's
@@ -97,11 +98,20 @@ def reference_batches(data: dict) -> tuple[int, ...]:
     return tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb, 2 * mb}))
 
 
-def step_worker(data: dict, micro_batch: int, steps: int = 12, barrier=None) -> dict:
+def reference_rank(data: dict, micro_batch: int, steps: int = 12) -> dict:
+    """One of the reference's processes side by side (started by torch's elastic agent):
+    `step_worker` in their gloo group, so that each step begins with the others'."""
+    with gloo_group():
+        return step_worker(data, micro_batch, steps)
+
+
+def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
     """One fresh process: the reference trained `steps` steps on one thread, under the heap
-    policy the run would apply; the median step time after two warm-up steps. With a
-    `barrier` (multiprocessing's), each step begins when every process sharing it is ready,
-    as a synchronous rank's does, and the wait is not timed."""
+    policy the run would apply; the median step time after two warm-up steps. In a process
+    group (`reference_rank`), each step begins when every process in it is ready, as a
+    synchronous rank's does (a barrier, not timed)."""
+    import torch.distributed as dist
+
     from scaletrain.allocator import configure_allocator
     from scaletrain.planner import build_for_plan
     from scaletrain.precision import make_precision
@@ -124,8 +134,8 @@ def step_worker(data: dict, micro_batch: int, steps: int = 12, barrier=None) -> 
     batch = dataset.get(torch.arange(micro_batch) % len(dataset))
     times = []
     for _ in range(steps):
-        if barrier is not None:
-            barrier.wait(timeout=BARRIER_S)
+        if dist.is_initialized():
+            dist.barrier()
         t = time.perf_counter()
         with precision.forward_context():
             loss, _ = loss_fn(forward(model, batch, precision), batch)
@@ -141,12 +151,14 @@ def step_costs(
     *,
     flops: dict[str, float],
     memory_bw: float,
-    concurrent: int = 1,
+    concurrent: int,
+    launch,
     say=print,
 ) -> dict[str, float]:
     """op_s and byte_s fitted from the reference's real steps (module docstring), run in
-    `concurrent` fresh processes at once (the cores a world's ranks keep busy), the slowest
-    one's median kept. `data`: the config as a dict (None: GPT tiny)."""
+    `concurrent` fresh processes side by side (the cores a world's ranks keep busy), the
+    slowest one's median kept. `data`: the config as a dict (None: GPT tiny);
+    `launch(n, fn, *args)` starts ranks and returns rank -> result (calibrate._launch)."""
     from scaletrain.hardware import Profile
     from scaletrain.planner import predict_configured
 
@@ -155,7 +167,7 @@ def step_costs(
     bare = Profile(name="bare", flops=flops, memory_bytes=2**62, memory_bw=memory_bw, cores=1)
     rows = []
     for mb in reference_batches(data):
-        step_s = max(r["step_s"] for r in run_together(step_worker, (data, mb), concurrent))
+        step_s = max(r["step_s"] for r in launch(concurrent, reference_rank, data, mb).values())
         config = reference_config(data, mb)
         pred = predict_configured(config, world_size=1, profile=bare)
         rows.append((pred.ops, pred.written, step_s - pred.step_time_s))
@@ -165,58 +177,6 @@ def step_costs(
         )
     op_s, byte_s = _nonneg_fit(rows)
     return {"op_s": op_s, "byte_s": byte_s}
-
-
-BARRIER_S = 600.0  # a process of `run_together` that waits longer at a step has failed
-
-
-def run_together(fn, args: tuple, n: int) -> list:
-    """`fn(*args, barrier=...)` in `n` fresh processes at once (spawned), their steps begun
-    together by the barrier; their results, or the first one's error raised here. A
-    process that dies fails this call at once (and the others' barrier in BARRIER_S); one
-    that hangs, after 2 x BARRIER_S."""
-    import multiprocessing
-    import queue
-
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_report, args=(fn, args, barrier, results)) for _ in range(n)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 2 * BARRIER_S
-    got: list = []
-    try:
-        while len(got) < n:
-            try:
-                got.append(results.get(timeout=1.0))
-            except queue.Empty:
-                died = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if died or time.monotonic() > deadline:
-                    why = f"exit code {died[0]}" if died else f"no result in {2 * BARRIER_S:.0f} s"
-                    raise RuntimeError(f"{fn.__name__}: a process failed ({why})") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    # the error that broke the barrier before the waits it broke
-    errors = sorted((g for g in got if isinstance(g, str)), key=_broken_wait)
-    if errors:
-        raise RuntimeError(f"{fn.__name__} failed: {errors[0]}")
-    return got
-
-
-def _broken_wait(error: str) -> bool:
-    return error.startswith("BrokenBarrierError")
-
-
-def _report(fn, args: tuple, barrier, results) -> None:
-    """One process of `run_together`: its result, or its error as text, on `results`."""
-    try:
-        results.put(fn(*args, barrier=barrier))
-    except BaseException as e:  # reported to the parent, which raises it
-        barrier.abort()  # the others stop waiting for this one
-        results.put(f"{type(e).__name__}: {e}")
 
 
 SETTLE_STEPS = 160  # steps after which an FSDP2 rank's resident peak has stopped rising
