@@ -4,9 +4,9 @@ side, for a grid of layouts of the built-in GPT at two sizes and world sizes 2 a
 Each layout is trained for real (`scaletrain train`, its own run directory, the same steps,
 log.every windows) and predicted by the planner for the same config and world
 (`planner.predict_configured`), with the profile `scaletrain calibrate
-CONFIG` writes for that size first (the model's own steps on one process fit what a step
-costs beyond its matmuls; the collectives are measured per world size:
-planner/reference.py).
+CONFIG` writes for that size first (the model's own steps, in as many processes side by
+side as the busiest world keeps cores busy, fit what a step costs beyond its matmuls; the
+collectives are measured per world size: planner/reference.py).
 
 Measured: the median `step_time_s` of the logged windows after the first (warm-up), and the
 largest `window_peak_above_baseline_bytes` (the CPU has no allocator peak counter: the RSS
