@@ -433,6 +433,30 @@ def test_the_reference_steps_run_side_by_side_as_ranks_each_begun_together(monke
         torch.set_num_threads(threads)
 
 
+def test_a_reference_process_waits_out_the_slowest_build_and_step_up_to_its_own_bound(
+    monkeypatch,
+):
+    """The reference's gloo group lets a barrier wait STEP_WAIT_S (600 s), not the 120 s of
+    calibrate's other groups: it waits out the slowest process's model build and then its
+    steps, minutes for a large model on a CPU."""
+    import contextlib
+
+    import scaletrain.planner.reference as ref
+
+    seen = []
+    monkeypatch.setattr(
+        ref,
+        "gloo_group",
+        lambda timeout_s=120.0: seen.append(timeout_s) or contextlib.nullcontext(),
+    )
+    threads = torch.get_num_threads()
+    try:
+        assert ref.reference_rank(RAW, 2, 3)["step_s"] > 0
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [ref.STEP_WAIT_S] and ref.STEP_WAIT_S == 600.0
+
+
 def test_the_reference_step_is_the_slowest_of_the_processes_side_by_side(monkeypatch):
     """step_costs runs each micro-batch's reference in `concurrent` processes at once and
     fits the slowest one's step (a synchronous step waits for it): the same fit as one

@@ -98,10 +98,15 @@ def reference_batches(data: dict) -> tuple[int, ...]:
     return tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb, 2 * mb}))
 
 
+STEP_WAIT_S = 600.0  # a reference process that keeps the others waiting longer has failed
+
+
 def reference_rank(data: dict, micro_batch: int, steps: int = 12) -> dict:
     """One of the reference's processes side by side (started by torch's elastic agent):
-    `step_worker` in their gloo group, so that each step begins with the others'."""
-    with gloo_group():
+    `step_worker` in their gloo group, so that each step begins with the others'. A barrier
+    waits out the slowest process's model build and then its steps (a large model's on a
+    CPU: minutes), so up to STEP_WAIT_S before the group gives up on it."""
+    with gloo_group(timeout_s=STEP_WAIT_S):
         return step_worker(data, micro_batch, steps)
 
 
@@ -481,12 +486,12 @@ def first_use_worker(kind: str, *, units: int = 8, width: int = 64) -> int:
 
 
 @contextlib.contextmanager
-def gloo_group() -> Iterator[None]:
+def gloo_group(timeout_s: float = 120.0) -> Iterator[None]:
     """This rank's gloo group (the elastic agent's environment), closed on the way out; a
-    collective that waits 120 s raises instead of hanging calibrate."""
+    collective that waits `timeout_s` raises instead of hanging calibrate."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield
     finally:
