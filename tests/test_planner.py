@@ -416,8 +416,8 @@ def test_the_reference_steps_run_side_by_side_as_ranks_each_begun_together(monke
     from scaletrain.planner.held import fake_world
     from scaletrain.planner.reference import reference_rank, step_worker
 
-    got = _launch(2, reference_rank, RAW, 2, 3)
-    assert sorted(got) == [0, 1] and all(r["step_s"] > 0 for r in got.values())
+    got = _launch(2, reference_rank, RAW, (2,), 3)
+    assert sorted(got) == [0, 1] and all(r["step_s"][2] > 0 for r in got.values())
 
     waits = []
     barrier = dist.barrier
@@ -425,12 +425,36 @@ def test_the_reference_steps_run_side_by_side_as_ranks_each_begun_together(monke
     threads = torch.get_num_threads()
     try:
         with fake_world(2, 0):
-            step_worker(RAW, 2, steps=3)
-        assert len(waits) == 3
-        step_worker(RAW, 2, steps=3)
-        assert len(waits) == 3
+            step_worker(RAW, (1, 2), steps=3)
+        assert len(waits) == 6
+        step_worker(RAW, (1, 2), steps=3)
+        assert len(waits) == 6
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_reference_takes_its_micro_batches_in_turn_so_a_slow_minute_falls_on_each(
+    monkeypatch,
+):
+    """One process times every micro-batch, a step at each per round (round robin), not
+    all of one micro-batch's steps and then the next's: a minute in which the machine runs
+    slow lands on every micro-batch alike; a median step comes back for each."""
+    import scaletrain.training.step as step
+
+    order = []
+    real = step.forward
+    monkeypatch.setattr(
+        step, "forward", lambda m, b, p: order.append(len(b.inputs)) or real(m, b, p)
+    )
+    from scaletrain.planner.reference import step_worker
+
+    threads = torch.get_num_threads()
+    try:
+        got = step_worker(RAW, (1, 2, 4), steps=4)
+    finally:
+        torch.set_num_threads(threads)
+    assert order == [1, 2, 4] * 4
+    assert sorted(got["step_s"]) == [1, 2, 4] and all(v > 0 for v in got["step_s"].values())
 
 
 def test_a_reference_process_waits_out_the_slowest_build_and_step_up_to_its_own_bound(
@@ -451,26 +475,30 @@ def test_a_reference_process_waits_out_the_slowest_build_and_step_up_to_its_own_
     )
     threads = torch.get_num_threads()
     try:
-        assert ref.reference_rank(RAW, 2, 3)["step_s"] > 0
+        assert ref.reference_rank(RAW, (2,), 3)["step_s"][2] > 0
     finally:
         torch.set_num_threads(threads)
     assert seen == [ref.STEP_WAIT_S] and ref.STEP_WAIT_S == 600.0
 
 
 def test_the_reference_step_is_the_slowest_of_the_processes_side_by_side(monkeypatch):
-    """step_costs runs each micro-batch's reference in `concurrent` processes at once and
-    fits the slowest one's step (a synchronous step waits for it): the same fit as one
-    process alone at that time."""
+    """step_costs runs the reference's micro-batches in one launch of `concurrent`
+    processes at once and fits each micro-batch's slowest step (a synchronous step waits
+    for it; rank 1 is the slower at one micro-batch, rank 0 at the rest): the same fit as
+    one process alone at that time."""
     import scaletrain.planner.reference as ref
 
     seen = []
 
-    def together(n, fn, data, mb):
-        seen.append((fn, mb, n))
-        return {0: {"step_s": 0.05 * mb}, 1: {"step_s": 0.1 * mb}}
+    def together(n, fn, data, batches):
+        seen.append((fn, batches, n))
+        return {
+            0: {"step_s": {mb: 0.1 * mb - (0.07 if mb == 2 else 0.0) for mb in batches}},
+            1: {"step_s": {mb: 0.1 * mb if mb == 2 else 0.05 * mb for mb in batches}},
+        }
 
-    def alone(n, fn, data, mb):
-        return {0: {"step_s": 0.1 * mb}}
+    def alone(n, fn, data, batches):
+        return {0: {"step_s": {mb: 0.1 * mb for mb in batches}}}
 
     def fit(concurrent, launch):
         flops = {"fp32": 1e10, "bf16": 1e10, "fp64": 5e9}
@@ -479,7 +507,7 @@ def test_the_reference_step_is_the_slowest_of_the_processes_side_by_side(monkeyp
         )
 
     side_by_side = fit(2, together)
-    assert seen == [(ref.reference_rank, mb, 2) for mb in (1, 2, 4, 8)]
+    assert seen == [(ref.reference_rank, (1, 2, 4, 8), 2)]
     assert side_by_side == fit(1, alone)
     assert side_by_side["op_s"] > 0 or side_by_side["byte_s"] > 0
 
@@ -497,10 +525,10 @@ def test_a_reference_step_runs_under_the_heap_policy_the_run_would_apply(monkeyp
     )
     threads = torch.get_num_threads()
     try:
-        got = step_worker(RAW | {"train": {**RAW["train"], "allocator": "retain"}}, 2, steps=3)
+        got = step_worker(RAW | {"train": {**RAW["train"], "allocator": "retain"}}, (2,), steps=3)
     finally:
         torch.set_num_threads(threads)
-    assert got["step_s"] > 0
+    assert got["step_s"][2] > 0
     ((mode, kwargs),) = applied
     assert mode == "retain" and kwargs["device_type"] == "cpu" and kwargs["model_bytes"] > 0
 

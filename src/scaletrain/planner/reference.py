@@ -9,12 +9,16 @@ calibrate measures it on real steps:
 
 - `step_costs`: the configured model (`scaletrain calibrate CONFIG`; else the built-in GPT
   `tiny`) trained for real at four micro-batches (a quarter, half, once and twice the
-  configured one: the sizes a layout's chunks run at), one thread, under the heap policy
-  the run would apply (allocator.py), in fresh processes (the calibration's own large
-  buffers out of their heap): as many side by side as the cores a world's ranks keep
-  busy, started as ranks by torch's elastic agent, each step begun together (a gloo
-  barrier, not timed), and the slowest one's median step kept. Ranks share the
-  machine's caches and memory bandwidth, and a synchronous step waits for the slowest.
+  configured one: the sizes a layout's chunks run at) in turn, a step at each per round,
+  one thread, under the heap policy the run would apply (allocator.py), in fresh processes
+  (the calibration's own large buffers out of their heap): as many side by side as the
+  cores a world's ranks keep busy, started as ranks by torch's elastic agent, each step
+  begun together (a gloo barrier, not timed), and per micro-batch the slowest one's
+  median step kept. In turn, not one after another: this VM's speed moves by a quarter
+  from minute to minute, and a slow minute that fell on one micro-batch bent the fitted
+  line (GPT small's steps at micro-batch 4 and 8 were once measured 98 and 116 ms). Ranks
+  share the machine's caches and memory bandwidth, and a synchronous step waits for the
+  slowest.
   Measured on a 2-core AMD EPYC VM (avx2, no avx512), GPT small at micro-batch 8: one
   process alone under glibc's defaults 115.6 ms a step, two side by side under the run's
   `retain` 146.7 ms, its 2-rank DDP run 178 ms with its all-reduce (BENCHMARKS.md, the
@@ -101,20 +105,22 @@ def reference_batches(data: dict) -> tuple[int, ...]:
 STEP_WAIT_S = 600.0  # a reference process that keeps the others waiting longer has failed
 
 
-def reference_rank(data: dict, micro_batch: int, steps: int = 12) -> dict:
+def reference_rank(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> dict:
     """One of the reference's processes side by side (started by torch's elastic agent):
     `step_worker` in their gloo group, so that each step begins with the others'. A barrier
     waits out the slowest process's model build and then its steps (a large model's on a
     CPU: minutes), so up to STEP_WAIT_S before the group gives up on it."""
     with gloo_group(timeout_s=STEP_WAIT_S):
-        return step_worker(data, micro_batch, steps)
+        return step_worker(data, micro_batches, steps)
 
 
-def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
-    """One fresh process: the reference trained `steps` steps on one thread, under the heap
-    policy the run would apply; the median step time after two warm-up steps. In a process
-    group (`reference_rank`), each step begins when every process in it is ready, as a
-    synchronous rank's does (a barrier, not timed)."""
+def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> dict:
+    """One fresh process: the reference trained on one thread, under the heap policy the
+    run would apply, `steps` rounds of one step at each of `micro_batches` in turn (round
+    robin: a minute in which a shared machine runs slow falls on every micro-batch alike,
+    and bends the fitted line's level, not its slope); per micro-batch the median step time
+    after two warm-up rounds. In a process group (`reference_rank`), each step begins when
+    every process in it is ready, as a synchronous rank's does (a barrier, not timed)."""
     import torch.distributed as dist
 
     from scaletrain.allocator import configure_allocator
@@ -125,7 +131,7 @@ def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
     from scaletrain.training.step import forward
 
     torch.set_num_threads(1)
-    config = reference_config(data, micro_batch)
+    config = reference_config(data, max(micro_batches))
     dataset, _ = build_for_plan(config)
     precision = make_precision(config.precision.mode, device_type="cpu")
     net = build_net(config, dataset)
@@ -136,19 +142,20 @@ def step_worker(data: dict, micro_batch: int, steps: int = 12) -> dict:
     optimizer = build_optimizer(
         model, name=o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, momentum=o.momentum
     )
-    batch = dataset.get(torch.arange(micro_batch) % len(dataset))
-    times = []
+    batches = {mb: dataset.get(torch.arange(mb) % len(dataset)) for mb in micro_batches}
+    times: dict[int, list[float]] = {mb: [] for mb in micro_batches}
     for _ in range(steps):
-        if dist.is_initialized():
-            dist.barrier()
-        t = time.perf_counter()
-        with precision.forward_context():
-            loss, _ = loss_fn(forward(model, batch, precision), batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
-    return {"step_s": statistics.median(times[2:])}
+        for mb, batch in batches.items():
+            if dist.is_initialized():
+                dist.barrier()
+            t = time.perf_counter()
+            with precision.forward_context():
+                loss, _ = loss_fn(forward(model, batch, precision), batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times[mb].append(time.perf_counter() - t)
+    return {"step_s": {mb: statistics.median(t[2:]) for mb, t in times.items()}}
 
 
 def step_costs(
@@ -160,25 +167,28 @@ def step_costs(
     launch,
     say=print,
 ) -> dict[str, float]:
-    """op_s and byte_s fitted from the reference's real steps (module docstring), run in
-    `concurrent` fresh processes side by side (the cores a world's ranks keep busy), the
-    slowest one's median kept. `data`: the config as a dict (None: GPT tiny);
-    `launch(n, fn, *args)` starts ranks and returns rank -> result (calibrate._launch)."""
+    """op_s and byte_s fitted from the reference's real steps (module docstring), every
+    micro-batch in turn in `concurrent` fresh processes side by side (the cores a world's
+    ranks keep busy), each micro-batch's slowest median kept. `data`: the config as a dict
+    (None: GPT tiny); `launch(n, fn, *args)` starts ranks and returns rank -> result
+    (calibrate._launch)."""
     from scaletrain.hardware import Profile
     from scaletrain.planner import predict_configured
 
     data = data or GPT_TINY
     # the planner's own prediction with no per-op or per-byte terms: what the fit adds to
     bare = Profile(name="bare", flops=flops, memory_bytes=2**62, memory_bw=memory_bw, cores=1)
+    batches = reference_batches(data)
+    ranks = launch(concurrent, reference_rank, data, batches).values()
     rows = []
-    for mb in reference_batches(data):
-        step_s = max(r["step_s"] for r in launch(concurrent, reference_rank, data, mb).values())
+    for mb in batches:
+        step_s = max(r["step_s"][mb] for r in ranks)
         config = reference_config(data, mb)
         pred = predict_configured(config, world_size=1, profile=bare)
         rows.append((pred.ops, pred.written, step_s - pred.step_time_s))
         say(
             f"reference step ({config.model.name} {config.model.size or ''}, micro-batch {mb}, "
-            f"1 thread, {concurrent} at once): {step_s * 1e3:.1f} ms"
+            f"1 thread, {concurrent} at once, the micro-batches in turn): {step_s * 1e3:.1f} ms"
         )
     op_s, byte_s = _nonneg_fit(rows)
     return {"op_s": op_s, "byte_s": byte_s}
