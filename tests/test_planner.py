@@ -509,6 +509,8 @@ def test_the_reference_step_is_the_slowest_of_the_processes_side_by_side(monkeyp
     side_by_side = fit(2, together)
     assert seen == [(ref.reference_rank, (1, 2, 4, 8), 2)]
     assert side_by_side == fit(1, alone)
+    # the configured micro-batch's (4) slowest step: the machine's speed then, in the profile
+    assert side_by_side["reference_step_s"] == pytest.approx(0.4)
     assert side_by_side["op_s"] > 0 or side_by_side["byte_s"] > 0
 
 
@@ -810,6 +812,51 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
         assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)
 
 
+def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_reference_ran():
+    """A shared VM's speed moves: the reference step is timed again (`pace`: 2 ranks side
+    by side, as step_costs ran it) before the first probe and after each, and each probe's
+    steps are divided by the mean of the paces around it. Here the machine runs 1.0x and
+    2.0x as slow as at the reference in turn, each probe's steps 1.5x: the costs per step
+    and per call fitted are the machine's at the reference's speed, not 1.5x them."""
+    import dataclasses
+
+    from scaletrain.planner import predict_configured
+    from scaletrain.planner.reference import (
+        PACE_STEPS,
+        SHARDED_DIM,
+        reference_rank,
+        sharded_config,
+    )
+
+    profile = dataclasses.replace(_cpu_profile(), reference_step_s=0.2)
+    bare = _cpu_profile(fsdp_call_s=1e-12, tp_call_s=1e-12)
+    per_step, per_call = 0.25, 0.01
+    paces, launched = [], []
+
+    def launch(world, fn, data, *args):
+        if fn is reference_rank:
+            batches, steps = args
+            launched.append((world, batches, steps))
+            paces.append(2.0 if len(paces) % 2 else 1.0)
+            return {r: {"step_s": {mb: 0.2 * paces[-1] for mb in batches}} for r in range(world)}
+        parallel, steps, accumulation, run_dir = args
+        kind = "tp" if "tp" in parallel else "fsdp"
+        config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
+        pred = predict_configured(config, world_size=world, profile=bare)
+        step_s = pred.step_time_s + per_step + per_call * pred.calls_by_dim[SHARDED_DIM[kind]]
+        rows = [
+            {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 1.5 * t}
+            for t in (100.0, step_s, step_s)
+        ]
+        _probe_rows(run_dir, rows)
+
+    fields, links = _quiet_probes(launch, profile, steps=40, concurrent=2)
+    assert launched == [(2, (RAW["train"]["micro_batch"],), PACE_STEPS)] * 5  # 4 probes
+    for kind in ("fsdp", "tp"):
+        assert fields[f"{kind}_step_s"] == pytest.approx(per_step, rel=1e-6)
+        assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)
+
+
 def test_calibrate_times_groups_of_2_and_the_whole_world_on_larger_worlds():
     """On 4 ranks (2 cores), the probes time FSDP in groups of 2 (HSDP) and of 4, tensor
     parallelism in groups of 2 (with pipeline stages, each holding half the parameters):
@@ -929,16 +976,17 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     monkeypatch.setattr(cal, "measure_first_use", lambda world: {"fsdp_rss": 0, "tp_rss": 0})
     probed = []
 
-    def probes(*a, worlds, **k):
-        probed.append(worlds)
+    def probes(*a, worlds, concurrent, **k):
+        probed.append((worlds, concurrent))
         return dict(fields), links
 
     monkeypatch.setattr(cal, "sharded_probes", probes)
     slack = {"rss_fixed": 0.0, "rss_ratio": 1.25}
     monkeypatch.setattr(cal, "slack_probe", lambda *a, **k: slack)
     got = cal.calibrate(worlds=[2, 4], shapes=None, name="t", say=lambda *_: None)
-    assert probed == [(2, 4)]
-    assert concurrent == [2]  # the reference side by side on the 2 cores 4 ranks keep busy
+    # the reference side by side on the 2 cores 4 ranks keep busy, and so its paces
+    assert probed == [((2, 4), 2)]
+    assert concurrent == [2]
     assert (got.rss_fixed, got.rss_ratio) == (0.0, 1.25)
     assert (got.intra[2].fsdp_call_s, got.intra[2].tp_call_s) == (7e-3, 4e-3)  # tp: no probe
     assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (9e-3, 8e-3)

@@ -222,7 +222,12 @@ def calibrate(
         profile, **slack_probe(reference, launch=_launch, profile=profile, say=say)
     )
     fields, links = sharded_probes(
-        reference, launch=_launch, profile=profile, worlds=tuple(intra), say=say
+        reference,
+        launch=_launch,
+        profile=profile,
+        worlds=tuple(intra),
+        concurrent=busy,
+        say=say,
     )
     # the configured model's own costs per call replace the Linear stack's where a probe
     # measured them; the rest (a model without a TP plan, tp over a whole world > 2) keep

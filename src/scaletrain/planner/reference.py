@@ -191,7 +191,24 @@ def step_costs(
             f"1 thread, {concurrent} at once, the micro-batches in turn): {step_s * 1e3:.1f} ms"
         )
     op_s, byte_s = _nonneg_fit(rows)
-    return {"op_s": op_s, "byte_s": byte_s}
+    slowest = max(r["step_s"][_micro_batch(data)] for r in ranks)
+    return {"op_s": op_s, "byte_s": byte_s, "reference_step_s": slowest}
+
+
+PACE_STEPS = 8  # rounds of the reference step that time the machine's pace
+
+
+def pace(data: dict | None, *, launch, concurrent: int, profile) -> float:
+    """How much slower this machine runs now than when calibrate timed its reference: the
+    reference step at the configured micro-batch timed again (PACE_STEPS rounds, in
+    `concurrent` ranks side by side, as `step_costs` ran it) over the profile's
+    `reference_step_s`; 1 where the profile has none. `launch` as for `step_costs`."""
+    if not profile.reference_step_s:
+        return 1.0
+    data = data or GPT_TINY
+    mb = _micro_batch(data)
+    ranks = launch(concurrent, reference_rank, data, (mb,), PACE_STEPS).values()
+    return max(r["step_s"][mb] for r in ranks) / profile.reference_step_s
 
 
 SETTLE_STEPS = 160  # steps after which an FSDP2 rank's resident peak has stopped rising
@@ -281,6 +298,7 @@ def sharded_probes(
     launch,
     profile,
     worlds: tuple[int, ...] = (2,),
+    concurrent: int = 1,
     steps: int = SETTLE_STEPS,
     timed_steps: int = TIMED_STEPS,
     say=print,
@@ -301,22 +319,38 @@ def sharded_probes(
     (`{kind}_pair_call_s`: FSDP's with replicas, HSDP; tensor parallelism's with pipeline
     stages) and, for FSDP, of one group of all of them (`fsdp_call_s`): what their steps
     hold beyond the planner's, the stage's share of the per-step cost included.
+    Every step time is taken at the machine's speed when the profile's reference was timed:
+    the reference step is timed again (`pace`, in `concurrent` ranks side by side, as
+    step_costs ran it) before the first probe and after each, and a probe's steps are
+    divided by the mean of the paces around it. Without it, a minute in which this VM ran a
+    quarter slower put a quarter of the step into FSDP2's cost per step or per call.
     A probe the model cannot run (no TP plan) or with no calls planned fits nothing.
     `launch(world, fn, *args)` starts ranks (calibrate._launch); `profile`: this machine's so
-    far (its matmul rate, costs beyond the matmuls, slack, links and first use)."""
+    far (its matmul rate, costs beyond the matmuls, reference step, slack, links and first
+    use)."""
     import dataclasses
 
     data = data or GPT_TINY
     bare = _without_sharding_costs(profile)
     fields: dict[str, float] = {}
     links: dict[int, dict[str, float]] = {w: {} for w in worlds}
+    paces = [pace(data, launch=launch, concurrent=concurrent, profile=profile)]
+
+    def paced(parallel, world, n_steps, plan, accumulation=1):
+        """`_probe`, and the machine's pace over it (the mean of those around it)."""
+        run = _probe(data, parallel, world, n_steps, launch, plan, say, accumulation)
+        if run is None:
+            return None
+        paces.append(pace(data, launch=launch, concurrent=concurrent, profile=profile))
+        return (*run, (paces[-2] + paces[-1]) / 2)
+
     for kind in KINDS:
         fields[f"{kind}_rss_per_byte"] = 0.0
         pair = probe_parallel(kind, world=2, group=2)
-        settled = _probe(data, pair, 2, steps, launch, bare, say)
+        settled = paced(pair, 2, steps, bare)
         if settled is None:
             continue
-        pred, train = settled
+        pred, train, settled_pace = settled
         peak, live = _settled_peak(pred, train)
         stage = pred.memory_bytes["params"] * 2  # the one stage's whole parameters
         beyond = peak - live - profile.rss_fixed - getattr(profile.link(2), f"{kind}_rss")
@@ -327,13 +361,11 @@ def sharded_probes(
             f"{fields[f'{kind}_rss_per_byte']:.2f} x the stage's {stage / 2**20:.1f} MiB of "
             "parameters beyond the slack and first use"
         )
-        points = [_excess(pred, train, kind)]
+        points = [_excess(pred, train, settled_pace, kind)]
         if not points[0][1]:  # tp on a model whose blocks the planner cannot see: none planned
             continue
         twice = (  # each rank's examples in 2 micro-batches, where it has 2
-            _probe(data, pair, 2, timed_steps, launch, bare, say, 2)
-            if _micro_batch(data) >= 2
-            else None
+            paced(pair, 2, timed_steps, bare, 2) if _micro_batch(data) >= 2 else None
         )
         points += [_excess(*twice, kind)] if twice else []
         step_s, call_s = _nonneg_fit([(1.0, calls, excess) for excess, calls in points])
@@ -342,14 +374,16 @@ def sharded_probes(
         say(
             f"{kind} on 2 ranks: "
             + ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in points)
-            + f": {step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call"
+            + f": {step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call (the machine "
+            + ", ".join(f"{x:.2f}" for x in paces)
+            + "x as slow as at the reference, timed around the probes)"
         )
         # the plan for larger worlds holds the cost per step (the stage's share of it)
         stepped = dataclasses.replace(bare, **{f"{kind}_step_s": step_s})
         for world in (w for w in worlds if w > 2):
             for group in (2, world) if kind == "fsdp" else (2,):
                 parallel = probe_parallel(kind, world=world, group=group)
-                run = _probe(data, parallel, world, timed_steps, launch, stepped, say)
+                run = paced(parallel, world, timed_steps, stepped)
                 excess, calls = _excess(*run, kind) if run else (0.0, 0)
                 if not calls:
                     continue
@@ -358,7 +392,8 @@ def sharded_probes(
                 say(
                     f"{kind} as {parallel} on {world} ranks: {excess * 1e3:.1f} ms beyond the "
                     f"plan and its cost per step, {calls} calls: "
-                    f"{links[world][key] * 1e6:.0f} us a call"
+                    f"{links[world][key] * 1e6:.0f} us a call (the machine {run[2]:.2f}x as "
+                    "slow as at the reference)"
                 )
     return fields, links
 
@@ -394,10 +429,11 @@ def _settled_peak(pred, train: list[dict]) -> tuple[int, int]:
     return peak, memory["peak"] - memory["params"] - memory["runtime"]
 
 
-def _excess(pred, train: list[dict], kind: str) -> tuple[float, int]:
-    """(the median logged step time after the first window, which warms up, less the
-    planner's step; the step's `kind` collective calls)."""
-    step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
+def _excess(pred, train: list[dict], slower: float, kind: str) -> tuple[float, int]:
+    """(the median logged step time after the first window, which warms up, at the
+    profile's speed (over `slower`, the machine's pace then: `pace`), less the planner's
+    step; the step's `kind` collective calls)."""
+    step_s = statistics.median(r["step_time_s"] for r in train[1:] or train) / slower
     return step_s - pred.step_time_s, pred.calls_by_dim.get(SHARDED_DIM[kind], 0)
 
 
