@@ -18,17 +18,17 @@ already holds the parameters, and under DDP the gradients in its buckets, so the
 compared is the peak less those (`held_at_setup`).
 
 This VM's speed moves by a quarter from minute to minute, and the planner predicts at its
-speed when calibrate ran. So the bench times calibrate's reference step again before and
-after each run (`reference.pace`), and prints beside each row how much slower the machine
-ran than at calibrate (the mean of the two) and the step ratio at that pace (the predicted
-step times the pace over the measured one): what the planner's model missed, with the
-machine's drift taken out. The raw ratio is the one the summary counts first.
+speed when calibrate ran. So the bench times calibrate's reference again (a round of its
+micro-batches) before and after each run (`reference.pace`), and prints beside each row
+how much slower the machine ran than at calibrate (the mean of the two) and the step
+ratio at that pace (the predicted step times the pace over the measured one): what the
+planner's model missed, with the machine's drift taken out. The raw ratio is the one the
+summary counts first.
 
 Printed: every row, each ratio, the summary errors, and for each (size, world) whether
-the planner's pick is within 10% of the fastest measured layout and in the measured top
-3. --keep DIR keeps the configs, the
-profiles and every run directory; --from DIR predicts again for them (after a change to the
-planner) and trains nothing.
+the planner's pick is within 10% of the fastest measured layout and in the measured top 3.
+--keep DIR keeps the configs, the profiles, every run directory and its pace; --from DIR
+predicts again for them (after a change to the planner) and trains nothing.
 
     .venv/bin/python bench/plan.py [--sizes small,base] [--worlds 2,4] [--steps 160] [--every 10]
         [--keep DIR]
@@ -124,8 +124,8 @@ def measured(run_dir: Path) -> dict:
 
 
 def pace_now(cfg: Path, profile, busy: int) -> float:
-    """How much slower the machine runs now than when calibrate timed its reference
-    (calibrate's own measure, `busy` ranks side by side as it ran them: reference.pace)."""
+    """How much slower the machine runs now than when calibrate timed its reference (timed
+    again as calibrate timed it, `busy` ranks side by side: reference.pace)."""
     from scaletrain.config import load_config
     from scaletrain.planner.calibrate import _launch
     from scaletrain.planner.reference import pace

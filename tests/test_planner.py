@@ -509,8 +509,8 @@ def test_the_reference_step_is_the_slowest_of_the_processes_side_by_side(monkeyp
     side_by_side = fit(2, together)
     assert seen == [(ref.reference_rank, (1, 2, 4, 8), 2)]
     assert side_by_side == fit(1, alone)
-    # the configured micro-batch's (4) slowest step: the machine's speed then, in the profile
-    assert side_by_side["reference_step_s"] == pytest.approx(0.4)
+    # a round's steps (each micro-batch's slowest) summed: the machine's speed then
+    assert side_by_side["reference_round_s"] == pytest.approx(0.1 + 0.2 + 0.4 + 0.8)
     assert side_by_side["op_s"] > 0 or side_by_side["byte_s"] > 0
 
 
@@ -813,32 +813,34 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
 
 
 def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_reference_ran():
-    """A shared VM's speed moves: the reference step is timed again (`pace`: 2 ranks side
-    by side, as step_costs ran it) before the first probe and after each, and each probe's
-    steps are divided by the mean of the paces around it. Here the machine runs 1.0x and
-    2.0x as slow as at the reference in turn, each probe's steps 1.5x: the costs per step
-    and per call fitted are the machine's at the reference's speed, not 1.5x them."""
+    """A shared VM's speed moves: the reference is timed again (`pace`: its micro-batches in
+    turn in 2 ranks side by side, as step_costs ran it) before the first probe and after
+    each, and each probe's steps are divided by the mean of the paces around it. Here the
+    machine runs 1.0x and 2.0x as slow as at the reference in turn, each probe's steps
+    1.5x: the costs per step and per call fitted are the machine's at the reference's
+    speed, not 1.5x them."""
     import dataclasses
 
     from scaletrain.planner import predict_configured
     from scaletrain.planner.reference import (
-        PACE_STEPS,
         SHARDED_DIM,
+        reference_batches,
         reference_rank,
         sharded_config,
     )
 
-    profile = dataclasses.replace(_cpu_profile(), reference_step_s=0.2)
+    profile = dataclasses.replace(_cpu_profile(), reference_round_s=0.2)
     bare = _cpu_profile(fsdp_call_s=1e-12, tp_call_s=1e-12)
     per_step, per_call = 0.25, 0.01
     paces, launched = [], []
 
     def launch(world, fn, data, *args):
         if fn is reference_rank:
-            batches, steps = args
-            launched.append((world, batches, steps))
+            (batches,) = args
+            launched.append((world, batches))
             paces.append(2.0 if len(paces) % 2 else 1.0)
-            return {r: {"step_s": {mb: 0.2 * paces[-1] for mb in batches}} for r in range(world)}
+            step = {mb: 0.2 * paces[-1] / len(batches) for mb in batches}  # a round: 0.2 x pace
+            return {r: {"step_s": step} for r in range(world)}
         parallel, steps, accumulation, run_dir = args
         kind = "tp" if "tp" in parallel else "fsdp"
         config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
@@ -851,7 +853,8 @@ def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_refere
         _probe_rows(run_dir, rows)
 
     fields, links = _quiet_probes(launch, profile, steps=40, concurrent=2)
-    assert launched == [(2, (RAW["train"]["micro_batch"],), PACE_STEPS)] * 5  # 4 probes
+    # the reference's own round (its micro-batches in turn) before the probes and after each
+    assert launched == [(2, reference_batches(RAW))] * 5
     for kind in ("fsdp", "tp"):
         assert fields[f"{kind}_step_s"] == pytest.approx(per_step, rel=1e-6)
         assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)

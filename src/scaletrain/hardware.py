@@ -81,11 +81,11 @@ class Profile:
     # `flops`): a GPU's measured Maximum Achievable Matmul FLOPS over its datasheet peak; 1 on
     # a CPU, whose `flops` calibrate measured at the model's own shapes
     matmul_efficiency: float = 1.0
-    # CPU: calibrate's reference step at the configured micro-batch (the slowest of its ranks
-    # side by side), seconds: how fast this machine ran when it was measured, against which
-    # a later timing of the same step tells how much its speed has moved since (a shared VM's
-    # moves by a quarter from minute to minute); 0: not measured
-    reference_step_s: float = 0.0
+    # CPU: one round of calibrate's reference, its micro-batches' median steps summed (the
+    # slowest of its ranks side by side each), seconds: how fast this machine ran when it was
+    # measured, against which a later timing of the same round tells how much its speed has
+    # moved since (a shared VM's moves by a quarter from minute to minute); 0: not measured
+    reference_round_s: float = 0.0
     source: str = ""
 
     def link(self, group_size: int, *, spans_nodes: bool = False) -> Link:
@@ -183,7 +183,7 @@ _FLOAT_KEYS = (
     "fsdp_step_s",
     "tp_step_s",
     "matmul_efficiency",
-    "reference_step_s",
+    "reference_round_s",
 )
 
 

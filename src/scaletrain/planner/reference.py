@@ -178,11 +178,9 @@ def step_costs(
     data = data or GPT_TINY
     # the planner's own prediction with no per-op or per-byte terms: what the fit adds to
     bare = Profile(name="bare", flops=flops, memory_bytes=2**62, memory_bw=memory_bw, cores=1)
-    batches = reference_batches(data)
-    ranks = launch(concurrent, reference_rank, data, batches).values()
+    steps = reference_steps(data, launch=launch, concurrent=concurrent)
     rows = []
-    for mb in batches:
-        step_s = max(r["step_s"][mb] for r in ranks)
+    for mb, step_s in steps.items():
         config = reference_config(data, mb)
         pred = predict_configured(config, world_size=1, profile=bare)
         rows.append((pred.ops, pred.written, step_s - pred.step_time_s))
@@ -191,24 +189,30 @@ def step_costs(
             f"1 thread, {concurrent} at once, the micro-batches in turn): {step_s * 1e3:.1f} ms"
         )
     op_s, byte_s = _nonneg_fit(rows)
-    slowest = max(r["step_s"][_micro_batch(data)] for r in ranks)
-    return {"op_s": op_s, "byte_s": byte_s, "reference_step_s": slowest}
+    return {"op_s": op_s, "byte_s": byte_s, "reference_round_s": sum(steps.values())}
 
 
-PACE_STEPS = 8  # rounds of the reference step that time the machine's pace
+def reference_steps(data: dict, *, launch, concurrent: int) -> dict[int, float]:
+    """The reference's median step at each of its micro-batches (`reference_batches`, in
+    turn), in `concurrent` fresh ranks side by side: the slowest rank's each."""
+    batches = reference_batches(data)
+    ranks = launch(concurrent, reference_rank, data, batches).values()
+    return {mb: max(r["step_s"][mb] for r in ranks) for mb in batches}
 
 
 def pace(data: dict | None, *, launch, concurrent: int, profile) -> float:
     """How much slower this machine runs now than when calibrate timed its reference: the
-    reference step at the configured micro-batch timed again (PACE_STEPS rounds, in
-    `concurrent` ranks side by side, as `step_costs` ran it) over the profile's
-    `reference_step_s`; 1 where the profile has none. `launch` as for `step_costs`."""
-    if not profile.reference_step_s:
+    reference timed again exactly as `step_costs` timed it (its micro-batches in turn, the
+    same rounds and warm-up, in `concurrent` ranks side by side), one round's steps summed
+    over the profile's `reference_round_s`; 1 where the profile has none. A shorter timing
+    of one micro-batch alone (6 steps after 2 of warm-up) read 1.03-1.6x on a machine whose
+    runs were no slower: its first steps still grow the heap. `launch` as for
+    `step_costs`."""
+    if not profile.reference_round_s:
         return 1.0
     data = data or GPT_TINY
-    mb = _micro_batch(data)
-    ranks = launch(concurrent, reference_rank, data, (mb,), PACE_STEPS).values()
-    return max(r["step_s"][mb] for r in ranks) / profile.reference_step_s
+    now = reference_steps(data, launch=launch, concurrent=concurrent)
+    return sum(now.values()) / profile.reference_round_s
 
 
 SETTLE_STEPS = 160  # steps after which an FSDP2 rank's resident peak has stopped rising
