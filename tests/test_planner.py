@@ -735,7 +735,7 @@ def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_pa
             ]
             _probe_rows(run_dir, rows)
 
-        fields, _ = _quiet_probes(launch, _cpu_profile(), steps=20, timed_steps=30)
+        fields, *_ = _quiet_probes(launch, _cpu_profile(), steps=20, timed_steps=30)
         return {k: v for k, v in fields.items() if k.endswith("_per_byte")}
 
     assert measured(10**6) == {"fsdp_rss_per_byte": 0.0, "tp_rss_per_byte": 0.0}
@@ -802,7 +802,7 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
         ]
         _probe_rows(run_dir, rows)
 
-    fields, links = _quiet_probes(launch, profile, steps=40)
+    fields, links, _ = _quiet_probes(launch, profile, steps=40)
     for kind, calls in (("fsdp", 9), ("tp", 16)):
         config = sharded_config(RAW, probe_parallel(kind, world=2, group=2), steps=40)
         assert (
@@ -852,7 +852,8 @@ def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_refere
         ]
         _probe_rows(run_dir, rows)
 
-    fields, links = _quiet_probes(launch, profile, steps=40, concurrent=2)
+    fields, links, timed = _quiet_probes(launch, profile, steps=40, concurrent=2)
+    assert timed == paces == [1.0, 2.0, 1.0, 2.0, 1.0]
     # the reference's own round (its micro-batches in turn) before the probes and after each
     assert launched == [(2, reference_batches(RAW))] * 5
     for kind in ("fsdp", "tp"):
@@ -898,7 +899,7 @@ def test_calibrate_times_groups_of_2_and_the_whole_world_on_larger_worlds():
         rows = [{"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": step_s}] * 3
         _probe_rows(run_dir, rows)
 
-    fields, links = _quiet_probes(launch, profile, worlds=(2, 4), steps=40)
+    fields, links, _ = _quiet_probes(launch, profile, worlds=(2, 4), steps=40)
     assert (4, {"dp_shard": 2, "dp_replicate": 2}) in launched
     assert (4, {"dp_shard": 4}) in launched and (4, {"tp": 2, "pp": 2}) in launched
     assert fields["fsdp_step_s"] == pytest.approx(per_step, rel=1e-6)
@@ -954,11 +955,57 @@ def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_th
         assert planned(parallel, costly).comm_s - pred.comm_s == pytest.approx(step, rel=1e-9)
 
 
+def test_a_profile_slowed_by_a_factor_predicts_every_step_that_much_longer():
+    """hardware.slowed scales every rate and every time cost of a profile, none missed: each
+    layout's predicted step (matmuls, ops, bytes, optimizer, collectives' bytes and calls,
+    FSDP2's and DTensor's costs per step, on 4 ranks of 2 cores) is `factor` times as long,
+    and its memory the same."""
+    import dataclasses
+
+    from scaletrain.config import validate_config
+    from scaletrain.hardware import Link, slowed
+
+    base = _cpu_profile()
+    link4 = Link(
+        bus_bw=5e8,
+        latency_s=3e-4,
+        fsdp_call_s=0.05,
+        tp_call_s=0.07,
+        fsdp_pair_call_s=0.03,
+        tp_pair_call_s=0.04,
+    )
+    profile = dataclasses.replace(
+        base,
+        intra={**base.intra, 4: link4},
+        devices_per_node=4,
+        fsdp_step_s=0.2,
+        tp_step_s=0.3,
+        reference_round_s=0.5,
+    )
+    slow = slowed(profile, 1.5)
+    assert (
+        slow.reference_round_s == pytest.approx(0.75) and slow.memory_bytes == profile.memory_bytes
+    )
+    for parallel in (
+        {"dp_replicate": 4},
+        {"dp_shard": 2, "dp_replicate": 2},
+        {"dp_shard": 2, "tp": 2},
+        {"pp": 2, "tp": 2},
+        {"pp": 2, "dp_shard": 2},
+    ):
+        config = validate_config(
+            {**RAW, "train": {"micro_batch": 4, "global_batch": 16}, "parallel": parallel}
+        )
+        fast, slower = (_configured(config, p, world_size=4) for p in (profile, slow))
+        assert slower.step_time_s == pytest.approx(1.5 * fast.step_time_s, rel=1e-12), parallel
+        assert slower.memory_bytes == fast.memory_bytes
+
+
 def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     """calibrate keeps the Linear stack's cost per call where no probe measured the
     configured model's own (here tp: the probe was refused), and puts each probed one on
     the link of the world size it was measured on."""
-    from scaletrain.hardware import Link
+    from scaletrain.hardware import Link, slowed
     from scaletrain.planner import calibrate as cal
 
     def stack(world):
@@ -979,9 +1026,11 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     monkeypatch.setattr(cal, "measure_first_use", lambda world: {"fsdp_rss": 0, "tp_rss": 0})
     probed = []
 
+    paces = [1.0]  # the machine as fast as at the reference throughout
+
     def probes(*a, worlds, concurrent, **k):
         probed.append((worlds, concurrent))
-        return dict(fields), links
+        return dict(fields), links, paces
 
     monkeypatch.setattr(cal, "sharded_probes", probes)
     slack = {"rss_fixed": 0.0, "rss_ratio": 1.25}
@@ -995,6 +1044,11 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (9e-3, 8e-3)
     assert (got.intra[4].fsdp_pair_call_s, got.intra[4].tp_pair_call_s) == (6e-3, 0.0)
     assert (got.fsdp_rss_per_byte, got.tp_rss_per_byte, got.fsdp_step_s) == (1.5, 0.5, 0.02)
+    # the machine 1.2, 1.4, 0.9 and 1.3x as slow as at the reference at the paces timed
+    # around the probes: the profile is kept at the median with the reference's moment (1.2)
+    paces[:] = [1.2, 1.4, 0.9, 1.3]
+    slower = cal.calibrate(worlds=[2, 4], shapes=None, name="t", say=lambda *_: None)
+    assert slower == slowed(got, 1.2) and slower != got
 
 
 def test_calibrate_reads_the_resident_slack_off_a_ddp_probes_settled_peak():
@@ -1047,7 +1101,7 @@ def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):
         "data": {"source": "digits"},
         "train": {"micro_batch": 8, "global_batch": 16},
     }
-    fields, links = sharded_probes(
+    fields, links, _ = sharded_probes(
         cnn, launch=launch, profile=_cpu_profile(), steps=10, say=said.append
     )
     assert launched == [{"dp_shard": 2}, {"dp_shard": 2}]
@@ -1329,7 +1383,7 @@ def test_calibrate_fits_no_cost_per_call_to_a_probe_with_no_calls_planned(monkey
         row = {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 1.0}
         _probe_rows(args[-1], [row])
 
-    fields, links = sharded_probes(
+    fields, links, _ = sharded_probes(
         RAW, launch=launch, profile=_cpu_profile(), worlds=(2, 4), steps=10, say=print
     )
     assert set(fields) == {"fsdp_rss_per_byte", "tp_rss_per_byte"}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from scaletrain.errors import UserError
@@ -238,6 +238,27 @@ def profile_toml(profile: Profile) -> str:
     if data["inter"] is None:
         del data["inter"]
     return tomli_w.dumps(data)
+
+
+def slowed(profile: Profile, factor: float) -> Profile:
+    """`profile` on a machine `factor` times as slow: every rate over it (matmul FLOP/s,
+    memory and bus bandwidth), every time cost times it (latency, the costs per call, per
+    step, per op and per byte, the reference round); memory untouched. Every step the
+    planner predicts with it is `factor` times as long."""
+    timed = ("fsdp_call_s", "tp_call_s", "fsdp_pair_call_s", "tp_pair_call_s", "latency_s")
+
+    def link(x: Link) -> Link:
+        return replace(x, bus_bw=x.bus_bw / factor, **{k: getattr(x, k) * factor for k in timed})
+
+    costs = ("op_s", "byte_s", "fsdp_step_s", "tp_step_s", "reference_round_s")
+    return replace(
+        profile,
+        flops={k: v / factor for k, v in profile.flops.items()},
+        memory_bw=profile.memory_bw / factor,
+        intra={w: link(x) for w, x in profile.intra.items()},
+        inter=link(profile.inter) if profile.inter else None,
+        **{k: getattr(profile, k) * factor for k in costs},
+    )
 
 
 def default_profile(device_type: str) -> Profile | None:

@@ -54,7 +54,9 @@ calibrate measures it on real steps:
   block's FSDP2 copy-in and copy-out and its DTensor ops cost more than a Linear unit's).
   On each larger world size short runs time groups of 2 among its ranks and FSDP over
   all of them (`*_pair_call_s`, `fsdp_call_s` of its link): with more ranks than cores, a
-  call waits on fewer peers in a group of 2. Under
+  call waits on fewer peers in a group of 2. Each timed run's steps are taken at the
+  machine's speed when the reference ran (`pace`: the reference timed again before and
+  after it, against the profile's `reference_round_s`). Under
   either, glibc's heap keeps the holes that the per-unit gathered parameters and gradients
   leave between activations, and a rank settles higher than its live tensors, the slack and
   the first use explain, by an amount that grows with the model (BENCHMARKS.md, the
@@ -169,8 +171,9 @@ def step_costs(
 ) -> dict[str, float]:
     """op_s and byte_s fitted from the reference's real steps (module docstring), every
     micro-batch in turn in `concurrent` fresh processes side by side (the cores a world's
-    ranks keep busy), each micro-batch's slowest median kept. `data`: the config as a dict
-    (None: GPT tiny); `launch(n, fn, *args)` starts ranks and returns rank -> result
+    ranks keep busy), each micro-batch's slowest median kept; and reference_round_s, those
+    medians summed (what `pace` times again). `data`: the config as a dict (None: GPT
+    tiny); `launch(n, fn, *args)` starts ranks and returns rank -> result
     (calibrate._launch)."""
     from scaletrain.hardware import Profile
     from scaletrain.planner import predict_configured
@@ -206,8 +209,8 @@ def pace(data: dict | None, *, launch, concurrent: int, profile) -> float:
     same rounds and warm-up, in `concurrent` ranks side by side), one round's steps summed
     over the profile's `reference_round_s`; 1 where the profile has none. A shorter timing
     of one micro-batch alone (6 steps after 2 of warm-up) read 1.03-1.6x on a machine whose
-    runs were no slower: its first steps still grow the heap. `launch` as for
-    `step_costs`."""
+    runs were no slower (not explained: it warms up on fewer and smaller steps than the
+    reference did). `launch` as for `step_costs`."""
     if not profile.reference_round_s:
         return 1.0
     data = data or GPT_TINY
@@ -306,9 +309,9 @@ def sharded_probes(
     steps: int = SETTLE_STEPS,
     timed_steps: int = TIMED_STEPS,
     say=print,
-) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+) -> tuple[dict[str, float], dict[int, dict[str, float]], list[float]]:
     """What the configured model's own sharded steps show (module docstring), per `kind`
-    (fsdp, tp): (the profile's fields, each world size's link fields).
+    (fsdp, tp): (the profile's fields, each world size's link fields, the paces timed).
 
     On 2 ranks, `steps` steps (the resident peak settles):
     - `{kind}_rss_per_byte`: the largest logged peak above baseline, less what the planner
@@ -399,7 +402,7 @@ def sharded_probes(
                     f"{links[world][key] * 1e6:.0f} us a call (the machine {run[2]:.2f}x as "
                     "slow as at the reference)"
                 )
-    return fields, links
+    return fields, links, paces
 
 
 def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
