@@ -15,6 +15,11 @@
   resident bytes FSDP2 and DTensor hold per byte of parameters and their costs per step
   and per collective call on the model's own units, and on each larger world size the
   cost per call in groups of 2 and over the world.
+- The machine's pace: the reference timed again before the sharded probes and after each
+  (reference.pace), their steps taken at the reference's speed; and the whole profile
+  then kept at the median of those paces and the reference's own moment
+  (hardware.slowed): a shared VM's speed moves by a quarter from minute to minute, and a
+  profile is for the machine's typical speed, not one minute's.
 """
 
 from __future__ import annotations
