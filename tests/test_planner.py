@@ -701,6 +701,25 @@ def _cpu_profile(*, fsdp_call_s=0.0, tp_call_s=0.0):
     )
 
 
+def _four_rank_profile():
+    """_cpu_profile with a link for 4 ranks (on its 2 cores) whose FSDP and tensor-parallel
+    calls cost more over the whole world than in groups of 2."""
+    import dataclasses
+
+    from scaletrain.hardware import Link
+
+    base = _cpu_profile()
+    link4 = Link(
+        bus_bw=5e8,
+        latency_s=3e-4,
+        fsdp_call_s=0.05,
+        tp_call_s=0.07,
+        fsdp_pair_call_s=0.03,
+        tp_pair_call_s=0.04,
+    )
+    return dataclasses.replace(base, intra={**base.intra, 4: link4}, devices_per_node=4)
+
+
 def _probe_rows(run_dir, rows) -> None:
     import json
 
@@ -916,18 +935,9 @@ def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_th
     import dataclasses
 
     from scaletrain.config import validate_config
-    from scaletrain.hardware import Link
 
-    base = _cpu_profile()
-    link4 = Link(
-        bus_bw=5e8,
-        latency_s=3e-4,
-        fsdp_call_s=0.05,
-        tp_call_s=0.07,
-        fsdp_pair_call_s=0.03,
-        tp_pair_call_s=0.04,
-    )
-    profile = dataclasses.replace(base, intra={**base.intra, 4: link4}, devices_per_node=4)
+    profile = _four_rank_profile()
+    link4 = profile.intra[4]
     costly = dataclasses.replace(profile, fsdp_step_s=0.2, tp_step_s=0.3)
     no_calls = dataclasses.replace(
         link4, fsdp_call_s=1e-12, tp_call_s=1e-12, fsdp_pair_call_s=0.0, tp_pair_call_s=0.0
@@ -963,21 +973,10 @@ def test_a_profile_slowed_by_a_factor_predicts_every_step_that_much_longer():
     import dataclasses
 
     from scaletrain.config import validate_config
-    from scaletrain.hardware import Link, slowed
+    from scaletrain.hardware import slowed
 
-    base = _cpu_profile()
-    link4 = Link(
-        bus_bw=5e8,
-        latency_s=3e-4,
-        fsdp_call_s=0.05,
-        tp_call_s=0.07,
-        fsdp_pair_call_s=0.03,
-        tp_pair_call_s=0.04,
-    )
     profile = dataclasses.replace(
-        base,
-        intra={**base.intra, 4: link4},
-        devices_per_node=4,
+        _four_rank_profile(),
         fsdp_step_s=0.2,
         tp_step_s=0.3,
         reference_round_s=0.5,
