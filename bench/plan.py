@@ -116,9 +116,10 @@ def measured(run_dir: Path) -> dict:
     return {
         "step_time_s": statistics.median(r["step_time_s"] for r in train),
         "above_baseline": max(peaks),
-        # how much the peak still rose over the last SETTLED_STEPS steps (0: it had settled)
+        # how much the peak still rose over the last SETTLED_STEPS steps (0: it had settled);
+        # a run no longer than that: over all its windows after the first
         "late_rise": max(peaks)
-        - max(p for r, p in zip(train, peaks, strict=True) if r not in last),
+        - max((p for r, p in zip(train, peaks, strict=True) if r not in last), default=peaks[0]),
         "config": run_dir / "config.toml",
     }
 
@@ -182,11 +183,14 @@ def main() -> None:
 
     rows = []
     if a.source:
-        for size in a.sizes.split(","):
+        # the sizes and rows the kept directory holds (a bench of one size keeps only its own)
+        for size in (s for s in a.sizes.split(",") if (a.source / f"{s}-profile.toml").is_file()):
             profile = load_profile(str(a.source / f"{size}-profile.toml"))
             for world in (int(w) for w in a.worlds.split(",")):
                 for name in GRID[world]:
                     run_dir = a.source / f"{size}-{world}-{name}"
+                    if not (run_dir / "metrics.jsonl").is_file():
+                        continue
                     got = measured(run_dir)
                     pred = predict(got["config"], world, profile)
                     paced = run_dir / "pace.json"
