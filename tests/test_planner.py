@@ -880,11 +880,13 @@ def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_refere
         assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)
 
 
-def test_calibrate_times_groups_of_2_and_the_whole_world_on_larger_worlds():
-    """On 4 ranks (2 cores), the probes time FSDP in groups of 2 (HSDP) and of 4, tensor
-    parallelism in groups of 2 (with pipeline stages, each holding half the parameters):
-    each group's cost per call is what its steps hold beyond the plan and the stage's share
-    of the per-step cost."""
+def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and_per_call():
+    """On 4 ranks (2 cores), the probes time FSDP in groups of 2 (HSDP) and tensor
+    parallelism in groups of 2 (with pipeline stages, each holding half the parameters and
+    paying half the cost per step), each once and in 2 micro-batches (twice the calls),
+    fitted to the pair's own cost per step and per call: on 4 ranks of 2 cores these are
+    not the 2-rank ones (GPT small's tensor parallelism showed no cost per step there).
+    FSDP over all 4 ranks: its cost per call beside the 2-rank cost per step."""
     import dataclasses
 
     from scaletrain.hardware import Link
@@ -901,44 +903,50 @@ def test_calibrate_times_groups_of_2_and_the_whole_world_on_larger_worlds():
             for w, link in profile.intra.items()
         },
     )
-    per_step = 0.25
-    cost = {(2, 2): 0.01, (4, 2): 0.03, (4, 4): 0.05}  # (world, group) -> per call
+    # (world, group) -> the cost per step (the whole model's) and per call
+    per_step = {(2, 2): 0.25, (4, 2): 0.1, (4, 4): 0.25}
+    cost = {(2, 2): 0.01, (4, 2): 0.03, (4, 4): 0.05}
     launched = []
 
     def launch(world, fn, data, parallel, steps, accumulation, run_dir):
         kind = "tp" if "tp" in parallel else "fsdp"
         group = parallel[SHARDED_DIM[kind]]
-        launched.append((world, parallel))
+        launched.append((world, parallel, accumulation))
         config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
         pred = predict_configured(config, world_size=world, profile=bare)
         calls = pred.calls_by_dim[SHARDED_DIM[kind]]
-        # the cost per step at the stage's share
-        stage = 1 / parallel.get("pp", 1)
-        step_s = pred.step_time_s + per_step * stage + cost[world, group] * calls
+        stage = 1 / parallel.get("pp", 1)  # a pipeline stage's share of the cost per step
+        step_s = pred.step_time_s + per_step[world, group] * stage + cost[world, group] * calls
         rows = [{"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": step_s}] * 3
         _probe_rows(run_dir, rows)
 
     fields, links, _ = _quiet_probes(launch, profile, worlds=(2, 4), steps=40)
-    assert (4, {"dp_shard": 2, "dp_replicate": 2}) in launched
-    assert (4, {"dp_shard": 4}) in launched and (4, {"tp": 2, "pp": 2}) in launched
-    assert fields["fsdp_step_s"] == pytest.approx(per_step, rel=1e-6)
-    assert links[4]["fsdp_pair_call_s"] == pytest.approx(0.03, rel=1e-6)
+    for accumulation in (1, 2):
+        assert (4, {"dp_shard": 2, "dp_replicate": 2}, accumulation) in launched
+        assert (4, {"tp": 2, "pp": 2}, accumulation) in launched
+    assert (4, {"dp_shard": 4}, 1) in launched
+    assert fields["fsdp_step_s"] == pytest.approx(0.25, rel=1e-6)
+    for kind in ("fsdp", "tp"):
+        assert links[4][f"{kind}_pair_step_s"] == pytest.approx(0.1, rel=1e-6)
+        assert links[4][f"{kind}_pair_call_s"] == pytest.approx(0.03, rel=1e-6)
     assert links[4]["fsdp_call_s"] == pytest.approx(0.05, rel=1e-6)
-    assert links[4]["tp_pair_call_s"] == pytest.approx(0.03, rel=1e-6)
     assert "tp_call_s" not in links[4]  # tp over all 4: the stack's
 
 
 def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_the_step_cost_once():
     """A group of 2 among 4 ranks pays calibrate's pair cost per call, a group of all 4 the
     whole world's; FSDP2's and DTensor's cost per step is paid once (the larger), at the
-    stage's share."""
+    stage's share: the pair's own where its calls are the pair's, else the 2-rank one."""
     import dataclasses
 
     from scaletrain.config import validate_config
 
     profile = _four_rank_profile()
     link4 = profile.intra[4]
-    costly = dataclasses.replace(profile, fsdp_step_s=0.2, tp_step_s=0.3)
+    stepped4 = dataclasses.replace(link4, fsdp_pair_step_s=0.1, tp_pair_step_s=0.16)
+    costly = dataclasses.replace(
+        profile, fsdp_step_s=0.2, tp_step_s=0.3, intra={**profile.intra, 4: stepped4}
+    )
     no_calls = dataclasses.replace(
         link4, fsdp_call_s=1e-12, tp_call_s=1e-12, fsdp_pair_call_s=0.0, tp_pair_call_s=0.0
     )
@@ -952,9 +960,9 @@ def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_th
 
     for parallel, fsdp, tp, step in (
         ({"dp_shard": 4}, 0.05, 0.0, 0.2),
-        ({"dp_shard": 2, "dp_replicate": 2}, 0.03, 0.0, 0.2),
-        ({"dp_shard": 2, "tp": 2}, 0.03, 0.04, 0.3),
-        ({"pp": 2, "tp": 2}, 0.0, 0.04, 0.15),
+        ({"dp_shard": 2, "dp_replicate": 2}, 0.03, 0.0, 0.1),
+        ({"dp_shard": 2, "tp": 2}, 0.03, 0.04, 0.16),
+        ({"pp": 2, "tp": 2}, 0.0, 0.04, 0.08),
     ):
         pred, bare = planned(parallel, profile), planned(parallel, free)
         calls = pred.calls_by_dim
@@ -975,11 +983,16 @@ def test_a_profile_slowed_by_a_factor_predicts_every_step_that_much_longer():
     from scaletrain.config import validate_config
     from scaletrain.hardware import slowed
 
+    four = _four_rank_profile()
     profile = dataclasses.replace(
-        _four_rank_profile(),
+        four,
         fsdp_step_s=0.2,
         tp_step_s=0.3,
         reference_round_s=0.5,
+        intra={
+            **four.intra,
+            4: dataclasses.replace(four.intra[4], fsdp_pair_step_s=0.1, tp_pair_step_s=0.16),
+        },
     )
     slow = slowed(profile, 1.5)
     assert (

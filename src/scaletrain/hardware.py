@@ -42,6 +42,10 @@ class Link:
     # 0: the whole world's
     fsdp_pair_call_s: float = 0.0
     tp_pair_call_s: float = 0.0
+    # FSDP2's / DTensor's cost once a step (the whole model's; a pipeline stage pays its
+    # share) that goes with the pair's calls, fitted with them (used where they are)
+    fsdp_pair_step_s: float = 0.0
+    tp_pair_step_s: float = 0.0
     # CPU: resident bytes a rank adds on its first FSDP2 / tensor-parallel steps (the code
     # and state those load), measured per world size by calibrate; 0 on a GPU
     fsdp_rss: int = 0
@@ -245,7 +249,15 @@ def slowed(profile: Profile, factor: float) -> Profile:
     memory and bus bandwidth), every time cost times it (latency, the costs per call, per
     step, per op and per byte, the reference round); memory untouched. Every step the
     planner predicts with it is `factor` times as long."""
-    timed = ("fsdp_call_s", "tp_call_s", "fsdp_pair_call_s", "tp_pair_call_s", "latency_s")
+    timed = (
+        "fsdp_call_s",
+        "tp_call_s",
+        "fsdp_pair_call_s",
+        "tp_pair_call_s",
+        "fsdp_pair_step_s",
+        "tp_pair_step_s",
+        "latency_s",
+    )
 
     def link(x: Link) -> Link:
         return replace(x, bus_bw=x.bus_bw / factor, **{k: getattr(x, k) * factor for k in timed})

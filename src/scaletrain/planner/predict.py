@@ -38,8 +38,9 @@ per byte written) + the optimizer's pass over its bytes (memory bandwidth) + the
 collectives (bytes over the bus bandwidth, plus per call the framework's measured cost for
 FSDP and tensor parallelism, a group smaller than the world at calibrate's figure for
 groups of 2, else the link's latency) + on a CPU FSDP2's and DTensor's measured cost once
-a step (the stage's share), of which what does not overlap (on a GPU FSDP's and DDP's
-collectives hide behind compute; gloo on a CPU overlaps nothing),
+a step (the stage's share; for a group of 2 among more ranks the figure fitted with its
+calls), of which what does not overlap (on a GPU FSDP's and DDP's collectives hide
+behind compute; gloo on a CPU overlaps nothing),
 stretched by the pipeline's bubble (p - 1) / (v m). Where a CPU's ranks outnumber its
 cores, a stage waiting in the bubble lends its core to the others: the step is then the
 longer of the shared cores' work and the critical path (a rank's work at a whole core,
@@ -274,14 +275,14 @@ def predict(
         comm_s += seconds
         overlapped += seconds if overlaps else 0.0
     # FSDP2's and DTensor's cost once a step beyond their calls (a CPU's: calibrate measured
-    # it), the stage's share of it; a layout with both pays the larger once (its parameters
-    # are DTensors once). Not stretched where ranks outnumber cores: with it stretched, GPT
-    # small's and base's dp_shard 2 x tp 2 on 4 ranks of 2 cores were predicted at 1.27-1.30x
-    # and 1.08x their measured steps; without, 1.05-1.17x and 1.03-1.09x (BENCHMARKS.md)
-    comm_s += share * max(
-        profile.fsdp_step_s if lay.dp_shard > 1 else 0.0,
-        profile.tp_step_s if lay.tp > 1 else 0.0,
-    )
+    # it, with the calls it goes with), the stage's share of it; a layout with both pays the
+    # larger once (its parameters are DTensors once). Not stretched where ranks outnumber
+    # cores: with it stretched, GPT small's and base's dp_shard 2 x tp 2 on 4 ranks of 2
+    # cores were predicted at 1.27-1.30x and 1.08x their measured steps; without, 1.05-1.17x
+    # and 1.03-1.09x (BENCHMARKS.md)
+    fsdp_step = _per_step(profile, world_link, "fsdp", group=lay.dp_shard, world=lay.world_size)
+    tp_step = _per_step(profile, world_link, "tp", group=lay.tp, world=lay.world_size)
+    comm_s += share * max(fsdp_step if lay.dp_shard > 1 else 0.0, tp_step if lay.tp > 1 else 0.0)
     exposed = comm_s - (min(overlapped, compute_s) if profile.overlap else 0.0)
     bubble = (lay.pp - 1) / (stages * chunks) if lay.pp > 1 else 0.0
     busy = compute_s + exposed
@@ -340,6 +341,15 @@ def _per_call(link: Link, kind: str, *, group: int, world: int) -> float:
     smaller than the world and it has one, else the whole world's (0: the link's latency)."""
     pair = getattr(link, f"{kind}_pair_call_s")
     return pair if group < world and pair else getattr(link, f"{kind}_call_s")
+
+
+def _per_step(profile: Profile, link: Link, kind: str, *, group: int, world: int) -> float:
+    """FSDP2's ("fsdp") or DTensor's ("tp") cost once a step, the whole model's, that goes
+    with `_per_call`'s figure: the pair's own (calibrate fitted the two together on this
+    world's ranks) where the calls are the pair's, else calibrate's on 2 ranks."""
+    if group < world and getattr(link, f"{kind}_pair_call_s"):
+        return getattr(link, f"{kind}_pair_step_s")
+    return getattr(profile, f"{kind}_step_s")
 
 
 def _param_width(config: Config) -> int:

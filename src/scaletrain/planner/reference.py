@@ -52,9 +52,12 @@ calibrate measures it on real steps:
   cost per step (`fsdp_step_s`, `tp_step_s`: GPT base, 31 ms under FSDP2) and one per
   call on the model's own units (`fsdp_call_s`, `tp_call_s` of the 2-rank link: a GPT
   block's FSDP2 copy-in and copy-out and its DTensor ops cost more than a Linear unit's).
-  On each larger world size short runs time groups of 2 among its ranks and FSDP over
-  all of them (`*_pair_call_s`, `fsdp_call_s` of its link): with more ranks than cores, a
-  call waits on fewer peers in a group of 2. Each timed run's steps are taken at the
+  On each larger world size short runs time groups of 2 among its ranks, once and in 2
+  micro-batches, fitted to their own cost per step and per call (`*_pair_step_s`,
+  `*_pair_call_s` of its link: with more ranks than cores, a call waits on fewer peers in
+  a group of 2, and GPT small's tensor parallelism on 4 ranks of 2 cores showed no cost
+  per step beside ~7 ms a call, where on 2 ranks it had ~100 ms), and FSDP over all of
+  them (`fsdp_call_s` of its link). Each timed run's steps are taken at the
   machine's speed when the reference ran (`pace`: the reference timed again before and
   after it, against the profile's `reference_round_s`). Under
   either, glibc's heap keeps the holes that the per-unit gathered parameters and gradients
@@ -322,10 +325,12 @@ def sharded_probes(
       with no cost per step or per call, fitted to `{kind}_step_s` + calls x
       `{kind}_call_s` (neither below 0): a cost per step (what does not grow with the
       calls; which part of the step holds it is not measured) and one per call.
-    On each larger world size, timed: the cost per call of groups of 2 among its ranks
-    (`{kind}_pair_call_s`: FSDP's with replicas, HSDP; tensor parallelism's with pipeline
-    stages) and, for FSDP, of one group of all of them (`fsdp_call_s`): what their steps
-    hold beyond the planner's, the stage's share of the per-step cost included.
+    On each larger world size, timed: groups of 2 among its ranks (FSDP's with replicas,
+    HSDP; tensor parallelism's with pipeline stages), once and in 2 micro-batches, what
+    their steps hold beyond the planner's fitted as on 2 ranks to `{kind}_pair_step_s`
+    (the stage paying its share) + calls x `{kind}_pair_call_s`; for FSDP, one group of
+    all of them, what its steps hold beyond the planner's and the 2-rank cost per step,
+    per call (`fsdp_call_s`).
     Every step time is taken at the machine's speed when the profile's reference was timed:
     the reference step is timed again (`pace`, in `concurrent` ranks side by side, as
     step_costs ran it) before the first probe and after each, and a probe's steps are
@@ -385,23 +390,43 @@ def sharded_probes(
             + ", ".join(f"{x:.2f}" for x in paces)
             + "x as slow as at the reference, timed around the probes)"
         )
-        # the plan for larger worlds holds the cost per step (the stage's share of it)
-        stepped = dataclasses.replace(bare, **{f"{kind}_step_s": step_s})
         for world in (w for w in worlds if w > 2):
-            for group in (2, world) if kind == "fsdp" else (2,):
-                parallel = probe_parallel(kind, world=world, group=group)
-                run = paced(parallel, world, timed_steps, stepped)
-                excess, calls = _excess(*run, kind) if run else (0.0, 0)
-                if not calls:
-                    continue
-                key = f"{kind}_pair_call_s" if group < world else f"{kind}_call_s"
-                links[world][key] = max(0.0, excess / calls)
+            # groups of 2 among the world's ranks: a cost per step (the stage's share paid)
+            # and per call of their own, fitted apart as on 2 ranks
+            pair = probe_parallel(kind, world=world, group=2)
+            share = 1.0 / pair.get("pp", 1)
+            runs = [paced(pair, world, timed_steps, bare)]
+            runs += [paced(pair, world, timed_steps, bare, 2)] if _micro_batch(data) >= 2 else []
+            points = [_excess(*run, kind) for run in runs if run]
+            if points and points[0][1]:
+                pair_step, pair_call = _nonneg_fit([(share, c, e) for e, c in points])
+                links[world][f"{kind}_pair_step_s"] = pair_step
+                # 1e-12, not 0: a pair cost of 0 would mean none measured (predict._per_call)
+                links[world][f"{kind}_pair_call_s"] = max(pair_call, 1e-12)
                 say(
-                    f"{kind} as {parallel} on {world} ranks: {excess * 1e3:.1f} ms beyond the "
-                    f"plan and its cost per step, {calls} calls: "
-                    f"{links[world][key] * 1e6:.0f} us a call (the machine {run[2]:.2f}x as "
-                    "slow as at the reference)"
+                    f"{kind} as {pair} on {world} ranks: "
+                    + ", ".join(
+                        f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in points
+                    )
+                    + f": {pair_step * 1e3:.1f} ms a step (a stage pays {share:.2f} of it) + "
+                    f"{pair_call * 1e6:.0f} us a call"
                 )
+            if kind == "tp":  # tensor parallelism over a whole world > 2: the stack's
+                continue
+            # FSDP over all of the world's ranks: its calls beside the 2-rank cost per step
+            stepped = dataclasses.replace(bare, **{f"{kind}_step_s": step_s})
+            parallel = probe_parallel(kind, world=world, group=world)
+            run = paced(parallel, world, timed_steps, stepped)
+            excess, calls = _excess(*run, kind) if run else (0.0, 0)
+            if not calls:
+                continue
+            links[world][f"{kind}_call_s"] = max(0.0, excess / calls)
+            say(
+                f"{kind} as {parallel} on {world} ranks: {excess * 1e3:.1f} ms beyond the "
+                f"plan and its cost per step, {calls} calls: "
+                f"{links[world][f'{kind}_call_s'] * 1e6:.0f} us a call (the machine "
+                f"{run[2]:.2f}x as slow as at the reference)"
+            )
     return fields, links, paces
 
 
@@ -450,6 +475,7 @@ def _without_sharding_costs(profile):
     import dataclasses
 
     none = {f"{k}_call_s": 1e-12 for k in KINDS} | {f"{k}_pair_call_s": 1e-12 for k in KINDS}
+    none |= {f"{k}_pair_step_s": 0.0 for k in KINDS}
     intra = {w: dataclasses.replace(link, **none) for w, link in profile.intra.items()}
     return dataclasses.replace(profile, intra=intra, fsdp_step_s=0.0, tp_step_s=0.0)
 
