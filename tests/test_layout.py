@@ -243,10 +243,13 @@ def test_one_process_builds_no_mesh() -> None:
 
 
 class _NamedMesh:
-    """Stands in for a DeviceMesh: mesh[name].get_group() gives the name it was asked for."""
+    """Stands in for a DeviceMesh: mesh[name].get_group() gives the name it was asked for,
+    and mesh[names]._flatten(name).get_group() the flattened one's."""
 
-    def __getitem__(self, name: str):
-        return type("Sub", (), {"get_group": lambda _self: name})()
+    def __getitem__(self, name: str | tuple[str, ...]):
+        return type(
+            "Sub", (), {"get_group": lambda _self: name, "_flatten": lambda _self, n: self[n]}
+        )()
 
 
 @pytest.mark.parametrize(
@@ -266,6 +269,28 @@ def test_dp_group_is_the_data_parallel_ranks_only(
 ) -> None:
     assert layout.resolve(world).dp_group(_NamedMesh()) == group
     assert ParallelLayout().resolve(1).dp_group(None) is None
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_hsdp_dp_group_is_the_flattened_pair_of_a_real_mesh_and_warns_nothing(rank: int) -> None:
+    """On a real DeviceMesh (a fake world of 8: dp_replicate 2 x dp_shard 2 x tp 2), HSDP's
+    data-parallel group is the 4 ranks of this rank's tp index, taken from the "dp" that
+    build_mesh flattened without slicing it from the root (which torch warns is
+    deprecated: each rank printed it, and calibrate's terminal showed it)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from scaletrain.planner.held import fake_world
+
+    layout = ParallelLayout(dp_replicate=2, dp_shard=2, tp=2).resolve(8)
+    with fake_world(8, rank):
+        mesh = layout.build_mesh("cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            group = layout.dp_group(mesh)
+        ranks = dist.get_process_group_ranks(group)
+    assert ranks == [r for r in range(8) if r % 2 == rank % 2]
 
 
 # ---------------------------------------------------------------------------- config refusals

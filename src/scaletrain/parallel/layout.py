@@ -168,7 +168,9 @@ class ParallelLayout:
         if mesh is None or self.dp == 1:
             return None
         if self.dp_replicate > 1 and self.dp_shard > 1:
-            return mesh["dp"].get_group()
+            # the "dp" build_mesh flattened (built once: the same name and ranks return it);
+            # mesh["dp"] would warn that slicing a flattened dim from the root is deprecated
+            return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
         return mesh["dp_replicate" if self.dp_replicate > 1 else "dp_shard"].get_group()
 
     def describe(self) -> str:
