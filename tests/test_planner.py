@@ -933,6 +933,36 @@ def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and
     assert "tp_call_s" not in links[4]  # tp over all 4: the stack's
 
 
+def test_a_probe_whose_rank_dies_fits_nothing_and_calibrate_goes_on():
+    """A rank that dies in a probe (GPT base's tp 2 x pp 2 at 2 micro-batches once took a
+    SIGSEGV in gloo's reduce-scatter) costs that probe's fit, not the calibrate: the other
+    probes still run and fit, and one line names the probe, the rank and its signal."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from scaletrain.planner.reference import sharded_probes
+
+    launched, said = [], []
+
+    def launch(world, fn, data, parallel, steps, accumulation, run_dir):
+        launched.append((world, parallel, accumulation))
+        if parallel == {"tp": 2} and accumulation == 1:
+            failure = ProcessFailure(local_rank=1, pid=123, exitcode=-11, error_file="")
+            raise ChildFailedError(name="sharded_worker", failures={1: failure})
+        rows = [{"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 9.0}] * 3
+        _probe_rows(run_dir, rows)
+
+    fields, links, _ = sharded_probes(
+        RAW, launch=launch, profile=_cpu_profile(), steps=40, say=said.append
+    )
+    assert launched == [(2, {"dp_shard": 2}, 1), (2, {"dp_shard": 2}, 2), (2, {"tp": 2}, 1)]
+    assert fields["fsdp_step_s"] + links[2]["fsdp_call_s"] > 0  # FSDP's probes still fitted
+    assert "tp_step_s" not in fields and "tp_call_s" not in links[2]
+    assert [s for s in said if "failed" in s] == [
+        "{'tp': 2} on 2 ranks: not measured, a rank failed "
+        "(rank 1: Signal 11 (SIGSEGV) received by PID 123)"
+    ]
+
+
 def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_the_step_cost_once():
     """A group of 2 among 4 ranks pays calibrate's pair cost per call, a group of all 4 the
     whole world's; FSDP2's and DTensor's cost per step is paid once (the larger), at the

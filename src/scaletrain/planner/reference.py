@@ -432,10 +432,15 @@ def sharded_probes(
 
 def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
     """The planner's prediction for one probe and its logged training windows, or None
-    where the launcher's own checks refuse the layout (a model without a TP plan)."""
+    where the launcher's own checks refuse the layout (a model without a TP plan) or a
+    rank failed: the probe fits nothing and calibrate goes on with the others (GPT base's
+    tp 2 x pp 2 at 2 micro-batches once died in gloo's reduce-scatter, SIGSEGV, 18
+    minutes into a calibrate that then lost all of them)."""
     import json
     import tempfile
     from pathlib import Path
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from scaletrain.errors import UserError
     from scaletrain.planner import predict_configured
@@ -447,7 +452,12 @@ def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
         say(f"{parallel} on {world} ranks: not measured, the model cannot run it ({e})")
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        launch(world, sharded_worker, data, parallel, steps, accumulation, tmp)
+        try:
+            launch(world, sharded_worker, data, parallel, steps, accumulation, tmp)
+        except ChildFailedError as e:
+            failed = "; ".join(f"rank {r}: {f.message}" for r, f in sorted(e.failures.items()))
+            say(f"{parallel} on {world} ranks: not measured, a rank failed ({failed})")
+            return None
         rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     return pred, [r for r in rows if r.get("kind") == "train"]
 
