@@ -56,8 +56,8 @@ calibrate measures it on real steps:
   micro-batches, fitted to their own cost per step and per call (`*_pair_step_s`,
   `*_pair_call_s` of its link: with more ranks than cores, a call waits on fewer peers in
   a group of 2, and GPT small's tensor parallelism on 4 ranks of 2 cores showed no cost
-  per step beside ~7 ms a call, where on 2 ranks it had ~100 ms), and FSDP over all of
-  them (`fsdp_call_s` of its link). Each timed run's steps are taken at the
+  per step beside ~7 ms a call, where on 2 ranks part of it came once a step), and FSDP
+  over all of them (`fsdp_call_s` of its link). Each timed run's steps are taken at the
   machine's speed when the reference ran (`pace`: the reference timed again before and
   after it, against the profile's `reference_round_s`). Under
   either, glibc's heap keeps the holes that the per-unit gathered parameters and gradients
