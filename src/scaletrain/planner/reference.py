@@ -385,7 +385,7 @@ def sharded_probes(
         links.setdefault(2, {})[f"{kind}_call_s"] = call_s
         say(
             f"{kind} on 2 ranks: "
-            + ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in points)
+            + _beyond(points)
             + f": {step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call (the machine "
             + ", ".join(f"{x:.2f}" for x in paces)
             + "x as slow as at the reference, timed around the probes)"
@@ -405,9 +405,7 @@ def sharded_probes(
                 links[world][f"{kind}_pair_call_s"] = max(pair_call, 1e-12)
                 say(
                     f"{kind} as {pair} on {world} ranks: "
-                    + ", ".join(
-                        f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in points
-                    )
+                    + _beyond(points)
                     + f": {pair_step * 1e3:.1f} ms a step (a stage pays {share:.2f} of it) + "
                     f"{pair_call * 1e6:.0f} us a call"
                 )
@@ -428,6 +426,11 @@ def sharded_probes(
                 f"{run[2]:.2f}x as slow as at the reference)"
             )
     return fields, links, paces
+
+
+def _beyond(points: list[tuple[float, int]]) -> str:
+    """The probes' (excess, calls) as calibrate says them."""
+    return ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in points)
 
 
 def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
