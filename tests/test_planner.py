@@ -567,31 +567,38 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
     assert slack["peak"] == bare["peak"] + slack["runtime"]
 
     # a layout that shards (FSDP2) or splits tensors (DTensor) adds what they hold once
-    # settled, a fixed part plus a part per byte of the stage's whole parameters, as
-    # calibrated for the world size; the larger once where a layout has both, and the
-    # larger of that and the slack, not their sum (one free heap serves both)
-    link = Link(bus_bw=1e9, latency_s=1e-4, fsdp_rss=7_000_000, tp_rss=11_000_000)
+    # settled, as calibrated: FSDP2 a fixed part for the world size plus a part per byte of
+    # the stage's whole parameters, DTensor a part per live byte and no fixed one (a
+    # pipeline stage's fewer live bytes, fewer of it); the larger once where a layout has
+    # both, and the larger of that and the slack, not their sum (one free heap serves all)
+    link = Link(bus_bw=1e9, latency_s=1e-4, fsdp_rss=7_000_000)
     link4 = dataclasses.replace(link, fsdp_rss=13_000_000)
-    cpu = dataclasses.replace(cpu, intra={2: link, 4: link4}, fsdp_rss_per_byte=2.0)
-    cases = (
-        ({"dp_shard": 2}, 2, lambda stage: 7_000_000 + 2.0 * stage),
-        ({"tp": 2}, 2, lambda stage: 11_000_000),
-        ({"dp_shard": 2, "tp": 2}, 4, lambda stage: 13_000_000 + 2.0 * stage),
+    cpu = dataclasses.replace(
+        cpu, intra={2: link, 4: link4}, fsdp_rss_per_byte=2.0, tp_rss_ratio=2.25
     )
+    cases = (
+        ({"dp_shard": 2}, 2, lambda stage, live: 7_000_000 + 2.0 * stage),
+        ({"tp": 2}, 2, lambda stage, live: 1.25 * live),
+        ({"tp": 2, "pp": 2}, 4, lambda stage, live: 1.25 * live),
+        ({"dp_shard": 2, "tp": 2}, 4, lambda stage, live: max(13e6 + 2.0 * stage, 1.25 * live)),
+    )
+    tp_live = {}
     for parallel, world, settled in cases:
         shaped = validate_config({**RAW, "parallel": parallel})
         plain = _configured(shaped, gpu, world_size=world)
         paid = _configured(shaped, cpu, world_size=world)
         live = plain.memory_bytes["peak"] - plain.memory_bytes["params"]
+        tp_live[tuple(parallel)] = live
         # the stage's whole parameters: a rank's share, times the ranks that split it
         stage = plain.memory_bytes["params"] * parallel.get("dp_shard", 1) * parallel.get("tp", 1)
-        sharded = settled(stage)
+        sharded = settled(stage, live)
         assert sharded > 0.5 * live  # the sharded part is the larger here
         assert paid.memory_bytes["runtime"] == int(3e6 + sharded)
         # a slack larger than the sharded part is paid alone
         big = dataclasses.replace(cpu, rss_ratio=1.0 + 2 * sharded / live)
         slack = _configured(shaped, big, world_size=world)
         assert slack.memory_bytes["runtime"] == int(3e6 + 2 * sharded / live * live)
+    assert tp_live[("tp", "pp")] < 0.75 * tp_live[("tp",)]  # a stage holds fewer blocks'
 
 
 def test_an_hf_decoder_under_full_checkpointing_is_traced_with_its_keyword_inputs():
@@ -686,7 +693,6 @@ def _cpu_profile(*, fsdp_call_s=0.0, tp_call_s=0.0):
         fsdp_call_s=fsdp_call_s,
         tp_call_s=tp_call_s,
         fsdp_rss=10**6,
-        tp_rss=10**6,
     )
     return Profile(
         name="cpu",
@@ -732,16 +738,19 @@ def _quiet_probes(launch, profile, **kw):
     return sharded_probes(RAW, launch=launch, profile=profile, say=lambda *_: None, **kw)
 
 
-def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_path):
+def test_calibrate_reads_the_sharded_slack_off_the_settled_peak(tmp_path):
     """sharded_probes trains the configured model under dp_shard = 2 and tp = 2 (here a
     stand-in launcher writes the run's metrics) and keeps what the settled peak holds beyond
-    the planner's live bytes, rss_fixed and the first use, per byte of the stage's
-    parameters: 0 when nothing is beyond them, and every further byte of peak counted once.
+    the planner's live bytes: under FSDP2 beyond rss_fixed and the first use, per byte of
+    the stage's parameters; under tensor parallelism the resident bytes (less rss_fixed)
+    per live byte. Nothing beyond them: 0 and 1; every further byte of peak counted once.
     Each kind's second, timed probe takes its steps in 2 micro-batches."""
+    import dataclasses
+
     from scaletrain.plan import resolve
-    from scaletrain.planner import build_for_plan
+    from scaletrain.planner import build_for_plan, predict_configured
     from scaletrain.planner.held import held_on_rank
-    from scaletrain.planner.reference import KINDS, sharded_config, sharded_worker
+    from scaletrain.planner.reference import sharded_config, sharded_worker
 
     calls = []
 
@@ -755,9 +764,9 @@ def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_pa
             _probe_rows(run_dir, rows)
 
         fields, *_ = _quiet_probes(launch, _cpu_profile(), steps=20, timed_steps=30)
-        return {k: v for k, v in fields.items() if k.endswith("_per_byte")}
+        return {k: v for k, v in fields.items() if "_rss_" in k}
 
-    assert measured(10**6) == {"fsdp_rss_per_byte": 0.0, "tp_rss_per_byte": 0.0}
+    assert measured(10**6) == {"fsdp_rss_per_byte": 0.0, "tp_rss_ratio": 1.0}
     assert calls == [
         (2, sharded_worker, {"dp_shard": 2}, 20, 1),
         (2, sharded_worker, {"dp_shard": 2}, 30, 2),
@@ -766,13 +775,18 @@ def test_calibrate_reads_the_sharded_excess_per_byte_off_the_settled_peak(tmp_pa
     ]
     extra = 2**30  # far beyond what the tiny GPT's step holds
     low, high = measured(extra), measured(2 * extra)
-    for kind in KINDS:
-        config = sharded_config(RAW, {"fsdp": {"dp_shard": 2}, "tp": {"tp": 2}}[kind], steps=20)
-        dataset, _ = build_for_plan(config)
-        held = held_on_rank(config, resolve(config, world_size=2), dataset=dataset)
-        stage = held.params * 2
-        per_byte = high[f"{kind}_rss_per_byte"] - low[f"{kind}_rss_per_byte"]
-        assert per_byte == pytest.approx(extra / stage)
+    fsdp = sharded_config(RAW, {"dp_shard": 2}, steps=20)
+    dataset, _ = build_for_plan(fsdp)
+    stage = held_on_rank(fsdp, resolve(fsdp, world_size=2), dataset=dataset).params * 2
+    per_byte = high["fsdp_rss_per_byte"] - low["fsdp_rss_per_byte"]
+    assert per_byte == pytest.approx(extra / stage)
+    # the tp probe's live bytes: its predicted peak over the parameters with no runtime
+    tp = sharded_config(RAW, {"tp": 2}, steps=20)
+    bare = dataclasses.replace(_cpu_profile(), rss_fixed=0.0)
+    memory = predict_configured(tp, world_size=2, profile=bare).memory_bytes
+    live = memory["peak"] - memory["params"]
+    assert low["tp_rss_ratio"] == pytest.approx((extra - 10**6) / live)
+    assert high["tp_rss_ratio"] - low["tp_rss_ratio"] == pytest.approx(extra / live)
 
 
 def test_a_probe_with_accumulation_takes_the_same_examples_in_twice_the_calls():
@@ -1055,7 +1069,7 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
         return link, link, {"fsdp_call_s": world * 1e-3, "tp_call_s": world * 2e-3}
 
     costs = {"op_s": 0.0, "byte_s": 0.0}
-    fields = {"fsdp_rss_per_byte": 1.5, "fsdp_step_s": 0.02, "tp_rss_per_byte": 0.5}
+    fields = {"fsdp_rss_per_byte": 1.5, "fsdp_step_s": 0.02, "tp_rss_ratio": 1.5}
     links = {2: {"fsdp_call_s": 7e-3}, 4: {"fsdp_call_s": 9e-3, "fsdp_pair_call_s": 6e-3}}
     monkeypatch.setattr(cal, "matmul_rate", lambda dtype, shapes: 1e10)
     monkeypatch.setattr(cal, "memory_bandwidth", lambda: 1e10)
@@ -1065,7 +1079,7 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     )
     monkeypatch.setattr(cal.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(cal, "measure_collectives", stack)
-    monkeypatch.setattr(cal, "measure_first_use", lambda world: {"fsdp_rss": 0, "tp_rss": 0})
+    monkeypatch.setattr(cal, "measure_first_use", lambda world: {"fsdp_rss": 0})
     probed = []
 
     paces = [1.0]  # the machine as fast as at the reference throughout
@@ -1085,7 +1099,7 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     assert (got.intra[2].fsdp_call_s, got.intra[2].tp_call_s) == (7e-3, 4e-3)  # tp: no probe
     assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (9e-3, 8e-3)
     assert (got.intra[4].fsdp_pair_call_s, got.intra[4].tp_pair_call_s) == (6e-3, 0.0)
-    assert (got.fsdp_rss_per_byte, got.tp_rss_per_byte, got.fsdp_step_s) == (1.5, 0.5, 0.02)
+    assert (got.fsdp_rss_per_byte, got.tp_rss_ratio, got.fsdp_step_s) == (1.5, 1.5, 0.02)
     # the machine 1.2, 1.4, 0.9 and 1.3x as slow as at the reference at the paces timed
     # around the probes: the profile is kept at the median with the reference's moment (1.2)
     paces[:] = [1.2, 1.4, 0.9, 1.3]
@@ -1147,7 +1161,7 @@ def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):
         cnn, launch=launch, profile=_cpu_profile(), steps=10, say=said.append
     )
     assert launched == [{"dp_shard": 2}, {"dp_shard": 2}]
-    assert fields["tp_rss_per_byte"] == 0.0 and "tp_step_s" not in fields
+    assert fields["tp_rss_ratio"] == 1.0 and "tp_step_s" not in fields
     assert fields["fsdp_rss_per_byte"] == 0.0 and links[2]["fsdp_call_s"] >= 0.0
     assert "not measured" in said[-1] and "tensor-parallel plan" in said[-1]
 
@@ -1428,7 +1442,7 @@ def test_calibrate_fits_no_cost_per_call_to_a_probe_with_no_calls_planned(monkey
     fields, links, _ = sharded_probes(
         RAW, launch=launch, profile=_cpu_profile(), worlds=(2, 4), steps=10, say=print
     )
-    assert set(fields) == {"fsdp_rss_per_byte", "tp_rss_per_byte"}
+    assert set(fields) == {"fsdp_rss_per_byte", "tp_rss_ratio"}
     assert links == {2: {}, 4: {}}
 
 

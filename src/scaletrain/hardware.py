@@ -46,10 +46,9 @@ class Link:
     # share) that goes with the pair's calls, fitted with them (used where they are)
     fsdp_pair_step_s: float = 0.0
     tp_pair_step_s: float = 0.0
-    # CPU: resident bytes a rank adds on its first FSDP2 / tensor-parallel steps (the code
-    # and state those load), measured per world size by calibrate; 0 on a GPU
+    # CPU: resident bytes a rank adds on its first FSDP2 steps (the code and state it
+    # loads), measured per world size by calibrate; 0 on a GPU
     fsdp_rss: int = 0
-    tp_rss: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,12 +69,15 @@ class Profile:
     byte_s: float = 0.0  # seconds per byte the forward's ops write, backward included
     rss_fixed: float = 0.0  # CPU: resident bytes a training step adds beyond live tensors
     rss_ratio: float = 1.0  # CPU: resident bytes per live tensor byte (the allocator's slack)
-    # CPU: what a rank under FSDP2 / tensor parallelism holds once its steps have settled,
-    # beyond the links' fsdp_rss / tp_rss, per byte of the stage's whole parameters (the
-    # heap's holes around their gathered buffers), measured by calibrate on the configured
-    # model's own sharded steps (planner/reference.py)
+    # CPU: what a rank under FSDP2 holds once its steps have settled, beyond the links'
+    # fsdp_rss, per byte of the stage's whole parameters (the heap's holes around its
+    # gathered buffers), measured by calibrate on the configured model's own sharded steps
+    # (planner/reference.py)
     fsdp_rss_per_byte: float = 0.0
-    tp_rss_per_byte: float = 0.0
+    # CPU: resident bytes per live tensor byte of a rank under tensor parallelism once its
+    # steps have settled (DTensor's slack: its gathered and scattered copies of the stream
+    # leave holes between the activations), measured the same way
+    tp_rss_ratio: float = 1.0
     # CPU: what FSDP2 / DTensor cost once a step beyond their calls, for the whole model's
     # parameters, measured by calibrate on the configured model's own sharded steps on 2
     # ranks (planner/reference.py)
@@ -183,7 +185,7 @@ _FLOAT_KEYS = (
     "rss_fixed",
     "rss_ratio",
     "fsdp_rss_per_byte",
-    "tp_rss_per_byte",
+    "tp_rss_ratio",
     "fsdp_step_s",
     "tp_step_s",
     "matmul_efficiency",
@@ -225,7 +227,10 @@ def load_profile(name_or_path: str) -> Profile:
             source=data.get("source", str(path)),
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise ProfileError(f"hardware profile {path}: missing or wrong key ({e})") from None
+        raise ProfileError(
+            f"hardware profile {path}: missing or wrong key ({e}); a profile another "
+            "version of `scaletrain calibrate` wrote: run it again"
+        ) from None
     if not 0 < profile.matmul_efficiency <= 1:
         raise ProfileError(
             f"hardware profile {path}: matmul_efficiency = {profile.matmul_efficiency} is the "

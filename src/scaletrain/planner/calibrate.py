@@ -130,12 +130,9 @@ def measure_collectives(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[
 
 
 def measure_first_use(world: int) -> dict[str, int]:
-    """The resident bytes a rank adds on its first FSDP2 and tensor-parallel steps, each in
-    fresh ranks (reference.first_use_worker); the largest rank's."""
-    return {
-        f"{kind}_rss": max(_launch(world, first_use_worker, kind).values())
-        for kind in ("fsdp", "tp")
-    }
+    """The resident bytes a rank adds on its first FSDP2 steps, in fresh ranks
+    (reference.first_use_worker); the largest rank's."""
+    return {"fsdp_rss": max(_launch(world, first_use_worker).values())}
 
 
 def _launch(world: int, fn, *args) -> dict:
@@ -200,8 +197,8 @@ def calibrate(
         first = measure_first_use(world)
         say(
             f"{world} ranks, per call: FSDP {calls['fsdp_call_s'] * 1e6:.0f} us, "
-            f"tensor parallel {calls['tp_call_s'] * 1e6:.0f} us; first use per rank: FSDP "
-            f"{first['fsdp_rss'] / 2**20:.1f} MiB, tensor parallel {first['tp_rss'] / 2**20:.1f} MiB"
+            f"tensor parallel {calls['tp_call_s'] * 1e6:.0f} us; FSDP's first use per rank: "
+            f"{first['fsdp_rss'] / 2**20:.1f} MiB"
         )
         # one link per world size: the slower of the two (reduce-scatter is all-gather's twin)
         intra[world] = Link(

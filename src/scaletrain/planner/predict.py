@@ -14,9 +14,10 @@ Memory per rank (the peak of a step):
                                           rss_fixed + the larger of (rss_ratio - 1) x what
                                           a step adds (the allocator's slack: calibrate's
                                           DDP probe) and what FSDP2 or DTensor add once
-                                          settled (calibrate's fsdp_rss, tp_rss, plus their
-                                          per-byte parts x the stage's parameters; the
-                                          larger once where a layout has both)
+                                          settled (calibrate's fsdp_rss + fsdp_rss_per_byte
+                                          x the stage's parameters; (tp_rss_ratio - 1) x
+                                          what a step adds; the larger once where a layout
+                                          has both)
 
 Communication per rank and step, by collective (ring algorithms, bytes on the wire):
     DDP / HSDP replicas   all-reduce of the gradients, 2 (r - 1) / r x their bytes, once a step
@@ -317,20 +318,22 @@ def predict(
 
 def _runtime_bytes(profile: Profile, lay, first_use: Link, *, live: int, stage_params: int) -> int:
     """A CPU process's resident memory beyond its live tensors (0 on a GPU profile):
-    rss_fixed, plus the larger of two claims on the same free heap:
+    rss_fixed, plus the largest of the claims on the same free heap:
     - the allocator's slack on what a step adds, (rss_ratio - 1) x the live bytes;
-    - what FSDP2 or DTensor adds once a rank's steps have settled (a one-process reference
-      has none of it): a fixed part (the code and state they load) and a part per byte of
-      the stage's whole parameters (the holes their gathered buffers leave in the heap).
-      FSDP2's parameters are DTensors too: a layout with both pays the larger once (their
-      sum over-predicted dp_shard x tp by ~30 MiB).
-    Why the larger and not the sum: both are free blocks the heap keeps, and the next
+    - under FSDP2, what it adds once a rank's steps have settled (a one-process reference
+      has none of it): a fixed part (the code and state it loads) and a part per byte of
+      the stage's whole parameters (the holes its gathered buffers leave in the heap);
+    - under tensor parallelism, DTensor's slack, (tp_rss_ratio - 1) x the live bytes: in
+      proportion to what a step adds, with no fixed part (a fixed first use put GPT small's
+      pp 2 x tp 2 27% over; reference._settled_rss).
+    A layout with both pays the larger once (their sum over-predicted dp_shard x tp by ~30
+    MiB). Why the largest and not the sum: all are free blocks the heap keeps, and the next
     step's activations and gathered buffers reuse whichever are there. Measured: small's
     ZeRO-3 settles at 95, 89 and 92 MiB above baseline at micro-batch 8, 4 and 8 with full
     recomputation, while its live bytes go 46, 28 and 22 (BENCHMARKS.md, the planner)."""
     sharded = max(
         first_use.fsdp_rss + profile.fsdp_rss_per_byte * stage_params if lay.dp_shard > 1 else 0,
-        first_use.tp_rss + profile.tp_rss_per_byte * stage_params if lay.tp > 1 else 0,
+        (profile.tp_rss_ratio - 1.0) * live if lay.tp > 1 else 0,
     )
     return int(profile.rss_fixed + max((profile.rss_ratio - 1.0) * live, sharded))
 

@@ -41,10 +41,10 @@ calibrate measures it on real steps:
   the same stack unsharded; the difference per collective call is `fsdp_call_s` and
   `tp_call_s`, gloo's latency and the framework's Python together, per world size. Where
   `sharded_probes` measures the configured model's own, those replace them.
-- `first_use_worker` (fresh ranks per mechanism): the resident memory a process adds the
-  first time it runs FSDP2 or DTensor tensor parallelism, after plain steps warmed the
-  rest: `fsdp_rss` and `tp_rss`, a fixed cost per rank that the planner adds to a CPU
-  layout using them.
+- `first_use_worker` (fresh ranks): the resident memory a process adds the first time it
+  runs FSDP2, after plain steps warmed the rest: `fsdp_rss`, a fixed cost per rank that
+  the planner adds to a CPU layout using it. (Tensor parallelism shows none in a real run:
+  below.)
 - `sharded_probes`: the configured model trained for real by the trainer on 2 ranks, under
   dp_shard = 2 and under tp = 2, until the resident peak has settled (SETTLE_STEPS), and
   again for TIMED_STEPS taking each step in 2 micro-batches (twice the calls). Their
@@ -60,13 +60,15 @@ calibrate measures it on real steps:
   over all of them (`fsdp_call_s` of its link). Each timed run's steps are taken at the
   machine's speed when the reference ran (`pace`: the reference timed again before and
   after it, against the profile's `reference_round_s`). Under
-  either, glibc's heap keeps the holes that the per-unit gathered parameters and gradients
-  leave between activations, and a rank settles higher than its live tensors, the slack and
-  the first use explain, by an amount that grows with the model (BENCHMARKS.md, the
-  planner): measured here, per byte of the stage's whole parameters,
-  `fsdp_rss_per_byte` and `tp_rss_per_byte`. A stack of Linear layers does not show it
-  (its few activations leave the heap no holes to keep): 10x per byte under FSDP2, 0
-  under tensor parallelism, against 3.5-5x and 4x on the GPT.
+  either, glibc's heap keeps the holes that the gathered parameters, gradients and
+  activations leave between activations, and a rank settles higher than its live tensors
+  and the slack explain (BENCHMARKS.md, the planner), measured here on the 2-rank probes'
+  settled peaks (`_settled_rss`): under FSDP2 beyond its first use, per byte of the
+  stage's whole parameters (`fsdp_rss_per_byte`: it grows with the model, 3.5-5x on the
+  GPT); under tensor parallelism per live byte (`tp_rss_ratio`: GPT small's ranks held
+  1.05-1.11x their live tensors beyond them, base's 0.65-0.74x, pipeline stages or not,
+  and no fixed part). A stack of Linear layers does not show either (its few activations
+  leave the heap no holes to keep).
 """
 
 from __future__ import annotations
@@ -317,9 +319,8 @@ def sharded_probes(
     (fsdp, tp): (the profile's fields, each world size's link fields, the paces timed).
 
     On 2 ranks, `steps` steps (the resident peak settles):
-    - `{kind}_rss_per_byte`: the largest logged peak above baseline, less what the planner
-      predicts without it (its live bytes, rss_fixed and the first use), per byte of the
-      stage's whole parameters;
+    - `fsdp_rss_per_byte` and `tp_rss_ratio`: the largest logged peak above baseline
+      against the planner's live bytes (`_settled_rss`);
     - with a second, timed probe taking each step in 2 micro-batches (twice the calls):
       the median logged step times after the first window, less what the planner predicts
       with no cost per step or per call, fitted to `{kind}_step_s` + calls x
@@ -357,7 +358,7 @@ def sharded_probes(
         return (*run, (paces[-2] + paces[-1]) / 2)
 
     for kind in KINDS:
-        fields[f"{kind}_rss_per_byte"] = 0.0
+        fields |= {"fsdp": {"fsdp_rss_per_byte": 0.0}, "tp": {"tp_rss_ratio": 1.0}}[kind]
         pair = probe_parallel(kind, world=2, group=2)
         settled = paced(pair, 2, steps, bare)
         if settled is None:
@@ -365,13 +366,11 @@ def sharded_probes(
         pred, train, settled_pace = settled
         peak, live = _settled_peak(pred, train)
         stage = pred.memory_bytes["params"] * 2  # the one stage's whole parameters
-        beyond = peak - live - profile.rss_fixed - getattr(profile.link(2), f"{kind}_rss")
-        fields[f"{kind}_rss_per_byte"] = max(0.0, beyond / stage)
+        held, said = _settled_rss(kind, peak=peak, live=live, stage=stage, profile=profile)
+        fields |= held
         say(
             f"{kind} on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
-            f"{live / 2**20:.1f} MiB of live tensors predicted: "
-            f"{fields[f'{kind}_rss_per_byte']:.2f} x the stage's {stage / 2**20:.1f} MiB of "
-            "parameters beyond the slack and first use"
+            f"{live / 2**20:.1f} MiB of live tensors predicted: {said}"
         )
         points = [_excess(pred, train, settled_pace, kind)]
         if not points[0][1]:  # tp on a model whose blocks the planner cannot see: none planned
@@ -465,6 +464,28 @@ def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
     return pred, [r for r in rows if r.get("kind") == "train"]
 
 
+def _settled_rss(
+    kind: str, *, peak: int, live: int, stage: int, profile
+) -> tuple[dict[str, float], str]:
+    """What a settled 2-rank probe's peak above baseline says of the heap, and the line
+    that says it: under FSDP2 (`fsdp_rss_per_byte`) what it holds beyond the live bytes,
+    rss_fixed and the first use, per byte of the stage's whole parameters; under tensor
+    parallelism (`tp_rss_ratio`) the resident bytes per live byte. Measured: GPT small's
+    and base's tensor-parallel ranks hold beyond their live tensors in proportion to them
+    with no fixed part (pp 2 x tp 2's ranks half what tp 2's hold, with half the live
+    bytes), where a fixed first use (a Linear stack's 40 MiB) put small's pp 2 x tp 2 27%
+    over (BENCHMARKS.md, the planner)."""
+    if kind == "tp":
+        ratio = max(1.0, (peak - profile.rss_fixed) / live)
+        return {"tp_rss_ratio": ratio}, f"resident memory {ratio:.2f} x the live tensors"
+    per_byte = max(0.0, (peak - live - profile.rss_fixed - profile.link(2).fsdp_rss) / stage)
+    said = (
+        f"{per_byte:.2f} x the stage's {stage / 2**20:.1f} MiB of parameters beyond the "
+        "slack and first use"
+    )
+    return {"fsdp_rss_per_byte": per_byte}, said
+
+
 def _settled_peak(pred, train: list[dict]) -> tuple[int, int]:
     """(the probe's largest logged peak above baseline; the planner's live bytes for it:
     its peak less the parameters, which the baseline holds, and less the CPU's runtime
@@ -546,16 +567,14 @@ def collective_overheads(world: int, *, units: int = 8, width: int = 64) -> dict
     return {"fsdp_call_s": fsdp_call_s, "tp_call_s": tp_call_s}
 
 
-def first_use_worker(kind: str, *, units: int = 8, width: int = 64) -> int:
-    """One rank of a fresh process: the resident rise of its first FSDP2 ("fsdp") or
-    tensor-parallel ("tp") steps, after plain steps and a collective have warmed the rest
-    (autograd, the kernels, gloo). What the rise holds: the code and Python state the
-    mechanism loads on first use (FSDP2's and DTensor's modules, DTensor's sharding
-    caches, the library pages they fault in), a fixed cost per process that a one-process
-    reference run never pays. Started by `elastic_launch` (calibrate.measure_first_use)."""
+def first_use_worker(*, units: int = 8, width: int = 64) -> int:
+    """One rank of a fresh process: the resident rise of its first FSDP2 steps, after plain
+    steps and a collective have warmed the rest (autograd, the kernels, gloo). What the rise
+    holds: the code and Python state FSDP2 loads on first use (its lazy initialisation,
+    the library pages it faults in), a fixed cost per process that a one-process reference
+    run never pays. Started by `elastic_launch` (calibrate.measure_first_use)."""
     import torch.distributed as dist
-    import torch.distributed.fsdp  # noqa: F401 imported before the baseline, as a run
-    import torch.distributed.tensor.parallel  # noqa: F401 imports them at set-up
+    import torch.distributed.fsdp  # noqa: F401 imported before the baseline, as a run does
     from torch.distributed.device_mesh import init_device_mesh
 
     from scaletrain.memory import lifetime_peak_bytes
@@ -570,7 +589,7 @@ def first_use_worker(kind: str, *, units: int = 8, width: int = 64) -> int:
             model(x).sum().backward()
             dist.all_reduce(torch.ones(1024))
         before = lifetime_peak_bytes()
-        model = shard_stack(model, mesh, kind=kind)
+        model = shard_stack(model, mesh, kind="fsdp")
         for _ in range(3):
             model(x).sum().backward()
         dist.barrier()
