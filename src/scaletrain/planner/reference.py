@@ -60,9 +60,9 @@ calibrate measures it on real steps:
   over all of them (`fsdp_call_s` of its link). Each timed run's steps are taken at the
   machine's speed when the reference ran (`pace`: the reference timed again before and
   after it, against the profile's `reference_round_s`). Under
-  either, glibc's heap keeps the holes that the gathered parameters, gradients and
-  activations leave between activations, and a rank settles higher than its live tensors
-  and the slack explain (BENCHMARKS.md, the planner), measured here on the 2-rank probes'
+  either, glibc's heap keeps the holes that FSDP2's gathered parameters and gradients, or
+  DTensor's gathered and scattered copies of the stream, leave between activations, and a
+  rank settles higher than its live tensors and the slack explain (BENCHMARKS.md, the planner), measured here on the 2-rank probes'
   settled peaks (`_settled_rss`): under FSDP2 beyond its first use, per byte of the
   stage's whole parameters (`fsdp_rss_per_byte`: it grows with the model, 3.5-5x on the
   GPT); under tensor parallelism per live byte (`tp_rss_ratio`: GPT small's ranks held
