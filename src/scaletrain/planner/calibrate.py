@@ -12,9 +12,10 @@
 - What a step costs beyond its matmuls, fitted from real steps of a reference model
   (reference.py); a rank's resident memory beyond its live tensors, from the model
   trained by the trainer on 2 ranks under DDP; and from its sharded steps on 2 ranks, the
-  resident bytes FSDP2 and DTensor hold per byte of parameters and their costs per step
-  and per collective call on the model's own units, and on each larger world size a cost
-  per step and per call of its own in groups of 2, and per call over the world.
+  resident bytes FSDP2 holds per byte of parameters and DTensor per live byte, and their
+  costs per step and per collective call on the model's own units, and on each larger
+  world size a cost per step and per call of its own in groups of 2, and per call over
+  the world.
 - The machine's pace: the reference timed again before the sharded probes and after each
   (reference.pace), their steps taken at the reference's speed; and the whole profile
   then kept at the median of those paces and the reference's own moment

@@ -62,8 +62,9 @@ calibrate measures it on real steps:
   after it, against the profile's `reference_round_s`). Under
   either, glibc's heap keeps the holes that FSDP2's gathered parameters and gradients, or
   DTensor's gathered and scattered copies of the stream, leave between activations, and a
-  rank settles higher than its live tensors and the slack explain (BENCHMARKS.md, the planner), measured here on the 2-rank probes'
-  settled peaks (`_settled_rss`): under FSDP2 beyond its first use, per byte of the
+  rank settles higher than its live tensors and the slack explain (BENCHMARKS.md, the
+  planner), measured here on the 2-rank probes' settled peaks (`_settled_rss`): under
+  FSDP2 beyond its first use, per byte of the
   stage's whole parameters (`fsdp_rss_per_byte`: it grows with the model, 3.5-5x on the
   GPT); under tensor parallelism per live byte (`tp_rss_ratio`: GPT small's ranks held
   1.05-1.11x their live tensors beyond them, base's 0.65-0.74x, pipeline stages or not,
@@ -227,6 +228,9 @@ SETTLE_STEPS = 160  # steps after which an FSDP2 rank's resident peak has stoppe
 TIMED_STEPS = 40  # a probe that only times steps: 3 windows after the warm-up one
 KINDS = ("fsdp", "tp")
 SHARDED_DIM = {"fsdp": "dp_shard", "tp": "tp"}  # the mesh dimension of each kind's groups
+# each kind's resident-memory field as calibrate leaves it where its probe does not run
+# (the Profile's defaults: nothing beyond the first use, resident = live)
+UNMEASURED_RSS = {"fsdp": {"fsdp_rss_per_byte": 0.0}, "tp": {"tp_rss_ratio": 1.0}}
 
 
 def probe_parallel(kind: str, *, world: int, group: int) -> dict:
@@ -358,7 +362,7 @@ def sharded_probes(
         return (*run, (paces[-2] + paces[-1]) / 2)
 
     for kind in KINDS:
-        fields |= {"fsdp": {"fsdp_rss_per_byte": 0.0}, "tp": {"tp_rss_ratio": 1.0}}[kind]
+        fields |= UNMEASURED_RSS[kind]
         pair = probe_parallel(kind, world=2, group=2)
         settled = paced(pair, 2, steps, bare)
         if settled is None:
