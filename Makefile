@@ -6,15 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo lint test test-fast bench clean
 
+# compileall: bytecode for every installed module, in parallel (~30 s on 2 cores; pip's
+# own pass is serial, hence its --no-compile). Without it, where PYTHONDONTWRITEBYTECODE is
+# set, every process compiled torch again on import: 9-11 s before its first line, 3.6-3.9 s
+# with it. A file that does not compile (torch's Python 3.12-only test helper) is only left
+# uncompiled, hence `|| true`.
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile -r requirements-dev.txt  # no .pyc for every file of every package: ~50 s instead of ~185 s on 2 cores
+	$(BIN)/pip install -q --no-compile -r requirements-dev.txt  # pip byte-compiles serially: ~185 s, not ~50
 	$(BIN)/pip install -q --no-deps -e .
-	# Bytecode for every installed module, in parallel (~30 s on 2 cores; pip's own pass is
-	# serial). Without it, where PYTHONDONTWRITEBYTECODE is set, every process compiled torch
-	# again on import: 9-11 s before its first line, 3.6-3.8 s with it. A file that does not
-	# compile (torch's Python 3.12-only test helper) is only left uncompiled, hence `|| true`.
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
