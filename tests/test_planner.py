@@ -329,6 +329,11 @@ def test_a_profile_round_trips_and_the_collectives_fit_their_line(tmp_path):
     link = _fit(points)
     assert link.latency_s == pytest.approx(200e-6 + 4096 / 1e9)
     assert link.bus_bw == pytest.approx(2**26 / (2**26 / 1e9 - 4096 / 1e9), rel=1e-9)
+    # a first look at the three smallest all slow (gloo's 2-4 ms mode), a second look at
+    # them after the largest: each size at its fastest look
+    slow_look = [(n, 200e-6 + n / 1e9 + (3e-3 if n < 2**20 else 0)) for n in sizes]
+    again = [(n, 200e-6 + n / 1e9) for n in sizes if n < 2**20]
+    assert _fit(slow_look + again) == link
     profile = Profile(
         name="m",
         flops={"fp32": 1e11, "bf16": 4e11},
@@ -629,6 +634,8 @@ def test_calibrate_times_gloo_and_the_per_call_cost_of_fsdp_and_tensor_paralleli
     from scaletrain.planner.calibrate import measure_collectives
 
     all_reduce, all_gather, calls = measure_collectives(2, sizes=(4096, 16384, 65536))
+    # each size timed, then the three smallest a second time (gloo's slow mode takes a look)
+    assert sorted(n for n, _ in calls["all_reduce"]) == sorted(2 * [4096, 16384, 65536])
     for link in (all_reduce, all_gather):
         assert link.bus_bw > 0 and link.latency_s > 0
     # a call carries at least its collective (the timing's noise alone stays far below)
