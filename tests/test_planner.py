@@ -331,8 +331,8 @@ def test_a_profile_round_trips_and_the_collectives_fit_their_line(tmp_path):
     assert link.bus_bw == pytest.approx(2**26 / (2**26 / 1e9 - 4096 / 1e9), rel=1e-9)
     # a first look at the three smallest all slow (gloo's 2-4 ms mode), a second look at
     # them after the largest: each size at its fastest look
-    slow_look = [(n, 200e-6 + n / 1e9 + (3e-3 if n < 2**20 else 0)) for n in sizes]
-    again = [(n, 200e-6 + n / 1e9) for n in sizes if n < 2**20]
+    slow_look = [(n, 200e-6 + n / 1e9 + (3e-3 if n < 2**26 else 0)) for n in sizes]
+    again = [(n, 200e-6 + n / 1e9) for n in sizes if n < 2**26]
     assert _fit(slow_look + again) == link
     profile = Profile(
         name="m",
