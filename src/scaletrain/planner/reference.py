@@ -59,14 +59,13 @@ calibrate measures it on real steps:
   per step beside ~7 ms a call, where on 2 ranks part of it came once a step), and FSDP
   over all of them (`fsdp_call_s` of its link). Each timed run's steps are taken at the
   machine's speed when the reference ran (`pace`: the reference timed again before and
-  after it, against the profile's `reference_round_s`). Under
-  either, glibc's heap keeps the holes that FSDP2's gathered parameters and gradients, or
-  DTensor's gathered and scattered copies of the stream, leave between activations, and a
-  rank settles higher than its live tensors and the slack explain (BENCHMARKS.md, the
-  planner), measured here on the 2-rank probes' settled peaks (`_settled_rss`): under
-  FSDP2 beyond its first use, per byte of the
-  stage's whole parameters (`fsdp_rss_per_byte`: it grows with the model, 3.5-5x on the
-  GPT); under tensor parallelism per live byte (`tp_rss_ratio`: GPT small's ranks held
+  after it, against the profile's `reference_round_s`). Under either, glibc's heap keeps
+  the holes that FSDP2's gathered parameters and gradients, or DTensor's gathered and
+  scattered copies of the stream, leave between activations, and a rank settles higher
+  than its live tensors and the slack explain (BENCHMARKS.md, the planner), measured here
+  on the 2-rank probes' settled peaks (`_settled_rss`): under FSDP2 beyond its first use,
+  per byte of the stage's whole parameters (`fsdp_rss_per_byte`: it grows with the model,
+  3.5-5x on the GPT); under tensor parallelism per live byte (`tp_rss_ratio`: GPT small's ranks held
   1.05-1.11x their live tensors beyond them, base's 0.65-0.74x, pipeline stages or not,
   and no fixed part). A stack of Linear layers does not show either (its few activations
   leave the heap no holes to keep).
@@ -228,9 +227,9 @@ SETTLE_STEPS = 160  # steps after which an FSDP2 rank's resident peak has stoppe
 TIMED_STEPS = 40  # a probe that only times steps: 3 windows after the warm-up one
 KINDS = ("fsdp", "tp")
 SHARDED_DIM = {"fsdp": "dp_shard", "tp": "tp"}  # the mesh dimension of each kind's groups
-# each kind's resident-memory field as calibrate leaves it where its probe does not run
-# (the Profile's defaults: nothing beyond the first use, resident = live)
-UNMEASURED_RSS = {"fsdp": {"fsdp_rss_per_byte": 0.0}, "tp": {"tp_rss_ratio": 1.0}}
+# each kind's resident-memory field (left at the Profile's default where its probe does
+# not run: nothing beyond the first use, resident = live)
+RSS_FIELD = {"fsdp": "fsdp_rss_per_byte", "tp": "tp_rss_ratio"}
 
 
 def probe_parallel(kind: str, *, world: int, group: int) -> dict:
@@ -347,8 +346,11 @@ def sharded_probes(
     use)."""
     import dataclasses
 
+    from scaletrain.hardware import Profile
+
     data = data or GPT_TINY
     bare = _without_sharding_costs(profile)
+    unmeasured = {f.name: f.default for f in dataclasses.fields(Profile)}
     fields: dict[str, float] = {}
     links: dict[int, dict[str, float]] = {w: {} for w in worlds}
     paces = [pace(data, launch=launch, concurrent=concurrent, profile=profile)]
@@ -362,7 +364,7 @@ def sharded_probes(
         return (*run, (paces[-2] + paces[-1]) / 2)
 
     for kind in KINDS:
-        fields |= UNMEASURED_RSS[kind]
+        fields[RSS_FIELD[kind]] = unmeasured[RSS_FIELD[kind]]
         pair = probe_parallel(kind, world=2, group=2)
         settled = paced(pair, 2, steps, bare)
         if settled is None:
