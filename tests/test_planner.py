@@ -751,7 +751,7 @@ def test_calibrate_reads_the_sharded_slack_off_the_settled_peak(tmp_path):
     the planner's live bytes: under FSDP2 beyond rss_fixed and the first use, per byte of
     the stage's parameters; under tensor parallelism the resident bytes (less rss_fixed)
     per live byte. Nothing beyond them: 0 and 1; every further byte of peak counted once.
-    Each kind's second, timed probe takes its steps in 2 micro-batches."""
+    Each kind's timed probes take its steps in 2, 4 and 1 micro-batches (LOOKS)."""
     import dataclasses
 
     from scaletrain.plan import resolve
@@ -775,10 +775,9 @@ def test_calibrate_reads_the_sharded_slack_off_the_settled_peak(tmp_path):
 
     assert measured(10**6) == {"fsdp_rss_per_byte": 0.0, "tp_rss_ratio": 1.0}
     assert calls == [
-        (2, sharded_worker, {"dp_shard": 2}, 20, 1),
-        (2, sharded_worker, {"dp_shard": 2}, 30, 2),
-        (2, sharded_worker, {"tp": 2}, 20, 1),
-        (2, sharded_worker, {"tp": 2}, 30, 2),
+        (2, sharded_worker, parallel, steps, accumulation)
+        for parallel in ({"dp_shard": 2}, {"tp": 2})
+        for steps, accumulation in ((20, 1), (30, 2), (30, 4), (30, 1))
     ]
     extra = 2**30  # far beyond what the tiny GPT's step holds
     low, high = measured(extra), measured(2 * extra)
@@ -815,7 +814,7 @@ def test_a_probe_with_accumulation_takes_the_same_examples_in_twice_the_calls():
 def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call():
     """The probes' logged step time (the median after the first window, which holds the
     warm-up), less the planner's step with no per-step or per-call cost (the Linear stack's
-    is not charged), at once and twice the calls (2 micro-batches a step), is fitted to a
+    is not charged), at 1, 2 and 4 times the calls (micro-batches a step), is fitted to a
     cost per step plus one per call: FSDP's 3 calls per unit (2 blocks and the root: gather
     in forward and in backward, reduce-scatter), tensor parallelism's 4 per block
     (sequence parallel: an all-gather and a reduce-scatter each way)."""
@@ -850,6 +849,46 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
         )
         assert fields[f"{kind}_step_s"] == pytest.approx(per_step, rel=1e-6)
         assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)
+
+
+def test_calibrate_fits_each_sharded_cost_to_three_call_counts_at_their_fastest_look():
+    """Each kind's fit takes the probes' excess at 1, 2 and 4 micro-batches a step (once,
+    twice and 4 times the calls) by least squares, and 1 micro-batch is looked at twice
+    (the settled probe, then a timed one after the others): a look the machine ran slow
+    beyond its pace (here the settled one, 0.5 s) is dropped for the faster. Two points,
+    one look each, put that look's whole error into the cost per step (GPT base's tp: 7 to
+    357 ms over four calibrates)."""
+    import numpy as np
+
+    from scaletrain.planner import predict_configured
+    from scaletrain.planner.reference import SHARDED_DIM, sharded_config
+
+    bare = _cpu_profile(fsdp_call_s=1e-12, tp_call_s=1e-12)
+    per_step, per_call = 0.25, 0.01
+    off = {(40, 1): 0.5, (30, 1): 0.0, (30, 2): 0.0, (30, 4): 0.04}  # (steps, micro-batches)
+    excess = {"fsdp": {}, "tp": {}}
+
+    def launch(world, fn, data, parallel, steps, accumulation, run_dir):
+        kind = "tp" if "tp" in parallel else "fsdp"
+        config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
+        pred = predict_configured(config, world_size=world, profile=bare)
+        calls = pred.calls_by_dim[SHARDED_DIM[kind]]
+        beyond = per_step + per_call * calls + off[steps, accumulation]
+        excess[kind][accumulation] = (calls, per_step + per_call * calls + off[30, accumulation])
+        rows = [
+            {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": t}
+            for t in (100.0, pred.step_time_s + beyond, pred.step_time_s + beyond)
+        ]
+        _probe_rows(run_dir, rows)
+
+    fields, links, _ = _quiet_probes(launch, _cpu_profile(), steps=40, timed_steps=30)
+    for kind in ("fsdp", "tp"):
+        calls, beyond = zip(*(excess[kind][a] for a in (1, 2, 4)), strict=True)
+        assert calls[1] == 2 * calls[0] and calls[2] == 4 * calls[0]
+        fit = np.linalg.lstsq(np.c_[np.ones(3), calls], np.array(beyond), rcond=None)[0]
+        assert 0 < fit[0] < per_step and fit[1] > per_call  # the 4 micro-batches' look counted
+        assert fields[f"{kind}_step_s"] == pytest.approx(fit[0], rel=1e-9)
+        assert links[2][f"{kind}_call_s"] == pytest.approx(fit[1], rel=1e-9)
 
 
 def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_reference_ran():
@@ -893,9 +932,9 @@ def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_refere
         _probe_rows(run_dir, rows)
 
     fields, links, timed = _quiet_probes(launch, profile, steps=40, concurrent=2)
-    assert timed == paces == [1.0, 2.0, 1.0, 2.0, 1.0]
+    assert timed == paces == [1.0, 2.0] * 4 + [1.0]  # before, and after 4 probes a kind
     # the reference's own round (its micro-batches in turn) before the probes and after each
-    assert launched == [(2, reference_batches(RAW))] * 5
+    assert launched == [(2, reference_batches(RAW))] * 9
     for kind in ("fsdp", "tp"):
         assert fields[f"{kind}_step_s"] == pytest.approx(per_step, rel=1e-6)
         assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)
@@ -904,7 +943,7 @@ def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_refere
 def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and_per_call():
     """On 4 ranks (2 cores), the probes time FSDP in groups of 2 (HSDP) and tensor
     parallelism in groups of 2 (with pipeline stages, each holding half the parameters and
-    paying half the cost per step), each once and in 2 micro-batches (twice the calls),
+    paying half the cost per step), each in 1, 2 and 4 micro-batches (2 and 4 x the calls),
     fitted to the pair's own cost per step and per call: on 4 ranks of 2 cores these are
     not the 2-rank ones (GPT small's tensor parallelism showed no cost per step there).
     FSDP over all 4 ranks: its cost per call beside the 2-rank cost per step."""
@@ -942,9 +981,10 @@ def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and
         _probe_rows(run_dir, rows)
 
     fields, links, _ = _quiet_probes(launch, profile, worlds=(2, 4), steps=40)
-    for accumulation in (1, 2):
+    for accumulation in (1, 2, 4):
         assert (4, {"dp_shard": 2, "dp_replicate": 2}, accumulation) in launched
-        assert (4, {"tp": 2, "pp": 2}, accumulation) in launched
+    # tp x pp at 4 micro-batches of 1 is refused (a pipeline's micro-batch is split in 2)
+    assert [a for w, par, a in launched if par == {"tp": 2, "pp": 2}] == [1, 2, 1]
     assert (4, {"dp_shard": 4}, 1) in launched
     assert fields["fsdp_step_s"] == pytest.approx(0.25, rel=1e-6)
     for kind in ("fsdp", "tp"):
@@ -975,7 +1015,8 @@ def test_a_probe_whose_rank_dies_fits_nothing_and_calibrate_goes_on():
     fields, links, _ = sharded_probes(
         RAW, launch=launch, profile=_cpu_profile(), steps=40, say=said.append
     )
-    assert launched == [(2, {"dp_shard": 2}, 1), (2, {"dp_shard": 2}, 2), (2, {"tp": 2}, 1)]
+    fsdp = [(2, {"dp_shard": 2}, accumulation) for accumulation in (1, 2, 4, 1)]
+    assert launched == [*fsdp, (2, {"tp": 2}, 1)]
     assert fields["fsdp_step_s"] + links[2]["fsdp_call_s"] > 0  # FSDP's probes still fitted
     assert "tp_step_s" not in fields and "tp_call_s" not in links[2]
     assert [s for s in said if "failed" in s] == [
@@ -1167,7 +1208,7 @@ def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):
     fields, links, _ = sharded_probes(
         cnn, launch=launch, profile=_cpu_profile(), steps=10, say=said.append
     )
-    assert launched == [{"dp_shard": 2}, {"dp_shard": 2}]
+    assert launched == [{"dp_shard": 2}] * 4  # settled, then 2, 4 and 1 micro-batches
     assert fields["tp_rss_ratio"] == 1.0 and "tp_step_s" not in fields
     assert fields["fsdp_rss_per_byte"] == 0.0 and links[2]["fsdp_call_s"] >= 0.0
     assert "not measured" in said[-1] and "tensor-parallel plan" in said[-1]
