@@ -943,7 +943,7 @@ def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_refere
 def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and_per_call():
     """On 4 ranks (2 cores), the probes time FSDP in groups of 2 (HSDP) and tensor
     parallelism in groups of 2 (with pipeline stages, each holding half the parameters and
-    paying half the cost per step), each in 1, 2 and 4 micro-batches (2 and 4 x the calls),
+    paying half the cost per step), each in 1, 2, 4 and 1 micro-batches (1, 2 and 4 x the calls),
     fitted to the pair's own cost per step and per call: on 4 ranks of 2 cores these are
     not the 2-rank ones (GPT small's tensor parallelism showed no cost per step there).
     FSDP over all 4 ranks: its cost per call beside the 2-rank cost per step."""

@@ -53,8 +53,8 @@ calibrate measures it on real steps:
   (`fsdp_step_s`, `tp_step_s`: GPT base, 31 ms under FSDP2) and one per call on the model's
   own units (`fsdp_call_s`, `tp_call_s` of the 2-rank link: a GPT block's FSDP2 copy-in
   and copy-out and its DTensor ops cost more than a Linear unit's).
-  On each larger world size short runs time groups of 2 among its ranks, in 1, 2 and 4
-  micro-batches, fitted to their own cost per step and per call (`*_pair_step_s`,
+  On each larger world size short runs time groups of 2 among its ranks, in 1, 2, 4 and
+  again 1 micro-batch, fitted to their own cost per step and per call (`*_pair_step_s`,
   `*_pair_call_s` of its link: with more ranks than cores, a call waits on fewer peers in
   a group of 2, and GPT small's tensor parallelism on 4 ranks of 2 cores showed no cost
   per step beside ~7 ms a call, where on 2 ranks part of it came once a step), and FSDP
@@ -338,7 +338,7 @@ def sharded_probes(
       all of one look's noise into the fit: GPT base's tp cost per step came out 7, 97,
       141 and 357 ms in four calibrates.
     On each larger world size, timed: groups of 2 among its ranks (FSDP's with replicas,
-    HSDP; tensor parallelism's with pipeline stages), in 1, 2 and 4 micro-batches, what
+    HSDP; tensor parallelism's with pipeline stages), in LOOKS' micro-batches, what
     their steps hold beyond the planner's fitted as on 2 ranks to `{kind}_pair_step_s`
     (the stage paying its share) + calls x `{kind}_pair_call_s`; for FSDP, one group of
     all of them, what its steps hold beyond the planner's and the 2-rank cost per step,
