@@ -857,11 +857,11 @@ def test_calibrate_fits_each_sharded_cost_to_three_call_counts_at_their_fastest_
     (the settled probe, then a timed one after the others): a look the machine ran slow
     beyond its pace (here the settled one, 0.5 s) is dropped for the faster. Two points,
     one look each, put that look's whole error into the cost per step (GPT base's tp: 7 to
-    357 ms over four calibrates)."""
+    357 ms over four calibrates). Calibrate says every look, the dropped one too."""
     import numpy as np
 
     from scaletrain.planner import predict_configured
-    from scaletrain.planner.reference import SHARDED_DIM, sharded_config
+    from scaletrain.planner.reference import SHARDED_DIM, sharded_config, sharded_probes
 
     bare = _cpu_profile(fsdp_call_s=1e-12, tp_call_s=1e-12)
     per_step, per_call = 0.25, 0.01
@@ -881,9 +881,27 @@ def test_calibrate_fits_each_sharded_cost_to_three_call_counts_at_their_fastest_
         ]
         _probe_rows(run_dir, rows)
 
-    fields, links, _ = _quiet_probes(launch, _cpu_profile(), steps=40, timed_steps=30)
+    said = []
+    fields, links, _ = sharded_probes(
+        RAW, launch=launch, profile=_cpu_profile(), steps=40, timed_steps=30, say=said.append
+    )
     for kind in ("fsdp", "tp"):
         calls, beyond = zip(*(excess[kind][a] for a in (1, 2, 4)), strict=True)
+        # every look said, in the order they ran: the slow one too
+        looks = [beyond[0] + 0.5, beyond[1], beyond[2], beyond[0]]
+        assert [s for s in said if s.startswith(f"{kind} on 2 ranks: ")] == [
+            f"{kind} on 2 ranks: "
+            + ", ".join(
+                f"{e * 1e3:.1f} ms beyond the plan with {c} calls"
+                for e, c in zip(looks, (*calls, calls[0]), strict=True)
+            )
+            + "; each call count at its fastest: "
+            + f"{fields[f'{kind}_step_s'] * 1e3:.1f} ms a step + "
+            + f"{links[2][f'{kind}_call_s'] * 1e6:.0f} us a call (the machine 1.00, 1.00, "
+            + "1.00, 1.00, 1.00"
+            + (", 1.00, 1.00, 1.00, 1.00" if kind == "tp" else "")
+            + "x as slow as at the reference, timed around the probes)"
+        ]
         assert calls[1] == 2 * calls[0] and calls[2] == 4 * calls[0]
         fit = np.linalg.lstsq(np.c_[np.ones(3), calls], np.array(beyond), rcond=None)[0]
         assert 0 < fit[0] < per_step and fit[1] > per_call  # the 4 micro-batches' look counted

@@ -391,14 +391,16 @@ def sharded_probes(
             continue
         # the settled probe is the first look at 1 micro-batch; then the others, timed
         runs = [paced(pair, 2, timed_steps, bare, a) for a in _looks(data)[1:]]
-        points = _fastest(looks + [_excess(*run, kind) for run in runs if run])
+        looks += [_excess(*run, kind) for run in runs if run]
+        points = _fastest(looks)
         step_s, call_s = _nonneg_fit([(1.0, calls, excess) for excess, calls in points])
         fields[f"{kind}_step_s"] = step_s
         links.setdefault(2, {})[f"{kind}_call_s"] = call_s
         say(
             f"{kind} on 2 ranks: "
-            + _beyond(points)
-            + f": {step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call (the machine "
+            + _beyond(looks)
+            + f"; each call count at its fastest: {step_s * 1e3:.1f} ms a step + "
+            + f"{call_s * 1e6:.0f} us a call (the machine "
             + ", ".join(f"{x:.2f}" for x in paces)
             + "x as slow as at the reference, timed around the probes)"
         )
@@ -408,7 +410,8 @@ def sharded_probes(
             pair = probe_parallel(kind, world=world, group=2)
             share = 1.0 / pair.get("pp", 1)
             runs = [paced(pair, world, timed_steps, bare, a) for a in _looks(data)]
-            points = _fastest([_excess(*run, kind) for run in runs if run])
+            looks = [_excess(*run, kind) for run in runs if run]
+            points = _fastest(looks)
             if points and points[0][1]:
                 pair_step, pair_call = _nonneg_fit([(share, c, e) for e, c in points])
                 links[world][f"{kind}_pair_step_s"] = pair_step
@@ -416,9 +419,9 @@ def sharded_probes(
                 links[world][f"{kind}_pair_call_s"] = max(pair_call, 1e-12)
                 say(
                     f"{kind} as {pair} on {world} ranks: "
-                    + _beyond(points)
-                    + f": {pair_step * 1e3:.1f} ms a step (a stage pays {share:.2f} of it) + "
-                    f"{pair_call * 1e6:.0f} us a call"
+                    + _beyond(looks)
+                    + f"; each call count at its fastest: {pair_step * 1e3:.1f} ms a step "
+                    + f"(a stage pays {share:.2f} of it) + {pair_call * 1e6:.0f} us a call"
                 )
             if kind == "tp":  # tensor parallelism over a whole world > 2: the stack's
                 continue
@@ -456,9 +459,9 @@ def _fastest(looks: list[tuple[float, int]]) -> list[tuple[float, int]]:
     return [(excess, calls) for calls, excess in sorted(fastest.items())]
 
 
-def _beyond(points: list[tuple[float, int]]) -> str:
-    """The probes' (excess, calls) as calibrate says them."""
-    return ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in points)
+def _beyond(looks: list[tuple[float, int]]) -> str:
+    """The probes' (excess, calls), in the order they ran, as calibrate says them."""
+    return ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in looks)
 
 
 def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
