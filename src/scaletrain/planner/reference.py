@@ -50,7 +50,7 @@ calibrate measures it on real steps:
   again for TIMED_STEPS taking each step in 2, in 4 and in 1 micro-batch (twice, 4 times
   and once the calls). Their median step times (at 1 micro-batch the faster of the two
   looks), less the planner's step without FSDP2's and DTensor's costs, fit a cost per step
-  (`fsdp_step_s`, `tp_step_s`: GPT base, 31 ms under FSDP2) and one per call on the model's
+  (`fsdp_step_s`, `tp_step_s`: GPT base, 31-38 ms under FSDP2) and one per call on the model's
   own units (`fsdp_call_s`, `tp_call_s` of the 2-rank link: a GPT block's FSDP2 copy-in
   and copy-out and its DTensor ops cost more than a Linear unit's).
   On each larger world size short runs time groups of 2 among its ranks, in 1, 2, 4 and
