@@ -36,6 +36,7 @@ import torch
 from scaletrain.hardware import Link, Profile, slowed
 from scaletrain.planner.reference import (
     collective_overheads,
+    fastest_looks,
     first_use_worker,
     gloo_group,
     sharded_probes,
@@ -91,10 +92,7 @@ def _fit(points: list[tuple[float, float]]) -> Link:
     one look in three, 0.2-0.8 ms otherwise (21 of 64 looks, with or without a busy
     neighbour): all three smallest sat there once (GPT small's calibrate read 3.3 ms), so
     `collective_worker` looks at them again after the largest (six looks)."""
-    fastest: dict[float, float] = {}
-    for nbytes, t in points:
-        fastest[nbytes] = min(t, fastest.get(nbytes, t))
-    points = sorted(fastest.items())
+    points = sorted(fastest_looks(points).items())
     latency = min(t for _, t in points[:3])
     largest_bytes, largest_s = points[-1]
     return Link(bus_bw=largest_bytes / max(largest_s - latency, 1e-12), latency_s=latency)

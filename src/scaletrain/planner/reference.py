@@ -50,11 +50,11 @@ calibrate measures it on real steps:
   again for TIMED_STEPS taking each step in 2, in 4 and in 1 micro-batch (twice, 4 times
   and once the calls). Their median step times (at 1 micro-batch the faster of the two
   looks), less the planner's step without FSDP2's and DTensor's costs, fit a cost per step
-  (`fsdp_step_s`, `tp_step_s`: GPT base, 31-38 ms under FSDP2) and one per call on the model's
-  own units (`fsdp_call_s`, `tp_call_s` of the 2-rank link: a GPT block's FSDP2 copy-in
-  and copy-out and its DTensor ops cost more than a Linear unit's).
-  On each larger world size short runs time groups of 2 among its ranks, in 1, 2, 4 and
-  again 1 micro-batch, fitted to their own cost per step and per call (`*_pair_step_s`,
+  (`fsdp_step_s`, `tp_step_s`: GPT base, 31-38 ms under FSDP2) and one per call on the
+  model's own units (`fsdp_call_s`, `tp_call_s` of the 2-rank link: a GPT block's FSDP2
+  copy-in and copy-out and its DTensor ops cost more than a Linear unit's). On each larger
+  world size short runs time groups of 2 among its ranks, in 1, 2, 4 and again 1
+  micro-batch, fitted to their own cost per step and per call (`*_pair_step_s`,
   `*_pair_call_s` of its link: with more ranks than cores, a call waits on fewer peers in
   a group of 2, and GPT small's tensor parallelism on 4 ranks of 2 cores showed no cost
   per step beside ~7 ms a call, where on 2 ranks part of it came once a step), and FSDP
@@ -66,8 +66,8 @@ calibrate measures it on real steps:
   than its live tensors and the slack explain (BENCHMARKS.md, the planner), measured here
   on the 2-rank probes' settled peaks (`_settled_rss`): under FSDP2 beyond its first use,
   per byte of the stage's whole parameters (`fsdp_rss_per_byte`: it grows with the model,
-  3.5-5x on the GPT); under tensor parallelism per live byte (`tp_rss_ratio`: GPT small's ranks held
-  1.05-1.11x their live tensors beyond them, base's 0.65-0.74x, pipeline stages or not,
+  3.5-5x on the GPT); under tensor parallelism per live byte (`tp_rss_ratio`: GPT small's
+  ranks held 1.05-1.11x their live tensors beyond them, base's 0.65-0.74x, pipeline stages or not,
   and no fixed part). A stack of Linear layers does not show either (its few activations
   leave the heap no holes to keep).
 """
@@ -448,14 +448,21 @@ def _looks(data: dict) -> tuple[int, ...]:
     return tuple(a for a in LOOKS if a <= _micro_batch(data))
 
 
+def fastest_looks(looks) -> dict:
+    """{key: its smallest time} over (key, seconds) looks: a size or call count timed more
+    than once taken at its fastest (calibrate's collectives; the sharded fits)."""
+    fastest: dict = {}
+    for key, t in looks:
+        fastest[key] = min(t, fastest.get(key, t))
+    return fastest
+
+
 def _fastest(looks: list[tuple[float, int]]) -> list[tuple[float, int]]:
     """Each call count's fastest look (excess, calls), by calls. A look this VM ran slow
     beyond what the paces around it caught (GPT base's tp 2 at 1 micro-batch once 395 ms
     beyond the plan in calibrate, 143 ms in the bench's own run of it) pulled the
     fitted line by as much; a second look minutes later drops it."""
-    fastest: dict[int, float] = {}
-    for excess, calls in looks:
-        fastest[calls] = min(excess, fastest.get(calls, excess))
+    fastest = fastest_looks((calls, excess) for excess, calls in looks)
     return [(excess, calls) for calls, excess in sorted(fastest.items())]
 
 
