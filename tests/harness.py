@@ -394,6 +394,34 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
     return found
 
 
+def listening_addresses(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket the processes listen on, read from /proc:
+    each process's socket inodes (/proc/PID/fd) looked up in its /proc/PID/net/tcp{,6}."""
+    import ipaddress
+
+    found = []
+    for pid in pids:
+        inodes = set()
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        for table in ("tcp", "tcp6"):
+            for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_address, hex_port = fields[1].split(":")
+                # each 32-bit word of the address is written in host (little-endian) order
+                raw = b"".join(
+                    bytes.fromhex(hex_address[i : i + 8])[::-1]
+                    for i in range(0, len(hex_address), 8)
+                )
+                found.append((pid, str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
 def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "model.safetensors"))
 

@@ -119,3 +119,173 @@ def test_export_writes_the_model_under_its_own_names_or_a_rename_from_above(tmp_
     )
     assert renamed.keys() == {f"student.{k}" for k in expected}
     assert strip_wrapper(renamed).keys() == expected.keys()  # what a distilled run exports
+
+
+# ------------------------------------------------------------------ a crafted .metadata
+#
+# Each payload, if executed, creates the file MARK names. Each is a whole pickle (protocol
+# 4) whose globals are resolved by the metadata unpickler; the checkpoint's manifest is
+# written again over the tampered file, as an attacker would, so only the unpickler stands
+# between the payload and the process.
+
+
+def _str(text: str) -> bytes:  # SHORT_BINUNICODE / BINUNICODE, no memo
+    raw = text.encode()
+    return (
+        b"\x8c" + bytes([len(raw)]) if len(raw) < 256 else b"X" + len(raw).to_bytes(4, "little")
+    ) + raw
+
+
+def _global(module: str, name: str) -> bytes:  # STACK_GLOBAL: find_class(module, name)
+    return _str(module) + _str(name) + b"\x93"
+
+
+def _call(func: bytes, *args: bytes) -> bytes:  # func(*args): MARK args TUPLE REDUCE
+    return func + b"(" + b"".join(args) + b"tR"
+
+
+def _pickle(body: bytes) -> bytes:
+    return b"\x80\x04" + body + b"."
+
+
+def _gadgets(mark: Path) -> dict[str, bytes]:
+    touch = _str(f"touch {mark}")
+    code = _str(f"open({str(mark)!r}, 'w').close()")
+    evil_save = mark.with_name("evil.pt")  # a torch.save file whose unpickling runs code
+    return {
+        "dotted name in an allowed module": _call(
+            _global("torch.distributed.checkpoint.filesystem", "os.system"), touch
+        ),
+        "dotted name through pathlib": _call(_global("pathlib", "os.system"), touch),
+        "dotted name through torch": _call(_global("torch", "serialization.os.system"), touch),
+        "a loader in DCP's own package": _call(
+            _global("torch.distributed.checkpoint.format_utils", "torch_save_to_dcp"),
+            _str(str(evil_save)),
+            _str(str(mark.with_name("out"))),
+        ),
+        "builtins.getattr chain": _call(
+            _call(
+                _global("builtins", "getattr"),
+                _call(_global("builtins", "__import__"), _str("os")),
+                _str("system"),
+            ),
+            touch,
+        ),
+        "builtins.eval": _call(_global("builtins", "eval"), code),
+        "builtins.exec": _call(_global("builtins", "exec"), code),
+        "functools.partial": _call(
+            _call(_global("functools", "partial"), _global("os", "system"), touch)
+        ),
+        "operator.attrgetter": _call(
+            _call(_global("operator", "attrgetter"), _str("system")),
+            _call(_global("builtins", "__import__"), _str("os")),
+        ),
+        "subprocess": _call(_global("subprocess", "check_call"), touch, b"\x88"),
+        "posix.system": _call(_global("posix", "system"), touch),
+        "os.system": _call(_global("os", "system"), touch),
+        "torch.load": _call(_global("torch", "load"), _str(str(evil_save))),
+        # an allowed class, hostile arguments: a layout name that is none
+        "allowed function, hostile argument": _call(
+            _global("torch.serialization", "_get_layout"), _str("torch.evil")
+        ),
+    }
+
+
+def _tamper(checkpoint: Path, metadata: bytes) -> None:
+    """Replace `.metadata` and write the manifest again to match (the attacker's move)."""
+    import json
+
+    (checkpoint / ".metadata").write_bytes(metadata)
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": checkpoint_files.file_sha256(p)}
+        for p in sorted(checkpoint.iterdir())
+        if p.is_file() and p.name != checkpoint_files.MANIFEST
+    }
+    (checkpoint / checkpoint_files.MANIFEST).write_text(json.dumps({"files": files}))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("saved")
+    _save(Checkpointer(root, keep=1, async_save=False, config_toml="", report=print), _state(), 1)
+    return root / "step-00000001"
+
+
+@pytest.mark.parametrize("gadget", list(_gadgets(Path("/nonexistent/mark"))))
+def test_every_known_gadget_in_the_metadata_is_refused(
+    saved: Path, tmp_path: Path, gadget: str
+) -> None:
+    mark = tmp_path / "pwned"
+    (tmp_path / "evil.pt").write_bytes(
+        _pickle(_call(_global("os", "system"), _str(f"touch {mark}")))
+    )
+    checkpoint = tmp_path / "step-00000001"
+    shutil.copytree(saved, checkpoint)
+    _tamper(checkpoint, _pickle(_gadgets(mark)[gadget]))
+    with pytest.raises(checkpoint_files.CheckpointError, match="refusing|unreadable"):
+        load(checkpoint, _state())  # --resume
+    with pytest.raises(checkpoint_files.CheckpointError, match="refusing|unreadable"):
+        checkpoint_files.export_weights(checkpoint, tmp_path / "out.safetensors")  # export
+    assert not mark.exists(), f"{gadget}: the payload ran"
+
+
+@pytest.mark.parametrize("where", ["../outside.distcp", "/etc/passwd", "sub/dir.distcp"])
+def test_metadata_that_points_outside_its_checkpoint_is_refused(
+    saved: Path, tmp_path: Path, where: str
+) -> None:
+    """The metadata's own classes, hostile values: a storage entry reading a file elsewhere."""
+    import pickle
+
+    checkpoint = tmp_path / "step-00000001"
+    shutil.copytree(saved, checkpoint)
+    metadata = checkpoint_files.read_metadata(checkpoint / ".metadata")
+    for info in metadata.storage_data.values():
+        info.relative_path = where
+    _tamper(checkpoint, pickle.dumps(metadata, protocol=4))
+    with pytest.raises(checkpoint_files.CheckpointError, match="not a file of its own directory"):
+        load(checkpoint, _state())
+
+
+def test_a_real_checkpoint_still_loads_through_the_allowlist(saved: Path) -> None:
+    state = _state()
+    load(saved, state)
+    assert state.step == 1
+
+
+ONE_PROCESS_SAVES = """
+from pathlib import Path
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_checkpoint_files import _state
+from scaletrain.checkpoint import Checkpointer, load
+from scaletrain.checkpoint_files import export_weights, list_checkpoints
+
+for mode in (True, False):
+    saver = Checkpointer(Path(sys.argv[2]) / str(mode), keep=1, async_save=mode, config_toml="")
+    state = _state()
+    state.step = 1
+    saver.save(state)
+    saver.close()
+    step = list_checkpoints(saver.directory)[-1]
+    load(step, _state())
+    export_weights(step, step.parent / "out.safetensors")
+"""
+
+
+def test_a_one_process_save_load_and_export_print_nothing(tmp_path: Path) -> None:
+    """DCP's "torch.distributed is disabled" warning (each call without a process group,
+    an async save's from DCP's own thread) never reaches a one-process run's output."""
+    import subprocess
+    import sys
+
+    from harness import cli_env
+
+    r = subprocess.run(
+        [sys.executable, "-c", ONE_PROCESS_SAVES, str(Path(__file__).parent), str(tmp_path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr == "" and r.stdout == "", r.stderr[-3000:]

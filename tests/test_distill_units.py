@@ -1010,6 +1010,49 @@ def test_load_teacher_refuses_another_sha256_naming_both(mlp_run_dir) -> None:
     assert f"distill.teacher = {str(run)!r}" in message and "refusing" in message
 
 
+def test_a_checkpoint_teacher_is_pinned_before_its_metadata_is_read(
+    mlp_run_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint teacher's SHA-256 is over its files as they lie: a wrong pin is refused
+    with nothing unpickled; the right pin loads it, the model the checkpoint holds."""
+    from scaletrain.checkpoint import Checkpointer, TrainState
+    from scaletrain.checkpoint_files import MANIFEST, _MetadataUnpickler
+    from scaletrain.distill.teacher import teacher_sha256
+    from scaletrain.precision import make_precision
+    from scaletrain.training.optim import build_optimizer, build_scheduler
+
+    run, task, model = mlp_run_dir
+    opt = build_optimizer(
+        model, name="sgd", lr=0.1, weight_decay=0.0, betas=(0.9, 0.999), momentum=0.0
+    )
+    state = TrainState(
+        model,
+        opt,
+        build_scheduler(opt, warmup_steps=0, total_steps=1, schedule="constant", min_lr_ratio=1),
+        make_precision("fp32", device_type="cpu"),
+    )
+    Checkpointer(run / "checkpoints", keep=1, async_save=False, config_toml="").save(state)
+    step = next((run / "checkpoints").iterdir())
+    files = sorted(p for p in step.iterdir() if p.name != MANIFEST)
+    sha, wrong = weights_sha256(files), "0123456789abcdef" * 4
+    loads = []
+    original = _MetadataUnpickler.load
+    monkeypatch.setattr(_MetadataUnpickler, "load", lambda self: loads.append(1) or original(self))
+
+    for refused in (
+        lambda: teacher_sha256(str(step), expected_sha256=wrong),
+        lambda: load_teacher(str(step), task=task, expected_sha256=wrong),
+    ):
+        with pytest.raises(TeacherError, match="refusing"):
+            refused()
+    assert loads == [], "the metadata was unpickled before the pin was checked"
+    assert teacher_sha256(str(step), expected_sha256=sha) == sha
+    teacher = load_teacher(str(step), task=task, expected_sha256=sha)
+    assert teacher.sha256 == sha and loads
+    state = teacher.module.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
 def test_load_teacher_with_its_sha256_is_the_frozen_run(mlp_run_dir) -> None:
     run, task, model = mlp_run_dir
     sha = weights_sha256([run / "model.safetensors"])

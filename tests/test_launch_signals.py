@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli_env, records, run_cli, worker_pids
+from harness import cli_env, listening_addresses, records, run_cli, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -145,6 +145,73 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path: Path, nproc: int) -> Non
     assert all(not Path(f"/proc/{pid}").exists() for pid in pids.values())
     if nproc == 2:
         assert (run_dir / "logs/rank-0.log").read_text().startswith("# scaletrain worker: rank 0")
+
+
+# Loaded by Python's `site` from PYTHONPATH: the process stops at its first `import torch`,
+# says so in a file, and waits there for the signal (a condition, not a race with the import).
+HOLD_AT_TORCH = """
+import os, sys, time
+
+class _Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            open(os.environ["HOLD_MARK"], "w").close()
+            while True:
+                time.sleep(0.05)  # SIGINT raises KeyboardInterrupt here, inside the import
+        return None
+
+sys.meta_path.insert(0, _Hold())
+"""
+
+
+@pytest.mark.parametrize("entry", ["console script", "python -m"])
+def test_ctrl_c_while_torch_imports_prints_one_line(tmp_path: Path, entry: str) -> None:
+    (tmp_path / "sitecustomize.py").write_text(HOLD_AT_TORCH)
+    mark = tmp_path / "holding"
+    command = (
+        [str(Path(sys.executable).with_name("scaletrain"))]
+        if entry == "console script"
+        else [sys.executable, "-m", "scaletrain"]
+    )
+    env = cli_env(PYTHONPATH=str(tmp_path), HOLD_MARK=str(mark))
+    launcher = subprocess.Popen(
+        [*command, "explain", "configs/default.toml"],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_from_a_terminal,
+    )
+    deadline = time.monotonic() + 60
+    while not mark.exists():
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill()
+            raise AssertionError(f"never reached import torch:\n{launcher.communicate()[1]}")
+        time.sleep(0.05)
+
+    _, lines = _stop(launcher, signal.SIGINT)
+
+    assert launcher.returncode == 130, lines
+    assert _the_one_line(lines) == "scaletrain: interrupted (SIGINT)"
+
+
+def test_a_single_node_run_listens_on_loopback_only(tmp_path: Path) -> None:
+    """No socket of the launcher or of a worker listens beyond 127.0.0.0/8 or ::1 (the
+    rendezvous, the process group's store, gloo's pairs)."""
+    import ipaddress
+
+    launcher, _ = _start(tmp_path, "--nproc", "2")
+    try:
+        pids = [launcher.pid, *worker_pids(launcher.pid).values()]
+        assert len(pids) == 3
+        listening = listening_addresses(pids)
+    finally:
+        _stop(launcher, signal.SIGINT)
+    assert {pid for pid, _, _ in listening} >= set(pids[1:]), listening  # gloo's, at least
+    beyond = [s for s in listening if not ipaddress.ip_address(s[1]).is_loopback]
+    assert not beyond, f"listening beyond loopback (pid, address, port): {beyond}"
 
 
 def test_sigterm_saves_the_current_step_and_the_run_resumes(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("planner", {"planner"}),  # every layout's memory and time, from the layout's own code
         ("commands", {"api", "cli_distill", "cli_plan"}),  # the Python API; subcommands
         ("cli", {"cli"}),
+        ("command", {"console"}),  # the `scaletrain` command: the CLI behind a Ctrl-C guard
         ("entry", {"__main__", PACKAGE}),  # `python -m scaletrain`; the package's lazy exports
     )
 )

@@ -66,7 +66,7 @@ from scaletrain.checkpoint_files import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     finalize,
-    single_process_quiet,
+    quiet_single_process,
 )
 from scaletrain.runtime import barrier
 
@@ -312,8 +312,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
             (tmp / "config.toml").write_text(self.config_toml)
         barrier()
-        with single_process_quiet():
-            self._write(state.pieces(), tmp, final)
+        quiet_single_process()
+        self._write(state.pieces(), tmp, final)
 
     def _write(self, pieces: dict[str, Stateful], tmp: Path, final: Path) -> None:
         if self.async_save:
@@ -392,14 +392,14 @@ def load(checkpoint: Path, state: TrainState) -> None:
                 del pieces[name]  # starts fresh, on every rank alike
                 continue
             piece.template = _saved_entries(metadata, f"{name}.rank{_rank()}.")
+    quiet_single_process()
     try:
-        with single_process_quiet():
-            dcp.load(
-                pieces,
-                storage_reader=SafeFileSystemReader(checkpoint),
-                planner=SafeLoadPlanner(),
-                no_dist=not dist.is_initialized(),
-            )
+        dcp.load(
+            pieces,
+            storage_reader=SafeFileSystemReader(checkpoint),
+            planner=SafeLoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
     except (CheckpointError, CheckpointException, RuntimeError, KeyError, ValueError) as e:
         cause = _first_failure(e)
         if isinstance(cause, CheckpointError):

@@ -27,7 +27,6 @@ The cost is that a checkpoint holding anything else (a pickled custom object) is
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -43,9 +42,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from scaletrain.runtime import written_atomically
 
 MANIFEST = "manifest.json"
+
+
 _CHECKPOINT_NAME = re.compile(r"step-\d+")  # step-N.corrupt-<time> and .tmp-step-N are not
 
 
@@ -56,58 +59,94 @@ class CheckpointError(RuntimeError):
 # --------------------------------------------------------------------------- safe loading
 
 
+# Every global a DCP `.metadata` file of torch's may name, as exact (module, name) pairs.
+# Nothing is admitted by module alone: a module's namespace holds what it imports (pickle
+# protocol 4 resolves a dotted name such as "os.system" inside any module), and DCP's own
+# modules hold functions that load pickles.
+_METADATA_GLOBALS = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "StorageMeta",
+                "MetadataIndex",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",  # an Enum of memory formats
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # a layout from its name: torch.strided
+        ("torch", "Size"),
+        *(
+            ("torch", str(t).removeprefix("torch."))
+            for t in vars(torch).values()
+            if isinstance(t, torch.dtype)
+        ),
+        ("pathlib", "PosixPath"),  # where the checkpoint was written (storage_meta)
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admit DCP's metadata dataclasses and plain torch values, nothing that can run code."""
-
-    _TORCH_NAMES = {
-        "Size",
-        "device",
-        "strided",
-        "sparse_coo",
-        "contiguous_format",
-        "channels_last",
-        "preserve_format",
-        "channels_last_3d",
-    }
-
-    _ALLOWED = {
-        ("torch.serialization", "_get_layout"),  # how layouts pickle
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),  # file names
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
+    """Admit the exact globals DCP's metadata is made of (_METADATA_GLOBALS), nothing else."""
 
     def find_class(self, module: str, name: str):
-        if (
-            module.startswith("torch.distributed.checkpoint.")
-            or (module == "collections" and name in ("OrderedDict", "defaultdict"))
-            or (
-                module == "builtins"
-                and name in ("set", "frozenset", "slice", "tuple", "list", "dict")
+        if (module, name) not in _METADATA_GLOBALS:
+            raise CheckpointError(
+                f"checkpoint metadata refers to {module}.{name}, which a checkpoint has no "
+                "reason to contain: refusing to load it"
             )
-        ):
-            return super().find_class(module, name)
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and (
-            name in self._TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise CheckpointError(
-            f"checkpoint metadata refers to {module}.{name}, which a "
-            "checkpoint has no reason to contain: refusing to load it"
-        )
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid):
+        raise CheckpointError("checkpoint metadata holds a persistent reference: refusing it")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """A checkpoint's `.metadata`, read with _MetadataUnpickler and checked to be what DCP
+    writes: a Metadata whose storage entries each name a plain file of the checkpoint's
+    own directory (no path outside it, no stream transform)."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except Exception as e:  # a damaged or hostile pickle: whatever it raised, it is refused
+        raise CheckpointError(f"{path}: unreadable metadata ({type(e).__name__}: {e})") from None
+    _check_metadata(metadata, path)
+    return metadata
+
+
+def _check_metadata(metadata: object, path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def refuse(why: str):
+        raise CheckpointError(f"{path}: not a checkpoint's metadata ({why}): refusing it")
+
+    if type(metadata) is not Metadata or not isinstance(metadata.state_dict_metadata, dict):
+        refuse(f"a {type(metadata).__name__}")
+    for info in (metadata.storage_data or {}).values():
+        if type(info) is not _StorageInfo:
+            refuse(f"a storage entry is a {type(info).__name__}")
+        name = info.relative_path
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            refuse(f"a storage entry names {name!r}, not a file of its own directory")
+        if getattr(info, "transform_descriptors", None):
+            refuse(f"{name} is read through transforms {info.transform_descriptors!r}")
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        with open(self._get_metadata_path(rank), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -151,12 +190,16 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-@contextlib.contextmanager
-def single_process_quiet():
-    """DCP warns that it "assumes" one process even when told so (no_dist=True)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def quiet_single_process() -> None:
+    """Ignore DCP's warning that it "assumes" one process, which it gives on every save and
+    load without a process group even given no_dist=True as scaletrain passes it (a
+    one-process run and `export` do so on purpose). For the whole process, not around each
+    call (`catch_warnings`): an async save warns from DCP's own thread after the call has
+    returned, into a worker's log and the console. Called before each DCP call: a filter
+    list restored by someone's `catch_warnings` would have dropped one set at import."""
+    warnings.filterwarnings(
+        "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+    )
 
 
 # --------------------------------------------------------------------------- directories
@@ -295,17 +338,18 @@ def export_weights(
         for k, m in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
-    with single_process_quiet():
-        dcp.load(
-            model,
-            storage_reader=SafeFileSystemReader(checkpoint),
-            planner=SafeLoadPlanner(exact=()),
-            no_dist=True,
-        )
+    quiet_single_process()
+    dcp.load(
+        model,
+        storage_reader=SafeFileSystemReader(checkpoint),
+        planner=SafeLoadPlanner(exact=()),
+        no_dist=True,
+    )
     weights = {k.removeprefix("model."): v.contiguous() for k, v in model.items()}
     if rename is not None:
         weights = rename(weights)
-    save_file(weights, str(out))
+    with written_atomically(out) as tmp:  # a crash mid-write leaves an older `out` whole
+        save_file(weights, str(tmp))
     return out
 
 

@@ -13,6 +13,8 @@ Platform traps handled here (shared/PLATFORM-NOTES.md):
   so every attempt's workers get a fresh store.
 - Start-up latency: with a fixed node count the rendezvous need not wait for late joiners, so
   `last_call_timeout` is set to 1 s instead of 30 s.
+- Listeners: a single-node run binds nothing beyond loopback (LOOPBACK_ENV says how); a
+  multi-node run exposes torch's stores on its rendezvous endpoint and MASTER_PORT.
 - SLURM: when run inside an allocation (SLURM_JOB_ID set) and no node flags are given, the
   node count, node rank and rendezvous endpoint come from SLURM's environment.
 
@@ -33,8 +35,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +49,15 @@ from scaletrain.launch_output import ConsoleEcho, agent_log, describe_child_fail
 from scaletrain.runtime import LAUNCHER_PID_ENV, MERGE_STREAMS_ENV
 
 SUBPROCESS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", MERGE_STREAMS_ENV: "1"}
+# A single-node run listens on loopback only. torchrun's c10d rendezvous keeps its state in a
+# file (store_type=file: no listener at all); the workers are told MASTER_ADDR=127.0.0.1
+# (--local-addr), where rank 0 binds the process group's store (runtime.loopback_store), and
+# gloo's and NCCL's own sockets go on `lo` unless the user named an interface. A multi-node
+# run keeps torch's defaults: the c10d store on --rdzv-endpoint's port and the process
+# group's store on MASTER_PORT, both on every interface of their host, and gloo's and NCCL's
+# sockets on the interface GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name (else the one the
+# host name resolves to).
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 GRACE_ENV, DEFAULT_GRACE_S = "SCALETRAIN_SIGTERM_GRACE_S", 30
 
 
@@ -78,6 +91,11 @@ class LaunchSpec:
     @property
     def max_nodes(self) -> int:
         return int(self.nnodes.split(":")[-1])
+
+    @property
+    def local_only(self) -> bool:
+        """One node and no rendezvous endpoint: nothing need listen beyond loopback."""
+        return self.max_nodes == 1 and not self.rdzv_endpoint
 
     @property
     def world_size(self) -> int:
@@ -150,7 +168,12 @@ def first_slurm_host(nodelist: str) -> str:
 
 
 def torchrun_argv(
-    spec: LaunchSpec, worker_args: list[str], *, log_dir: Path | None = None, debug: bool = False
+    spec: LaunchSpec,
+    worker_args: list[str],
+    *,
+    log_dir: Path | None = None,
+    debug: bool = False,
+    rdzv_file: Path | None = None,
 ) -> list[str]:
     """The torchrun command line (without the program name) that starts the workers.
 
@@ -159,6 +182,8 @@ def torchrun_argv(
         worker_args: the `train ...` arguments each worker receives.
         log_dir: where each rank's stderr goes (--log-dir, --redirects 2); None: the console.
         debug: also copy every rank's output to the console (--tee 2).
+        rdzv_file: a single-node run's rendezvous store, a file no one else uses
+            (LOOPBACK_ENV); None: a temporary file torch makes and leaves behind.
     """
     argv = [
         f"--nproc-per-node={spec.nproc}",
@@ -169,13 +194,12 @@ def torchrun_argv(
     ]
     if log_dir is not None:
         argv += [f"--log-dir={log_dir}", "--redirects=2", f"--tee={2 if debug else 0}"]
-    if spec.max_nodes == 1 and not spec.rdzv_endpoint:
-        # torchrun's --standalone: a private c10d store on a free local port.
-        argv += [
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=localhost:0",
-            f"--rdzv-id=scaletrain-{os.getpid()}",
-        ]
+    conf = []  # torchrun takes one --rdzv-conf, its pairs comma-separated
+    if spec.local_only:  # see LOOPBACK_ENV
+        argv += ["--rdzv-backend=c10d", "--local-addr=127.0.0.1"]
+        argv.append(f"--rdzv-id=scaletrain-{os.getpid()}")
+        argv += [f"--rdzv-endpoint={rdzv_file}"] if rdzv_file else []
+        conf.append("store_type=file")
     else:
         argv += [
             f"--rdzv-backend={spec.rdzv_backend}",
@@ -185,7 +209,9 @@ def torchrun_argv(
         if spec.rdzv_id:
             argv.append(f"--rdzv-id={spec.rdzv_id}")
     if ":" not in spec.nnodes:  # fixed size: no reason to wait for late joiners
-        argv.append("--rdzv-conf=last_call_timeout=1")
+        conf.append("last_call_timeout=1")
+    if conf:
+        argv.append(f"--rdzv-conf={','.join(conf)}")
     return argv + ["-m", "scaletrain", *worker_args]
 
 
@@ -223,10 +249,14 @@ def launch(
 
     log_dir = Path(run_dir) / "logs"
     os.environ.update(SUBPROCESS_ENV)
+    if spec.local_only:
+        for key, value in LOOPBACK_ENV.items():
+            os.environ.setdefault(key, value)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    rdzv_dir = Path(tempfile.mkdtemp(prefix="scaletrain-rdzv-"))  # removed below
     args = get_args_parser().parse_args(
-        torchrun_argv(spec, worker_args, log_dir=log_dir, debug=debug)
+        torchrun_argv(spec, worker_args, log_dir=log_dir, debug=debug, rdzv_file=rdzv_dir / "store")
     )
     config, cmd, cmd_args = config_from_args(args)
     echo = None if debug else ConsoleEcho(sys.stderr)
@@ -248,6 +278,7 @@ def launch(
     finally:
         if echo is not None:
             echo.stop()
+        shutil.rmtree(rdzv_dir, ignore_errors=True)
     if failure is not None:
         codes = {f.exitcode for f in failure.failures.values()}
         for sig in (signal.SIGTERM, signal.SIGINT):  # the workers were signalled directly

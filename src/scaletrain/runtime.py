@@ -19,8 +19,10 @@ and writes stdout and stderr, in order, into one log file (RUN_DIR/logs/rank-N.l
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import random
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -76,12 +78,77 @@ def init_distributed(penv: ProcessEnv, *, backend: str, timeout_s: float) -> tor
     else:
         device = torch.device("cpu")
     if penv.world_size > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if backend == "nccl" else None,
+            store=loopback_store(penv, timeout=timeout),
+            rank=penv.rank,
+            world_size=penv.world_size,
         )
     return device
+
+
+def loopback_store(penv: ProcessEnv, *, timeout: timedelta) -> dist.TCPStore | None:
+    """The process group's store on MASTER_ADDR:MASTER_PORT when that is a loopback address
+    (a single-node launch), else None: init_process_group's own env:// store.
+
+    torch's TCPStore listens on every interface whatever host it is given; a single-node run
+    must expose nothing off the machine, so rank 0 binds the listening socket to the
+    loopback address itself and hands it over. Under an agent that shares its own store with
+    its workers (plain torchrun), the workers are its clients and None is returned.
+    """
+    env = os.environ
+    address = env.get("MASTER_ADDR", "")
+    if (
+        penv.world_size == 1
+        or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        or not is_loopback(address)
+    ):
+        return None
+    return tcp_store_on(
+        address,
+        int(env["MASTER_PORT"]),
+        world_size=penv.world_size,
+        is_master=penv.rank == 0,
+        timeout=timeout,
+    )
+
+
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1 or "localhost"."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def tcp_store_on(
+    address: str, port: int, *, world_size: int, is_master: bool, timeout: timedelta
+) -> dist.TCPStore:
+    """A TCPStore whose server (is_master) listens on `address` only, not on every interface
+    as TCPStore binds by itself: the socket is bound here and its descriptor handed over."""
+    host = "127.0.0.1" if address == "localhost" else address.strip("[]")
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    # detach(): the store now owns the descriptor; the Python socket must not close it.
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        True,
+        timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
 
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -124,6 +191,41 @@ def prepare_worker_process() -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+@contextlib.contextmanager
+def written_atomically(path: os.PathLike | str) -> Iterator[Path]:
+    """A temporary name beside `path` to write a file or a directory at; it takes `path`'s
+    place only when the block ends, so a crash or an error mid-write leaves an existing
+    `path` whole (and no half-written one behind). Removed if the block raises.
+
+    A file is renamed over the old one (atomic). A directory cannot be renamed over a
+    non-empty one: the old one is renamed aside first, then removed, so for that instant
+    the old directory exists, whole, under the name `.NAME.old-PID`.
+    """
+    import shutil
+
+    def remove(p: Path) -> None:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    remove(tmp)  # this process's own, from an earlier attempt
+    remove(old)
+    try:
+        yield tmp
+        if tmp.is_dir() and path.is_dir():
+            os.rename(path, old)
+            os.rename(tmp, path)
+            remove(old)
+        else:
+            os.replace(tmp, path)
+    finally:
+        remove(tmp)
 
 
 def honour_umask(path: os.PathLike | str) -> None:

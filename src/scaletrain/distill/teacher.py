@@ -9,14 +9,15 @@
   [model] section for the student's data, its weights loaded strictly;
 - a local Hugging Face / sentence-transformers directory (config.json + *.safetensors):
   the base encoder (`AutoModel`) for sentence data, a causal LM for text.
-`distill.teacher_sha256` pins any teacher's weights the same way. The weights' SHA-256 is
-also the teacher's identity in the output cache (distill/cache.py).
+`distill.teacher_sha256` pins any teacher's weights the same way (a checkpoint's: all its
+files), checked before anything of the teacher is loaded. That SHA-256 is also the
+teacher's identity in the output cache (distill/cache.py).
 
 The teacher is replicated: every rank loads the same weights and runs its own examples (its
 outputs are per example, so data parallelism needs nothing from it). Under dp_shard it is
 sharded instead (`place_teacher`): a Hugging Face directory or a run is built on the meta
 device, its weights located and each rank reading only its slices; a checkpoint teacher is
-loaded whole first (its weights exist only as the temporary export that hashes them).
+loaded whole first (its weights exist only as a temporary export).
 
 It holds no gradient (requires_grad False, eval mode: dropout off) and runs in
 `teacher_precision`, its weights cast to that dtype, outside the student's autocast: a bf16
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from scaletrain.checkpoint_files import file_sha256
+from scaletrain.checkpoint_files import MANIFEST, file_sha256
 from scaletrain.data.sources import Batch, TaskSpec
 from scaletrain.models.init import WEIGHTS_ATTR, WeightFiles, is_meta
 from scaletrain.user_code import UserCodeError
@@ -144,7 +145,7 @@ def load_teacher(
         meta: a Hugging Face teacher, or a scaletrain run's, is built on the meta device
             and its weights located, not read: `place_teacher` reads each rank's slices once
             FSDP has sharded it. A checkpoint teacher (checkpoints/step-N) is loaded whole
-            all the same: its weights exist only as a temporary export, made to hash them.
+            all the same: its weights exist only as a temporary export.
     """
     # The teacher leaves the global RNG as it found it: the student's dropout (and a run
     # from the cache, which loads no teacher) draw from train.seed's stream.
@@ -169,9 +170,13 @@ def _load(
     meta: bool,
 ) -> Teacher:
     kind, d = teacher_kind(source)
+    # Pinned before anything of it is read as more than bytes: a checkpoint's metadata is
+    # unpickled (safely, checkpoint_files.read_metadata) only once its files are the pinned ones.
+    files = _identity_files(kind, d)
+    sha = check_teacher_sha256(source, weights_sha256(files), expected_sha256)
     with tempfile.TemporaryDirectory() as tmp:
-        files = _weight_files(kind, d, Path(tmp))
-        sha = check_teacher_sha256(source, weights_sha256(files), expected_sha256)
+        if kind == "checkpoint":
+            files = [_exported_weights(d, Path(tmp))]
         if kind == "hf":
             from scaletrain.models.hf import build_hf_model
 
@@ -201,18 +206,26 @@ def _load(
     )
 
 
-def _weight_files(kind: str, d: Path, tmp: Path) -> list[Path]:
-    """The safetensors files whose SHA-256 identifies the teacher: a Hugging Face directory's,
-    a run's model.safetensors, or a checkpoint's weights exported into `tmp` (a checkpoint has
-    no single weights file; its export is deterministic, so the hash is the checkpoint's)."""
+def _identity_files(kind: str, d: Path) -> list[Path]:
+    """The files whose SHA-256 identifies the teacher, hashed without loading anything: a
+    Hugging Face directory's weights (those transformers loads), a run's model.safetensors,
+    or every file of a checkpoint (its metadata and shards; the manifest only lists them)."""
     if kind == "hf":
-        return sorted(d.glob("*.safetensors"))
+        from scaletrain.models.hf import safetensors_files
+
+        return safetensors_files(d, where=f"distill.teacher = {str(d)!r}")
     if kind == "run":
         return [d / "model.safetensors"]
+    return sorted(p for p in d.iterdir() if p.is_file() and p.name != MANIFEST)
+
+
+def _exported_weights(checkpoint: Path, tmp: Path) -> Path:
+    """A checkpoint teacher's model weights as one safetensors file in `tmp`, under the
+    student-free names its model has (a distilled run's checkpoint holds the student)."""
     from scaletrain.checkpoint_files import export_weights
     from scaletrain.distill.student import strip_wrapper
 
-    return [export_weights(d, tmp / "model.safetensors", rename=strip_wrapper)]
+    return export_weights(checkpoint, tmp / "model.safetensors", rename=strip_wrapper)
 
 
 def teacher_sha256(source: str, *, expected_sha256: str = "") -> str:
@@ -220,9 +233,7 @@ def teacher_sha256(source: str, *, expected_sha256: str = "") -> str:
     `expected_sha256` (distill.teacher_sha256) and the packaged teacher's pin as
     `load_teacher` checks it: what a run from the cache compares with the cache's teacher."""
     kind, d = teacher_kind(source)
-    with tempfile.TemporaryDirectory() as tmp:
-        sha = weights_sha256(_weight_files(kind, d, Path(tmp)))
-    return check_teacher_sha256(source, sha, expected_sha256)
+    return check_teacher_sha256(source, weights_sha256(_identity_files(kind, d)), expected_sha256)
 
 
 def check_teacher_sha256(source: str, sha: str, expected_sha256: str) -> str:
@@ -325,14 +336,7 @@ def weight_file_bytes(source: str) -> int:
     """The bytes of distill.teacher's weight files, from their sizes, nothing loaded: a
     Hugging Face directory's safetensors, a run's model.safetensors, a checkpoint's files
     (what the launcher adds to the student's bytes to choose a check on meta)."""
-    kind, d = teacher_kind(source)
-    if kind == "hf":
-        files = list(d.glob("*.safetensors"))
-    elif kind == "run":
-        files = [d / "model.safetensors"]
-    else:
-        files = [f for f in d.iterdir() if f.is_file()]
-    return sum(f.stat().st_size for f in files)
+    return sum(f.stat().st_size for f in _identity_files(*teacher_kind(source)))
 
 
 def _is_hf(module: nn.Module) -> bool:

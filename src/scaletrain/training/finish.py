@@ -27,7 +27,7 @@ from scaletrain.distill.student import student_weights
 from scaletrain.parallel.compose import unwrap
 from scaletrain.plan import Derived
 from scaletrain.rundir import write_summary
-from scaletrain.runtime import honour_umask
+from scaletrain.runtime import honour_umask, written_atomically
 
 WRITTEN = "written"  # `weights` when save_split_weights has written model.safetensors
 
@@ -100,28 +100,29 @@ def write_weights(
         if config.model.name == "hf":  # its directory: the config beside the same file
             from scaletrain.models.hf import save_hf_beside
 
-            save_hf_beside(
-                net,
-                run_dir / "hf-model",
-                run_dir / "model.safetensors",
-                tokenizer_dir=sentence_tokenizer_dir(config),
-            )
+            with written_atomically(run_dir / "hf-model") as tmp:
+                save_hf_beside(
+                    net,
+                    tmp,
+                    run_dir / "model.safetensors",
+                    tokenizer_dir=sentence_tokenizer_dir(config),
+                )
         return
     meta = {"model": config.model.name, "size": config.model.size}
-    if weights is None:
-        save_model(net, str(run_dir / "model.safetensors"), metadata=meta)
-    else:
-        save_file(weights, str(run_dir / "model.safetensors"), metadata=meta)
-    honour_umask(run_dir / "model.safetensors")  # safetensors writes 0600
+    # Each output under a temporary name first: a crash mid-write leaves the old one whole.
+    with written_atomically(run_dir / "model.safetensors") as tmp:
+        if weights is None:
+            save_model(net, str(tmp), metadata=meta)
+        else:
+            save_file(weights, str(tmp), metadata=meta)
+        honour_umask(tmp)  # safetensors writes 0600
     if config.model.name == "hf":  # also as a model directory: model.path can fine-tune it
         from scaletrain.models.hf import save_hf
 
-        save_hf(
-            net,
-            run_dir / "hf-model",
-            state_dict=weights,
-            tokenizer_dir=sentence_tokenizer_dir(config),
-        )  # sentences: a whole encoder
+        with written_atomically(run_dir / "hf-model") as tmp:
+            save_hf(
+                net, tmp, state_dict=weights, tokenizer_dir=sentence_tokenizer_dir(config)
+            )  # sentences: a whole encoder
 
 
 def finish_run(
