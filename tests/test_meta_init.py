@@ -21,6 +21,8 @@ turn over a fake process group (no peers needed: a shard's values are local).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -217,6 +219,68 @@ def test_an_initialiser_that_leaves_a_tensor_unset_is_refused() -> None:
         model = Forgetful()
     with pytest.raises(ModelInitError, match="'a' .* left bias unset"):
         materialize([model], plan=init_plan(model), seed=0, device=torch.device("cpu"))
+
+
+class Positions(Declared):
+    """Integer and bool buffers, which the stand-ins cannot mark as unset with NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("positions", torch.arange(8))
+        self.register_buffer("mask", torch.ones(8, dtype=torch.bool))
+
+
+def test_an_initialiser_that_leaves_an_integer_or_bool_buffer_unset_is_refused() -> None:
+    with torch.device("meta"):
+        model = Positions()  # Declared's init_module sets `scale` only
+    with pytest.raises(ModelInitError, match=r"'\(root\)' .* left positions, mask unset"):
+        materialize([model], plan=init_plan(model), seed=0, device=torch.device("cpu"))
+
+
+def test_integer_and_bool_buffers_an_initialiser_sets_hold_their_values() -> None:
+    class Restores(Positions):
+        def init_module(self, name: str, module: nn.Module) -> None:
+            super().init_module(name, module)
+            if module is self:
+                module.positions.copy_(torch.arange(8))
+                module.mask.fill_(True)
+
+    built = Restores()
+    with torch.device("meta"):
+        model = Restores()
+    materialize([model], plan=init_plan(model), seed=0, device=torch.device("cpu"))
+    assert torch.equal(model.positions, built.positions) and model.positions.dtype == torch.int64
+    assert torch.equal(model.mask, built.mask)
+
+
+class ReadsItsValues(Declared):
+    """Declares an initialiser, yet reads a tensor's value in __init__ (fails on meta)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.width = int(torch.ones(1).sum().item())
+
+
+def test_a_model_declaring_an_initialiser_that_fails_on_meta_shows_where() -> None:
+    from scaletrain.user_code import UserCodeError
+
+    task = TaskSpec("classification", (1, 8, 8), 10)
+    with pytest.raises(UserCodeError) as e:
+        build_model("mine", size="tiny", task=task, factory=lambda task: ReadsItsValues())
+    message = str(e.value)
+    assert "meta" in message and "init_module" in message, message
+    assert f"{Path(__file__).name}:" in message  # the line of __init__ that failed
+    assert "item()" in message or "meta tensors" in message, message
+
+    # Without an initialiser the model never asked for meta: built whole, no error.
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, int(torch.ones(1).sum().item()))
+
+    assert not build_model(
+        "plain", size="tiny", task=task, factory=lambda task: Plain()
+    ).a.weight.is_meta
 
 
 def test_tied_parameters_stay_tied() -> None:

@@ -191,8 +191,10 @@ def test_malformed_directories_are_refused(tmp_path):
     with pytest.raises(HFModelError, match=r"no weights: no \*\.safetensors"):
         load(tmp_path / "empty")
 
-    # A sharded index naming a shard that is not there.
+    # A sharded index naming a shard that is not there (and no model.safetensors, which
+    # transformers would read instead of the index).
     good = save_hf(build(), tmp_path / "sharded")
+    (good / "model.safetensors").unlink()
     (good / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
     )
@@ -206,6 +208,53 @@ def test_malformed_directories_are_refused(tmp_path):
     save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(HFModelError, match=r"missing keys: model\.norm\.weight"):
         load(partial)
+
+
+@pytest.mark.parametrize("layout", ["one file", "sharded"])
+def test_the_weights_read_are_those_from_pretrained_reads(tmp_path, layout):
+    """Another safetensors file beside the weights (an EMA copy, perturbed) is not read:
+    the whole load and the meta build (each rank's slices located in the files) hold
+    `from_pretrained`'s bits. The copy sorts after model.safetensors and before its shards'
+    names would, so a glob that lets a later file win reads it either way."""
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.models.init import init_plan, materialize
+
+    d = save_hf(build(seed=3), tmp_path / "model")
+    state = load_file(str(d / "model.safetensors"))
+    if layout == "sharded":  # two shards and their index, as save_pretrained writes them
+        (d / "model.safetensors").unlink()
+        names = sorted(state)
+        halves = {
+            "model-00001-of-00002.safetensors": names[::2],
+            "model-00002-of-00002.safetensors": names[1::2],
+        }
+        for file, keys in halves.items():
+            save_file({k: state[k] for k in keys}, str(d / file), metadata={"format": "pt"})
+        weight_map = {k: file for file, keys in halves.items() for k in keys}
+        (d / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
+    ema = {k: v + 1.0 for k, v in state.items()}
+    for name in ("model_ema.safetensors", "zz-ema.safetensors"):
+        save_file(ema, str(d / name), metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(d), local_files_only=True, dtype=torch.float32
+    )
+
+    whole = build_hf_model(path=str(d), hf_config="", kwargs={}, task=TASK)
+    with torch.device("meta"):
+        meta = build_hf_model(path=str(d), hf_config="", kwargs={}, task=TASK, meta=True)
+    materialize(
+        [meta],
+        plan=init_plan(meta),
+        seed=0,
+        device=torch.device("cpu"),
+        weights=meta.scaletrain_weights,
+    )
+
+    assert same_weights(whole, reference)
+    assert same_weights(meta, reference)
 
 
 # ------------------------------------------------------------------- label shift

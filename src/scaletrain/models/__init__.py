@@ -23,7 +23,7 @@ from torch import nn
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models.cnn import CNN, CNN_CHANNELS
 from scaletrain.models.gpt import GPT, GPT_SHAPES
-from scaletrain.models.init import init_plan, is_meta, materialize
+from scaletrain.models.init import INIT_ATTR, init_plan, is_meta, materialize
 from scaletrain.models.mlp import MLP, MLP_WIDTHS
 from scaletrain.user_code import UserCodeError, call, is_import_path, load_object
 
@@ -124,10 +124,22 @@ def build_model(
     try:
         with torch.device("meta"):
             model = construct()
-    except Exception:
+    except UserCodeError as meta_error:  # the user's factory, failing on the meta device
         if factory is None and not is_import_path(name):
             raise
-        return construct()  # a user factory that computes on its tensors, or a mistake: for real
+        # Built for real: a factory that computes on its tensors' values in __init__ builds
+        # whole (its factory runs a second time), and a mistake that fails there too is
+        # raised from here. A model that declares an initialiser asked to be built on meta:
+        # what failed there is its author's to see.
+        model = construct()
+        if init_plan(model) is not None:
+            raise UserCodeError(
+                f"{meta_error} while built on the meta device; the model defines "
+                f"`{INIT_ATTR}`, so scaletrain builds it there (shapes only) and initialises "
+                "each rank's shards: its __init__ must not read its tensors' values (move "
+                f"such code into `{INIT_ATTR}`), or remove `{INIT_ATTR}` to build it whole"
+            ) from meta_error
+        return model
     plan = init_plan(model)
     if plan is None:  # a module no initialiser covers: the model's own __init__ decides
         return construct()

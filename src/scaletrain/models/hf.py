@@ -347,7 +347,7 @@ def _check_model_dir(path: str) -> Path:
     # to safetensors weights (a Trainer checkpoint's training_args.bin, optimizer.pt,
     # rng_state.pth) are never opened either: only the safetensors are loaded.
     pickles = sorted(p.name for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if not any(d.glob("*.safetensors")):
+    if not any(d.glob("*.safetensors")) and not any(d.glob("*.safetensors.index.json")):
         if pickles:
             raise HFModelError(
                 f"{where} holds {', '.join(pickles)} instead of safetensors weights: pickle "
@@ -358,15 +358,49 @@ def _check_model_dir(path: str) -> Path:
             f"{where} has no weights: no *.safetensors file (model.safetensors, "
             "or model.safetensors.index.json and its shards)"
         )
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        shards = set(_read_json(index, where=where).get("weight_map", {}).values())
-        missing = sorted(s for s in shards if not (d / s).is_file())
-        if missing:
-            raise HFModelError(
-                f"{where}: {index.name} names shards that are missing: {', '.join(missing)}"
-            )
+    safetensors_files(d, where=where)  # the files from_pretrained reads are all there
     return d
+
+
+def safetensors_files(d: Path, *, where: str) -> list[Path]:
+    """The safetensors files `from_pretrained(d, use_safetensors=True)` reads, chosen as
+    transformers chooses them: config.json's `transformers_weights` when it names one,
+    else model.safetensors, else the shards model.safetensors.index.json names. Any other
+    *.safetensors beside them (an EMA copy, an adapter) is never read.
+
+    Raises:
+        HFModelError: none of those exists, or a file they name is missing or outside `d`.
+    """
+    index_name = "model.safetensors.index.json"
+    chosen = _read_json(d / "config.json", where=where).get("transformers_weights")
+    if chosen is not None:
+        entry = (d / str(chosen)).resolve()
+        if not str(chosen).endswith((".safetensors", ".safetensors.index.json")) or (
+            entry.parent != d.resolve()
+        ):
+            raise HFModelError(
+                f"{where}: config.json's transformers_weights = {chosen!r} is not a "
+                "*.safetensors or *.safetensors.index.json file of the directory itself"
+            )
+    elif (d / "model.safetensors").is_file():
+        entry = d / "model.safetensors"
+    else:
+        entry = d / index_name
+    if not entry.is_file():
+        raise HFModelError(
+            f"{where} has no {entry.name} (transformers reads model.safetensors, else "
+            f"{index_name} and its shards, or the file config.json's transformers_weights "
+            "names; other *.safetensors files are not its weights)"
+        )
+    if not entry.name.endswith(".index.json"):
+        return [entry]
+    shards = sorted(set(_read_json(entry, where=where).get("weight_map", {}).values()))
+    missing = [s for s in shards if not (d / s).is_file() or Path(s).name != s]
+    if missing:
+        raise HFModelError(
+            f"{where}: {entry.name} names shards that are missing: {', '.join(missing)}"
+        )
+    return [d / s for s in shards]
 
 
 def weight_files(model: nn.Module, weights_dir: Path, *, where: str) -> WeightFiles:
@@ -377,17 +411,10 @@ def weight_files(model: nn.Module, weights_dir: Path, *, where: str) -> WeightFi
     give without the base model's prefix ("layers.0..." for "model.layers.0...") is found."""
     from safetensors import safe_open
 
-    index = weights_dir / "model.safetensors.index.json"
-    if index.is_file():
-        located = {
-            k: weights_dir / f
-            for k, f in _read_json(index, where=where).get("weight_map", {}).items()
-        }
-    else:
-        located = {}
-        for file in sorted(weights_dir.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                located.update(dict.fromkeys(f.keys(), file))
+    located = {}
+    for file in safetensors_files(weights_dir, where=where):
+        with safe_open(str(file), framework="pt") as f:
+            located.update(dict.fromkeys(f.keys(), file))
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
     files, missing, mismatched = {}, [], []
     tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}

@@ -193,11 +193,37 @@ def initial_values(
 
 def draw(name: str, module: nn.Module, *, init: Initialiser, seed: int) -> dict[str, torch.Tensor]:
     """The full values of `module`'s own tensors: its initialiser run on CPU stand-ins of
-    their global shapes, under a seed of its own. The module's tensors are swapped for the
-    stand-ins while the initialiser runs and put back after."""
+    their global shapes, under a seed of its own. A tensor the initialiser leaves unset is
+    refused by name: a floating one is still NaN; an integer or bool one (a position table,
+    a mask) holds no NaN, so the initialiser runs again on stand-ins of another fill, and
+    one that follows the fill was not set (built for real it would have held its
+    constructor's values; on meta those are gone)."""
+    out = _run_init(name, module, init=init, seed=seed, fill=0)
+    unset = [k for k, v in out.items() if v.is_floating_point() and bool(v.isnan().any())]
+    exact = [k for k, v in out.items() if not v.is_floating_point()]
+    if exact:
+        again = _run_init(name, module, init=init, seed=seed, fill=1)
+        unset += [k for k in exact if not torch.equal(out[k], again[k])]
+    if unset:
+        raise ModelInitError(
+            f"the initialiser of module {name or '(root)'!r} ({type(module).__name__}) left "
+            f"{', '.join(unset)} unset: an `{INIT_ATTR}(name, module)` must set every "
+            "parameter and buffer the module holds itself, integer and bool buffers "
+            "included (docs/ARCHITECTURE.md, 'Models bigger than one device')"
+        )
+    return out
+
+
+def _run_init(
+    name: str, module: nn.Module, *, init: Initialiser, seed: int, fill: int
+) -> dict[str, torch.Tensor]:
+    """`init(name, module)` with the module's tensors swapped for stand-ins (`_stand_in`)
+    while it runs and put back after; the stand-ins' values."""
     params, buffers = module._parameters, module._buffers
-    stand_params = {k: nn.Parameter(_stand_in(v), requires_grad=False) for k, v in _live(params)}
-    stand_buffers = {k: _stand_in(v) for k, v in _live(buffers)}
+    stand_params = {
+        k: nn.Parameter(_stand_in(v, fill=fill), requires_grad=False) for k, v in _live(params)
+    }
+    stand_buffers = {k: _stand_in(v, fill=fill) for k, v in _live(buffers)}
     module.__dict__["_parameters"] = {**params, **stand_params}
     module.__dict__["_buffers"] = {**buffers, **stand_buffers}
     try:
@@ -210,14 +236,6 @@ def draw(name: str, module: nn.Module, *, init: Initialiser, seed: int) -> dict[
         out.update({k: module._buffers[k] for k in stand_buffers})
     finally:
         module.__dict__["_parameters"], module.__dict__["_buffers"] = params, buffers
-    unset = [k for k, v in out.items() if v.is_floating_point() and bool(v.isnan().any())]
-    if unset:
-        raise ModelInitError(
-            f"the initialiser of module {name or '(root)'!r} ({type(module).__name__}) left "
-            f"{', '.join(unset)} unset: an `{INIT_ATTR}(name, module)` must set every "
-            "parameter and buffer the module holds itself (docs/ARCHITECTURE.md, 'Models "
-            "bigger than one device')"
-        )
     return out
 
 
@@ -282,13 +300,13 @@ def _live(tensors: dict) -> list[tuple[str, torch.Tensor]]:
     return [(k, v) for k, v in tensors.items() if v is not None]
 
 
-def _stand_in(like: torch.Tensor) -> torch.Tensor:
+def _stand_in(like: torch.Tensor, *, fill: int) -> torch.Tensor:
     """A CPU tensor of `like`'s global shape: float32 NaN for a floating tensor (drawn in
     float32 whatever the master dtype, so fp32 and fp64 runs start from the same values),
-    zeros otherwise."""
+    `fill` in its own dtype otherwise."""
     if like.is_floating_point():
         return torch.full(tuple(like.shape), float("nan"), dtype=torch.float32, device="cpu")
-    return torch.zeros(tuple(like.shape), dtype=like.dtype, device="cpu")
+    return torch.full(tuple(like.shape), fill, dtype=like.dtype, device="cpu")
 
 
 def copy_slice(target: torch.Tensor, full: torch.Tensor) -> None:
