@@ -5,16 +5,18 @@ the built-in GPT base, over micro-batch x activation checkpointing x precision.
 Measured: each layout trained for real by `scaletrain train` (backend nccl, one process;
 `log.every` windows), its step time the median of the windows after the first, its peak
 the largest `window_peak_mem_bytes` (on CUDA: `torch.cuda.max_memory_allocated`, reset each
-window). Predicted: `planner.predict_configured` with the built-in profile
-named by --hardware (h200 by default), whose peak is compared whole (the allocator's
-counter starts at zero, so the parameters are in both). The issue's target on a GPU: peak
-within 10%. Step time is printed beside it, its matmuls timed at the profile's achievable
-rate (the H100 SXM's measured MAMF, 80.3% of the datasheet peak: hardware.py), so the
-ratio says how far the GPU ran from the best a matmul reaches on it.
+window). Predicted: `planner.predict_configured` with this GPU's own built-in profile (its
+part matched by name, its memory the device's: hardware.device_profile), or the one named
+by --hardware, whose peak is compared whole (the allocator's counter starts at zero, so the
+parameters are in both). The issue's target on a GPU: peak within 10%. Step time is printed
+beside it, its matmuls timed at the profile's achievable rate (its part's measured MAMF
+share of the datasheet peak: hardware.py), so the ratio says how far the GPU ran from the
+best a matmul reaches on it. The fp32 row runs and is planned without TF32 (precision.tf32
+off: the plain FP32 rate).
 
 One call, nothing to prepare on the device machine beyond `pip install -e .`:
 
-    python bench/plan_gpu.py [--hardware h200] [--steps 12] [--only gpt]
+    python bench/plan_gpu.py [--hardware h200-sxm] [--steps 12] [--only gpt]
 """
 
 from __future__ import annotations
@@ -123,13 +125,16 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--hardware", default="h200")
+    p.add_argument("--hardware", help="a built-in or a profile file (default: this GPU's part)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--only", default="llama,gpt")
     a = p.parse_args()
-    from scaletrain.hardware import load_profile
+    from scaletrain.hardware import device_profile, load_profile
 
-    profile = load_profile(a.hardware)
+    profile = load_profile(a.hardware) if a.hardware else device_profile()
+    if profile is None:
+        raise SystemExit("no built-in profile for this GPU's part: pass --hardware")
+    print(f"profile {profile.name!r} ({profile.source})", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in a.only.split(","):

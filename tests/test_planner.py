@@ -12,6 +12,7 @@ session's pool; test_distill_fsdp.py checks a distillation run's (student, proje
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -189,7 +190,8 @@ def test_plan_json_ranks_the_accepted_layouts_with_the_pick_first(tmp_path, caps
         resolve(config, world_size=4)
     capsys.readouterr()
     assert main(["plan", str(cfg), "--world", "4", "--hardware", str(tmp_path / "x.toml")]) == 2
-    assert "is neither a built-in (a100, h100, h200) nor a file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is neither a built-in (a100-sxm4-40gb, a100-sxm4-80gb, " in err and "nor a file" in err
 
 
 def test_a_run_logs_its_model_flops_and_mfu_against_the_profile(tmp_path, monkeypatch):
@@ -1158,6 +1160,7 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     slack = {"rss_fixed": 0.0, "rss_ratio": 1.25}
     monkeypatch.setattr(cal, "slack_probe", lambda *a, **k: slack)
     got = cal.calibrate(worlds=[2, 4], shapes=None, name="t", say=lambda *_: None)
+    assert got.calibrated_on == "gpt size=tiny"  # no config given: the built-in reference
     # the reference side by side on the 2 cores 4 ranks keep busy, and so its paces
     assert probed == [((2, 4), 2)]
     assert concurrent == [2]
@@ -1480,7 +1483,7 @@ def test_a_gpu_times_its_matmuls_at_the_achievable_rate_and_reports_mfu_against_
     h100 = dataclasses.replace(BUILTIN["h100"], op_s=0.0, byte_s=0.0)
     datasheet = dataclasses.replace(h100, matmul_efficiency=1.0)
     real, ideal = _configured(config, h100), _configured(config, datasheet)
-    assert h100.matmul_efficiency == pytest.approx(794.5 / 989)
+    assert h100.matmul_efficiency == pytest.approx(794.5 / 989.5)  # 1979 with sparsity / 2
     assert real.compute_s == pytest.approx(ideal.compute_s / h100.matmul_efficiency, rel=1e-12)
     # the same model FLOPs over the same peak: MFU x step time does not move
     assert real.mfu * real.step_time_s == pytest.approx(ideal.mfu * ideal.step_time_s, rel=1e-12)
@@ -1535,3 +1538,173 @@ def test_a_hand_edited_profile_is_refused_with_what_was_wrong(tmp_path):
     path = tmp_path / "good.toml"
     path.write_text(good)
     assert load_profile(str(path)).matmul_efficiency == BUILTIN["a100"].matmul_efficiency
+
+
+# ------------------------------------------------------- issue 44: the planner's inputs
+
+
+def test_a_users_own_large_model_is_planned_from_the_users_code(tmp_path, monkeypatch):
+    """`scaletrain.train(model=fn)` with fn defined inside a function: the fit check builds
+    the model from fn. It built it from the name the config records for fn, which nothing
+    can import ("has no attribute '...<locals>.make'"), and refused a model it could plan."""
+    import scaletrain
+
+    profile = tmp_path / "gpu.toml"
+    profile.write_text(SMALL_GPU)
+    monkeypatch.setenv("SCALETRAIN_HARDWARE", str(profile))
+
+    def make(task, **kwargs):  # 8.4M parameters: 134 MB of states, over the 70 MB device
+        width = 16384
+        return torch.nn.Sequential(
+            torch.nn.Embedding(task.num_classes, width), torch.nn.Linear(width, task.num_classes)
+        )
+
+    config = {
+        "train": {"global_batch": 2, "micro_batch": 2},
+        "data": {"source": "synthetic-text", "seq_len": 8},
+    }
+    with pytest.raises(scaletrain.ConfigError, match=r"predicted to need .* per rank"):
+        scaletrain.train(config, model=make, run_dir=tmp_path / "run", nproc=1)
+    assert not (tmp_path / "run").exists()
+
+
+def _cpu_plan(world: int, *, devices_per_node: int, memory_bytes: int = 2**40, **kw):
+    import dataclasses
+
+    from scaletrain.cli_plan import plan_config
+    from scaletrain.config import validate_config
+
+    profile = dataclasses.replace(
+        _four_rank_profile(), devices_per_node=devices_per_node, memory_bytes=memory_bytes
+    )
+    config = validate_config({**RAW, "train": {"micro_batch": 2, "global_batch": 8}})
+    return plan_config(config, world_size=world, profile=profile, **kw)
+
+
+def test_a_cpu_plan_shares_the_cores_among_the_ranks_launched_not_the_calibrated_worlds():
+    """A CPU profile's devices_per_node is the largest world calibrate timed, not how many
+    ranks the launch puts on this machine: 4 ranks on a profile calibrated up to 2 were
+    each given a whole core of the 2 (planned as if 2 ran here). The ranks per node are the
+    launch's: all of the world's on this machine unless given."""
+
+    def steps(preds):
+        return {json.dumps(p.layout, sort_keys=True): p.compute_s for p in preds}
+
+    up_to_2 = steps(_cpu_plan(4, devices_per_node=2, only_configured=True))
+    up_to_4 = steps(_cpu_plan(4, devices_per_node=4, only_configured=True))
+    assert up_to_2 == pytest.approx(up_to_4, rel=1e-12)
+    # passed explicitly: 2 of the 4 ranks on each of 2 nodes have a core each
+    two_nodes = steps(_cpu_plan(4, devices_per_node=4, ranks_per_node=2, only_configured=True))
+    assert two_nodes.keys() == up_to_4.keys()
+    assert all(two_nodes[k] == pytest.approx(up_to_4[k] / 2, rel=1e-9) for k in up_to_4)
+
+
+def test_plan_and_train_plan_give_a_rank_the_same_share_of_a_cpus_memory(
+    tmp_path, monkeypatch, capsys
+):
+    """`scaletrain plan --world 4` gave each rank the whole machine's memory where `train
+    --plan` gave it a quarter (23.5 GiB against 5.9 GiB): one function decides both (here
+    on 2 ranks, half each)."""
+    import dataclasses
+
+    from scaletrain.cli import main
+    from scaletrain.errors import ConfigError
+    from scaletrain.hardware import profile_toml
+    from scaletrain.planner.launch import pick_layout
+
+    smallest = min(p.memory_bytes["peak"] for p in _cpu_plan(2, devices_per_node=2))
+    machine = 3 * smallest // 2  # the whole machine holds a layout; half of it none
+    profile = dataclasses.replace(_four_rank_profile(), memory_bytes=machine)
+    path = tmp_path / "cpu.toml"
+    path.write_text(profile_toml(profile))
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(
+        '[model]\nname = "gpt"\nsize = "tiny"\n[data]\nsource = "wikitext"\nseq_len = 32\n'
+        "[train]\nmicro_batch = 2\nglobal_batch = 8\n"
+    )
+    assert main(["plan", str(cfg), "--world", "2", "--hardware", str(path), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned and not any(p["fits"] for p in planned)
+    assert main(["plan", str(cfg), "--world", "2", "--nproc", "3", "--hardware", str(path)]) == 2
+    assert "--nproc 3: ranks per node, from 1 to --world (2)" in capsys.readouterr().err
+    monkeypatch.setenv("SCALETRAIN_HARDWARE", str(path))
+    with pytest.raises(ConfigError, match=f"fit in {machine // 2 / 2**20:.1f} MiB per rank"):
+        pick_layout(load_config(cfg), world_size=2, ranks_per_node=2)
+
+
+def test_the_plan_table_prints_a_gpus_step_in_milliseconds_to_four_figures():
+    """Every `step s` of a GPU plan printed 0.000 (its JSON: 0.000138)."""
+    from scaletrain.cli_plan import format_table
+    from scaletrain.planner.predict import Prediction
+
+    layout = {
+        "parallel.pp": 1,
+        "parallel.dp_replicate": 1,
+        "parallel.dp_shard": 1,
+        "parallel.tp": 1,
+        "train.micro_batch": 4,
+        "parallel.activation_checkpointing": "none",
+    }
+    memory = dict.fromkeys(("params", "grads", "optim", "activations", "peak"), 2**20)
+
+    def row(step_s):
+        pred = Prediction(layout, True, memory, {"all_reduce": 0}, step_s, 0.4)
+        return format_table([pred]).splitlines()
+
+    head, line, _ = row(0.000138)
+    assert "step ms" in head and " 0.1380 " in line
+    assert " 1235 " in row(1.23456)[1] and " 12.35 " in row(0.0123456)[1]
+
+
+def test_plan_warns_once_when_the_profile_was_calibrated_on_another_model(tmp_path, capsys):
+    """A CPU profile's step costs were fitted on one model's steps: calibrate records which
+    (test_calibrate_puts_each_probed_cost_per_call_on_its_own_link), and `scaletrain plan`
+    says so in one line when it plans another model with it."""
+    import dataclasses
+
+    from scaletrain.cli import main
+    from scaletrain.hardware import profile_toml
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(PLAN_CONFIG)
+    out = tmp_path / "p.toml"
+
+    def warnings(profile, *overrides):
+        out.write_text(profile_toml(profile))
+        capsys.readouterr()
+        assert main(["plan", str(cfg), *overrides, "--world", "1", "--hardware", str(out)]) == 0
+        return [x for x in capsys.readouterr().err.splitlines() if "calibrated on" in x]
+
+    tiny = dataclasses.replace(_four_rank_profile(), calibrated_on="gpt size=tiny")
+    assert warnings(tiny) == []
+    (warned,) = warnings(tiny, "model.size=small")
+    assert "gpt size=tiny" in warned and "gpt size=small" in warned
+    # a profile of before the field (none recorded): nothing to compare, nothing said
+    assert warnings(_four_rank_profile(), "model.size=small") == []
+
+
+def test_calibrate_replaces_its_profile_whole_or_leaves_the_old_one(tmp_path, monkeypatch):
+    """The profile is written to a temporary name beside it and renamed over it: a crash
+    while writing leaves the old profile whole (it was written in place)."""
+    import os
+
+    import scaletrain.planner.calibrate as calibrate
+    from scaletrain.cli_plan import cmd_calibrate
+
+    monkeypatch.setattr(calibrate, "calibrate", lambda **kw: _cpu_profile())
+    out = tmp_path / "hardware.toml"
+    out.write_text("the old profile")
+
+    def crash(src, dst):
+        raise OSError("the machine went down")
+
+    monkeypatch.setattr(os, "replace", crash)
+    args = types.SimpleNamespace(config=None, overrides=[], world="2", out=out)
+    with pytest.raises(OSError, match="went down"):
+        cmd_calibrate(args)
+    assert out.read_text() == "the old profile"
+    assert [p.name for p in tmp_path.iterdir()] == ["hardware.toml"]  # no temporary left
+    monkeypatch.undo()
+    monkeypatch.setattr(calibrate, "calibrate", lambda **kw: _cpu_profile())
+    assert cmd_calibrate(args) == 0
+    assert "the old profile" not in out.read_text()

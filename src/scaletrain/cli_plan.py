@@ -5,13 +5,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 
 from scaletrain.config import Config, ConfigError, given_world, load_config
-from scaletrain.hardware import CALIBRATED, Profile, default_profile, load_profile, profile_toml
+from scaletrain.hardware import (
+    BUILTIN,
+    CALIBRATED,
+    Profile,
+    default_profile,
+    load_profile,
+    profile_toml,
+    rank_budget,
+)
+from scaletrain.runtime import written_atomically
+
+BUILTINS = ", ".join(BUILTIN)
 
 
 def add_parsers(sub) -> None:
@@ -24,10 +36,16 @@ def add_parsers(sub) -> None:
     plan.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
     plan.add_argument("--world", type=int, help="world size (default: the config's degrees')")
     plan.add_argument(
+        "--nproc",
+        type=int,
+        help="ranks per node, as `scaletrain train --nproc` (default: on a CPU profile the "
+        "whole world on this machine, on a GPU one a device up to a node's)",
+    )
+    plan.add_argument(
         "--hardware",
         metavar="NAME|profile.toml",
-        help="a100, h100, h200 or a profile file (default: SCALETRAIN_HARDWARE, the GPU's "
-        f"name, or {CALIBRATED} from `scaletrain calibrate`)",
+        help=f"a built-in ({BUILTINS}) or a profile file (default: SCALETRAIN_HARDWARE, "
+        f"this GPU's part, or {CALIBRATED} from `scaletrain calibrate`)",
     )
     plan.add_argument("--json", action="store_true", help="print the predictions as JSON")
     plan.add_argument(
@@ -59,13 +77,21 @@ def chosen_profile(name: str | None, device_type: str = "cpu") -> Profile:
     if profile is None:
         raise ConfigError(
             "no hardware profile: run `scaletrain calibrate` once on this machine, or pass "
-            "--hardware a100|h100|h200|profile.toml"
+            f"--hardware with a built-in ({BUILTINS}) or a profile file"
         )
     return profile
 
 
-def plan_config(config: Config, *, world_size: int, profile: Profile, only_configured=False):
-    """The planner over `config` (the model on meta, the data's first example)."""
+def plan_config(
+    config: Config,
+    *,
+    world_size: int,
+    profile: Profile,
+    ranks_per_node: int | None = None,
+    only_configured=False,
+):
+    """The planner over `config` (the model on meta, the data's first example), each rank's
+    memory as `scaletrain train --plan` gives it (hardware.rank_budget)."""
     from scaletrain.planner import build_for_plan, plan_layouts
 
     dataset, model = build_for_plan(config)
@@ -75,6 +101,7 @@ def plan_config(config: Config, *, world_size: int, profile: Profile, only_confi
         profile=profile,
         dataset=dataset,
         model=model,
+        ranks_per_node=ranks_per_node,
         only_configured=only_configured,
     )
 
@@ -83,15 +110,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     world = args.world or given_world(config)
     profile = chosen_profile(args.hardware)
-    preds = plan_config(config, world_size=world, profile=profile)
+    if args.nproc is not None and not 1 <= args.nproc <= world:
+        raise ConfigError(f"--nproc {args.nproc}: ranks per node, from 1 to --world ({world})")
+    per_node = args.nproc or profile.ranks_per_node(world)
+    preds = plan_config(config, world_size=world, profile=profile, ranks_per_node=per_node)
     if not preds:
         raise ConfigError(f"no layout of {world} ranks is accepted for this config")
+    warning = calibrated_elsewhere(profile, config)
+    if warning:
+        print(f"scaletrain: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps([p.as_json() for p in preds], indent=1))
         return 0
-    print(f"scaletrain plan: {len(preds)} layouts of {world} ranks, profile {profile.name!r}")
+    budget, where = rank_budget(profile, ranks_per_node=per_node)
+    print(
+        f"scaletrain plan: {len(preds)} layouts of {world} ranks, {per_node} a node, profile "
+        f"{profile.name!r}; memory per rank {budget / 2**30:.2f} GiB ({where})"
+    )
     print(format_table(preds if args.show_all else _shown(preds)))
     return 0
+
+
+def calibrated_elsewhere(profile: Profile, config: Config) -> str | None:
+    """Why the profile's step costs may not hold for `config`'s model, or None: they were
+    fitted on another model's steps (a profile that records none is not compared)."""
+    from scaletrain.planner.reference import model_label
+
+    planned = model_label(config.model.model_dump(mode="json"))
+    if not profile.calibrated_on or profile.calibrated_on == planned:
+        return None
+    return (
+        f"profile {profile.name!r} was calibrated on the model {profile.calibrated_on!r}, "
+        f"not {planned!r}: its step costs are that model's; `scaletrain calibrate` this "
+        "config for its own"
+    )
 
 
 def _shown(preds):
@@ -120,7 +172,7 @@ def format_table(preds) -> str:
     mib = 2**20
     head = (
         f"{'#':>3}  {'layout':<44} {'fits':<4} {'peak MiB':>9} {'param':>7} {'grad':>7} "
-        f"{'optim':>7} {'act':>7} {'comm MiB':>9} {'step s':>8} {'MFU':>6}"
+        f"{'optim':>7} {'act':>7} {'comm MiB':>9} {'step ms':>8} {'MFU':>6}"
     )
     rows = [head]
     for i, p in enumerate(preds, 1):
@@ -131,10 +183,19 @@ def format_table(preds) -> str:
             f"{i:>3}  {describe_layout(p.layout):<44} {'yes' if p.fits else 'NO':<4} "
             f"{m['peak'] / mib:>9.1f} {m['params'] / mib:>7.1f} {m['grads'] / mib:>7.1f} "
             f"{m['optim'] / mib:>7.1f} {m['activations'] / mib:>7.1f} "
-            f"{sum(p.comm_bytes.values()) / mib:>9.1f} {p.step_time_s:>8.3f} {mfu:>6}{mark}"
+            f"{sum(p.comm_bytes.values()) / mib:>9.1f} {_figures(p.step_time_s * 1e3):>8} "
+            f"{mfu:>6}{mark}"
         )
     rows.append("(* the configured layout; memory per rank, communication per rank and step)")
     return "\n".join(rows)
+
+
+def _figures(x: float, digits: int = 4) -> str:
+    """`x` to `digits` significant figures, without an exponent (0.1380, 12.35, 1235)."""
+    if x <= 0 or not math.isfinite(x):
+        return f"{x:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(x)))
+    return f"{x:.{decimals}f}"
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -154,7 +215,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         worlds=worlds, shapes=shapes, reference=reference, name="this-machine", say=print
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(profile_toml(profile))
+    with written_atomically(args.out) as tmp:  # a crash leaves the old profile whole
+        tmp.write_text(profile_toml(profile))
     print(f"scaletrain: profile written to {args.out}", file=sys.stderr)
     return 0
 

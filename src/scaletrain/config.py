@@ -272,6 +272,8 @@ class PrecisionConfig(_Section):
     """fp16-mixed: initial dynamic loss scale."""
     growth_interval: int = Field(2000, ge=1)
     """fp16-mixed: clean steps before the loss scale doubles."""
+    tf32: bool = False
+    """CUDA: fp32 matmuls and convolutions on the TF32 tensor cores (Ampere or later; inputs rounded to a 10-bit mantissa, fp32 accumulation): much faster, less exact; false keeps them full fp32. The planner and MFU count fp32 at the part's TF32 rate where it is on."""
 
 
 class CheckpointConfig(_Section):

@@ -6,12 +6,15 @@ below): peak matmul FLOP/s per dtype, memory per device, memory bandwidth, and t
 collectives' bus bandwidth and latency per world size. MFU divides the model FLOPs a run
 achieved by the profile's peak for the run's compute dtype; on a CPU the peak is what
 `calibrate` measured (there is no datasheet figure a 2-core VM reaches), on a GPU the
-datasheet's dense figure, as torchtitan and Megatron report it.
+datasheet's dense figure for the exact part, as torchtitan and Megatron report it (fp32 at
+the plain FP32 rate, or the TF32 tensor cores' where precision.tf32 is on).
 
 Which profile a run uses: `SCALETRAIN_HARDWARE` (a built-in name or a profile path), else
-the built-in whose name is in the CUDA device's name, else the calibrated profile of this
-machine (`~/.cache/scaletrain/hardware.toml`, what `scaletrain calibrate` writes), else none
-(MFU is then logged as null and the start-up line says how to get one).
+the built-in of the CUDA device's part, its name matched whole (DEVICE_NAMES) and its memory
+the device's own, else on a CPU the calibrated profile of this machine
+(`~/.cache/scaletrain/hardware.toml`, what `scaletrain calibrate` writes), else none (MFU is
+then logged as null and the start-up line says how to get one). A built-in named without
+its device (`scaletrain plan --hardware h100-nvl`) has the datasheet's memory.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from scaletrain.errors import UserError
 
-DTYPES = ("fp32", "bf16", "fp16", "fp64")
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp64")
 CALIBRATED = Path.home() / ".cache" / "scaletrain" / "hardware.toml"
 
 
@@ -92,6 +95,9 @@ class Profile:
     # measured, against which a later timing of the same round tells how much its speed has
     # moved since (a shared VM's moves by a quarter from minute to minute); 0: not measured
     reference_round_s: float = 0.0
+    # CPU: the model whose steps calibrate fitted the costs above on (reference.model_label;
+    # "" where not recorded): a plan of another model with this profile says so
+    calibrated_on: str = ""
     source: str = ""
 
     def link(self, group_size: int, *, spans_nodes: bool = False) -> Link:
@@ -109,73 +115,199 @@ class Profile:
         threads = max(1, self.cores // ranks_per_node)
         return rate * threads * min(1.0, self.cores / (threads * ranks_per_node))
 
+    def ranks_per_node(self, world_size: int) -> int:
+        """Ranks on one node where `world_size` ranks launch with the default --nproc: on a
+        CPU all of them on this machine; on a GPU one a device, up to a node's devices."""
+        return world_size if self.cores else min(world_size, self.devices_per_node)
+
     def slowdown(self, ranks_per_node: int) -> float:
         """How much longer a rank's serial work takes when its node's ranks outnumber the
         cores (they take turns); 1 on a GPU."""
         return max(1.0, ranks_per_node / self.cores) if self.cores else 1.0
 
 
-def _gpu(name, *, bf16, fp32, mamf, memory_gib, memory_bw, nvlink, ib, source) -> Profile:
-    # NVLink's bus bandwidth per GPU is its one-direction figure; latency ~10 us (nccl-tests)
+def _gpu(
+    name: str,
+    *,
+    fp64: float,
+    fp32: float,
+    tf32: float,
+    bf16: float,
+    matmul_share: float,
+    memory_gb: float,
+    memory_bw: float,
+    intra: dict[int, Link],
+    ib: float,
+    source: str,
+) -> Profile:
     return Profile(
         name=name,
-        flops={"bf16": bf16, "fp16": bf16, "fp32": fp32, "fp64": fp32 / 2},
-        memory_bytes=int(memory_gib * 2**30),
+        flops={"fp64": fp64, "fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16},
+        # the datasheet's "GB" of HBM are GiB (stacks come in binary sizes: an A100 80GB
+        # reports 81920 MiB); used where the part is named without its device, whose own
+        # total_memory replaces it (device_profile)
+        memory_bytes=int(memory_gb * 2**30),
         memory_bw=memory_bw,
-        intra={2: Link(nvlink, 10e-6), 8: Link(nvlink, 15e-6)},
+        intra=intra,
         inter=Link(ib, 20e-6),
         devices_per_node=8,
         overlap=True,
         # element-wise work: a forward op's output written, then read and written again by
         # the backward (about 6 bytes of traffic per byte written), at the HBM's bandwidth
         byte_s=6 / memory_bw,
-        matmul_efficiency=mamf / bf16,
+        matmul_efficiency=matmul_share,
         source=source,
     )
 
 
-# Datasheet figures (dense, no sparsity). fp32 is the TF32 tensor-core rate torch uses with
-# `torch.backends.cuda.matmul.allow_tf32`; plain fp32 is lower. `mamf`: the best bf16 matmul
-# rate measured on the part (its share of the peak applies to every dtype), from Stas
-# Bekman's Maximum Achievable Matmul FLOPS table (github.com/stas00/ml-engineering,
+def _links(*, near: float, far: float, near_group: int) -> dict[int, Link]:
+    """A node of 8 GPUs: groups of up to `near_group` over `near` bus bandwidth (NVLink),
+    larger ones over `far` (PCIe); latency ~10 us for 2 GPUs, 15 us for more (nccl-tests)."""
+    if near_group >= 8:
+        return {2: Link(near, 10e-6), 8: Link(near, 15e-6)}
+    if near_group < 2:
+        return {2: Link(far, 10e-6), 8: Link(far, 15e-6)}
+    return {2: Link(near, 10e-6), near_group + 1: Link(far, 15e-6)}
+
+
+# Bus bandwidth per GPU is one direction's: half the datasheet's bidirectional figure.
+NVLINK_600 = 300e9  # A100 SXM4 NVLink 3, and the H100 NVL's NVLink bridge: 600 GB/s
+NVLINK_900 = 450e9  # H100 / H200 SXM NVLink 4, and the H200 NVL's bridge: 900 GB/s
+PCIE_GEN4 = 32e9  # PCIe Gen4 x16: 64 GB/s (A100 datasheet)
+PCIE_GEN5 = 64e9  # PCIe Gen5 x16: 128 GB/s (H100, H200 datasheets)
+IB_HDR = 25e9  # one 200 Gb/s HDR NIC per GPU (a DGX A100's), bytes/s
+IB_NDR = 50e9  # one 400 Gb/s NDR NIC per GPU (a DGX H100's)
+
+# Datasheet rates, dense (no sparsity). The A100's lists dense figures; the H100's and
+# H200's list the tensor cores' with sparsity, halved here. fp64 is the FP64 Tensor Core
+# figure (what a float64 matmul reaches on these parts; plain FP64 is half of it); fp32 is
+# the non-tensor FP32 figure, what an fp32 matmul runs at unless precision.tf32 lets it use
+# the TF32 tensor cores (tf32). `matmul_share`: the best bf16 matmul rate measured on the
+# part over its datasheet peak, applied to every dtype, from Stas Bekman's Maximum
+# Achievable Matmul FLOPS table (github.com/stas00/ml-engineering,
 # compute/accelerator/README.md, the v2 BF16 table: the mean of 100 iterations of the best
-# shape found, torch 2.6-2.7). No datasheet rate is reached by a real matmul; the planner
-# times matmuls at this one and reports MFU against the datasheet's, as torchtitan and
-# Megatron-LM do.
-BUILTIN = {
-    "a100": _gpu(
-        "a100",
+# shape found, torch 2.6-2.7), which has the A100 SXM's and the H100 SXM's; the other parts
+# take their SXM sibling's (the same die, at clocks their datasheet peak already counts).
+# Memory bandwidth: each column's GPU Memory Bandwidth row. No datasheet rate is
+# reached by a real matmul; the planner times matmuls at the share and reports MFU against
+# the datasheet's, as torchtitan and Megatron-LM do.
+A100 = "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web)"
+H100_PCIE = "NVIDIA H100 Tensor Core GPU datasheet (2022 edition: H100 SXM and H100 PCIe)"
+H100_NVL = "NVIDIA H100 Tensor Core GPU datasheet (2023 edition: H100 SXM and H100 NVL)"
+H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024: H200 SXM and H200 NVL)"
+A100_SHARE = 271.2e12 / 312e12  # A100 SXM: 86.9%, torch 2.6.0+cu126
+H100_SHARE = 794.5e12 / 989.5e12  # H100 SXM: 80.3%, torch 2.7.0+cu126
+
+
+def _a100(name: str, column: str, *, memory_gb: float, memory_bw: float) -> Profile:
+    """The A100s share their rates (fp64 tensor 19.5, fp32 19.5, tf32 156, bf16 312 TF);
+    an SXM4 node's 8 on NVLink, PCIe cards on PCIe (a 2-GPU NVLink bridge is optional)."""
+    return _gpu(
+        name,
+        fp64=19.5e12,
+        fp32=19.5e12,
+        tf32=156e12,
         bf16=312e12,
-        fp32=156e12,
-        mamf=271.2e12,  # 86.9%, torch 2.6.0+cu126
-        memory_gib=80,
-        memory_bw=2.039e12,
-        nvlink=300e9,  # NVLink 3: 600 GB/s bidirectional
-        ib=25e9,  # one 200 Gb/s HDR NIC per GPU
-        source="NVIDIA A100 datasheet (SXM4 80GB), 2021",
-    ),
-    "h100": _gpu(
-        "h100",
-        bf16=989e12,
-        fp32=494e12,
-        mamf=794.5e12,  # 80.3%, torch 2.7.0+cu126
-        memory_gib=80,
-        memory_bw=3.35e12,
-        nvlink=450e9,  # NVLink 4: 900 GB/s bidirectional
-        ib=50e9,  # one 400 Gb/s NDR NIC per GPU
-        source="NVIDIA H100 datasheet (SXM5), 2023",
-    ),
-    "h200": _gpu(
-        "h200",
-        bf16=989e12,
-        fp32=494e12,
-        mamf=794.5e12,  # the H100 SXM's: the same GH100 die and clocks (no H200 row yet)
-        memory_gib=141,
-        memory_bw=4.8e12,
-        nvlink=450e9,
-        ib=50e9,
-        source="NVIDIA H200 datasheet (SXM), 2024",
-    ),
+        matmul_share=A100_SHARE,
+        memory_gb=memory_gb,
+        memory_bw=memory_bw,
+        intra=_links(near=NVLINK_600, far=PCIE_GEN4, near_group=8 if "SXM" in column else 1),
+        ib=IB_HDR,
+        source=f"{A100}, {column}",
+    )
+
+
+# The H100 and H200 datasheets' columns: FP64 Tensor Core (each column's FP32 is the same
+# figure), then the TF32 and BF16 Tensor Core figures with sparsity, FLOP/s
+HOPPER = {
+    "sxm": (67e12, 989e12, 1979e12),
+    "nvl": (60e12, 835e12, 1671e12),
+    "pcie": (51e12, 756e12, 1513e12),
+}
+
+
+def _hopper(name: str, column: str, **part) -> Profile:
+    """An H100 or H200 of the datasheet's `column` (HOPPER); its tensor rates dense."""
+    fp64, tf32_sparse, bf16_sparse = HOPPER[column]
+    return _gpu(
+        name,
+        fp64=fp64,
+        fp32=fp64,
+        tf32=tf32_sparse / 2,
+        bf16=bf16_sparse / 2,
+        matmul_share=H100_SHARE,
+        ib=IB_NDR,
+        **part,
+    )
+
+
+PARTS = {
+    p.name: p
+    for p in (
+        _a100("a100-sxm4-40gb", "A100 40GB SXM", memory_gb=40, memory_bw=1.555e12),
+        _a100("a100-sxm4-80gb", "A100 80GB SXM", memory_gb=80, memory_bw=2.039e12),
+        _a100("a100-pcie-40gb", "A100 40GB PCIe", memory_gb=40, memory_bw=1.555e12),
+        _a100("a100-pcie-80gb", "A100 80GB PCIe", memory_gb=80, memory_bw=1.935e12),
+        _hopper(
+            "h100-sxm",
+            "sxm",
+            memory_gb=80,
+            memory_bw=3.35e12,
+            intra=_links(near=NVLINK_900, far=PCIE_GEN5, near_group=8),
+            source=f"{H100_NVL}, H100 SXM",
+        ),
+        _hopper(
+            "h100-pcie",
+            "pcie",
+            memory_gb=80,
+            memory_bw=2.0e12,
+            intra=_links(near=NVLINK_600, far=PCIE_GEN5, near_group=1),
+            source=f"{H100_PCIE}, H100 PCIe",
+        ),
+        _hopper(
+            "h100-nvl",
+            "nvl",
+            memory_gb=94,
+            memory_bw=3.9e12,
+            # sold in pairs on an NVLink bridge; the pairs meet over PCIe
+            intra=_links(near=NVLINK_600, far=PCIE_GEN5, near_group=2),
+            source=f"{H100_NVL}, H100 NVL",
+        ),
+        _hopper(
+            "h200-sxm",
+            "sxm",
+            memory_gb=141,
+            memory_bw=4.8e12,
+            intra=_links(near=NVLINK_900, far=PCIE_GEN5, near_group=8),
+            source=f"{H200}, H200 SXM",
+        ),
+        _hopper(
+            "h200-nvl",
+            "nvl",
+            memory_gb=141,
+            memory_bw=4.8e12,
+            # a 2- or 4-way NVLink bridge: planned as the 2-way one
+            intra=_links(near=NVLINK_900, far=PCIE_GEN5, near_group=2),
+            source=f"{H200}, H200 NVL",
+        ),
+    )
+}
+# The names `--hardware` and SCALETRAIN_HARDWARE took before the parts were told apart:
+# the SXM parts they described.
+ALIASES = {"a100": "a100-sxm4-80gb", "h100": "h100-sxm", "h200": "h200-sxm"}
+BUILTIN = {**PARTS, **{alias: PARTS[part] for alias, part in ALIASES.items()}}
+# torch.cuda.get_device_name() of each part, matched whole: a name that merely contains
+# another ("NVIDIA H100 NVL" contains "H100") is a different part with other rates
+DEVICE_NAMES = {
+    "NVIDIA A100-SXM4-40GB": "a100-sxm4-40gb",
+    "NVIDIA A100-SXM4-80GB": "a100-sxm4-80gb",
+    "NVIDIA A100-PCIE-40GB": "a100-pcie-40gb",
+    "NVIDIA A100 80GB PCIe": "a100-pcie-80gb",
+    "NVIDIA H100 80GB HBM3": "h100-sxm",
+    "NVIDIA H100 PCIe": "h100-pcie",
+    "NVIDIA H100 NVL": "h100-nvl",
+    "NVIDIA H200": "h200-sxm",
+    "NVIDIA H200 NVL": "h200-nvl",
 }
 
 
@@ -198,7 +330,7 @@ class ProfileError(UserError):
 
 
 def load_profile(name_or_path: str) -> Profile:
-    """A built-in by name (a100, h100, h200) or a profile TOML's path."""
+    """A built-in by name (a key of BUILTIN, any case) or a profile TOML's path."""
     key = name_or_path.lower()
     if key in BUILTIN:
         return BUILTIN[key]
@@ -224,6 +356,7 @@ def load_profile(name_or_path: str) -> Profile:
             overlap=bool(data.get("overlap", False)),
             cores=int(data.get("cores", 0)),
             **{k: float(data[k]) for k in _FLOAT_KEYS if k in data},
+            calibrated_on=str(data.get("calibrated_on", "")),
             source=data.get("source", str(path)),
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -284,8 +417,36 @@ def default_profile(device_type: str) -> Profile | None:
     if chosen:
         return load_profile(chosen)
     if device_type == "cuda":
-        import torch
-
-        name = torch.cuda.get_device_name().lower()
-        return next((p for key, p in BUILTIN.items() if key in name), None)
+        return device_profile()
     return load_profile(str(CALIBRATED)) if CALIBRATED.is_file() else None
+
+
+def device_profile(index: int | None = None) -> Profile | None:
+    """The built-in profile of CUDA device `index`'s exact part (default: the current
+    device), with the memory the device reports; None for a part not in DEVICE_NAMES."""
+    import torch
+
+    index = torch.cuda.current_device() if index is None else index
+    part = DEVICE_NAMES.get(torch.cuda.get_device_name(index).strip())
+    if part is None:
+        return None
+    profile = PARTS[part]
+    memory = torch.cuda.get_device_properties(index).total_memory
+    return replace(profile, memory_bytes=memory, source=f"{profile.source}; memory: the device's")
+
+
+def rank_budget(profile: Profile | None, *, ranks_per_node: int) -> tuple[int, str]:
+    """Bytes one rank may use, and where the figure comes from: a GPU's own memory; on a
+    CPU the node's memory (the profile's, else this machine's) over the ranks it runs."""
+    if profile is not None and not profile.cores:
+        return profile.memory_bytes, f"{profile.name}'s memory"
+    if profile is not None:
+        total, where = profile.memory_bytes, f"{profile.name}'s memory"
+    else:
+        total, where = _mem_total(), "this machine's memory"
+    return total // ranks_per_node, f"{where} over {ranks_per_node} rank(s)"
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))

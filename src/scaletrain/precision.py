@@ -25,6 +25,12 @@ AVX2-only AMD EPYC: 0.4-0.6 against 53 GFLOP/s), and fp16 on a CPU without AMX-F
 200x. `slow_precision_warning` says so, naming the CPU's capability and the instruction set
 it lacks; `explain` and `train` print it (plan.resolve collects it with its warnings).
 
+TF32 (`precision.tf32`, CUDA only): fp32 matmuls and convolutions on the tensor cores, their
+inputs rounded to a 10-bit mantissa. `make_precision` sets torch's two flags either way, so
+that fp32 is full fp32 unless asked (cuDNN's flag is on by default, which would run a
+convolution's fp32 on TF32 while the planner counts the plain FP32 rate); `flops_dtype`
+names the rate the hardware profile gives such a run's matmuls.
+
 FSDP2's MixedPrecisionPolicy will stand in for autocast when FSDP is applied: the same object
 then reports `param_dtype`/`reduce_dtype` and returns a null forward context.
 """
@@ -52,6 +58,19 @@ class Hardware:
     cuda_capability: tuple[int, int] | None = None
     cpu_capability: str = ""  # torch.backends.cpu.get_cpu_capability(): AVX2, AVX512, ...
     amx_fp16: bool = False  # CPU: AMX-FP16 (fast fp16 matrix units)
+
+
+def matmul_dtype(mode: str, *, tf32: bool = False) -> str:
+    """The hardware profile's key (hardware.py) for the rate `mode`'s matmuls run at (a
+    resolved mode, not "auto"); `tf32`: fp32's run on TF32 tensor cores."""
+    named = {"bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16", "fp64": "fp64"}
+    return named.get(mode, "tf32" if tf32 else "fp32")
+
+
+def set_tf32(enabled: bool) -> None:
+    """CUDA's fp32 matmuls and cuDNN's fp32 convolutions on TF32 tensor cores, or not."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def detect_hardware(device_type: str) -> Hardware:
@@ -125,6 +144,12 @@ class Precision:
     param_dtype: torch.dtype = torch.float32
     scaler: torch.amp.GradScaler | None = None  # fp16-mixed only
     overflow_steps: int = field(default=0)
+    tf32: bool = False  # CUDA: fp32 matmuls on TF32 tensor cores (make_precision set it)
+
+    @property
+    def flops_dtype(self) -> str:
+        """The hardware profile's key for the rate this policy's matmuls run at (MFU's)."""
+        return matmul_dtype(self.mode, tf32=self.tf32 and self.device_type == "cuda")
 
     def convert_module(self, model: torch.nn.Module) -> torch.nn.Module:
         """Cast parameters for `bf16-true` and `fp64`; mixed modes keep fp32 master weights."""
@@ -211,6 +236,7 @@ def make_precision(
     init_scale: float = 2.0**16,
     growth_interval: int = 2000,
     sharded: bool = False,
+    tf32: bool = False,
 ) -> Precision:
     """The one place a mode string becomes a Precision.
 
@@ -222,9 +248,20 @@ def make_precision(
         sharded: gradients are split over ranks (FSDP, TP, PP): fp16-mixed then uses
             ShardedGradScaler, which agrees on an overflow across every rank, so no rank
             steps while another skips.
+        tf32: precision.tf32: on CUDA, torch's TF32 flags are set to it (module docstring).
     """
     if mode == "auto":
         mode, _ = choose_auto(device_type)
+    if device_type == "cuda":
+        set_tf32(tf32)
+    precision = _policy(mode, device_type, init_scale, growth_interval, sharded)
+    precision.tf32 = tf32
+    return precision
+
+
+def _policy(
+    mode: str, device_type: str, init_scale: float, growth_interval: int, sharded: bool
+) -> Precision:
     match mode:
         case "fp32":
             return Precision(mode, device_type)

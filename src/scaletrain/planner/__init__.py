@@ -13,11 +13,12 @@ time; `scaletrain plan` prints it, `scaletrain train --plan` trains the first.
 from __future__ import annotations
 
 from scaletrain.config import Config
-from scaletrain.hardware import Profile
+from scaletrain.hardware import Profile, rank_budget
 from scaletrain.planner.activations import traced_activations
 from scaletrain.planner.held import held_on_rank
 from scaletrain.planner.layouts import Candidate, candidates
 from scaletrain.planner.predict import Prediction, predict
+from scaletrain.training.assemble import NO_CODE, UserCode
 
 
 def plan_layouts(
@@ -27,8 +28,10 @@ def plan_layouts(
     profile: Profile,
     dataset,
     model,
+    ranks_per_node: int | None = None,
     budget_bytes: int | None = None,
     only_configured: bool = False,
+    code: UserCode = NO_CODE,
 ) -> list[Prediction]:
     """Predictions for the accepted layouts of `world_size`: those that fit first, fastest
     first; then those that do not, smallest peak first. The configured layout's prediction
@@ -37,10 +40,17 @@ def plan_layouts(
     Args:
         dataset: the training data (its task sizes the model; one example is traced).
         model: the bare model on meta (candidates.py reads its spec).
+        ranks_per_node: the launch's ranks on one node (default: Profile.ranks_per_node).
+        budget_bytes: memory per rank (default: hardware.rank_budget's for those ranks).
         only_configured: predict the configured layout alone (`scaletrain train`'s check);
             the launcher's UserError where it would refuse it.
+        code: the user's own model, data and loss (the Python API's), which every layout
+            is built from as the run builds it.
     """
     config = resolve_auto_precision(config, profile)
+    per_node = ranks_per_node or profile.ranks_per_node(world_size)
+    if budget_bytes is None:
+        budget_bytes, _ = rank_budget(profile, ranks_per_node=per_node)
     found = candidates(config, world_size=world_size, model=model, only_configured=only_configured)
     held_cache: dict = {}
     act_cache: dict = {}
@@ -49,14 +59,14 @@ def plan_layouts(
     for i, cand in enumerate(found):
         held = held_cache.get(_held_key(cand))
         if held is None:
-            held = held_on_rank(cand.config, cand.derived, dataset=dataset, rank=0)
+            held = held_on_rank(cand.config, cand.derived, dataset=dataset, rank=0, code=code)
             held_cache[_held_key(cand)] = held
         chunk = _chunk(cand)
         key = (cand.derived.layout.tp, cand.config.parallel.activation_checkpointing, chunk)
         acts = act_cache.get(key)
         if acts is None:
             acts = traced_activations(
-                cand.config, dataset=dataset, examples=chunk, tp=cand.derived.layout.tp
+                cand.config, dataset=dataset, examples=chunk, tp=cand.derived.layout.tp, code=code
             )
             act_cache[key] = acts
         pred = predict(
@@ -68,6 +78,7 @@ def plan_layouts(
             model=model,
             example=example,
             profile=profile,
+            ranks_per_node=per_node,
             budget_bytes=budget_bytes,
         )
         if i == 0 and _is_configured(cand, config, world_size):
@@ -78,9 +89,11 @@ def plan_layouts(
     )
 
 
-def predict_configured(config: Config, *, world_size: int, profile: Profile) -> Prediction:
+def predict_configured(
+    config: Config, *, world_size: int, profile: Profile, ranks_per_node: int | None = None
+) -> Prediction:
     """The prediction for `config`'s own layout on `world_size` ranks (data and model built
-    as the launcher's checks build them)."""
+    as the launcher's checks build them; ranks per node as plan_layouts takes them)."""
     dataset, model = build_for_plan(config)
     (pred,) = plan_layouts(
         config,
@@ -88,6 +101,7 @@ def predict_configured(config: Config, *, world_size: int, profile: Profile) -> 
         profile=profile,
         dataset=dataset,
         model=model,
+        ranks_per_node=ranks_per_node,
         only_configured=True,
     )
     return pred
@@ -107,11 +121,11 @@ def resolve_auto_precision(config: Config, profile: Profile) -> Config:
     return config.model_copy(update={"precision": precision})
 
 
-def build_for_plan(config: Config, code=None):
+def build_for_plan(config: Config, code: UserCode | None = None):
     """The training data and the bare model on meta, as the launcher's checks build them."""
     import torch
 
-    from scaletrain.training.assemble import NO_CODE, build_data, build_net
+    from scaletrain.training.assemble import build_data, build_net
 
     code = code or NO_CODE
     torch.manual_seed(config.train.seed)

@@ -33,7 +33,7 @@ from scaletrain.parallel.compose import parallelize
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.planner.held import fake_world
 from scaletrain.precision import make_precision
-from scaletrain.training.assemble import build_net, build_objective
+from scaletrain.training.assemble import NO_CODE, UserCode, build_net, build_objective
 from scaletrain.training.step import forward
 
 
@@ -105,18 +105,21 @@ def _new_storage(func, out, inputs) -> list[torch.Tensor]:
     return [t for t in local_tensors(out) if t.untyped_storage()._cdata not in held]
 
 
-def traced_activations(config: Config, *, dataset, examples: int, tp: int) -> Activations:
+def traced_activations(
+    config: Config, *, dataset, examples: int, tp: int, code: UserCode = NO_CODE
+) -> Activations:
     """Activations of a micro-batch of `examples` under tensor parallelism `tp` and the
-    config's activation checkpointing and precision (module docstring)."""
+    config's activation checkpointing and precision (module docstring); `code`: the user's
+    own model and loss (the Python API's), built in place of the config's names."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     layout = ParallelLayout(pp=1, dp_replicate=1, dp_shard=1, tp=tp)
     precision = make_precision(config.precision.mode, device_type="cpu", sharded=tp > 1)
     with torch.device("meta"):
-        net = build_net(config, dataset, meta=True)
+        net = build_net(config, dataset, code=code, meta=True)
         model, loss_fn, _ = build_objective(
-            config, net, dataset, precision=precision, teacher_meta=True
+            config, net, dataset, precision=precision, code=code, teacher_meta=True
         )
     model = precision.convert_module(model)
     batch = dataset.get(torch.arange(examples) % len(dataset))

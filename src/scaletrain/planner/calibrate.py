@@ -29,16 +29,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from scaletrain.hardware import Link, Profile, slowed
+from scaletrain.launch import LOOPBACK_ENV, SUBPROCESS_ENV
 from scaletrain.planner.reference import (
+    GPT_TINY,
     collective_overheads,
     fastest_looks,
     first_use_worker,
     gloo_group,
+    model_label,
     sharded_probes,
     slack_probe,
     step_costs,
@@ -145,18 +150,25 @@ def _launch(world: int, fn, *args) -> dict:
     """`fn(*args)` on `world` ranks started by torch's elastic agent; rank -> its result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world,
-        run_id=f"calibrate-{os.getpid()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    return elastic_launch(config, fn)(*args)
+    # loopback only, as a single-node `scaletrain train` (launch.LOOPBACK_ENV): a file-backed
+    # rendezvous, rank 0's group store on 127.0.0.1 (gloo_group), gloo on `lo`
+    for key, value in {**SUBPROCESS_ENV, **LOOPBACK_ENV}.items():
+        os.environ.setdefault(key, value)
+    with tempfile.TemporaryDirectory(prefix="scaletrain-rdzv-") as rdzv_dir:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=world,
+            run_id=f"calibrate-{os.getpid()}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=str(Path(rdzv_dir) / "store"),
+            rdzv_configs={"store_type": "file"},
+            local_addr="127.0.0.1",
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method="spawn",
+        )
+        return elastic_launch(config, fn)(*args)
 
 
 def calibrate(
@@ -224,6 +236,7 @@ def calibrate(
         overlap=False,
         cores=cores,
         **costs,
+        calibrated_on=model_label((reference or GPT_TINY)["model"]),
         source=f"scaletrain calibrate on {_cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
     )
     profile = dataclasses.replace(

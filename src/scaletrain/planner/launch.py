@@ -15,19 +15,10 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import Profile, default_profile
+from scaletrain.hardware import BUILTIN, Profile, default_profile, rank_budget
 from scaletrain.planner import build_for_plan, plan_layouts
 from scaletrain.planner.predict import Prediction
 from scaletrain.training.assemble import NO_CODE, UserCode
-
-
-def rank_budget(profile: Profile | None, *, ranks_per_node: int) -> tuple[int, str]:
-    """Bytes one rank may use, and where that figure comes from."""
-    if profile is not None and not profile.cores:
-        return profile.memory_bytes, f"{profile.name}'s memory"
-    with open("/proc/meminfo") as f:
-        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    return total // ranks_per_node, f"this machine's memory over {ranks_per_node} rank(s)"
 
 
 def pick_layout(
@@ -43,7 +34,9 @@ def pick_layout(
         profile=profile,
         dataset=dataset,
         model=model,
+        ranks_per_node=ranks_per_node,
         budget_bytes=budget,
+        code=code,
     )
     if not preds or not preds[0].fits:
         smallest = min((p.memory_bytes["peak"] for p in preds), default=0)
@@ -81,8 +74,10 @@ def check_fits(
         profile=profile,
         dataset=dataset,
         model=model,
+        ranks_per_node=ranks_per_node,
         budget_bytes=budget,
         only_configured=True,
+        code=code,
     )
     if preds and not preds[0].fits:
         m = preds[0].memory_bytes
@@ -115,7 +110,8 @@ def _profile(required: bool = True) -> Profile | None:
     if profile is None and required:
         raise ConfigError(
             "--plan needs a hardware profile: run `scaletrain calibrate` once on this "
-            "machine, or set SCALETRAIN_HARDWARE to a100, h100, h200 or a profile file"
+            f"machine, or set SCALETRAIN_HARDWARE to a built-in ({', '.join(BUILTIN)}) "
+            "or a profile file"
         )
     return profile
 

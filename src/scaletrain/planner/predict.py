@@ -62,6 +62,7 @@ from scaletrain.models.flops import train_flops, transformer_flops, transformer_
 from scaletrain.plan import Derived
 from scaletrain.planner.activations import Activations
 from scaletrain.planner.held import Held
+from scaletrain.precision import matmul_dtype
 
 RECOMPUTED_SHARE = 1 / 3  # of an op's cost (forward and backward), what its forward alone costs
 
@@ -109,10 +110,11 @@ def spans_nodes(lay, dim: str, per_node: int) -> bool:
     return inner * size > per_node
 
 
-def compute_dtype(mode: str) -> str:
-    return {"bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16", "fp64": "fp64"}.get(
-        mode, "fp32"
-    )
+def compute_dtype(config: Config, profile: Profile) -> str:
+    """The profile's key for the rate the config's matmuls run at: precision.tf32 puts fp32
+    on TF32 tensor cores where the profile has them (a CPU's has none)."""
+    tf32 = config.precision.tf32 and "tf32" in profile.flops
+    return matmul_dtype(config.precision.mode, tf32=tf32)
 
 
 def predict(
@@ -125,7 +127,8 @@ def predict(
     model: torch.nn.Module,
     example: torch.Tensor,
     profile: Profile,
-    budget_bytes: int | None = None,
+    ranks_per_node: int,
+    budget_bytes: int,
 ) -> Prediction:
     """The prediction for one accepted layout (module docstring).
 
@@ -133,14 +136,16 @@ def predict(
         held: rank 0's bytes under this layout; acts: one chunk's traced activations
             (a micro-batch, or under pp one chunk of it) under this layout's tp and AC.
         model: the bare model on meta (its shape and FLOPs); example: one example's inputs.
-        budget_bytes: memory per rank to fit in (default: the profile's).
+        ranks_per_node: the launch's ranks on one node (a CPU's share its cores; a group
+            wider than a node spans nodes).
+        budget_bytes: memory per rank to fit in (hardware.rank_budget).
     """
     lay, p = derived.layout, config.parallel
     mb = config.train.micro_batch
     pipe = derived.pipeline
     chunks = pipe.microbatches if pipe else 1
     stages = pipe.stages_per_rank if pipe else 1
-    dtype = compute_dtype(config.precision.mode)
+    dtype = compute_dtype(config, profile)
     width = 2 if dtype in ("bf16", "fp16") else (8 if dtype == "fp64" else 4)
 
     # memory
@@ -174,7 +179,6 @@ def predict(
         "runtime": runtime,
         "peak": peak,
     }
-    budget = budget_bytes or profile.memory_bytes
 
     # communication: (collective, mesh dimension, group size, bytes, calls, overlaps compute
     # on a GPU, seconds per call beyond the bytes where calibrate measured the framework's
@@ -252,7 +256,7 @@ def predict(
         hw_rank = model_flops_rank
     # under "op" the matrix products its policy recomputes, as the trace counted them
     hw_rank += accum * chunks * share * acts.again_flops
-    per_node = min(lay.world_size, profile.devices_per_node)
+    per_node = min(lay.world_size, ranks_per_node)
     rate = profile.peak(dtype, ranks_per_node=per_node) or profile.peak(
         "fp32", ranks_per_node=per_node
     )
@@ -271,7 +275,7 @@ def predict(
     optim_s = 3 * (held.params + held.grads + held.optim) / profile.memory_bw
     comm_s = overlapped = 0.0
     for _, dim, group, nbytes, calls, overlaps, per_call in flows:
-        link = profile.link(group, spans_nodes=spans_nodes(lay, dim, profile.devices_per_node))
+        link = profile.link(group, spans_nodes=spans_nodes(lay, dim, per_node))
         seconds = nbytes / link.bus_bw + calls * (per_call or link.latency_s)
         comm_s += seconds
         overlapped += seconds if overlaps else 0.0
@@ -300,7 +304,7 @@ def predict(
     mfu = model_flops_step / (step * peak_flops * lay.world_size) if peak_flops else None
     return Prediction(
         layout=layout_keys,
-        fits=peak <= budget,
+        fits=peak <= budget_bytes,
         memory_bytes=memory,
         comm_bytes={k: int(v) for k, v in comm.items()},
         step_time_s=step,

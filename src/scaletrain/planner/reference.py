@@ -75,7 +75,6 @@ calibrate measures it on real steps:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import statistics
 import time
 from collections.abc import Iterator
@@ -87,6 +86,22 @@ GPT_TINY = {
     "data": {"source": "wikitext", "seq_len": 128},
     "train": {"seed": 0, "micro_batch": 16},
 }
+
+
+def model_label(model: dict) -> str:
+    """The model of a config's [model] section (as a dict) in one line, what a profile
+    records it was calibrated on and `scaletrain plan` compares: its name, a built-in's
+    size, and what shapes the user's or a Hugging Face model."""
+    import json
+
+    from scaletrain.config import BUILTIN_MODELS, ModelConfig
+
+    m = ModelConfig(**model)
+    parts = [m.name, f"size={m.size}" if m.name in BUILTIN_MODELS else ""]
+    parts += [f"hf_config={m.hf_config}" if m.hf_config else "", f"path={m.path}" if m.path else ""]
+    if m.kwargs:
+        parts.append("kwargs=" + json.dumps(m.kwargs, sort_keys=True, separators=(",", ":")))
+    return " ".join(p for p in parts if p)
 
 
 def reference_config(data: dict, micro_batch: int):
@@ -641,7 +656,10 @@ def gloo_group(timeout_s: float = 120.0) -> Iterator[None]:
     collective that waits `timeout_s` raises instead of hanging calibrate."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    from scaletrain.runtime import init_distributed, read_env
+
+    # the store on loopback, as a training run's (runtime.loopback_store)
+    init_distributed(read_env(), backend="gloo", timeout_s=timeout_s)
     try:
         yield
     finally:

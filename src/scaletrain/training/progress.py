@@ -133,8 +133,7 @@ def model_flops(model, example, *, precision, world_size: int, device_type: str)
         # on meta: the run goes on and logs model_flops_per_s and mfu as null.
         per_example = None
     profile = default_profile(device_type)
-    dtype = precision.autocast_dtype or precision.param_dtype
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}.get(dtype, "fp32")
+    name = precision.flops_dtype  # the rate its matmuls run at (fp32 on TF32 where enabled)
     ranks = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     peak = profile.peak(name, ranks_per_node=ranks) if profile is not None else None
     return ModelFlops(per_example=per_example, peak=peak * world_size if peak else None)

@@ -221,6 +221,7 @@ def build(
         init_scale=config.precision.init_scale,
         growth_interval=config.precision.growth_interval,
         sharded=layout.splits_gradients,
+        tf32=config.precision.tf32,
     )
     # On the meta device where the model allows it (models/init.py; model.meta_init):
     # parallelize materialises this rank's shards only. A distillation student too (its
