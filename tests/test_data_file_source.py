@@ -172,3 +172,75 @@ def test_label_and_target_together_or_no_task_column_are_refused(tmp_path):
         r"`target`",
     ):
         write_shards(tmp_path / "only.csv", tmp_path / "o", rows_per_shard=64)
+
+
+# --- rows that do not parse and bytes that are not text: named by file and line ---------
+
+
+@pytest.mark.parametrize(
+    "row, count",
+    [(["1", "0.5"], 2), (_rows(1)[0] + ["9"], WIDTH + 2)],  # too few values, one too many
+)
+def test_a_csv_row_with_the_wrong_number_of_values_is_refused_by_line(tmp_path, row, count):
+    rows = _rows(40)
+    rows[6] = row  # data row 7, line 8
+    _write_csv(tmp_path / "t.csv", rows)
+    with pytest.raises(SourceError) as caught:
+        write_shards(tmp_path / "t.csv", tmp_path / "out", rows_per_shard=64)
+    assert str(caught.value) == (
+        f"{tmp_path / 't.csv'}, row 7 (line 8): {count} values, but the header (line 1) "
+        f"names {WIDTH + 1} columns; every row needs one value per column"
+    )
+
+
+def test_a_short_csv_row_past_arrows_first_block_is_found(tmp_path):
+    rows = _rows(20_000)  # ~2.5 MB: past the block Arrow reads first
+    rows[18_000] = ["1", "0.5", "0.25"]
+    _write_csv(tmp_path / "big.csv", rows)
+    with pytest.raises(SourceError, match=r"big\.csv, row 18001 \(line 18002\): 3 values"):
+        write_shards(tmp_path / "big.csv", tmp_path / "out", rows_per_shard=10_000)
+
+
+@pytest.mark.parametrize(
+    "name, content, line, offset",
+    [
+        # A UTF-8 CSV with one cell in Latin-1: line 3, its 4th byte.
+        ("t.csv", b"label,a,b\n1,0.5,2\n0,caf\xe9,3\n1,1,1\n", 3, 23),
+        ("bin.csv", b"\x80\x81\x82" + bytes(range(256)) * 4, 1, 0),  # not text at all
+        ("t.jsonl", b'{"label": 1, "a": 2}\n{"label": 0, "a": "\xff"}\n', 2, 40),
+        ("d.jsonl", b'{"text": "ok"}\n{"text": "ok"}\n{"text": "s\xc3("}\n', 3, 41),
+        ("d.csv", b"text\nhello\nw\xf6rld\n", 3, 12),  # a text source's cell
+    ],
+)
+def test_a_file_that_is_not_utf8_is_refused_by_line_and_byte(tmp_path, name, content, line, offset):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(SourceError) as caught:
+        write_shards(tmp_path / name, tmp_path / "out", rows_per_shard=64)
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path / name}, line {line} (byte {offset}): "), message
+    assert f"byte 0x{content[offset]:02x} is not UTF-8" in message, message
+    assert "save the file as UTF-8" in message and "\n" not in message, message
+
+
+def test_shard_shows_a_short_row_and_a_binary_file_as_one_paragraph(tmp_path, capsys):
+    rows = _rows(30)
+    rows[2] = ["1", "2"]
+    _write_csv(tmp_path / "short.csv", rows)
+    (tmp_path / "bin.csv").write_bytes(bytes(range(128, 256)) * 8)
+    for name, where in (("short.csv", "row 3 (line 4): 2 values"), ("bin.csv", "line 1 (byte 0)")):
+        code = main(["shard", str(tmp_path / name), str(tmp_path / f"out-{name}")])
+        err = capsys.readouterr().err
+        assert code == EXIT_USAGE and err.count("\n") == 1, err
+        assert err.startswith(f"scaletrain: error: {tmp_path / name}, {where}"), err
+
+
+def test_a_text_column_must_hold_text_and_a_jsonl_line_an_object(tmp_path):
+    docs = "text\n" + "".join(f"{i}\n" for i in range(400))  # digits in a CSV are text
+    (tmp_path / "n.csv").write_text(docs)
+    write_shards(tmp_path / "n.csv", tmp_path / "n", rows_per_shard=64, seq_len=8)
+    (tmp_path / "n.jsonl").write_text('{"text": 4}\n{"text": 5}\n')  # JSON says numbers
+    with pytest.raises(SourceError, match=r"n\.jsonl, column `text`: typed int64; `text` must"):
+        write_shards(tmp_path / "n.jsonl", tmp_path / "j", rows_per_shard=64)
+    (tmp_path / "l.jsonl").write_text('{"label": 1, "a": 2}\n[0, 3]\n')
+    with pytest.raises(SourceError, match=r"l\.jsonl, line 2: a JSON list; each line of a"):
+        write_shards(tmp_path / "l.jsonl", tmp_path / "l", rows_per_shard=64)

@@ -14,8 +14,12 @@ whole column as text, a column that silently stopped being a feature would train
 on 19 features of 20 without a word, and one NaN target makes every later loss NaN. Rows
 are counted from 1 (the first data row), with the line for CSV (the header is line 1) and
 JSONL. A CSV whose bad cell lies past the block Arrow infers types from fails in the
-reader; it is read again as text to find the cell. `data/spark.py` applies the same rules
-in Spark, with the helpers defined here (`task_kind`, `feature_columns`, `cell_error`).
+reader; it is read again as text to find the cell. Arrow's own messages name neither file
+nor line, so whatever it refuses is looked at again as written: a CSV row with more or
+fewer values than the header, or a JSONL line that is not an object, is named by its line,
+and bytes that are not UTF-8 (a binary file, a Latin-1 export) by line and byte offset.
+`data/spark.py` applies the same rules in Spark, with the helpers defined here
+(`task_kind`, `feature_columns`, `cell_error`).
 """
 
 from __future__ import annotations
@@ -100,25 +104,38 @@ def read_files(path: Path) -> tuple[pa.Table, str]:
 
 
 def _read_checked(file: Path, fmt: str) -> pa.Table:
-    """Read one file and check its cells; a failure is found again by row and column."""
+    """Read one file and check its cells; a failure is found again by line, row and column."""
     import pyarrow.csv
     import pyarrow.json
 
     try:
-        if fmt == "csv":
-            table = pyarrow.csv.read_csv(str(file))
+        if fmt == "csv":  # a text cell of digits is text all the same
+            text = pyarrow.csv.ConvertOptions(column_types={TEXT: pa.string()})
+            table = pyarrow.csv.read_csv(str(file), convert_options=text)
         else:
             table = pyarrow.json.read_json(str(file)) if fmt == "json" else pq.read_table(file)
-    except pa.ArrowInvalid as e:
-        # Arrow could not convert a cell (for CSV: one past the block the types were inferred
-        # from): look at the cells as written, which raises naming the cell.
+    except (pa.ArrowInvalid, UnicodeDecodeError) as e:
+        # Arrow could not split a line into values or convert a cell (for CSV: one past the
+        # block the types were inferred from), or a column name is not UTF-8. Its message
+        # says neither file nor line: look at the bytes and cells as written, which raises
+        # naming them.
         if fmt == "csv":
             _check_csv_as_text(file)
         elif fmt == "json":
             _check_json_rows(file)
         raise SourceError(f"{file}: not readable as {fmt}: {e}") from None
+    except (OSError, pa.ArrowException) as e:
+        raise SourceError(f"{file}: not readable as {fmt}: {e}") from None
+    try:  # Arrow's JSON reader keeps a string that is not UTF-8 as it found it
+        table.validate(full=True)
+    except pa.ArrowInvalid as e:
+        if fmt != "parquet":
+            check_utf8(file, fmt)
+        raise SourceError(f"{file}: not readable as {fmt}: {e}") from None
     kind = task_kind(table.schema.names, where=file)
-    if kind != "lm":
+    if kind == "lm":
+        _check_text_column(table, file=file)
+    else:
         try:
             check_examples(table, kind=kind, file=file, fmt=fmt)
         except SourceError:
@@ -129,13 +146,12 @@ def _read_checked(file: Path, fmt: str) -> pa.Table:
 
 
 def _check_csv_as_text(file: Path) -> None:
-    """Check a CSV file's cells as the text they are (the error path: one was refused)."""
-    import csv
-
+    """Check a CSV file's bytes, rows and cells as the text they are (the error path: Arrow
+    refused one)."""
     import pyarrow.csv
 
-    with open(file, newline="") as f:
-        header = next(csv.reader(f), [])
+    check_utf8(file, "csv")
+    header = _check_csv_rows(file)
     if (kind := task_kind(header, where=file)) == "lm":
         return
     options = pyarrow.csv.ConvertOptions(
@@ -148,14 +164,20 @@ def _check_csv_as_text(file: Path) -> None:
 
 def _check_json_rows(file: Path) -> None:
     """Check a JSONL file row by row in Python (the error path: Arrow refused it)."""
+    check_utf8(file, "json")
     rows = []
-    with open(file) as f:
+    with open(file, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise SourceError(f"{file}, line {line_no}: not valid JSON: {e}") from None
+                if not isinstance(rows[-1], dict):
+                    raise SourceError(
+                        f"{file}, line {line_no}: a JSON {type(rows[-1]).__name__}; each line "
+                        f"of a JSONL source is one object of named values"
+                    )
     names = list(dict.fromkeys(k for row in rows for k in row))
     if TEXT in names or not {LABEL, TARGET} & set(names):
         return  # no cell of a task column to name: Arrow's own error says what it could not read
@@ -164,6 +186,70 @@ def _check_json_rows(file: Path) -> None:
     _check_task_values(columns[column], column=column, file=file, fmt="json")
     for name in feature_columns(names, "json"):
         _check_values(columns[name], name=name, file=file, fmt="json", task_column=column)
+
+
+def check_utf8(file: Path, fmt: str) -> None:
+    """Refuse a file that is not UTF-8 text, naming the line and byte offset of the first
+    byte that is not. Read in blocks: a binary file may have no line ends at all."""
+    start, line, carry = 0, 1, b""  # file offset and line of `data[0]`; a cut character
+    with open(file, "rb") as f:
+        while block := f.read(1 << 20):
+            data = carry + block
+            try:
+                data.decode("utf-8")
+                carry = b""
+            except UnicodeDecodeError as e:
+                if e.reason != "unexpected end of data" or e.end != len(data):
+                    raise _not_utf8(file, fmt, data, e.start, start=start, line=line) from None
+                data, carry = data[: e.start], data[e.start :]  # a character cut by the block
+            line += data.count(b"\n")
+            start += len(data)
+    if carry:  # the file ends inside a character
+        raise _not_utf8(file, fmt, carry, 0, start=start, line=line)
+
+
+def _not_utf8(file: Path, fmt: str, data: bytes, at: int, *, start: int, line: int) -> SourceError:
+    """The error for the byte `data[at]`, where `data` begins at byte `start`, line `line`."""
+    line += data.count(b"\n", 0, at)
+    return SourceError(
+        f"{file}, line {line} (byte {start + at}): byte "
+        f"0x{data[at]:02x} is not UTF-8 text; a {fmt.upper()} source must be UTF-8: save "
+        f"the file as UTF-8, or check it is the data file meant (not a binary file)"
+    )
+
+
+def _check_csv_rows(file: Path) -> list[str]:
+    """The first CSV row whose number of values differs from the header's, by row and line
+    (empty lines are skipped, as Arrow skips them); returns the header."""
+    import csv
+
+    with open(file, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header, row = next(reader, []), 0
+        while True:
+            line = reader.line_num + 1  # a quoted value may span lines: the row's first
+            try:
+                values = next(reader, None)
+            except csv.Error as e:
+                raise SourceError(f"{file}, line {line}: not readable as CSV: {e}") from None
+            if values is None:
+                return header
+            if values and len(values) != len(header):
+                raise SourceError(
+                    f"{file}, row {row + 1} (line {line}): {len(values)} values, but the "
+                    f"header (line 1) names {len(header)} columns; every row needs one "
+                    f"value per column"
+                )
+            row += bool(values)
+
+
+def _check_text_column(table: pa.Table, *, file: Path) -> None:
+    """A `text` column must hold strings (JSON numbers or Parquet bytes are not text)."""
+    t = table.schema.field(TEXT).type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
+        raise SourceError(
+            f"{file}, column `{TEXT}`: typed {t}; `{TEXT}` must hold text in every row"
+        )
 
 
 def task_kind(names: list[str], *, where: object) -> str:

@@ -2,9 +2,9 @@
 
 Both writers (`data/shard_writer.py`, pyarrow; `data/spark.py`, Spark) end with
 `write_manifest` from here, and the reader (`data/shards.py`) and the pre-launch checks
-(`data/preflight.py`) start with `read_manifest` or `infer_manifest`, so the format is
-defined in this one module. Nothing here decodes rows: everything reads footers, schemas
-and the manifest, and (verify=True) hashes bytes.
+(`data/preflight.py`) start with `open_split`, `read_manifest` or `infer_manifest`, so the
+format is defined in this one module. Nothing here decodes rows: everything reads footers,
+schemas and the manifest, and (verify=True) hashes bytes.
 
 Layout on disk
 --------------
@@ -12,12 +12,12 @@ Layout on disk
     OUT_DIR/eval/ part-00000.parquet ... manifest.json
 
 Each split is a directory of Parquet files (the shards) and a `manifest.json` that lists
-them in order with their row counts, sizes, SHA-256 and row groups, plus the task
-(`TaskSpec`) and the Arrow schema. The manifest is written last, atomically (temp file +
-rename), so a directory with a manifest is a complete one. It also records, for people and
-for `scaletrain shard`'s summary, which source columns the rows came from and how many rows
-each class has (classification) or the target's min, mean and max (regression); the reader
-ignores those.
+them in order with their row counts, sizes, SHA-256 (of the file and of its footer) and row
+groups, plus the task (`TaskSpec`) and the Arrow schema. The manifest is written last,
+atomically (temp file + rename), so a directory with a manifest is a complete one. It also
+records, for people and for `scaletrain shard`'s summary, which source columns the rows came
+from and how many rows each class has (classification) or the target's min, mean and max
+(regression); the reader ignores those.
 
 Schema: classification -> `inputs: list<float32>` (the example flattened; the manifest
 holds its shape) and `targets: int64`; regression -> `inputs: list<float32>` and
@@ -27,13 +27,17 @@ because that is what Apache Spark writes for `array<float>`; Arrow reads either 
 lists back as `list<element: float>`, and the manifest stores the schema as read back from
 the files.
 
-Integrity is checked on open, never assumed (`open_shard`): every listed shard must exist,
-open as Parquet, have the manifest's schema, row count, row groups and size, and
-(verify=True) its SHA-256. Any failure raises `ShardError` naming the file and the problem.
-A directory without a manifest (Spark's `part-*.parquet`, `_SUCCESS`, `.crc`) is described
-by `infer_manifest`: parts in name order, task inferred from the schema (`tokens`: text;
-`target`, or float `targets`: regression; `label`, or integer `targets`: classification), no
-checksums, but footers and schemas are still checked.
+Integrity is checked on open, never assumed (`open_split`, `open_shard`): every listed
+shard must exist, open as Parquet, have the manifest's schema, row count, row groups and
+size, the SHA-256 of its footer, and (verify=True) the SHA-256 of all its bytes. Any failure
+raises `ShardError` naming the file's path, the problem and the fix. All but the last read
+the footer alone, so the launcher runs them on every shard before any worker starts
+(`data/preflight.py`); a flip inside a data page leaves the footer intact, and only the
+full hash, in the workers, sees it. A directory without a manifest (Spark's
+`part-*.parquet`, `_SUCCESS`, `.crc`) is described by `infer_manifest`: parts in name
+order, task inferred from the schema (`tokens`: text; `target`, or float `targets`:
+regression; `label`, or integer `targets`: classification), no checksums, but footers and
+schemas are still checked.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class ShardInfo:
     bytes: int
     sha256: str | None  # None only for directories read without a manifest
     row_groups: tuple[int, ...]  # rows per row group
+    # Of the footer alone (`footer_sha256`): cheap enough to check at every launch. None for
+    # directories without a manifest and manifests written before it was recorded.
+    footer_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,12 @@ class Manifest:
         )
         shards = tuple(
             ShardInfo(
-                s["file"], int(s["rows"]), int(s["bytes"]), s["sha256"], tuple(s["row_groups"])
+                s["file"],
+                int(s["rows"]),
+                int(s["bytes"]),
+                s["sha256"],
+                tuple(s["row_groups"]),
+                s.get("footer_sha256"),  # absent from manifests written before it existed
             )
             for s in data["shards"]
         )
@@ -186,10 +198,28 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def footer_sha256(path: Path) -> str:
+    """SHA-256 of a Parquet file's footer: its metadata, their 4-byte length and the closing
+    magic, i.e. the last length + 8 bytes (the whole file when that length is damaged)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 8))
+        length = int.from_bytes(f.read(4), "little")
+        f.seek(max(0, size - 8 - length))
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def describe_shard(path: Path) -> ShardInfo:
-    """Measure one written shard: rows and row groups from its footer, size, SHA-256."""
+    """Measure one written shard: rows and row groups from its footer, size, SHA-256s."""
     md = pq.read_metadata(path)
-    return ShardInfo(path.name, md.num_rows, path.stat().st_size, sha256_file(path), row_groups(md))
+    return ShardInfo(
+        path.name,
+        md.num_rows,
+        path.stat().st_size,
+        sha256_file(path),
+        row_groups(md),
+        footer_sha256(path),
+    )
 
 
 def row_groups(md: pq.FileMetaData) -> tuple[int, ...]:
@@ -402,35 +432,102 @@ def _kind_columns(
     return inputs, targets
 
 
+REWRITE = "write the shards again (`scaletrain shard`, or the Spark job) or restore the file"
+
+
+def open_split(split_dir: Path, *, verify: bool) -> tuple[Manifest, list[pq.FileMetaData]]:
+    """A split directory's manifest and the footers of its shards, each checked against it
+    (`open_shard`); a part file the manifest does not list is refused too.
+
+    Args:
+        split_dir: a directory holding manifest.json.
+        verify: also compare each shard's SHA-256 with the manifest's (reads every byte).
+    """
+    manifest = read_manifest(split_dir)
+    metadata = [open_shard(split_dir, s, manifest.schema, verify=verify) for s in manifest.shards]
+    listed = {s.file for s in manifest.shards}
+    for p in part_files(split_dir):
+        if p.name not in listed:
+            raise ShardError(
+                f"shard {p}: in {split_dir} but not in its manifest; remove it, or "
+                f"write the shards again"
+            )
+    return manifest, metadata
+
+
 def open_shard(
     split_dir: Path, info: ShardInfo, schema: tuple[tuple[str, str], ...], *, verify: bool
 ) -> pq.FileMetaData:
-    """Check one listed shard against the manifest; return its footer. Raises ShardError."""
-    path = split_dir / info.file
-    where = f"shard {info.file}"
-    if not path.is_file():
-        raise ShardError(f"{where}: missing (listed in {split_dir / MANIFEST})")
-    size = path.stat().st_size
+    """Check one listed shard against the manifest; return its footer.
+
+    Without `verify` this reads the footer alone: it exists, parses, has the manifest's
+    schema, rows, row groups and size, and (where recorded) the footer's SHA-256. A flip
+    inside a data page passes that; `verify` hashes every byte to catch it.
+
+    Raises:
+        ShardError: naming the shard's path, the problem and the fix.
+    """
+    path = Path(split_dir) / info.file
     try:
-        md = pq.read_metadata(path)
-    except (OSError, pa.ArrowException) as e:
-        raise ShardError(
-            f"{where}: not a readable Parquet file, truncated or corrupt ({size} "
-            f"bytes, manifest says {info.bytes}): {e}"
-        ) from e
-    if (got := schema_pairs(md.schema.to_arrow_schema())) != schema:
-        raise ShardError(f"{where}: schema {_fmt(got)} differs from the manifest's {_fmt(schema)}")
+        return _check_shard(path, info, schema, verify=verify)
+    except ShardError as e:
+        raise ShardError(f"shard {path}: {e}; {REWRITE}") from e.__cause__
+
+
+def _check_shard(
+    path: Path, info: ShardInfo, schema: tuple[tuple[str, str], ...], *, verify: bool
+) -> pq.FileMetaData:
+    if not path.is_file():
+        raise ShardError(f"missing (listed in {path.parent / MANIFEST})")
+    md, got = read_footer(path, expected_bytes=info.bytes)
+    if got != schema:
+        raise ShardError(f"schema {_fmt(got)} differs from the manifest's {_fmt(schema)}")
     if md.num_rows != info.rows:
-        raise ShardError(f"{where}: {md.num_rows} rows in the file, manifest says {info.rows}")
+        raise ShardError(f"{md.num_rows} rows in the file, manifest says {info.rows}")
     if (groups := row_groups(md)) != info.row_groups:
         raise ShardError(
-            f"{where}: row groups of {list(groups)} rows, manifest says {list(info.row_groups)}"
+            f"row groups of {list(groups)} rows, manifest says {list(info.row_groups)}"
         )
-    if size != info.bytes:
-        raise ShardError(f"{where}: {size} bytes, manifest says {info.bytes}")
+    if (size := path.stat().st_size) != info.bytes:
+        raise ShardError(
+            f"{size} bytes, manifest says {info.bytes}: truncated, extended or replaced "
+            f"since it was written"
+        )
+    # A flipped byte in the footer may still parse (a name, a statistic, Arrow's schema):
+    # its checksum is one small read more.
+    if info.footer_sha256 and (digest := footer_sha256(path)) != info.footer_sha256:
+        raise ShardError(
+            f"its footer (Parquet's metadata) differs from the one written (sha256 "
+            f"{digest[:16]}..., manifest says {info.footer_sha256[:16]}...): the file was "
+            f"damaged after it was written"
+        )
     if verify and (digest := sha256_file(path)) != info.sha256:
-        raise ShardError(f"{where}: sha256 mismatch (manifest {info.sha256}, file {digest})")
+        raise ShardError(
+            f"its bytes differ from those written (sha256 {digest[:16]}..., manifest says "
+            f"{str(info.sha256)[:16]}...): the file was damaged after it was written"
+        )
     return md
+
+
+def read_footer(
+    path: Path, *, expected_bytes: int | None = None
+) -> tuple[pq.FileMetaData, tuple[tuple[str, str], ...]]:
+    """A Parquet file's footer and its schema as the manifest stores it.
+
+    Raises:
+        ShardError: the footer does not parse (the message has no path: callers add it).
+    """
+    try:
+        md = pq.read_metadata(path)
+        return md, schema_pairs(md.schema.to_arrow_schema())
+    # A damaged footer fails in the Thrift decoder, in Arrow's schema or in a column name's
+    # UTF-8, each with its own exception.
+    except (OSError, pa.ArrowException, UnicodeDecodeError) as e:
+        said = "" if expected_bytes is None else f", manifest says {expected_bytes}"
+        raise ShardError(
+            f"not a readable Parquet file, truncated or corrupt "
+            f"({path.stat().st_size} bytes{said}): {str(e).rstrip('.')}"
+        ) from e
 
 
 def _fmt(schema: tuple[tuple[str, str], ...]) -> str:
@@ -451,7 +548,7 @@ def infer_manifest(split_dir: Path) -> tuple[Manifest, list[pq.FileMetaData]]:
     Args:
         split_dir: a directory of `part-*.parquet`.
     """
-    files, metadata, schema = _read_footers(split_dir)
+    files, metadata, schema = read_footers(split_dir)
     kind, shape, columns = _infer_layout(split_dir, files, metadata, schema)
     if kind == "lm":
         task = TaskSpec("lm", shape, 256)
@@ -478,29 +575,28 @@ def infer_task(split_dir: Path) -> tuple[str, tuple[int, ...]]:
     refused); else `targets` (the writers' name) -> "regression" when it is floating point,
     "classification" when not. The shape follows `example_shape`.
     """
-    files, metadata, schema = _read_footers(split_dir)
+    files, metadata, schema = read_footers(split_dir)
     kind, shape, _ = _infer_layout(split_dir, files, metadata, schema)
     return kind, shape
 
 
-def _read_footers(
+def read_footers(
     split_dir: Path,
 ) -> tuple[list[Path], list[pq.FileMetaData], tuple[tuple[str, str], ...]]:
-    """The part files, their footers and their one schema (a mix is refused)."""
+    """The part files of a directory without a manifest, their footers and their one schema
+    (a mix is refused): all that can be checked of it without reading rows."""
     files = part_files(split_dir)
     if not files:
         raise ShardError(f"{split_dir}: no {MANIFEST} and no part-*.parquet files")
     metadata, schema = [], None
     for f in files:
         try:
-            md = pq.read_metadata(f)
-        except (OSError, pa.ArrowException) as e:
-            raise ShardError(f"shard {f.name}: not a readable Parquet file: {e}") from e
-        pairs = schema_pairs(md.schema.to_arrow_schema())
+            md, pairs = read_footer(f)
+        except ShardError as e:
+            raise ShardError(f"shard {f}: {e}; {REWRITE}") from e.__cause__
         if schema is not None and pairs != schema:
             raise ShardError(
-                f"shard {f.name}: schema {_fmt(pairs)} differs from "
-                f"{files[0].name}'s {_fmt(schema)}"
+                f"shard {f}: schema {_fmt(pairs)} differs from {files[0].name}'s {_fmt(schema)}"
             )
         schema = pairs
         metadata.append(md)

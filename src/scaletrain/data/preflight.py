@@ -2,11 +2,14 @@
 
 `check_data` is called by the command line after the config is validated and before the
 launcher spawns a process, so that a wrong `data.path`, a model that does not fit the
-data, or a `data.seq_len` the text shards were not written at is one message and exit
-status 2, not a traceback from every rank a minute later. It reads metadata only: the
-manifests, or for a directory without one (plain Spark output) the Parquet footers and
-the first row of one file. Reading labels, checksums and the other rows is left to
-`ShardedDataset` on open, where the integrity checks live.
+data, a `data.seq_len` the text shards were not written at, or a truncated or damaged
+shard is one message and exit status 2, not an error from every rank a minute later. It
+reads metadata only: the manifests, every shard's footer (checked against the manifest's
+sizes, rows and footer checksums by `open_split`), and for a directory without a manifest
+(plain Spark output) the first row of one file. That is one small read per shard. Hashing
+every byte would read the whole dataset at each launch and each `scaletrain explain`, so
+the full SHA-256, which alone sees a flip inside a data page, is left to `ShardedDataset`
+in the workers, as are labels and the other rows.
 
 It takes explicit arguments, not the `Config`, so that `data/` does not import the
 config; each message names the config key, the value and what is allowed, like a
@@ -16,10 +19,19 @@ same way.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from scaletrain.data.holdout import EVAL_EVERY
-from scaletrain.data.manifest import MANIFEST, ShardError, find_split_dir, infer_task, read_manifest
+from scaletrain.data.manifest import (
+    MANIFEST,
+    ShardError,
+    find_split_dir,
+    infer_task,
+    open_split,
+    read_footers,
+    read_manifest,
+)
 from scaletrain.data.sources import SPLITS, TASK_KINDS
 from scaletrain.errors import UserError
 
@@ -64,7 +76,8 @@ def check_data(*, source: str, path: str, seq_len: int, model_name: str) -> str 
 
     Raises:
         DataCheckError: the path is missing, a file, or holds no shards, a split is missing, the
-            model does not fit the data's task, or seq_len differs from the shards'.
+            model does not fit the data's task, seq_len differs from the shards', or a shard
+            is missing, truncated or has a damaged footer.
     """
     if source != "shards":
         return None
@@ -99,6 +112,7 @@ def check_data(*, source: str, path: str, seq_len: int, model_name: str) -> str 
             f"set data.seq_len={written}, or write the shards again with "
             f"`scaletrain shard SOURCE OUT_DIR --seq-len {seq_len}`"
         )
+    _check_files(dirs.values(), path=path)
     if not (dirs["train"] / MANIFEST).exists():
         return (
             f"data.path = {path!r} has no scaletrain manifest: eval is 1 row in "
@@ -118,6 +132,18 @@ def _describe(split_dir: Path, *, path: str) -> tuple[str, tuple[int, ...]]:
         return infer_task(split_dir)
     except ShardError as e:
         raise DataCheckError(f"data.path = {path!r}: {e}") from None
+
+
+def _check_files(split_dirs: Iterable[Path], *, path: str) -> None:
+    """Every shard's footer, and with a manifest its size, rows and footer checksum."""
+    for split_dir in dict.fromkeys(split_dirs):  # one directory may serve both splits
+        try:
+            if (split_dir / MANIFEST).exists():
+                open_split(split_dir, verify=False)
+            else:
+                read_footers(split_dir)
+        except ShardError as e:
+            raise DataCheckError(f"data.path = {path!r}: {e}") from None
 
 
 def _kinds_words(kinds: list[str]) -> str:

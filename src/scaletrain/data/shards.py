@@ -56,6 +56,7 @@ from scaletrain.data.manifest import (  # only re-exported, for `from ...shards 
     image_shape,
     infer_manifest,
     open_shard,
+    open_split,
     part_files,
     read_manifest,
     schema_pairs,
@@ -80,6 +81,7 @@ __all__ = [
     "list_rows",
     "load_dataset",
     "open_shard",
+    "open_split",
     "part_files",
     "read_manifest",
     "schema_pairs",
@@ -150,12 +152,7 @@ class ShardedDataset:
                 f"{cache_row_groups}, {prefetch}"
             )
         if (self.path / MANIFEST).exists():
-            self.manifest = read_manifest(self.path)
-            self._metadata = [
-                open_shard(self.path, s, self.manifest.schema, verify=verify)
-                for s in self.manifest.shards
-            ]
-            self._check_unlisted()
+            self.manifest, self._metadata = open_split(self.path, verify=verify)
         else:
             self.manifest, self._metadata = infer_manifest(self.path)
         self.spec = self.manifest.task
@@ -168,12 +165,6 @@ class ShardedDataset:
         self._pool: ThreadPoolExecutor | None = None
         self._warned, self._served = False, 0  # rows returned by get, for the warning
         self.stats = ReadStats()
-
-    def _check_unlisted(self) -> None:
-        listed = {s.file for s in self.manifest.shards}
-        for p in part_files(self.path):
-            if p.name not in listed:
-                raise ShardError(f"shard {p.name}: in {self.path} but not in its manifest")
 
     def _index_row_groups(self) -> None:
         """Global row group g covers rows [starts[g], starts[g] + rows): flat lookup tables."""
@@ -332,13 +323,14 @@ class ShardedDataset:
     def _read(self, g: int) -> tuple[torch.Tensor, ...]:
         """Read and decode one row group (thread-safe: each call opens its own reader)."""
         s, r = self._rg_shard[g], self._rg_index[g]
-        info = self.manifest.shards[s]
+        path = self.path / self.manifest.shards[s].file
+        where = f"shard {path} row group {r}"
         try:
-            pf = pq.ParquetFile(self.path / info.file, metadata=self._metadata[s])
+            pf = pq.ParquetFile(path, metadata=self._metadata[s])
             table = pf.read_row_group(r, columns=list(self._columns), use_threads=False)
         except (OSError, pa.ArrowException) as e:
-            raise ShardError(f"shard {info.file} row group {r}: unreadable: {e}") from e
-        tensors = decode(table, self._columns, self.spec, where=f"shard {info.file} row group {r}")
+            raise ShardError(f"{where}: unreadable: {e}") from e
+        tensors = decode(table, self._columns, self.spec, where=where)
         with self._lock:
             self.stats.row_groups_read += 1
             self.stats.bytes_read += self._rg_bytes[g]
