@@ -459,6 +459,22 @@ CASES = [
         "is a file",
         files={"afile": "x\n"},
     ),
+    # --- resume
+    case(
+        "resume-missing-run-dir",
+        "train {cfg} --run-dir {tmp}/nowhere --resume",
+        "--resume: run directory",
+        "nowhere",
+        "does not exist",
+        absent=("no valid checkpoint",),
+    ),
+    case(
+        "resume-run-dir-is-a-file",
+        "train {cfg} --run-dir {tmp}/afile --resume",
+        "afile",
+        "is not a directory",
+        files={"afile": "x\n"},
+    ),
     # --- export
     case(
         "export-run-without-checkpoints",
@@ -754,3 +770,10 @@ def test_nproc_help_names_the_default_it_uses() -> None:
     nproc = next(a for a in sub.choices["train"]._actions if a.dest == "nproc")
     assert "parallel.dp / nodes" not in nproc.help
     assert "product of the [parallel] degrees" in nproc.help, nproc.help
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from scaletrain import __version__
+
+    assert cli_main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"scaletrain {__version__}"

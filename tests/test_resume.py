@@ -264,6 +264,8 @@ def test_export_writes_the_checkpoint_weights(
     )["run"].run_dir
     out = tmp_path / "exported.safetensors"
     assert cli_main(["export", str(run_dir), str(out)]) == 0, capsys.readouterr().err
+    newest = list_checkpoints(run_dir / "checkpoints")[-1]
+    assert f"the model weights of {newest.name}" in capsys.readouterr().out  # which one
     exported, final = load_file(str(out)), load_weights(run_dir)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)

@@ -32,6 +32,7 @@ from scaletrain.launch import (
 )
 from scaletrain.launch_output import describe_interrupt
 from scaletrain.plan import resolve
+from scaletrain.version import __version__
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -44,6 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="scaletrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"scaletrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser("train", help="train from a config (launches the workers)")
@@ -731,7 +733,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     except CheckpointError as e:  # a damaged or incomplete checkpoint: the user's input
         raise ConfigError(str(e)) from e
     honour_umask(out)  # safetensors writes 0600
-    print(f"scaletrain: wrote {out}")
+    print(f"scaletrain: wrote {out}: the model weights of {checkpoint.name} ({checkpoint})")
     return 0
 
 

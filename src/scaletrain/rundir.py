@@ -171,6 +171,12 @@ def check_resumable(
 
     if run_dir is None:
         raise ConfigError("--resume needs --run-dir, the run to continue")
+    if not run_dir.is_dir():
+        raise ConfigError(
+            f"--resume: run directory {str(run_dir)!r} does not exist"
+            if not run_dir.exists()
+            else f"--resume: {str(run_dir)!r} is not a directory"
+        )
     damaged: list[str] = []
     # Sizes only: the workers hash every byte before they load; this is the same choice of
     # checkpoint unless a file was corrupted in place.
