@@ -382,7 +382,11 @@ def test_decode_proc_net_addresses() -> None:
     assert decode_address("00000000000000000000000001000000") == "::1"
 
 
-ROLE_LINE = re.compile(r"^# scaletrain ps (server|worker) (\d+): rank (\d+), pid (\d+)$", re.M)
+ROLE_LINE = re.compile(
+    r"^# scaletrain worker: rank \d+ is ps (?P<role>server|worker) (?P<index>\d+), "
+    r"pid (?P<pid>\d+)$",
+    re.M,
+)
 
 
 def _other_interface() -> tuple[str, str] | None:
@@ -443,9 +447,9 @@ def test_ps_interface_other_than_lo_holds_the_servers_gloo_group_too(tmp_path: P
         while time.monotonic() < deadline and not any(zygote.exited(r) for r in ranks):
             for log in sorted(tmp_path.glob("rank-*.err")):
                 for m in ROLE_LINE.finditer(log.read_text()):
-                    children.add(int(m[4]))
-                    if m[1] == "server":
-                        servers[int(m[4])] = int(m[2])
+                    children.add(int(m["pid"]))
+                    if m["role"] == "server":
+                        servers[int(m["pid"])] = int(m["index"])
             if len(servers) == 2 and (run_dir / "metrics.jsonl").exists() and records(run_dir):
                 break  # both servers up, their group formed, gradients applied
             time.sleep(0.5)

@@ -113,7 +113,7 @@ def _log(run_dir: Path, rank: int) -> str:
 
 def _role_pid(launcher: subprocess.Popen, run_dir: Path, role: str, index: int, rank: int) -> int:
     """The pid of the role child, from the line it prints first to its rank's log."""
-    line = re.compile(rf"^# scaletrain ps {role} {index}: rank {rank}, pid (\d+)$", re.M)
+    line = re.compile(rf"^# scaletrain worker: rank {rank} is ps {role} {index}, pid (\d+)$", re.M)
     return int(
         _wait(
             launcher,

@@ -120,7 +120,9 @@ def _ps(
     extra: list[str],
     precision: str = "fp64",
     cwd: Path | None = None,
+    frozen_bytes: int = 0,
 ) -> Path:
+    """A parameter-server run; `frozen_bytes`: the model's parameters no server holds."""
     run_dir = runs(
         [
             "parallel.strategy=ps",
@@ -139,16 +141,16 @@ def _ps(
     assert summary["workers_alive"] == workers and summary["dead_workers"] == {}
     stderr = (run_dir / "stderr.txt").read_text()
     # Each server holds its partition, not the model (issue 19): the bytes it reports add
-    # up to the model's, and with 2 servers each is a part of them.
+    # up to the model's trainable ones, and with 2 servers each is a part of them.
     held = {int(k): n for k, n in summary["param_bytes_by_server"].items()}
     assert sorted(held) == list(range(servers))
-    assert sum(held.values()) == summary["model_param_bytes"]
+    assert sum(held.values()) == summary["model_param_bytes"] - frozen_bytes
     assert all(0 < n < summary["model_param_bytes"] for n in held.values()) or servers == 1
     for k in range(servers):
-        assert f"# scaletrain ps server {k}: rank {k}," in stderr
+        assert f"# scaletrain worker: rank {k} is ps server {k}," in stderr
         assert f"scaletrain: server {k} holds " in stderr
     for w in range(workers):
-        assert f"# scaletrain ps worker {w}: rank {servers + w}," in stderr
+        assert f"# scaletrain worker: rank {servers + w} is ps worker {w}," in stderr
     return run_dir
 
 
@@ -257,4 +259,67 @@ def test_ps_weights_keep_buffers_and_tied_weights_as_a_collective_run(
     )
     assert sorted(weights) == sorted(ref)
     assert max_abs_diff(weights, ref) < TOL
+    assert losses(got) == pytest.approx(losses(reference), abs=TOL, rel=TOL)
+
+
+FROZEN = {
+    "frozenpkg/__init__.py": "",
+    "frozenpkg/nets.py": """
+        import math
+
+        import torch
+        from torch import nn
+
+
+        class Frozen(nn.Module):
+            \"\"\"(x * mix + shift) -> hidden -> head; `mix` a frozen parameter and `shift` a
+            buffer, both random: drawn from the global RNG in __init__, never trained.\"\"\"
+
+            def __init__(self, features, classes):
+                super().__init__()
+                self.mix = nn.Parameter(torch.randn(features), requires_grad=False)
+                self.register_buffer("shift", torch.randn(features))
+                self.hidden = nn.Linear(features, 16)
+                self.head = nn.Linear(16, classes)
+
+            def forward(self, x):
+                return self.head(torch.tanh(self.hidden(x.flatten(1) * self.mix + self.shift)))
+
+
+        def build(task):
+            return Frozen(math.prod(task.input_shape), task.num_classes)
+    """,
+}
+
+
+@pytest.mark.slow
+def test_ps_weights_keep_the_workers_frozen_parameters_and_random_buffers(
+    runs, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The servers hold the trainable parameters only: the saved model's frozen parameter
+    and buffer must be the ones the workers trained with, not a later draw of the global
+    RNG. Async with one worker is plain SGD on the whole batch: every tensor equals one
+    process's."""
+    user = tmp_path_factory.mktemp("frozen")
+    for name, body in FROZEN.items():
+        (user / name).parent.mkdir(parents=True, exist_ok=True)
+        (user / name).write_text(textwrap.dedent(body))
+    model = ["model.name=frozenpkg.nets:build"]
+    reference = _ddp(runs, workers=1, micro=32, extra=[*SGD, *model], cwd=user)
+    got = _ps(
+        runs,
+        mode="async",
+        servers=2,
+        workers=1,
+        micro=32,
+        extra=[*SGD, *model],
+        cwd=user,
+        frozen_bytes=64 * 8,  # `mix`: digits' 64 features in float64
+    )
+
+    ref, weights = load_weights(reference), load_weights(got)
+    assert sorted(weights) == sorted(ref) and {"mix", "shift"} <= set(weights)
+    for name in ("mix", "shift"):  # what the workers hold, never sent to a server
+        assert torch.equal(weights[name], ref[name]), f"{name} is not the workers' {name}"
+    assert max_abs_diff(weights, ref) < TOL  # the trained ones: the servers' values
     assert losses(got) == pytest.approx(losses(reference), abs=TOL, rel=TOL)

@@ -5,9 +5,10 @@ evaluations on a background thread, the staleness and delay histograms of summar
 gradient applied) and only adds numbers; records go through a queue to a writer thread,
 which also asks the other servers for their versions (their updates/s) and runs the
 mid-run evaluations, off the lock and off the RPC threads, so no worker waits for either.
-A record that raises (an evaluation's error, in the model's or the user's code) does not
-end the writer: it says so at once, writes every later record, and `close` raises the
-first error, so that the run still fails with its traceback.
+Evaluations are also said on the console, as a collective run says them. A record that
+raises (an evaluation's error, in the model's or the user's code) does not end the writer:
+it says so at once, writes every later record, and `close` raises the first error, so that
+the run still fails with its traceback.
 """
 
 from __future__ import annotations
@@ -121,8 +122,12 @@ class ServerMetrics:
     def _write_one(self, item: tuple, last_versions: dict[int, tuple[int, float]]) -> None:
         """Write one queued record: an evaluation, or a window of train steps."""
         if item[0] == "eval":  # of the weights as they are now (at or after the step)
-            record = {"step": item[1], **self.evaluate(), "time_s": item[2] - self.started}
-            self.logger.log_eval(record)
+            said = self.evaluate()
+            self.logger.log_eval({"step": item[1], **said, "time_s": item[2] - self.started})
+            self.logger.message(  # as a collective run says it (training/trainer.py)
+                f"scaletrain: eval at step {item[1]}: "
+                + ", ".join(f"{k} {v:.4g}" for k, v in said.items())
+            )
             return
         _, step, w, lr, version, rates, alive, ended = item
         elapsed = ended - w.started

@@ -35,7 +35,9 @@ import json
 import os
 import sys
 import time
+import traceback
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -45,14 +47,24 @@ import torch.distributed.rpc as rpc
 
 from scaletrain.allocator import configure_allocator
 from scaletrain.config import Config, ConfigError, config_to_toml
+from scaletrain.data.loader import Dataset
+from scaletrain.loss import LossFn
 from scaletrain.memory import global_bytes
 from scaletrain.plan import Derived, resolve
+from scaletrain.precision import Precision
 from scaletrain.ps import server as ps_server
 from scaletrain.ps.metrics import ServerMetrics, ServerProgress
 from scaletrain.ps.partition import model_partition
 from scaletrain.ps.server import ParameterServer, Update
-from scaletrain.ps.supervisor import EXIT_REFUSED, EXIT_SERVER_LOST, FINISHED_MARKER
+from scaletrain.ps.supervisor import (
+    EXIT_REFUSED,
+    EXIT_SERVER_LOST,
+    EXIT_THREAD_FAILED,
+    FINISHED_MARKER,
+)
+from scaletrain.ps.threads import ThreadFailed
 from scaletrain.ps.worker import ServerLost, run_worker, server_name, worker_name
+from scaletrain.training.progress import Startup
 
 
 class AllWorkersDead(RuntimeError):
@@ -73,11 +85,13 @@ def run_role(config: Config, run_dir: Path) -> int:
     role, index = derived.ps.role(penv.rank)
     set_threads(derived.threads)
     configure_allocator(config.train.allocator, device_type="cpu")
+    # Where tests and operators find the process to signal: in the rank's log, under the
+    # prefix of the log's header, which the console leaves out (launch_output.py).
     print(
-        f"# scaletrain ps {role} {index}: rank {penv.rank}, pid {os.getpid()}",
+        f"# scaletrain worker: rank {penv.rank} is ps {role} {index}, pid {os.getpid()}",
         file=sys.stderr,
         flush=True,
-    )  # tests and operators find the process to signal here
+    )
     code = 0
     store = _init_rpc(config, penv.rank, penv.world_size, role=role, index=index)
     try:
@@ -95,10 +109,35 @@ def run_role(config: Config, run_dir: Path) -> int:
     except (CheckpointError, AllWorkersDead) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
         code = 1
+    except ThreadFailed as e:  # the traceback to the log, one paragraph naming the thread
+        _log_traceback(e)
+        who = f"parameter server {index}" if role == "server" else f"worker {index}"
+        print(f"scaletrain: error: {_thread_failure(e, who, run_dir)}", file=sys.stderr, flush=True)
+        code = EXIT_THREAD_FAILED
     finally:
         # graceful=True waits for every peer, and hangs on a dead one (shared/PLATFORM-NOTES.md).
         rpc.shutdown(graceful=False)
     return code
+
+
+def _thread_failure(e: ThreadFailed, who: str, run_dir: Path) -> str:
+    """The paragraph for a background thread that raised: a bug of ours, unless it was the
+    sync applier's collective (a peer server gone, whose own failure the launcher names)."""
+    from scaletrain.runtime import is_collective_error
+
+    why = "a collective failed" if is_collective_error(e.__cause__) else "a bug in scaletrain"
+    return (
+        f"{who}: {e} ({why}: its traceback is in this rank's log); the run ends. The run's "
+        f"checkpoints survive: continue with scaletrain train ... --run-dir {run_dir} --resume"
+    )
+
+
+def _log_traceback(e: BaseException) -> None:
+    """The exception's traceback into the rank's log in one write: a line another thread
+    writes meanwhile (a C++ log record) cannot land inside it, where the console's filter
+    would take it for the traceback's end and show the rest."""
+    sys.stderr.write("".join(traceback.format_exception(e)))
+    sys.stderr.flush()
 
 
 def _init_rpc(config: Config, rank: int, world: int, *, role: str, index: int):
@@ -191,44 +230,86 @@ def _init_server_group(config: Config, store, index: int, *, servers: int) -> No
     )
 
 
+def _fresh_net(
+    config: Config, dataset: Dataset, precision: Precision, *, meta: bool = False
+) -> torch.nn.Module:
+    """The model as every role builds it, train.seed set just before: a model that cannot
+    be built on meta draws its initial values from the global RNG (a user model's frozen
+    parameters and random buffers included, which no server holds), so a worker, a server
+    and server 0's gathered model get the same ones whatever each did with the RNG first."""
+    from scaletrain.runtime import seed_everything
+    from scaletrain.training.assemble import build_net
+
+    seed_everything(config.train.seed)
+    return precision.convert_module(build_net(config, dataset, meta=meta))
+
+
 def _build_model(config: Config, derived: Derived):
     """Model, precision, train set: identical on every rank (same seed)."""
     from scaletrain.precision import make_precision
     from scaletrain.runtime import seed_everything
-    from scaletrain.training.assemble import build_data, build_loss, build_net
+    from scaletrain.training.assemble import build_data, build_loss
 
-    seed_everything(config.train.seed)
+    seed_everything(config.train.seed)  # a user's data may draw from the global RNG
     train_ds = build_data(config, split="train")
     precision = make_precision(config.precision.mode, device_type="cpu")
-    model = precision.convert_module(build_net(config, train_ds))
+    model = _fresh_net(config, train_ds, precision)
     return model, precision, train_ds, build_loss(config, train_ds)
 
 
-def _server_part(config: Config, derived: Derived, *, index: int):
-    """What server `index` holds: the held-out set (for its task, and server 0's evals),
-    precision, loss, its partition's parameters (their initial values, the workers'), and
-    the model's parameter bytes. The model is built on the meta device and only the
+@dataclass(frozen=True)
+class ServerPart:
+    """What one server holds."""
+
+    eval_ds: Dataset  # the held-out set: its task, and server 0's evaluations
+    precision: Precision
+    loss_fn: LossFn
+    params: dict[str, torch.nn.Parameter]  # its partition, at the workers' initial values
+
+
+def _server_part(config: Config, derived: Derived, *, index: int, startup: Startup) -> ServerPart:
+    """What server `index` holds. The model is built on the meta device and only the
     partition is drawn (models/init.py's module rule, the values the workers' whole
     builds get); a model that cannot be built on meta is built whole and all but the
     partition dropped. No server reads the training set."""
     from scaletrain.models.init import init_plan, initial_values, is_meta
     from scaletrain.precision import make_precision
-    from scaletrain.runtime import seed_everything
-    from scaletrain.training.assemble import build_loss, build_net
+    from scaletrain.training.assemble import build_loss
 
-    seed_everything(config.train.seed)  # a model built whole draws from the global RNG
     eval_ds = _eval_data(config)
+    startup.say(
+        f"data: {len(eval_ds)} evaluation examples on server 0, the training set on the "
+        f"workers (data.source = {config.data.source!r})"
+    )
     precision = make_precision(config.precision.mode, device_type="cpu")
-    model = precision.convert_module(build_net(config, eval_ds, meta=True))
+    model = _fresh_net(config, eval_ds, precision, meta=True)
     names = model_partition(model, servers=derived.ps.servers)[index]
-    model_bytes = global_bytes(model.parameters())
     if is_meta(model):
         values = initial_values(model, names, plan=init_plan(model), seed=config.train.seed)
         params = {n: torch.nn.Parameter(v) for n, v in values.items()}
     else:
         whole = dict(model.named_parameters())
         params = {n: whole[n] for n in names}
-    return eval_ds, precision, build_loss(config, eval_ds), params, model_bytes
+    shape, mode = derived.ps, config.ps.mode
+    startup.say(
+        f"model: {sum(p.numel() for p in model.parameters()):,} parameters (model.name = "
+        f"{config.model.name!r}, {'built on meta' if is_meta(model) else 'built whole'}), "
+        f"layout {shape.servers} parameter server(s) + {shape.workers} worker(s), "
+        f"ps.mode = {mode!r}"
+    )
+    model_bytes = global_bytes(model.parameters())
+    print(  # every server's, in its log (before server 0's progress bar starts)
+        f"scaletrain: server {index} holds {len(params)} parameter tensor(s), "
+        f"{_mib(global_bytes(params.values()))} of the model's {_mib(model_bytes)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return ServerPart(
+        eval_ds=eval_ds,
+        precision=precision,
+        loss_fn=build_loss(config, eval_ds),
+        params=params,
+    )
 
 
 def _mib(n: int) -> str:
@@ -311,31 +392,21 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
     from scaletrain.metrics import MetricsLogger
     from scaletrain.rundir import write_config
     from scaletrain.runtime import all_reduce_min, all_reduce_sum, barrier, broadcast_object
-    from scaletrain.training.optim import build_optimizer, build_scheduler
 
     t, o, ps, shape = config.train, config.optim, config.ps, derived.ps
-    eval_ds, precision, loss_fn, params, model_bytes = _server_part(config, derived, index=index)
+    main = index == 0
+    startup = Startup(enabled=main and not config.log.quiet)  # a collective run's lines
+    startup.say(
+        f"{shape.servers} parameter server(s) and {shape.workers} worker(s) up, "
+        f"{derived.threads} thread(s) each"
+    )
+    part = _server_part(config, derived, index=index, startup=startup)
+    eval_ds, precision, loss_fn, params = part.eval_ds, part.precision, part.loss_fn, part.params
     shard = shard_module(params)
     per_step = 1 if ps.mode == "sync" else shape.workers  # gradients per global step
-    optimizer = build_optimizer(
-        shard,
-        name=o.name,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=o.betas,
-        momentum=o.momentum,
-        impl=o.impl,
-    )
-    scheduler = build_scheduler(
-        optimizer,
-        warmup_steps=o.warmup_steps * per_step,
-        total_steps=t.steps * per_step,
-        schedule=o.schedule,
-        min_lr_ratio=o.min_lr_ratio,
-    )
+    optimizer, scheduler = _optimizer(config, shard, per_step=per_step)
     progress = ServerProgress()
     state = TrainState(shard, optimizer, scheduler, precision, loop=progress)
-    main = index == 0
     resume_from = broadcast_object(_latest_checkpoint(run_dir) if main else None)
     if resume_from is not None:
         load_checkpoint(Path(resume_from), state)
@@ -347,6 +418,10 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         keep=c.keep,
         async_save=c.async_save,
         config_toml=config_to_toml(config),
+    )
+    # Said before the progress bar starts, which would take the line's start.
+    startup.say(
+        f"ready: step {state.step + 1} of {t.steps} starting (the first is slower: warm-up)"
     )
     logger = MetricsLogger(
         run_dir,
@@ -360,12 +435,6 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         logger.message(f"scaletrain: resumed from {resume_from} at step {state.step}")
     for warning in derived.warnings:
         logger.message(f"scaletrain: warning: {warning}")
-    print(
-        f"scaletrain: server {index} holds {len(params)} parameters, "
-        f"{_mib(global_bytes(params.values()))} of the model's {_mib(model_bytes)}",
-        file=sys.stderr,
-        flush=True,
-    )
     metrics = None
     if main:
         metrics = ServerMetrics(
@@ -432,31 +501,13 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
             step, examples, shape.servers, timeout_s=config.parallel.timeout_s
         ),
     )
-    progress.server = server
-    if progress.loaded:
-        server.load_state_dict(
-            {
-                k.removeprefix("server."): v
-                for k, v in progress.loaded.items()
-                if k.startswith("server.")
-            }
-        )
-        if metrics is not None:
-            metrics.load_state_dict(
-                {
-                    k.removeprefix("metrics."): v
-                    for k, v in progress.loaded.items()
-                    if k.startswith("metrics.")
-                }
-            )
-    if metrics is not None:  # the run's position in examples, as the server counts it
-        metrics.examples = metrics.start_examples = server.examples
+    _restore(progress, server=server, metrics=metrics)
     started = time.perf_counter()
     ps_server.serve(server)
     try:
         server.wait_until_done()
         _settle(announced)
-        wall = time.perf_counter() - started
+        train_s = time.perf_counter() - started  # server 0's evaluations overlap it
         if metrics is not None:
             metrics.close()
         if main and not server.stopping:
@@ -466,7 +517,7 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
                 derived,
                 server=server,
                 metrics=metrics,
-                wall=wall,
+                train_s=train_s,
                 precision=precision,
                 loss_fn=loss_fn,
                 eval_ds=eval_ds,
@@ -481,11 +532,59 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
         logger.close()
     barrier()  # the other servers serve server 0's final gather until here
     if main:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs" / FINISHED_MARKER).write_text(
-            json.dumps({"dead_workers": {str(w): why for w, why in server.clocks.dead.items()}})
-            + "\n"
-        )
+        _mark_finished(run_dir, server)
+
+
+def _optimizer(config: Config, shard: torch.nn.Module, *, per_step: int):
+    """The shard's optimizer and LR schedule; the schedule counts gradients (`per_step` of
+    them make a global step)."""
+    from scaletrain.training.optim import build_optimizer, build_scheduler
+
+    o, t = config.optim, config.train
+    optimizer = build_optimizer(
+        shard,
+        name=o.name,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=o.betas,
+        momentum=o.momentum,
+        impl=o.impl,
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=o.warmup_steps * per_step,
+        total_steps=t.steps * per_step,
+        schedule=o.schedule,
+        min_lr_ratio=o.min_lr_ratio,
+    )
+    return optimizer, scheduler
+
+
+def _restore(
+    progress: ServerProgress, *, server: ParameterServer, metrics: ServerMetrics | None
+) -> None:
+    """Hand a resumed checkpoint's counters to the server and server 0's metrics."""
+    progress.server = server
+
+    def part(prefix: str) -> dict:
+        return {
+            k.removeprefix(prefix): v for k, v in progress.loaded.items() if k.startswith(prefix)
+        }
+
+    if progress.loaded:
+        server.load_state_dict(part("server."))
+        if metrics is not None:
+            metrics.load_state_dict(part("metrics."))
+    if metrics is not None:  # the run's position in examples, as the server counts it
+        metrics.examples = metrics.start_examples = server.examples
+
+
+def _mark_finished(run_dir: Path, server: ParameterServer) -> None:
+    """RUN_DIR/logs/ps-finished: the servers are done (the supervisors' signal)."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs" / FINISHED_MARKER).write_text(
+        json.dumps({"dead_workers": {str(w): why for w, why in server.clocks.dead.items()}}) + "\n"
+    )
 
 
 def _announce(worker: int, why: str | None, servers: int, *, timeout_s: float) -> list:
@@ -561,10 +660,10 @@ def _param_bytes_by_server(own: int, servers: int) -> dict[str, int]:
 def _gathered_model(config: Config, servers: int, *, eval_ds, precision) -> torch.nn.Module:
     """The whole model with every server's current parameters, for an evaluation or the
     final save: built for the moment (its buffers initialised as the workers' are), each
-    server's shard copied in as it arrives, dropped by the caller afterwards."""
-    from scaletrain.training.assemble import build_net
-
-    model = precision.convert_module(build_net(config, eval_ds))
+    server's shard copied in as it arrives, dropped by the caller afterwards. Only the
+    trainable parameters come from the servers: the rest (frozen parameters, buffers) is
+    the workers' because `_fresh_net` draws it as they do."""
+    model = _fresh_net(config, eval_ds, precision)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k in range(servers):
@@ -603,7 +702,7 @@ def _finish(
     *,
     server: ParameterServer,
     metrics: ServerMetrics,
-    wall: float,
+    train_s: float,
     precision,
     loss_fn,
     eval_ds,
@@ -614,6 +713,7 @@ def _finish(
     from scaletrain.training.finish import finish_run
 
     model = _gathered_model(config, derived.ps.servers, eval_ds=eval_ds, precision=precision)
+    eval_started = time.perf_counter()
     record = _evaluate(
         config,
         derived.ps.servers,
@@ -650,7 +750,8 @@ def _finish(
         weights=None,
         config=config,
         derived=derived,
-        wall=wall,
+        train_s=train_s,
+        eval_s=time.perf_counter() - eval_started,  # the final one (mid-run ones overlap)
         last_loss=metrics.last_loss,
         eval_record=record,
         skipped=metrics.skipped,

@@ -41,7 +41,10 @@ each waits until it has applied as many (gradients still in flight) and all writ
 together.
 
 Threads: the RPC agent's pool runs the handlers; the lease watcher (server 0); the sync
-applier (sync); one Condition guards the state.
+applier (sync); one Condition guards the state. The two background threads are started by
+ps/threads.py: one that raises fails the server (`_thread_failed`), which answers every
+waiting worker with the error and ends `wait_until_done` with it, instead of leaving the
+workers to wait for a step or a death that never comes.
 Heartbeats only write a timestamp (atomic under the GIL) and take no lock, so a checkpoint
 written under the lock does not make the workers waiting for it look dead.
 """
@@ -59,6 +62,8 @@ import torch.distributed.rpc as rpc
 
 from scaletrain.memory import global_bytes
 from scaletrain.ps.clock import Clocks, may_start, staleness_of
+from scaletrain.ps.threads import ThreadFailed
+from scaletrain.ps.threads import start as start_thread
 from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
 
 
@@ -209,23 +214,27 @@ class ParameterServer:
         # sync: workers whose gradient the servers agreed to leave out (server 0 declared them
         # dead; this server may not know yet): held until it does, then refused.
         self.left_out: set[int] = set()
-        self.failure: BaseException | None = None  # a save that failed ends the server
+        # A failed save, collective or background thread ends the server.
+        self.failure: BaseException | None = None
         self._stop = threading.Event()  # set once the run is over: the watcher ends
         self._threads: list[threading.Thread] = []
         if authority:  # the others learn of deaths from it (`membership`)
-            self._threads.append(
-                threading.Thread(
-                    target=self._watch_leases, daemon=True, name=f"ps-server-{index}-leases"
-                )
-            )
+            self._start(self._watch_leases, "leases")
         if mode == "sync":
-            self._threads.append(
-                threading.Thread(
-                    target=self._apply_sync_steps, daemon=True, name=f"ps-server-{index}-sync"
-                )
-            )
-        for thread in self._threads:
-            thread.start()
+            self._start(self._apply_sync_steps, "sync")
+
+    def _start(self, body: Callable[[], None], what: str) -> None:
+        name = f"ps-server-{self.index}-{what}"
+        self._threads.append(start_thread(body, name=name, on_failure=self._thread_failed))
+
+    def _thread_failed(self, failed: ThreadFailed) -> None:
+        """A background thread raised (a bug, or a collective of the sync applier's that
+        failed): the server fails, every waiting worker is answered with the error now and
+        `wait_until_done` raises it."""
+        with self.cond:
+            self.failure = self.failure or failed
+            self.applying = {}
+            self._release()
 
     # ------------------------------------------------------------------ worker calls
 
@@ -306,8 +315,8 @@ class ParameterServer:
     # ------------------------------------------------------------------ the server's own
 
     def wait_until_done(self) -> None:
-        """Block until every worker has left or died; stop the lease watcher; raise a failed
-        save's error."""
+        """Block until every worker has left or died, or the server failed; stop the lease
+        watcher and the sync applier; raise the failure (a save's, a background thread's)."""
         with self.cond:
             while not self._done():
                 self.cond.wait(timeout=0.5)
@@ -388,21 +397,15 @@ class ParameterServer:
         agree with the other servers on which of them all hold (off the lock: collectives),
         then apply their mean, weighted by the loss's counts (so it is the gradient of the
         mean loss over every example of the step, as DDP's all-reduce makes it), clipped by
-        its global norm. A failed collective ends the server (wait_until_done raises it)."""
+        its global norm. Anything that raises here (a collective that failed or timed out
+        included) fails the server: ps/threads.py hands it to `_thread_failed`."""
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: self._stop.is_set() or self._step_complete())
                 if self._stop.is_set():
                     return
                 self.applying, self.pending = self.pending, {}
-            try:
-                pushes, mean = self._agree_on_mean(self.applying)
-            except BaseException as e:  # noqa: BLE001  a collective failed or timed out
-                with self.cond:
-                    self.failure = self.failure or e
-                    self.applying = {}
-                    self._release()
-                return
+            pushes, mean = self._agree_on_mean(self.applying)
             with self.cond:
                 self._apply_sync(pushes, mean)
                 self.left_out |= set(self.applying) - {p.worker for p in pushes}

@@ -6,10 +6,12 @@ agent starts is this supervisor: it runs the rank's role (ps/run.py, `run_role`)
 process and decides what the child's end means for the agent. The child is forked, not a
 new interpreter: it inherits torch and the role's modules, already imported, so a rank
 starts one Python instead of two (forking after torch's import is what DataLoader workers
-do; the supervisor has started no thread of its own and no process group). A worker's child dying is
-exit 0 (the servers declare it dead after ps.worker_timeout_s and go on without it); a
-server's is non-zero, with a message naming it (the run ends; the last checkpoint
-survives). It forwards SIGTERM/SIGINT/SIGHUP to the child, and once server 0 has written
+do; the supervisor has started no thread of its own and no process group). A worker's
+child dying is exit 0 (the servers declare it dead after ps.worker_timeout_s and go on
+without it); a server's is non-zero, with a message naming it (the run ends; the last
+checkpoint survives). A background thread that failed in either role (ps/threads.py, a bug
+of ours) ends the run too: the child has named the thread, the supervisor adds nothing. It
+forwards SIGTERM/SIGINT/SIGHUP to the child, and once server 0 has written
 RUN_DIR/logs/ps-finished it kills a worker child that did not leave: a SIGSTOPped worker
 would otherwise hold the agent forever.
 """
@@ -30,6 +32,7 @@ from scaletrain.plan import resolve
 
 FINISHED_MARKER = "ps-finished"  # RUN_DIR/logs/ps-finished: the servers are done
 EXIT_SERVER_LOST, EXIT_REFUSED = 3, 4  # a worker's child: a server is gone; declared dead
+EXIT_THREAD_FAILED = 5  # either role's child: one of its background threads raised
 _KILL_GRACE_S = 5.0  # after the run ends, a child still running this long is killed
 
 
@@ -82,6 +85,8 @@ def supervise(
         return 0
     if forwarded:  # interrupted: the launcher reports it
         return 128 + forwarded[0] if code < 0 else code
+    if code == EXIT_THREAD_FAILED:  # the child's last error line names the thread
+        return code
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
     if role == "server":
         print(

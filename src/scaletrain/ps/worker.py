@@ -16,9 +16,11 @@ step (its micro-batches' summed losses over its count: training/step.py's
 worker) or average the workers' by count and clip the average (sync, as DDP does).
 
 Liveness: a heartbeat thread renews the worker's lease on server 0 (the one that decides
-membership for all servers) every lease/4 seconds, so a long step does not look like a dead worker; a SIGSTOPped process stops
-sending and is declared dead. Every call carries a timeout (a stopped server would
-otherwise never answer).
+membership for all servers) every lease/4 seconds, so a long step does not look like a dead
+worker; a SIGSTOPped process stops sending and is declared dead. Every call carries a
+timeout (a stopped server would otherwise never answer). A heartbeat thread that raises
+(ps/threads.py) would let a worker with long steps be declared dead for nothing: the
+worker raises its failure after the step instead, and ps/run.py ends the run naming it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from scaletrain.loss import LossFn
 from scaletrain.precision import Precision
 from scaletrain.ps import server as ps_server
 from scaletrain.ps.server import Push, Read, Reply
+from scaletrain.ps.threads import ThreadFailed
+from scaletrain.ps.threads import start as start_thread
 from scaletrain.training.step import accumulate_gradients, clip_gradients
 
 
@@ -97,20 +101,33 @@ class _Heartbeat:
     def __init__(self, worker: int, *, lease_s: float) -> None:
         self.worker, self.lease_s = worker, lease_s
         self.refused = threading.Event()
+        self.failure: ThreadFailed | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="ps-heartbeat")
-        self._thread.start()
+        self._thread = start_thread(
+            self._run, name=f"ps-worker-{worker}-heartbeat", on_failure=self._failed
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self.lease_s / 4):
-            call = rpc.rpc_async(
-                server_name(0), ps_server.rpc_heartbeat, args=(self.worker,), timeout=self.lease_s
-            )
             try:
-                if not call.wait():
-                    self.refused.set()
-            except RuntimeError:  # server 0 gone: the next push says so
-                pass
+                renewed = rpc.rpc_async(
+                    server_name(0),
+                    ps_server.rpc_heartbeat,
+                    args=(self.worker,),
+                    timeout=self.lease_s,
+                ).wait()
+            except RuntimeError:  # server 0 gone, or RPC going down: the next push says so
+                continue
+            if not renewed:
+                self.refused.set()
+
+    def _failed(self, failed: ThreadFailed) -> None:
+        self.failure = failed
+
+    def check(self) -> None:
+        """Raise the heartbeat thread's failure, if it failed."""
+        if self.failure is not None:
+            raise self.failure
 
     def stop(self) -> None:
         self._stop.set()
@@ -195,6 +212,7 @@ def run_worker(
                 for k in range(len(partition))
             )
             step += 1
+            heartbeat.check()  # a dead heartbeat ends the run now, not when a lease runs out
             if heartbeat.refused.is_set():
                 break
     finally:
@@ -241,6 +259,7 @@ def _load(shards: list[list[torch.nn.Parameter]], replies: list[Reply]) -> None:
 __all__ = [
     "Read",
     "ServerLost",
+    "ThreadFailed",
     "WorkerOutcome",
     "gradient",
     "run_worker",
