@@ -369,7 +369,7 @@ def train_run(config: Path, overrides: list[str], run_dir: Path) -> dict:
     s = json.loads((run_dir / "summary.json").read_text())
     return {
         "examples_per_s": s["examples_per_s"],
-        "wall_s": s["wall_time_s"],
+        "wall_s": s["train_time_s"] + s["eval_time_s"],
         "command_s": command_s,
         "final_loss": s["final_loss"],
         "accuracy": s["eval"].get("accuracy"),

@@ -11,16 +11,16 @@ all but the strategy keys (printed, with every key that differs in the resolved 
 
 What is measured, the same way for every contender:
 
-- examples/s: train.steps x train.global_batch examples applied, over the training wall
-  time of summary.json (`wall_time_s`: DDP from the loop's start to its last step, its
-  mid-run evaluation pauses included; PS server 0 from serving until every worker left,
-  its concurrent evaluations included). This is summary.json's `examples_per_s` on both.
+- examples/s: the examples applied (summary.json's `examples`) over the training wall time:
+  DDP from the loop's start to its last step, its mid-run evaluation pauses included
+  (`train_time_s` plus those pauses, each `eval_time_s` over the evaluations, the final
+  one included); PS server 0 from serving until every worker left (`train_time_s`), its
+  concurrent evaluations included.
 - time to the target accuracy: the training clock at the end of the first global step s
   whose evaluation (kind "eval" in metrics.jsonl, train.eval_examples held-out examples)
   reaches --target. DDP's records have no clock, so its clock at s is the sum of its train
   windows up to s (examples / examples_per_s of each record: training steps only) plus the
-  evaluation pauses before s (wall time minus all windows, spread evenly over its mid-run
-  evaluations). PS records carry server 0's clock (`time_s` of the train record at s).
+  evaluation pauses before s (each eval_time_s over its evaluations). PS records carry server 0's clock (`time_s` of the train record at s).
 - first-half examples/s: the same clock at the record nearest train.steps / 2: the rate
   while every worker still has steps to do (a diagnosis of the run's tail, not a goal).
 - final accuracy: this script evaluates each run's model.safetensors on the whole held-out
@@ -211,15 +211,17 @@ def read_run(run_dir: Path, a: argparse.Namespace) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trains = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
     evals = sorted((r for r in records if r["kind"] == "eval"), key=lambda r: r["step"])
-    wall = summary["wall_time_s"]
     mid = [e for e in evals if e["step"] < a.steps]
     if "ps" in summary:  # server 0's clock, stamped on every record
+        wall = summary["train_time_s"]
         clock = {r["step"]: r["time_s"] for r in trains}
         clock[a.steps] = wall  # the run's end, on the same clock as examples/s
         eval_s = []  # concurrent with training: its duration is not recorded
     else:  # windows of training steps, plus the evaluation pauses before each step
         windows = [r["examples"] / r["examples_per_s"] for r in trains]
-        pause = (wall - sum(windows)) / len(mid) if mid else 0.0
+        # eval_time_s holds the mid-run evaluations and the final one, all of one size
+        pause = summary["eval_time_s"] / (len(mid) + 1)
+        wall = summary["train_time_s"] + pause * len(mid)
         clock, elapsed = {}, 0.0
         for r, w in zip(trains, windows):
             elapsed += w
@@ -227,11 +229,12 @@ def read_run(run_dir: Path, a: argparse.Namespace) -> dict:
         eval_s = [pause] * len(mid)
     reached = next((e for e in evals if e.get("accuracy", 0.0) >= a.target), None)
     half = max((s for s in clock if s <= a.steps // 2), default=None)
+    applied = summary["examples"]
     out = {
-        "examples_per_s": summary["examples_per_s"],
+        "examples_per_s": applied / wall,
         "wall_s": wall,
         "examples_expected": a.steps * a.global_batch,
-        "examples_applied": round(summary["examples_per_s"] * wall),
+        "examples_applied": applied,
         "half_examples_per_s": half * a.global_batch / clock[half] if half else float("nan"),
         "target_step": reached["step"] if reached else None,
         "target_s": clock[reached["step"]] if reached else None,

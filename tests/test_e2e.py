@@ -211,10 +211,16 @@ def test_one_process_prints_evals_labels_throughput_and_writes_readable_weights(
     )
     done = next(line for line in r.stdout.splitlines() if line.startswith("scaletrain: done"))
     assert re.search(
-        r"; \d+ examples/s in training steps \(as the bar\), \d+ examples/s over "
-        r"the wall time \(evals included\)$",
+        r"^scaletrain: done in [\d.]+ s \([\d.]+ s training, [\d.]+ s evaluating\), .*; "
+        r"\d+ examples/s while training$",
         done,
     ), done
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["examples"] == 20 * 32 and summary["eval_time_s"] > 0
+    # the rate is the training's alone: the evaluations' seconds are not in it
+    assert summary["examples_per_s"] == pytest.approx(
+        summary["examples"] / summary["train_time_s"], rel=1e-12
+    )
     umask = os.umask(0)
     os.umask(umask)
     assert (run_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask

@@ -335,10 +335,12 @@ def test_start_up_is_shown_and_done_reports_the_wall_time_waited(finished: dict)
     ]
     assert all(phases), err
     assert [m.start() for m in phases] == sorted(m.start() for m in phases), err
-    done = re.search(r"scaletrain: done in (\d+\.\d) s \((\d+\.\d) s of it training", out)
+    done = re.search(
+        r"scaletrain: done in (\d+\.\d) s \((\d+\.\d) s training, (\d+\.\d) s evaluating", out
+    )
     assert done, out
     assert float(done.group(1)) >= finished["took"] - 0.05, (done.group(0), finished["took"])
-    assert float(done.group(2)) <= float(done.group(1))
+    assert float(done.group(2)) + float(done.group(3)) <= float(done.group(1))
 
 
 def test_resume_of_a_finished_run_says_so_and_touches_nothing(

@@ -324,19 +324,21 @@ def _print_outcome(run_dir: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     report = write_report([run_dir], out=run_dir / "report.png")
     metric = ", ".join(f"{k} {_number(v)}" for k, v in summary["eval"].items())
-    training = _training_rate(run_dir)
-    rate = f"{training:.0f} examples/s in training steps (as the bar), " if training else ""
-    # The wall time the user waited (this process's, imports and start-up included), then
-    # what of it the steps and evaluations took (summary.json's wall_time_s).
+    # The time the user waited (this process's, imports and start-up included), what of it
+    # training and evaluating took, and the rate over the training alone, as the bar's.
     final = (
         "no step (train.steps = 0: the initial weights)"
         if summary["steps"] == 0
         else f"final loss {_number(summary['final_loss'])}"
     )
+    rate = (
+        f"; {summary['examples_per_s']:.0f} examples/s while training"
+        if summary["examples"]
+        else ""
+    )
     print(
-        f"scaletrain: done in {_waited():.1f} s ({summary['wall_time_s']:.1f} s of it "
-        f"training and evaluating), {final}, eval {metric}; {rate}"
-        f"{summary['examples_per_s']:.0f} examples/s over the wall time (evals included)"
+        f"scaletrain: done in {_waited():.1f} s ({summary['train_time_s']:.1f} s training, "
+        f"{summary['eval_time_s']:.1f} s evaluating), {final}, eval {metric}{rate}"
     )
     print(f"scaletrain: run directory {run_dir}")
     print(f"scaletrain: report {report}")
@@ -352,21 +354,6 @@ def _waited() -> float:
 def _number(value: float | None) -> str:
     """A summary value: None is what a non-finite one is written as (summary.json is JSON)."""
     return "not finite" if value is None else f"{value:.4g}"
-
-
-def _training_rate(run_dir: Path) -> float | None:
-    """Examples per second of training steps alone (eval excluded, as the progress bar),
-    from the metrics records; a step logged twice (re-run after a resume) counts once."""
-    from scaletrain.metrics import read_metrics
-
-    windows = {r["step"]: r for r in read_metrics(run_dir) if r.get("kind") == "train"}
-    examples = sum(r.get("examples") or 0 for r in windows.values())
-    seconds = sum(
-        r["examples"] / r["examples_per_s"]
-        for r in windows.values()
-        if r.get("examples") and r.get("examples_per_s")
-    )
-    return examples / seconds if seconds > 0 else None
 
 
 def _warn_if_empty(path: Path, config: Config) -> None:

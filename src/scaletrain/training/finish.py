@@ -132,7 +132,8 @@ def finish_run(
     weights: dict[str, torch.Tensor] | None,
     config: Config,
     derived: Derived,
-    wall: float,
+    train_s: float,
+    eval_s: float,
     last_loss: float,
     eval_record: dict,
     skipped: int,
@@ -147,7 +148,8 @@ def finish_run(
     Args:
         run_dir, model, weights, config: as in `write_weights`.
         derived: the resolved layout (its world size goes into the summary).
-        wall: seconds of training, mid-run evaluations included.
+        train_s: seconds this process spent training (its loop, evaluations excluded).
+        eval_s: seconds it spent evaluating (mid-run and final).
         last_loss: mean training loss of the last logged window.
         eval_record: the final evaluation.
         skipped: steps (updates) skipped for a non-finite gradient.
@@ -164,12 +166,14 @@ def finish_run(
     summary = {
         "final_loss": last_loss,  # mean training loss of the last log.every-step window
         "eval": eval_record,
-        "wall_time_s": wall,
+        "train_time_s": train_s,  # the training loop's, evaluations excluded
+        "eval_time_s": eval_s,
         "steps": config.train.steps,
         "skipped_steps": skipped,
         "world_size": derived.world_size,
-        "examples_per_s": examples / max(wall, 1e-9),  # over the wall time, evals included
-        "tokens_per_s": examples * tokens_per_example / max(wall, 1e-9),
+        "examples": examples,  # trained on by this run (a resumed one: since the resume)
+        "examples_per_s": examples / max(train_s, 1e-9),  # over train_time_s
+        "tokens_per_s": examples * tokens_per_example / max(train_s, 1e-9),
         "precision": precision_mode,
         **(extra or {}),
     }

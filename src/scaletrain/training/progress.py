@@ -155,6 +155,7 @@ class RunProgress:
     last_loss: float = math.nan
     window: Window = field(default_factory=Window)
     started: float = field(default_factory=time.perf_counter)
+    eval_s: float = 0.0  # this process's mid-run evaluations (summary.json's eval_time_s)
     memory: WindowPeak | None = None  # each window's peak above the post-set-up baseline
     comm: CommCounter | None = None  # its bytes at the last record belong to the window
     flops: ModelFlops | None = None  # model FLOPs per example and the peak (MFU)

@@ -486,6 +486,7 @@ def _loop(
     t, state = config.train, parts.state
     run = state.loop  # fresh from build, or the streak and open window a checkpoint restored
     run.first_step, run.started, run.memory = state.step, time.perf_counter(), WindowPeak.start()
+    run.eval_s = 0.0
     if not run.window.steps:  # no window restored: start its clock now, not at build time
         run.window = Window()
     indices = parts.sampler.micro_batches(state.step)
@@ -549,8 +550,11 @@ def _loop(
                 f"scaletrain: eval at step {state.step}: "
                 + ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step")
             )
-            run.window.start += time.perf_counter() - eval_started  # throughput is training only
-    wall = time.perf_counter() - run.started
+            evaluating = time.perf_counter() - eval_started
+            run.window.start += evaluating  # throughput is training only
+            run.eval_s += evaluating
+    train_s = time.perf_counter() - run.started - run.eval_s
+    eval_started = time.perf_counter()
     with collective_guard("evaluation all-reduce", step=t.steps):
         eval_record = evaluate(
             state.model,
@@ -563,6 +567,7 @@ def _loop(
             loss_fn=parts.loss_fn,
             pipeline=parts.pipeline,
         )
+    run.eval_s += time.perf_counter() - eval_started
     # Every rank takes part. A split model (under [distill] the student): each rank writes
     # its shards, rank 0 joins them (no rank holds the whole model).
     if parts.layout.splits_gradients:
@@ -580,7 +585,8 @@ def _loop(
         weights=weights,
         config=config,
         derived=derived,
-        wall=wall,
+        train_s=train_s,
+        eval_s=run.eval_s,
         last_loss=run.last_loss,
         eval_record=eval_record,
         skipped=state.skipped_steps,
