@@ -64,6 +64,7 @@ from scaletrain.ps.supervisor import (
 )
 from scaletrain.ps.threads import ThreadFailed
 from scaletrain.ps.worker import ServerLost, run_worker, server_name, worker_name
+from scaletrain.runtime import tcp_store_on
 from scaletrain.training.progress import Startup
 
 
@@ -190,30 +191,14 @@ def interface_address(name: str) -> str:
 def _store(config: Config, rank: int, world: int) -> dist.TCPStore:
     """The TCP store at MASTER_ADDR:MASTER_PORT that RPC and the servers' group meet on.
 
-    c10d's own env:// rendezvous binds its store to every interface; rank 0 here binds the
-    listening socket itself, to ps.interface's address only, and hands it to the store.
+    c10d's own env:// rendezvous binds its store to every interface; rank 0 here listens on
+    ps.interface's address only (runtime.tcp_store_on).
     """
-    import socket
-
     port, timeout = int(os.environ["MASTER_PORT"]), timedelta(seconds=config.parallel.timeout_s)
     address = interface_address(config.ps.interface)
-    if rank == 0:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((address, port))
-        sock.listen(128)
-        # detach(): the store listens on the fd; the Python socket must not close it.
-        return dist.TCPStore(
-            address,
-            port,
-            world,
-            True,
-            timeout,
-            wait_for_workers=False,
-            master_listen_fd=sock.detach(),
-        )
-    host = address if config.ps.interface == "lo" else os.environ["MASTER_ADDR"]
-    return dist.TCPStore(host, port, world, False, timeout)
+    if rank != 0 and config.ps.interface != "lo":
+        address = os.environ["MASTER_ADDR"]  # rank 0's host, reached over that interface
+    return tcp_store_on(address, port, world_size=world, is_master=rank == 0, timeout=timeout)
 
 
 def _init_server_group(config: Config, store, index: int, *, servers: int) -> None:
