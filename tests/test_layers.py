@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
     for name, rooms in (
         # leaves: the user-mistake errors below the user's code, process and memory plumbing
         ("errors", {"errors", "version"}),  # the user-mistake base classes: import nothing
-        ("leaves", {"user_code", "memory", "allocator", "runtime", "hardware"}),
+        ("leaves", {"user_code", "memory", "allocator", "runtime", "hardware", "attention"}),
         ("data", {"data"}),  # sources, shards, sampler: know nothing of models
         ("models", {"models"}),  # built-in models and the ModelSpec protocol; take a TaskSpec
         # the techniques and the loss protocol: each takes plain values, owns its checks

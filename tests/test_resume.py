@@ -186,10 +186,13 @@ def _advance(state: TrainState) -> None:
 def test_round_trip_restores_every_piece(tmp_path: Path) -> None:
     state = _state()
     _advance(state)
+    state.precision.attention = "MATH"  # the kernel the run measured fastest
     Checkpointer(tmp_path, keep=2, async_save=False, config_toml="").save(state)
     expected_draw = torch.rand(3)
     other = _state(seed=1)
+    other.precision.attention = "FLASH_ATTENTION"  # what a resumed run's probe may say
     load(latest_valid(tmp_path), other)
+    assert other.precision.attention == "MATH"  # it runs the kernel its run started with
     assert torch.equal(torch.rand(3), expected_draw)  # RNG restored
     for (k, a), b in zip(state.model.state_dict().items(), other.model.state_dict().values()):
         assert torch.equal(a, b), k

@@ -15,9 +15,15 @@ The train step calls the same four methods whatever the mode; it never patches
   verifying numerics, not for speed: fp32 summation order changes with the CPU's kernels
   (AMX or not, avx512 or not), so a parity test in fp32 needs a tolerance tuned to one CPU;
   in float64 the same test holds to 1e-9 on every CPU, which makes it a proof.
-- auto: bf16-mixed where the hardware has fast bf16 (CPU avx512_bf16 or AMX; CUDA compute
-  capability >= 8.0), else fp32; `choose_auto` says which and why. The CPU's capabilities
+- auto: the launcher measures fp32 against bf16-mixed on the configured model where the CPU
+  runs bf16 natively (training/auto_precision.py) and hands the workers the faster. Where
+  nothing is measured (a GPU, bf16 emulated, a worker under plain torchrun) the capability
+  table `decide_auto` decides: bf16-mixed where the hardware has fast bf16 (CPU
+  avx512_bf16 or AMX; CUDA compute capability >= 8.0), else fp32. The CPU's capabilities
   come from torch's own checks (the ones its oneDNN kernels dispatch on), not /proc/cpuinfo.
+
+The forward context also holds the attention kernel measured fastest for the model
+(`attention`, attention.py), which the checkpoint keeps.
 
 A mode asked for by name may be slower than fp32 on the machine it runs on: bf16 on a CPU
 without avx512_bf16 or AMX is emulated, about 100x slower than fp32 (measured on a 2-core
@@ -43,6 +49,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from scaletrain.attention import attention_context
 
 PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto"]
 PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto")
@@ -145,6 +153,8 @@ class Precision:
     scaler: torch.amp.GradScaler | None = None  # fp16-mixed only
     overflow_steps: int = field(default=0)
     tf32: bool = False  # CUDA: fp32 matmuls on TF32 tensor cores (make_precision set it)
+    # the SDPA backend measured fastest for the model (attention.py; None: torch's choice)
+    attention: str | None = None
 
     @property
     def flops_dtype(self) -> str:
@@ -162,10 +172,13 @@ class Precision:
         return inputs
 
     def forward_context(self) -> ContextManager:
-        """Autocast region for forward and loss; a null context in fp32 and bf16-true."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+        """Autocast region for forward and loss (none in fp32, bf16-true and fp64), with the
+        attention kernel measured fastest for the model (`attention`), if any."""
+        stack = contextlib.ExitStack()
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device_type, dtype=self.autocast_dtype))
+        stack.enter_context(attention_context(self.attention))
+        return stack
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to run backward from: scaled by the loss scale in fp16-mixed."""
@@ -221,12 +234,15 @@ class Precision:
         return {
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "overflow_steps": self.overflow_steps,
+            "attention": self.attention or "",
         }
 
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.overflow_steps = int(state.get("overflow_steps", 0))
+        if "attention" in state:  # a resumed run keeps the kernel its run measured
+            self.attention = state["attention"] or None
 
 
 def make_precision(

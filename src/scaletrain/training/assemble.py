@@ -299,3 +299,49 @@ def check_fit(
                 f"{batch.targets.dtype} of data.source = {config.data.source!r}: "
                 f"{describe_error(e)}"
             ) from e
+
+
+def measure_attention(
+    model: torch.nn.Module,
+    dataset: Dataset,
+    first: torch.Tensor,
+    *,
+    precision: Precision,
+    micro_batch: int,
+) -> tuple[str | None, dict[str, float]]:
+    """The SDPA backend fastest for `model`'s own attention calls in `precision` on this CPU
+    (attention.py), and each candidate's seconds for a micro-batch of them; (None, {}) on
+    a GPU, in float64 (which proves numerics: torch's choice, the same everywhere), for a
+    model without attention, or one whose forward cannot be traced here (a meta-built
+    model whose forward reads values). `first`: this rank's first micro-batch's indices,
+    of which two examples are run (no gradient) to record the calls."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from scaletrain.attention import fastest_backend, record_calls
+    from scaletrain.models.init import is_meta
+    from scaletrain.training.step import forward
+
+    on_meta = is_meta(model)
+    device = torch.device("cpu") if on_meta else next(iter(model.parameters())).device
+    if device.type != "cpu" or precision.param_dtype == torch.float64:
+        return None, {}
+    sample = dataset.get(first[:2])
+    recorded = len(first[:2])
+
+    def run(net: torch.nn.Module) -> None:
+        with precision.forward_context():
+            forward(net, sample, precision)
+
+    if not on_meta:
+        calls = record_calls(lambda: run(model))
+    else:  # a copy in fake CPU tensors: shapes, and the dtypes CPU autocast gives them
+        try:
+            probe = copy.deepcopy(model)  # outside the fake mode: inside, it cannot swap
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                probe.to_empty(device="cpu")
+                calls = record_calls(lambda: run(probe))
+        except Exception:  # noqa: BLE001  only a measurement: torch's choice stands
+            return None, {}
+    return fastest_backend([c.widened(micro_batch, recorded) for c in calls])

@@ -70,6 +70,7 @@ from scaletrain.training.assemble import (
     check_fit,
     check_loss,
     is_user_loss,
+    measure_attention,
     tensor_bytes,
 )
 from scaletrain.training.evaluate import evaluate
@@ -282,6 +283,23 @@ def build(
         )
     except UserError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
         raise UserCodeError(str(e)) from None
+    # The attention kernel measured fastest for this model and precision (attention.py):
+    # rank 0 measures on the bare model, every rank runs what it chose.
+    chosen, seconds = broadcast_object(
+        measure_attention(
+            model,
+            train_ds,
+            user_check["first"],
+            precision=precision,
+            micro_batch=config.train.micro_batch,
+        )
+        if penv.is_main
+        else None
+    )
+    precision.attention = chosen
+    if chosen is not None:
+        times = ", ".join(f"{name.lower()} {s * 1e3:.1f} ms" for name, s in seconds.items())
+        startup.say(f"attention: the {chosen.lower()} kernel, measured fastest ({times})")
     # MFU's numerator: the whole model's FLOPs per example, counted before any split.
     flops = model_flops(
         model,
@@ -508,6 +526,11 @@ def _loop(
                 pipeline=parts.pipeline,
                 pp_group=parts.pp_group,
                 dp_group=parts.dp_group,
+            )
+        if step == run.first_step and config.train.compile:  # what compiling cost
+            logger.message(
+                f"scaletrain: torch.compile: the first step took "
+                f"{time.perf_counter() - step_started:.1f} s (compiling; later steps reuse it)"
             )
         for hook in parts.after_step:  # e.g. the benchmark's straggler (training/hooks.py)
             hook(step, time.perf_counter() - step_started)
