@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaletrain.config import (
     Config,
@@ -46,6 +46,9 @@ from scaletrain.config import (
 )
 from scaletrain.launch import LaunchSpec, under_elastic_agent, validate_spec
 from scaletrain.plan import Derived, resolve
+
+if TYPE_CHECKING:
+    from scaletrain.training.auto_precision import AutoChoice
 
 
 class TrainingFailed(RuntimeError):
@@ -60,6 +63,8 @@ class Prepared:
     run_dir: Path
     warnings: tuple[str, ...]  # resume warnings (keys changed under --allow-config-change)
     complete: dict | None = None  # --resume of a run that has finished: its summary
+    config: Config | None = None  # what the workers run: precision.mode "auto" resolved
+    auto: AutoChoice | None = None  # how "auto" was resolved (None: not asked for)
 
 
 def prepare_run(
@@ -87,8 +92,15 @@ def prepare_run(
         ConfigError, UserCodeError: a mistake, before anything starts.
     """
     from scaletrain.prelaunch import check_layout_fits
-    from scaletrain.rundir import check_resumable, check_run_dir, default_run_dir, finished_run
+    from scaletrain.rundir import (
+        check_resumable,
+        check_run_dir,
+        default_run_dir,
+        finished_run,
+        resumed_precision,
+    )
     from scaletrain.training.assemble import NO_CODE, brings_own_code, check_user_code
+    from scaletrain.training.auto_precision import resolve_auto
 
     if allow_config_change and not resume:
         raise ConfigError(
@@ -118,13 +130,19 @@ def prepare_run(
         from scaletrain.planner.launch import check_fits
 
         check_fits(config, world_size=spec.world_size, ranks_per_node=spec.nproc, code=code)
+    # precision.mode = "auto": measured here, once, for every worker (training/auto_precision.py)
+    config, auto = resolve_auto(
+        config, derived, code=code, resumed_mode=resumed_precision(run_dir) if resume else None
+    )
     warnings: tuple[str, ...] = ()
     if resume:  # before any process starts, and before config.toml is rewritten
         warnings = tuple(check_resumable(run_dir, config, allow_config_change=allow_config_change))
     else:
         run_dir = run_dir or default_run_dir(config.name)
         check_run_dir(run_dir)
-    return Prepared(derived=derived, run_dir=Path(run_dir), warnings=warnings)
+    return Prepared(
+        derived=derived, run_dir=Path(run_dir), warnings=warnings, config=config, auto=auto
+    )
 
 
 def preflight_data(config: Config) -> None:
@@ -201,10 +219,14 @@ def train(
 
         print(describe_finished(prepared.run_dir, prepared.complete), file=sys.stderr)
         return {**prepared.complete, "run_dir": str(prepared.run_dir), "complete": True}
+    if prepared.auto is not None:
+        from scaletrain.training.auto_precision import describe_auto
+
+        print(f"scaletrain: {describe_auto(prepared.auto)}", file=sys.stderr)
     if spec.in_process:
-        summary = _train_here(parsed, prepared.run_dir, code=code)
+        summary = _train_here(prepared.config, prepared.run_dir, code=code)
     else:
-        summary = _launch(parsed, spec, prepared, code=code, debug=debug)
+        summary = _launch(prepared.config, spec, prepared, code=code, debug=debug)
     return {**summary, "run_dir": str(prepared.run_dir)}
 
 

@@ -222,7 +222,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     _warn_if_empty(args.config, config)
     for warning in prepared.warnings:
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
-    run_dir = prepared.run_dir
+    config, run_dir = prepared.config, prepared.run_dir
+    if prepared.auto is not None:  # the workers run the mode the launcher resolved
+        from scaletrain.training.auto_precision import describe_auto
+
+        print(f"scaletrain: {describe_auto(prepared.auto)}", file=sys.stderr)
+        args.overrides = [*args.overrides, f"precision.mode={config.precision.mode}"]
     if prepared.complete is not None:  # --resume of a finished run: say so, touch nothing
         from scaletrain.rundir import describe_finished
 
@@ -415,7 +420,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from scaletrain.api import preflight_data
-    from scaletrain.precision import choose_auto
     from scaletrain.prelaunch import check_layout_fits
     from scaletrain.training.assemble import brings_own_code, check_user_code
 
@@ -430,9 +434,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     console = Console()
     device = "cuda" if d.backend == "nccl" else "cpu"
     precision = config.precision.mode
-    if precision == "auto":
-        chosen, why = choose_auto(device)
-        precision = f"auto -> {chosen} ({why})"
+    if precision == "auto":  # what train would run: measured here (or cached)
+        from scaletrain.training.auto_precision import resolve_auto
+
+        _, auto = resolve_auto(config, d)
+        precision = f"auto -> {auto.mode} ({auto.why})"
     derived = {
         "world size": f"{d.world_size} ({spec.nproc} process(es) x {spec.nnodes} node(s))",
         "parallel layout (mesh)": (
@@ -457,7 +463,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "precision": precision,
         "optimizer kernels": _optimizer_kernels(config.optim.impl, device),
         "CPU heap policy": _heap_policy(config.train.allocator, device),
-        "torch.compile": "on (inductor, before DDP)" if config.train.compile else "off",
+        "torch.compile": "on (inductor, before DDP)"
+        if config.train.compile
+        else "off (train.compile; on a CPU its compile time outweighs what it saves a step "
+        "except on long runs: bench/step_anatomy.py --compile, BENCHMARKS.md)",
         "epochs": _epochs(config),
         **_eval_rows(config, d, local_ranks=spec.nproc),
     }

@@ -267,7 +267,7 @@ class DistillConfig(_Section):
 
 class PrecisionConfig(_Section):
     mode: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto"] = "fp32"
-    """fp32, bf16-mixed, fp16-mixed (loss scaling), bf16-true, fp64 (for verifying numerics, slow), or auto (bf16-mixed on fast-bf16 hardware)."""
+    """fp32, bf16-mixed, fp16-mixed (loss scaling), bf16-true, fp64 (for verifying numerics, slow), or auto (the faster of fp32 and bf16-mixed on this model, measured where the CPU runs bf16 natively; fp32 where bf16 is emulated; bf16-mixed on a GPU of compute capability >= 8.0)."""
     init_scale: float = Field(2.0**16, gt=0.0)
     """fp16-mixed: initial dynamic loss scale."""
     growth_interval: int = Field(2000, ge=1)

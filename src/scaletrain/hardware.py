@@ -450,3 +450,15 @@ def rank_budget(profile: Profile | None, *, ranks_per_node: int) -> tuple[int, s
 def _mem_total() -> int:
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+
+
+def cpu_name() -> str:
+    """This CPU's model name (/proc/cpuinfo), or "this CPU" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "this CPU"

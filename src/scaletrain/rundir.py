@@ -214,6 +214,19 @@ def check_resumable(
     ]
 
 
+def resumed_precision(run_dir: Path | None) -> str | None:
+    """The precision mode the run in `run_dir` started with (its newest checkpoint's config;
+    "auto" where that run resolved it in each worker), or None when it has no checkpoint."""
+    from scaletrain.checkpoint_files import latest_valid
+
+    if run_dir is None:
+        return None
+    checkpoint = latest_valid(Path(run_dir) / "checkpoints", hashes=False, report=lambda m: None)
+    if checkpoint is None:
+        return None
+    return _checkpoint_config(checkpoint / "config.toml").get("precision", {}).get("mode")
+
+
 def _checkpoint_config(path: Path) -> dict[str, Any]:
     """The checkpoint's config, with today's defaults for keys it predates."""
     try:

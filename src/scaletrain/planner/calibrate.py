@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.hardware import Link, Profile, slowed
+from scaletrain.hardware import Link, Profile, cpu_name, slowed
 from scaletrain.launch import LOOPBACK_ENV, SUBPROCESS_ENV
 from scaletrain.planner.reference import (
     GPT_TINY,
@@ -237,7 +237,7 @@ def calibrate(
         cores=cores,
         **costs,
         calibrated_on=model_label((reference or GPT_TINY)["model"]),
-        source=f"scaletrain calibrate on {_cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
+        source=f"scaletrain calibrate on {cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
     )
     profile = dataclasses.replace(
         profile, **slack_probe(reference, launch=_launch, profile=profile, say=say)
@@ -273,14 +273,3 @@ def _total_memory() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "this CPU"
