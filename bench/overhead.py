@@ -1,7 +1,7 @@
 """Overhead: `scaletrain`'s trainer vs the same training in a hand-written DDP loop.
 
 The hand-written side (bench/peer_torch.py --match-scaletrain) runs its loop over exactly
-what scaletrain's trainer builds for the job (`trainer.build`: the DDP wrapper with
+what scaletrain's trainer builds for the job (`training.build.build`: the DDP wrapper with
 scaletrain's settings, its optimizer and kernels, its data and sampler), so only the loop
 differs: the trainer's metrics, checks and bookkeeping against a plain loop. (For each
 library at its own defaults, see bench/peers.py.) Default job: scaletrain's CNN `small` on

@@ -7,7 +7,7 @@ micro-batch, loss / k, `clip_grad_norm_`, `step`, `zero_grad`, and a loss all-re
 shared job (bench/common.py), so every contender trains the same network on the same batches.
 
 With --match-scaletrain the same loop runs over the DDP wrapper, optimizer, data and
-sampler that scaletrain's trainer builds (`trainer.build`) for the same job: only the loop
+sampler that scaletrain's trainer builds (`training.build.build`) for the same job: only the loop
 differs, which is what bench/overhead.py measures.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/peer_torch.py --out r.json
@@ -40,7 +40,7 @@ def scaletrain_parts(a, *, rank: int, world: int):
     from scaletrain.config import load_config
     from scaletrain.plan import resolve
     from scaletrain.runtime import read_env, seed_everything
-    from scaletrain.training import trainer
+    from scaletrain.training.build import build
 
     config = load_config(None, scaletrain_overrides(a))
     penv = read_env()
@@ -48,7 +48,7 @@ def scaletrain_parts(a, *, rank: int, world: int):
     # The heap policy trainer.train() sets before it builds.
     heap = {"heap policy (mallopt)": configure_allocator(config.train.allocator, device_type="cpu")}
     seed_everything(a.seed)
-    parts = trainer.build(
+    parts = build(
         config, derived, penv, device=torch.device("cpu"), run_dir=Path(a.out).with_suffix(".run")
     )
     return parts.train_ds, parts.state.model, parts.state.optimizer, parts.sampler, heap

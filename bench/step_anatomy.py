@@ -7,7 +7,7 @@ sequences of --seq-len bytes:
 - plain: the model, `torch.autocast` (bf16-mixed), cross-entropy summed over the tokens and
   divided by their count, backward, fused AdamW, zero_grad: nothing else;
 - scaletrain: what `scaletrain train` builds for the same job in one process
-  (`trainer.build`: its precision policy, attention kernel, optimizer, loss), each step
+  (`training.build.build`: its precision policy, attention kernel, optimizer, loss), each step
   through `training.step.train_step` as the trainer calls it;
 - compiled (--compile): the same with `train.compile = true`, its first step (the compile)
   timed apart.
@@ -98,7 +98,7 @@ def scaletrain_job(model: str, precision: str, a: argparse.Namespace, extra: tup
     from scaletrain.config import load_config
     from scaletrain.plan import resolve
     from scaletrain.runtime import ProcessEnv, seed_everything
-    from scaletrain.training import trainer
+    from scaletrain.training.build import build
     from scaletrain.training.step import train_step
 
     overrides = [
@@ -117,9 +117,7 @@ def scaletrain_job(model: str, precision: str, a: argparse.Namespace, extra: tup
     derived = resolve(config, world_size=1, nproc_per_node=1)
     seed_everything(0)
     run_dir = Path(tempfile.mkdtemp(prefix="anatomy-"))
-    parts = trainer.build(
-        config, derived, ProcessEnv(), device=torch.device("cpu"), run_dir=run_dir
-    )
+    parts = build(config, derived, ProcessEnv(), device=torch.device("cpu"), run_dir=run_dir)
     state = parts.state
     counter = iter(range(10**9))
 

@@ -25,8 +25,8 @@ from scaletrain.models import build_model
 from scaletrain.parallel.comm_hooks import HookState
 from scaletrain.precision import make_precision
 from scaletrain.training.optim import build_optimizer, build_scheduler
+from scaletrain.training.progress import CommCounter, RunProgress, Window
 from scaletrain.training.step import train_step
-from scaletrain.training.trainer import CommCounter, RunProgress, Window
 
 TASK = TaskSpec("classification", (1, 8, 8), 10)
 

@@ -523,26 +523,9 @@ def _serve(config: Config, derived: Derived, *, index: int, run_dir: Path) -> No
 def _optimizer(config: Config, shard: torch.nn.Module, *, per_step: int):
     """The shard's optimizer and LR schedule; the schedule counts gradients (`per_step` of
     them make a global step)."""
-    from scaletrain.training.optim import build_optimizer, build_scheduler
+    from scaletrain.training.optim import from_section
 
-    o, t = config.optim, config.train
-    optimizer = build_optimizer(
-        shard,
-        name=o.name,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=o.betas,
-        momentum=o.momentum,
-        impl=o.impl,
-    )
-    scheduler = build_scheduler(
-        optimizer,
-        warmup_steps=o.warmup_steps * per_step,
-        total_steps=t.steps * per_step,
-        schedule=o.schedule,
-        min_lr_ratio=o.min_lr_ratio,
-    )
-    return optimizer, scheduler
+    return from_section(shard, config.optim, total_steps=config.train.steps, per_step=per_step)
 
 
 def _restore(

@@ -148,7 +148,7 @@ def faster(
 def _steps(config: Config, *, threads: int, code: UserCode) -> dict[str, Callable[[], None]] | None:
     """One training step of the configured model in each mode (each with its own measured
     attention kernel), on one micro-batch; None when the model is too large to build."""
-    from scaletrain.training.optim import build_optimizer, build_scheduler
+    from scaletrain.training.optim import from_section
     from scaletrain.training.step import train_step
 
     torch.manual_seed(config.train.seed)
@@ -173,19 +173,7 @@ def _steps(config: Config, *, threads: int, code: UserCode) -> dict[str, Callabl
             )
         finally:
             torch.set_num_threads(previous)
-        o = config.optim
-        optimizer = build_optimizer(
-            model,
-            name=o.name,
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=o.betas,
-            momentum=o.momentum,
-            impl=o.impl,
-        )
-        scheduler = build_scheduler(
-            optimizer, warmup_steps=0, total_steps=10**6, schedule="constant", min_lr_ratio=1.0
-        )
+        optimizer, scheduler = from_section(model, config.optim, total_steps=10**6)
 
         def step(model=model, optimizer=optimizer, scheduler=scheduler, p=precision, f=loss_fn):
             train_step(

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from scaletrain.config import OptimConfig
+
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 
 
@@ -80,6 +82,44 @@ def lr_multiplier(
     decay_steps = max(1, total_steps - warmup_steps - 1)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def from_section(
+    model: torch.nn.Module,
+    optim: OptimConfig,
+    *,
+    total_steps: int,
+    impl: str | None = None,
+    per_step: int = 1,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The optimizer and schedule the [optim] section describes, over `model`'s trainable
+    parameters: what the trainer, the parameter servers and `auto`'s probe all build.
+
+    Args:
+        model: the module (or a parameter server's shard) to optimize.
+        optim: the frozen [optim] section.
+        total_steps: optimizer steps the schedule spans (train.steps).
+        impl: the kernels, where the caller must override optim.impl (None: optim.impl).
+        per_step: scheduler steps per optimizer step (a parameter server steps once per
+            gradient: several make a global step).
+    """
+    optimizer = build_optimizer(
+        model,
+        name=optim.name,
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        betas=optim.betas,
+        momentum=optim.momentum,
+        impl=impl or optim.impl,
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=optim.warmup_steps * per_step,
+        total_steps=total_steps * per_step,
+        schedule=optim.schedule,
+        min_lr_ratio=optim.min_lr_ratio,
+    )
+    return optimizer, scheduler
 
 
 def build_scheduler(
