@@ -3,7 +3,7 @@
 glibc serves allocations above its mmap threshold (128 KiB, raised dynamically up to 32 MiB)
 with fresh mmap'd pages and unmaps them on free. A training step frees and re-allocates the
 same large activation and gradient buffers every step, so each step page-faults them in
-again: measured here at micro-batch 512, 2.6M page faults and a 1.6x slower step.
+again (BENCHMARKS.md, "Allocator", has the page faults and the step times).
 
 `retain` turns that off with `mallopt`: no mmap for heap blocks (M_MMAP_MAX = 0) and no
 trimming of the heap top (M_TRIM_THRESHOLD = 1 GiB), so freed blocks are reused by the next

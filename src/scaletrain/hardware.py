@@ -5,7 +5,7 @@ A profile is a small TOML table (written by `scaletrain calibrate`, or one of th
 below): peak matmul FLOP/s per dtype, memory per device, memory bandwidth, and the
 collectives' bus bandwidth and latency per world size. MFU divides the model FLOPs a run
 achieved by the profile's peak for the run's compute dtype; on a CPU the peak is what
-`calibrate` measured (there is no datasheet figure a 2-core VM reaches), on a GPU the
+`calibrate` measured (no datasheet figure holds for a shared or virtual CPU), on a GPU the
 datasheet's dense figure for the exact part, as torchtitan and Megatron report it (fp32 at
 the plain FP32 rate, or the TF32 tensor cores' where precision.tf32 is on).
 

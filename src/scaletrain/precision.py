@@ -26,9 +26,8 @@ The forward context also holds the attention kernel measured fastest for the mod
 (`attention`, attention.py), which the checkpoint keeps.
 
 A mode asked for by name may be slower than fp32 on the machine it runs on: bf16 on a CPU
-without avx512_bf16 or AMX is emulated, about 100x slower than fp32 (measured on a 2-core
-AVX2-only AMD EPYC: 0.4-0.6 against 53 GFLOP/s), and fp16 on a CPU without AMX-FP16 about
-200x. `slow_precision_warning` says so, naming the CPU's capability and the instruction set
+without avx512_bf16 or AMX is emulated, about 100x slower than fp32, and fp16 on a CPU
+without AMX-FP16 about 200x (BENCHMARKS.md, "Precision and accumulation"). `slow_precision_warning` says so, naming the CPU's capability and the instruction set
 it lacks; `explain` and `train` print it (plan.resolve collects it with its warnings).
 
 TF32 (`precision.tf32`, CUDA only): fp32 matmuls and convolutions on the tensor cores, their
@@ -128,8 +127,7 @@ def slow_precision_warning(mode: str, hw: Hardware) -> str | None:
         return (
             f"precision.mode = {mode!r} is about 100x slower than fp32 on this CPU"
             f"{_capability(hw)}: it has neither avx512_bf16 nor AMX, so every bf16 "
-            "matmul is emulated (measured on an AVX2-only CPU: 0.4-0.6 against 53 GFLOP/s "
-            "in fp32); use precision.mode = 'auto' (fp32 here, bf16-mixed where the CPU "
+            "matmul is emulated; use precision.mode = 'auto' (fp32 here, bf16-mixed where the CPU "
             "has avx512_bf16 or AMX) or 'fp32'"
         )
     if mode == "fp16-mixed" and not hw.amx_fp16:

@@ -155,8 +155,8 @@ def _init_rpc(config: Config, rank: int, world: int, *, role: str, index: int):
         "scaletrain-ps", lambda url, **kw: iter([(store, rank, world)])
     )
     # The uv (TCP) transport and basic channel only: TensorPipe's shared-memory transport
-    # busy-polls, about a quarter of a core per process measured here, which on a CPU host
-    # is taken from the workers' compute.
+    # busy-polls a core's share per process, which on a CPU host is taken from the workers'
+    # compute.
     options = rpc.TensorPipeRpcBackendOptions(
         init_method="scaletrain-ps://",
         rpc_timeout=config.parallel.timeout_s,
