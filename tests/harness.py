@@ -348,6 +348,35 @@ def run_cli(
         ) from None
 
 
+def start_cli(args: list[str], *, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    """`scaletrain ARGS` started as a user starts it, in the background, its output captured
+    (text): for a test that acts on a run while it goes (signals, kills, sockets)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", *args],
+        env=env if env is not None else cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def wait_until(ready, *, launcher: subprocess.Popen, what: str, timeout: float):
+    """Poll `ready()` until it returns something truthy, and return that; fail naming `what`,
+    with the launcher's output, if the launcher ends first or `timeout` seconds pass (the
+    launcher is then killed)."""
+    deadline = time.monotonic() + timeout
+    while not (found := ready()):
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill()
+            out, err = launcher.communicate()
+            raise AssertionError(
+                f"never saw {what} (launcher exit {launcher.returncode}):\n{(out + err)[-3000:]}"
+            )
+        time.sleep(0.05)
+    return found
+
+
 def records(run_dir: Path, kind: str = "train") -> list[dict]:
     """The run's metrics.jsonl records of one kind ("train" or "eval"), in file order."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -22,6 +22,8 @@ from harness import (
     records,
     run_cli,
     spawn_ranks,
+    start_cli,
+    wait_until,
     worker_pids,
 )
 
@@ -145,11 +147,8 @@ def test_killed_rank_ends_the_run_naming_it(tmp_path: Path, config: Path, victim
     Killing rank 0 takes the rendezvous store with it: rank 1's store calls then print a
     page of C++ frames, which must stay in rank 1's log."""
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
+    launcher = start_cli(
         [
-            sys.executable,
-            "-m",
-            "scaletrain",
             "train",
             str(config),
             "--nproc",
@@ -159,14 +158,12 @@ def test_killed_rank_ends_the_run_naming_it(tmp_path: Path, config: Path, victim
             "train.steps=100000",
             "log.every=1",
             "parallel.timeout_s=20",
-        ],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        ]
     )
     try:
-        _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), timeout=90)
+        wait_until(
+            (run_dir / "metrics.jsonl").exists, launcher=launcher, what="a record", timeout=90
+        )
         pids = worker_pids(launcher.pid)
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[victim], signal.SIGKILL)

@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli_env, listening_addresses, records, run_cli, worker_pids
+from harness import (
+    cli_env,
+    listening_addresses,
+    records,
+    run_cli,
+    start_cli,
+    wait_until,
+    worker_pids,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -59,30 +67,17 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     config = tmp_path / "cfg.toml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "scaletrain",
-            "train",
-            str(config),
-            "--run-dir",
-            str(run_dir),
-            "parallel.timeout_s=20",
-            *extra,
-        ],
+    launcher = start_cli(
+        ["train", str(config), "--run-dir", str(run_dir), "parallel.timeout_s=20", *extra],
         env=cli_env(PYTHONFAULTHANDLER="1"),  # a hang in _stop shows every thread's stack
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
         preexec_fn=_as_from_a_terminal,
     )
-    deadline = time.monotonic() + 180  # start-up: imports, the agent, the first step
-    while not (run_dir / "metrics.jsonl").exists() or not records(run_dir):
-        if launcher.poll() is not None or time.monotonic() > deadline:
-            launcher.kill()
-            raise AssertionError(f"the run did not start:\n{launcher.communicate()[1][-3000:]}")
-        time.sleep(0.2)
+    wait_until(  # start-up: imports, the agent, the first step
+        lambda: (run_dir / "metrics.jsonl").exists() and records(run_dir),
+        launcher=launcher,
+        what="the first record",
+        timeout=180,
+    )
     return launcher, run_dir
 
 

@@ -19,15 +19,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from scaletrain.checkpoint_files import latest_valid, list_checkpoints
 
-from harness import cli_env, env_of, listening, records
+from harness import env_of, listening, records, start_cli, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -68,11 +66,8 @@ def _start(root: Path, *overrides: str, workers: int = WORKERS) -> tuple[subproc
     config = root / "cfg.toml"
     config.write_text(CONFIG)
     run_dir = root / "run"
-    launcher = subprocess.Popen(
+    launcher = start_cli(
         [
-            sys.executable,
-            "-m",
-            "scaletrain",
             "train",
             str(config),
             "--nproc",
@@ -81,27 +76,13 @@ def _start(root: Path, *overrides: str, workers: int = WORKERS) -> tuple[subproc
             "--run-dir",
             str(run_dir),
             *overrides,
-        ],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        ]
     )
     return launcher, run_dir
 
 
 def _wait(launcher: subprocess.Popen, what: str, ready, timeout: float = WAIT_S):
-    """Poll `ready()` until it returns something truthy; fail if the launcher ends first."""
-    deadline = time.monotonic() + timeout
-    while not (found := ready()):
-        if launcher.poll() is not None or time.monotonic() > deadline:
-            launcher.kill()
-            out, err = launcher.communicate()
-            raise AssertionError(
-                f"never saw {what} (launcher exit {launcher.returncode}):\n{(out + err)[-3000:]}"
-            )
-        time.sleep(0.1)
-    return found
+    return wait_until(ready, launcher=launcher, what=what, timeout=timeout)
 
 
 def _log(run_dir: Path, rank: int) -> str:

@@ -22,8 +22,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -38,7 +36,7 @@ from scaletrain.models import build_model
 from scaletrain.precision import make_precision
 from scaletrain.training.optim import build_optimizer, build_scheduler
 
-from harness import Case, cli_env, cli_main, load_weights, records, run_job, worker_pids
+from harness import Case, cli_main, load_weights, records, run_job, start_cli, worker_pids
 
 CONFIG = """
 [model]
@@ -124,23 +122,8 @@ def test_killed_worker_restarts_and_ends_bit_identical(trained, tmp_path: Path) 
     config.write_text(KILL_CONFIG)
 
     run_dir = tmp_path / "killed"
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "scaletrain",
-            "train",
-            str(config),
-            "--run-dir",
-            str(run_dir),
-            "--max-restarts",
-            "1",
-            "log.quiet=false",
-        ],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    launcher = start_cli(
+        ["train", str(config), "--run-dir", str(run_dir), "--max-restarts", "1", "log.quiet=false"]
     )
     try:
         deadline = time.monotonic() + 240  # start-up and 50 steps on a loaded machine
