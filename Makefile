@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint test test-fast bench clean
+.PHONY: setup demo lint docs test test-fast bench clean
 
 # compileall: bytecode for every installed module, in parallel (~30 s on 2 cores; pip's
 # own pass is serial, hence its --no-compile). Without it, where PYTHONDONTWRITEBYTECODE is
@@ -29,6 +29,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The docs site (mkdocs.yml, docs/): --strict fails on a broken link or anchor, and the config
+# reference and API page are generated from the code (docs/hooks/generated.py). Output: site/.
+# NO_MKDOCS_2_WARNING: mkdocs-material's end-of-life banner, not a warning about the docs.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # --durations: the slowest tests are named in every run (budget: make test <= 12 min on 2 cores).
 # Two pytest workers, a test file each at a time (pytest-xdist, --dist loadfile: a file's
@@ -58,4 +64,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/distill.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site
