@@ -151,7 +151,7 @@ def check_summed(
             f"{label} must return the loss summed over the batch, but {why}: the two halves of "
             f"a micro-batch gave {parts[0][0]:.6g} + {parts[1][0]:.6g} = {total:.6g}, the whole "
             f"{whole[0]:.6g}. Use reduction='sum' and return (sum, count); scaletrain divides "
-            "by the global count itself (README, 'Bring your own model')"
+            "by the global count itself (docs/own-model.md)"
         )
 
 

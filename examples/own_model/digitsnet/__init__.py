@@ -1,2 +1,2 @@
-"""An example package that brings its own model, data and loss to scaletrain (README,
-"Bring your own model"). Run from this directory: `scaletrain train config.toml`."""
+"""An example package that brings its own model, data and loss to scaletrain
+(docs/own-model.md). Run from this directory: `scaletrain train config.toml`."""

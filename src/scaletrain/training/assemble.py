@@ -128,7 +128,7 @@ def build_objective(
             raise UserCodeError(
                 f"data.source = {config.data.source!r} gives sentences without "
                 "labels (kind 'encode'): they train a student from a teacher, "
-                "so set distill.teacher (README, 'Knowledge distillation')"
+                "so set distill.teacher (docs/distillation.md)"
             )
         return net, hard, None
     cache_info = None

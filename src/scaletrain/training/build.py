@@ -309,8 +309,8 @@ def _built_whole(model: torch.nn.Module, config: Config) -> str:
     return (
         f"model.name = {config.model.name!r} is built whole on every rank ({size:,.1f} MiB) "
         f"before the layout splits it: module(s) {missing} have no initialiser; define "
-        f"`{INIT_ATTR}(name, module)` on the model to build it on the meta device (README, "
-        "'Models bigger than one device')"
+        f"`{INIT_ATTR}(name, module)` on the model to build it on the meta device "
+        "(docs/big-models.md)"
     )
 
 
