@@ -105,6 +105,8 @@ FILE_SECONDS = {
     "test_dp_parity.py": 20,
     "test_compile.py": 20,
     "test_pipeline.py": 10,
+    "test_distill_terms_parity.py": 35,
+    "test_ps_threads.py": 45,
 }
 
 

@@ -52,6 +52,18 @@ SYNTHETIC_TOML = GOOD_TOML.replace(
     'source = "digits"', 'source = "synthetic-images"\nsynthetic_examples = 64'
 )
 SENTENCES_TOML = GOOD_TOML.replace('source = "digits"', 'source = "sentences"')
+# A BERT student on sentences: the relation and contrastive terms' own case.
+BERT_SENTENCES_TOML = SENTENCES_TOML.replace(
+    'name = "mlp"\nsize = "tiny"',
+    'name = "hf"\nhf_config = "BertConfig"\nkwargs = { hidden_size = 32, '
+    "num_hidden_layers = 2, num_attention_heads = 2, intermediate_size = 37 }",
+)
+# A cache written for the hidden-state and pooled-cosine terms (cache.json alone: the
+# launcher reads it before any Parquet file).
+POOLED_CACHE_JSON = (
+    '{"teacher_sha256": "' + "ab" * 32 + '", "teacher_dtype": "float32", '
+    '"outputs": ["pooled", "hidden.0"], "splits": {}}'
+)
 
 
 def _write_teacher(run: Path, *, source: str, seed: int, input_shape: tuple[int, ...]) -> Path:
@@ -269,6 +281,79 @@ CASES = [
         "train {cfg} distill.teacher={teacher} distill.attention_weight=0.5",
         "attention_weight",
         "model.name = 'mlp'",
+    ),
+    # MiniLM's relations and the contrastive term: a Hugging Face encoder on sentences
+    case(
+        "relation-weight-with-builtin-model",
+        "train {cfg} distill.teacher={teacher} distill.relation_weight=1.0",
+        "distill.relation_weight = 1.0",
+        "model.name = 'mlp'",
+        "model.name = 'hf'",
+    ),
+    case(
+        "contrastive-weight-with-builtin-model",
+        "train {cfg} distill.teacher={teacher} distill.contrastive_weight=0.5",
+        "distill.contrastive_weight = 0.5",
+        "model.name = 'mlp'",
+    ),
+    case(
+        "relation-weight-on-text-data",
+        "train {cfg} distill.teacher=all-MiniLM-L6-v2 distill.relation_weight=1.0 "
+        "distill.cosine_weight=1.0 data.source=synthetic-text",
+        "distill.relation_weight = 1.0",
+        "data.source = 'synthetic-text'",
+        "'sentences'",
+        toml=BERT_SENTENCES_TOML,
+    ),
+    case(
+        "relation-weight-with-an-mlp-teacher",
+        "train {cfg} distill.teacher={teacher} distill.relation_weight=1.0 "
+        "distill.cosine_weight=1.0",
+        "distill.relation_weight = 1.0",
+        "distill.teacher = '{teacher}'",
+        "model.name = 'mlp'",
+        "Hugging Face encoder",
+        toml=BERT_SENTENCES_TOML,
+    ),
+    case(
+        "relation-weight-alone",
+        "train {cfg} distill.teacher=all-MiniLM-L6-v2 distill.relation_weight=1.0",
+        "distill.relation_weight = 1.0",
+        "no gradient",
+        "distill.cosine_weight = 1.0",
+        toml=BERT_SENTENCES_TOML,
+    ),
+    case(
+        "contrastive-weight-with-one-example-per-micro-batch",
+        "train {cfg} distill.teacher=all-MiniLM-L6-v2 distill.contrastive_weight=1.0 "
+        "train.micro_batch=1",
+        "distill.contrastive_weight = 1.0",
+        "train.micro_batch = 1",
+        "2 or more",
+        toml=BERT_SENTENCES_TOML,
+    ),
+    case(
+        "relation-weight-with-a-cache-without-its-outputs",
+        "train {cfg} distill.cache={tmp}/cache distill.relation_weight=1.0 "
+        "distill.hidden_weight=1.0",
+        "distill.relation_weight = 1.0",
+        "['query.last', 'key.last', 'value.last']",
+        "distill.cache = '{tmp}/cache'",
+        "scaletrain distill-cache",
+        toml=BERT_SENTENCES_TOML,
+        files={"cache/cache.json": POOLED_CACHE_JSON},
+    ),
+    case(
+        "contrastive-temperature-zero",
+        "train {cfg} distill.teacher={teacher} distill.contrastive_temperature=0.0",
+        "distill.contrastive_temperature = 0.0",
+        "greater than 0",
+    ),
+    case(
+        "relation-weight-negative",
+        "train {cfg} distill.teacher={teacher} distill.relation_weight=-1.0",
+        "distill.relation_weight = -1.0",
+        "greater than or equal to 0",
     ),
     # the cache
     case(

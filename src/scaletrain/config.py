@@ -255,6 +255,12 @@ class DistillConfig(_Section):
     """Weight of the cosine loss 1 - cos(student, teacher) on pooled embeddings or logits (DistilBERT)."""
     cosine_on: Literal["pooled", "logits"] = "pooled"
     """What the cosine loss compares: mean-pooled last hidden states (encoders) or the logits."""
+    relation_weight: float = Field(0.0, ge=0.0)
+    """Weight of MiniLM's self-attention relation loss: KL of the last layer's attention distributions and value relations, per student attention head, over real tokens; Hugging Face encoders (query/key/value projections)."""
+    contrastive_weight: float = Field(0.0, ge=0.0)
+    """Weight of the in-batch contrastive loss (InfoNCE) on mean-pooled embeddings: the teacher's embedding of the same example is the positive, the micro-batch's others the negatives; encoders, train.micro_batch >= 2."""
+    contrastive_temperature: float = Field(0.05, gt=0.0, le=100.0)
+    """Temperature tau of the contrastive loss: cosine similarities are divided by it."""
     layer_map: list[int] = []
     """Teacher layer each student hidden state learns (0 = embeddings), one per student state; [] = uniform (TinyBERT)."""
     init_layers: list[int] = []

@@ -21,7 +21,13 @@ from scaletrain.data.loader import Dataset
 from scaletrain.data.sources import TaskSpec
 from scaletrain.distill.checks import encoder_loss_problem
 from scaletrain.distill.objective import Needs, Weights, distillation_loss, needs_of
-from scaletrain.distill.student import Distilled, init_from_teacher, n_blocks, resolve_layer_map
+from scaletrain.distill.student import (
+    Distilled,
+    init_from_teacher,
+    last_layer_qkv,
+    n_blocks,
+    resolve_layer_map,
+)
 from scaletrain.distill.teacher import (
     MINILM,
     Teacher,
@@ -50,6 +56,9 @@ def weights_of(config: Config) -> Weights:
         attention=d.attention_weight,
         cosine=d.cosine_weight,
         cosine_on=d.cosine_on,
+        relation=d.relation_weight,
+        contrastive=d.contrastive_weight,
+        contrastive_temperature=d.contrastive_temperature,
     )
 
 
@@ -91,15 +100,27 @@ def build_distillation(
     """
     d, w = config.distill, weights_of(config)
     hugging_face = _is_hf(student)
-    if (w.hidden > 0 or w.attention > 0) and not hugging_face:
+    inner = {
+        "hidden_weight": w.hidden,
+        "attention_weight": w.attention,
+        "relation_weight": w.relation,
+        "contrastive_weight": w.contrastive,
+    }
+    on = [f"distill.{k} = {v}" for k, v in inner.items() if v > 0]
+    if on and not hugging_face:
         raise UserCodeError(
-            "distill.hidden_weight and distill.attention_weight need a Hugging "
-            "Face student and teacher (their hidden states and attention maps); "
+            f"{', '.join(on)}: read a Hugging Face student's and teacher's hidden states, "
+            "attention maps or projections; "
             f"model.name = {config.model.name!r} gives logits only"
         )
     problem = (
         encoder_loss_problem(
-            hidden=w.hidden, attention=w.attention, cosine=w.cosine, cosine_on=w.cosine_on
+            hidden=w.hidden,
+            attention=w.attention,
+            cosine=w.cosine,
+            cosine_on=w.cosine_on,
+            relation=w.relation,
+            contrastive=w.contrastive,
         )
         if task.kind == "encode"
         else None
@@ -157,6 +178,9 @@ def build_distillation(
         init_from_teacher(student, teacher.module, list(d.init_layers)) if d.init_layers else []
     )
     needs = needs_of(w, task_kind=task.kind, layer_map=layer_map)
+    relation_heads = models_fit_terms(
+        w, task_kind=task.kind, student=student, teacher=teacher, cache_info=cache_info
+    )
     sha = teacher.sha256 if teacher is not None else None
     if d.cache:
         teacher = None  # loaded only to copy its layers
@@ -177,9 +201,16 @@ def build_distillation(
         attentions=w.attention > 0,
         hugging_face=hugging_face,
         seed=config.train.seed,  # a real student's projections, drawn as a meta one's
+        relations=w.relation > 0,
     )
     loss_fn = distillation_loss(
-        hard, teacher=teacher, weights=w, needs=needs, layer_map=layer_map, task_kind=task.kind
+        hard,
+        teacher=teacher,
+        weights=w,
+        needs=needs,
+        layer_map=layer_map,
+        task_kind=task.kind,
+        relation_heads=relation_heads,
     )
     return Distillation(
         model=model,
@@ -190,6 +221,69 @@ def build_distillation(
         initialised=initialised,
         teacher_sha256=sha,
     )
+
+
+def models_fit_terms(
+    w: Weights,
+    *,
+    task_kind: str,
+    student: nn.Module,
+    teacher: Teacher | None,
+    cache_info: dict | None,
+) -> int:
+    """Refuse a relation or contrastive term the models cannot give; returns the relation
+    heads R (the student's attention heads; 0 without the relation term).
+
+    Raises:
+        UserCodeError: naming the key, its value and what the models would need.
+    """
+    for key, weight in (("relation_weight", w.relation), ("contrastive_weight", w.contrastive)):
+        if weight > 0 and task_kind != "encode":
+            raise UserCodeError(
+                f"distill.{key} = {weight} compares a bidirectional encoder's "
+                f"representations of sentences (data kind 'encode'); the data are "
+                f"{task_kind!r}: use sentence data (data.source = 'sentences'), or set it to 0"
+            )
+    heads = 0
+    if w.relation > 0:
+        heads = int(student.config.num_attention_heads)
+        last_layer_qkv(student)
+        width = _teacher_width(teacher, cache_info, key="query.last")
+        if width % heads:
+            raise UserCodeError(
+                f"distill.relation_weight = {w.relation}: the teacher's queries ({width} "
+                f"wide) do not split into the student's {heads} attention heads, the "
+                "relation heads both sides are cut into; give the student a number of "
+                "heads that divides the teacher's width"
+            )
+    if w.contrastive > 0:
+        width = _teacher_width(teacher, cache_info, key="pooled")
+        own = int(student.config.hidden_size)
+        if width and width != own:
+            raise UserCodeError(
+                f"distill.contrastive_weight = {w.contrastive} compares the student's "
+                f"pooled embeddings ({own} wide) with the teacher's ({width} wide) by "
+                "cosine: give the student the teacher's hidden_size"
+            )
+    return heads
+
+
+def _teacher_width(teacher: Teacher | None, cache_info: dict | None, *, key: str) -> int:
+    """The width of the teacher's output `key` ("query.last": its last layer's queries,
+    "pooled": its embeddings), from the loaded teacher or the cache (0: the cache lacks it,
+    which check_cache refuses)."""
+    if teacher is None:
+        shapes = (cache_info or {}).get("splits", {}).get("train", {}).get("shapes", {})
+        return int(shapes[key]["shape"][-1]) if key in shapes else 0
+    if not teacher.hugging_face:
+        raise UserCodeError(
+            f"distill.teacher = {teacher.source!r} is not a Hugging Face transformer encoder: "
+            "distill.relation_weight and distill.contrastive_weight read an encoder's "
+            "projections and hidden states"
+        )
+    if key == "query.last":
+        return int(last_layer_qkv(teacher.module)[0].out_features)
+    return int(teacher.module.config.hidden_size)
 
 
 def run_teacher_dtype(config: Config, precision: Precision) -> torch.dtype:

@@ -3,7 +3,8 @@
 `scaletrain distill-cache CONFIG OUT_DIR` runs the teacher once over the train and eval
 splits, in row order, and writes OUT_DIR/{train,eval}/part-NNNNN.parquet (one row per data
 row, one fixed-size list column per output: "logits" (top-k values, with "logits_index",
-when distill.top_k > 0), "pooled", "hidden.L", "attn.L") and OUT_DIR/cache.json, which
+when distill.top_k > 0), "pooled", "hidden.L", "attn.L", "query.last", "key.last",
+"value.last") and OUT_DIR/cache.json, which
 records what the outputs depend on:
 - the teacher's weights SHA-256 and its dtype;
 - each split's data fingerprint: the SHA-256 of every row's inputs, extras and targets in
@@ -23,7 +24,10 @@ Outputs are stored in the dtype the teacher computed: float32, float64, or bfloa
 teacher gave). What a recipe reads decides the size: pooled (D) and the mapped hidden
 states (T x D each) are ~50 KB a row per state at T = 64 and D = 384 in bf16; an attention
 map (H x T x T) is twice a hidden state, which is why the MiniLM recipes train without
-attention maps. A cache holds every output its config needs, so another recipe on the same
+attention maps. The relation term (distill.relation_weight) reads the last layer's query, key
+and value (3 x T x D: three hidden states, ~147 KB a row at T = 64, D = 384 in bf16), from
+which the loss computes both relations as online; the contrastive term reads "pooled" (D:
+768 bytes in bf16), nothing more where the pooled cosine already cached it. A cache holds every output its config needs, so another recipe on the same
 data and teacher whose needs are a subset (the 2-layer MiniLM student's states {0, 5, 6} in
 the 3-layer's {0, 1, 5, 6}) reads the same cache: it is written once.
 
@@ -235,11 +239,23 @@ def check_cache(
         )
     missing = [k for k in needs_keys if k not in part["shapes"]]
     if missing:
+        keys = sorted({_read_by(k) for k in missing})
         raise CacheError(
             f"{where} lacks the teacher outputs {missing} this run's [distill] "
-            f"weights need (it holds {sorted(part['shapes'])}); write it with this "
-            "config"
+            f"weights need ({', '.join(keys)}; it holds {sorted(part['shapes'])}); write "
+            "it with this config"
         )
+
+
+def _read_by(output: str) -> str:
+    """The [distill] key whose term reads a cached output (for a refusal's message)."""
+    kind = output.split(".", 1)[0]
+    return {
+        "logits": "distill.alpha or distill.cosine_on = 'logits'",
+        "pooled": "distill.cosine_weight or distill.contrastive_weight",
+        "hidden": "distill.hidden_weight",
+        "attn": "distill.attention_weight",
+    }.get(kind, "distill.relation_weight")  # query.last, key.last, value.last
 
 
 def check_cache_teacher(

@@ -25,6 +25,13 @@ Layer map: student hidden state m (0 = the embeddings' output, m = 1..M the bloc
 teacher state `layer_map[m]`; the attention of student block m learns teacher block
 layer_map[m]'s. [] = TinyBERT's uniform map g(m) = m x N / M.
 
+Last-layer projections (the relation term, MiniLM): the outputs of the last block's `query`,
+`key` and `value` Linear modules (BERT's names, kept by RoBERTa, ELECTRA and MiniLM), caught
+by forward hooks held for one forward only (`capture_outputs`): exactly the tensors the
+attention multiplies, whatever attention kernel runs (sdpa gives no attention maps), and
+nothing caught when activation checkpointing runs the block again in backward. The teacher
+is read the same way (teacher.py).
+
 Initialisation from teacher layers (DistilBERT took every other layer of BERT): student
 block i becomes a copy of teacher block `init_layers[i]`, and every other student weight
 whose name and shape the teacher has (embeddings, final norm, pooler) is copied too.
@@ -32,6 +39,8 @@ whose name and shape the teacher has (embeddings, final norm, pooler) is copied 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +58,7 @@ class StudentOutput:
     last_hidden: torch.Tensor | None  # (B, T, D) an encoder's output
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> (B, T, D_teacher)
     attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> (B, H, T, T)
+    qkv: dict[str, torch.Tensor] = field(default_factory=dict)  # "query"/"key"/"value" (B, T, D)
 
 
 # A pytree node, so that FSDP2 and DDP find the tensors in the student's output (FSDP2 hooks
@@ -72,12 +82,17 @@ class Distilled(nn.Module):
         attentions: bool,
         hugging_face: bool,
         seed: int = 0,
+        relations: bool = False,
     ) -> None:
         """`seed`: train.seed, from which a real student's projections are drawn here (a
-        meta student's, with it, when the trainer materialises it)."""
+        meta student's, with it, when the trainer materialises it). `relations`: also return
+        the last layer's query, key and value (the relation term)."""
         super().__init__()
         self.student = student
         self.layer_map, self.want_hidden, self.want_attn = layer_map, hidden, attentions
+        self.want_qkv = relations
+        if relations:
+            last_layer_qkv(student)  # refused now, not at the first forward
         self.hugging_face = hugging_face
         width = _width(student) if hidden else 0
         with torch.device("meta"):  # shapes now; the values by the module rule
@@ -115,12 +130,16 @@ class Distilled(nn.Module):
             return StudentOutput(
                 logits=out if isinstance(out, torch.Tensor) else out.logits, last_hidden=None
             )
-        out = self.student(
-            inputs,
-            output_hidden_states=self.want_hidden,
-            output_attentions=self.want_attn,
-            **extras,
-        )
+        # Found on every forward: activation checkpointing wraps the blocks after this
+        # module is built, which changes their modules' names (not the Linear modules).
+        qkv_modules = last_layer_qkv(self.student) if self.want_qkv else ()
+        with capture_outputs(qkv_modules) as qkv:
+            out = self.student(
+                inputs,
+                output_hidden_states=self.want_hidden,
+                output_attentions=self.want_attn,
+                **extras,
+            )
         logits = getattr(out, "logits", None)
         last = None if logits is not None else out.last_hidden_state
         hidden = (
@@ -133,7 +152,58 @@ class Distilled(nn.Module):
             if self.want_attn
             else {}
         )
-        return StudentOutput(logits=logits, last_hidden=last, hidden=hidden, attentions=attn)
+        return StudentOutput(
+            logits=logits,
+            last_hidden=last,
+            hidden=hidden,
+            attentions=attn,
+            qkv=dict(zip(QKV, qkv)),
+        )
+
+
+QKV = ("query", "key", "value")
+
+
+def last_layer_qkv(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """The query, key and value Linear modules of the model's last block (self-attention;
+    a decoder's cross-attention excluded).
+
+    Raises:
+        UserCodeError: the model has no repeated blocks, or its last has no such modules
+            (a fused qkv, another naming): the relation term cannot read it.
+    """
+    block = model.get_submodule(model_spec(model).blocks or "")
+    last = block[-1] if isinstance(block, (nn.ModuleList, nn.Sequential)) else None
+    found = {
+        name.rsplit(".", 1)[-1]: module
+        for name, module in (last.named_modules() if last is not None else ())
+        if isinstance(module, nn.Linear) and "crossattention" not in name
+    }
+    if any(k not in found for k in QKV):
+        raise UserCodeError(
+            f"distill.relation_weight reads the self-attention's query, key and value "
+            f"projections of the last block, and {type(model).__name__} has no Linear "
+            "modules named query, key and value there (a BERT-style encoder has them: "
+            "BERT, RoBERTa, ELECTRA, MiniLM); set distill.relation_weight = 0"
+        )
+    return found["query"], found["key"], found["value"]
+
+
+@contextlib.contextmanager
+def capture_outputs(modules: tuple[nn.Module, ...]) -> Iterator[list[torch.Tensor | None]]:
+    """A list whose slot i holds modules[i]'s output of the forward run inside the block
+    (None if it did not run). The hooks are removed on leaving: a later forward (activation
+    checkpointing's recomputation in backward) overwrites nothing."""
+    caught: list[torch.Tensor | None] = [None] * len(modules)
+    handles = [
+        m.register_forward_hook(lambda _m, _args, out, i=i: caught.__setitem__(i, out))
+        for i, m in enumerate(modules)
+    ]
+    try:
+        yield caught
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -367,27 +367,39 @@ def set_precision(teacher: Teacher, dtype: torch.dtype) -> Teacher:
     return teacher
 
 
-def run_teacher(teacher: Teacher, batch: Batch, *, hidden: bool, attentions: bool) -> dict:
+def run_teacher(
+    teacher: Teacher, batch: Batch, *, hidden: bool, attentions: bool, qkv: bool = False
+) -> dict:
     """The teacher's outputs on a batch, as normal (autograd-savable) tensors.
 
     Returns a dict with "output" (logits (B, C) / (B, T, V), or the last hidden state
     (B, T, D) of an encoder) and, when asked, "hidden" (a tuple: embeddings, then each
-    layer's (B, T, D)) and "attentions" (a tuple of (B, H, T, T) per layer).
+    layer's (B, T, D)), "attentions" (a tuple of (B, H, T, T) per layer) and "qkv" (the
+    last layer's query, key and value projections, each (B, T, D): student.last_layer_qkv).
     """
+    from scaletrain.distill.student import capture_outputs, last_layer_qkv
+
     inputs = batch.inputs.to(teacher.dtype) if batch.inputs.is_floating_point() else batch.inputs
     # The launcher's shape check runs on meta, under the CPU's autocast (meta has none).
     device_type = "cpu" if inputs.is_meta else inputs.device.type
+    modules = last_layer_qkv(teacher.module) if qkv else ()
     # Outside the student's autocast: the teacher computes in its own dtype.
     with torch.inference_mode(), torch.autocast(device_type=device_type, enabled=False):
         if teacher.hugging_face:
-            out = teacher.module(
-                inputs, output_hidden_states=hidden, output_attentions=attentions, **batch.extras
-            )
+            with capture_outputs(modules) as caught:
+                out = teacher.module(
+                    inputs,
+                    output_hidden_states=hidden,
+                    output_attentions=attentions,
+                    **batch.extras,
+                )
             result = {"output": out.logits if hasattr(out, "logits") else out.last_hidden_state}
             if hidden:
                 result["hidden"] = tuple(out.hidden_states)
             if attentions:
                 result["attentions"] = tuple(out.attentions)
+            if qkv:
+                result["qkv"] = tuple(caught)
         else:
             result = {"output": teacher.module(inputs, **batch.extras)}
     return _cloned(result)
