@@ -585,19 +585,19 @@ def test_good_config_passes_validation(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_explain_counts_a_sentence_recipes_epochs(capsys: pytest.CaptureFixture[str]) -> None:
     """The sentences source's rows are counted for explain (they were 'unknown'): the MiniLM
-    recipe's corpora without augmentation, 28,377 training items (BENCHMARKS.md)."""
+    recipe's corpora without augmentation, 47,070 training items (the config's comment)."""
     config = Path(__file__).parents[1] / "configs" / "distill-minilm.toml"
     code = cli_main(
         [
             "explain",
             str(config),
             'data.kwargs={tokenizer="all-MiniLM-L6-v2",corpora=["wikipedia","words","news",'
-            '"reviews","python-docs","articles"]}',
+            '"python-docs","articles","questions","instructions","headlines","package-docs"]}',
         ]
     )
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert re.search(r"epochs\W+6\.77 \(3000 steps x 64 / 28377 rows\)", out), out
+    assert re.search(r"epochs\W+4\.08 \(3000 steps x 64 / 47070 rows\)", out), out
 
 
 @pytest.mark.parametrize("model", ["gpt", "cnn"])

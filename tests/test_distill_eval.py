@@ -190,10 +190,64 @@ def test_hf_encoder_cls_pooling_and_directory_load(tiny_bert, tiny_encode, tmp_p
 
 def test_encoder_report_against_itself_has_ratio_one(tiny_encode):
     report = ev.encoder_report(tiny_encode, teacher=tiny_encode)
-    assert set(report) == {*ev.SCORE_KEYS, "teacher", "ratio", "cosine_held_out"}
+    assert set(report) == {
+        *ev.SCORE_KEYS,
+        *("teacher", "ratio", "cosine_held_out", "cosine_by_kind", "worst_first"),
+    }
     assert report["ratio"] == pytest.approx({k: 1.0 for k in ev.SCORE_KEYS})
     assert report["cosine_held_out"] == pytest.approx(1.0)
+    assert {k: c["cosine"] for k, c in report["cosine_by_kind"].items()} == pytest.approx(
+        {k: 1.0 for k in ev.held_out_by_kind()}
+    )
+    assert len(report["worst_first"]) == len(ev.SCORE_KEYS) + len(ev.held_out_by_kind())
     assert "teacher" not in ev.encoder_report(_hashed_random())
+
+
+def test_held_out_text_of_every_kind_is_scored():
+    """A held-out part of each corpus, the new kinds of text among them; news is the whole
+    evaluation pool (its reserved 300 first)."""
+    by_kind = ev.held_out_by_kind()
+    assert {"questions", "instructions", "headlines", "package-docs", "wikipedia"} <= set(by_kind)
+    assert by_kind["news"][:300] == ev.held_out_sentences()
+    assert all(len(texts) >= 25 for texts in by_kind.values()), {
+        k: len(v) for k, v in by_kind.items()
+    }
+
+
+def test_eval_prints_the_worst_figure_first():
+    """Scores' ratios and kinds' cosines on one scale (1 is the teacher), ascending; the
+    held-out news cosine and the speed keep their lines after them."""
+    from scaletrain.cli_distill import format_report
+
+    scores = {k: {"accuracy": 0.7} for k in ("polarity", "topic")}
+    scores |= {"lee_pearson": {"pearson": 0.6}, "wordsim353": {"spearman": 0.7}}
+    scores |= {"simlex999": {"spearman": 0.4}}
+    ratio = {
+        "lee_pearson": 1.02,
+        "wordsim353": 0.99,
+        "simlex999": 0.95,
+        "polarity": 1.0,
+        "topic": 0.97,
+    }
+    report = {**scores, "teacher": scores, "ratio": ratio, "cosine_held_out": 0.95}
+    report["cosine_by_kind"] = {
+        "questions": {"cosine": 0.91, "sentences": 55},
+        "headlines": {"cosine": 0.96, "sentences": 32},
+    }
+    report["worst_first"] = ev.worst_first(report)
+    lines = format_report(report)
+    names = [line.split()[0] for line in lines[1:8]]
+    assert names == [
+        "questions",
+        "simlex999",
+        "headlines",
+        "topic",
+        "wordsim353",
+        "polarity",
+        "lee_pearson",
+    ]
+    assert "55 held-out sentences" in lines[1] and "ratio 0.950" in lines[2]
+    assert lines[8].startswith("cosine ") and "held-out news" in lines[8]
 
 
 def test_polarity_probe_is_at_chance_on_a_random_encoder():
@@ -254,7 +308,9 @@ def test_topic_data_is_the_two_groups_without_headers_or_quotes():
     for text in texts:
         assert not text.startswith(("From:", "Newsgroups:", "Subject:", "Path:"))
         assert " writes:" not in text  # (one post quotes a forwarded header in its body)
-    assert ev._post_body("Hi there.\n> quoted\nIn article <1@x> a wrote:\nok\n--\nJo Sig") == (
+    from scaletrain.data.benchmarks import post_body
+
+    assert post_body("Hi there.\n> quoted\nIn article <1@x> a wrote:\nok\n--\nJo Sig") == (
         "Hi there. ok"
     )
 
@@ -328,10 +384,12 @@ def test_eval_prints_both_probes_the_ratios_and_the_timed_speed(tiny_bert, tmp_p
     )
     printed = capsys.readouterr().out
     assert code == 0, printed
-    for key in (*ev.SCORE_KEYS, "cosine", "speed"):
+    for key in (*ev.SCORE_KEYS, *ev.held_out_by_kind(), "cosine", "speed"):
         assert any(line.startswith(key) for line in printed.splitlines()), (key, printed)
+    assert printed.startswith("worst first")
     report = json.loads(out.read_text())
     assert report["ratio"] == pytest.approx({k: 1.0 for k in ev.SCORE_KEYS})
+    assert report["cosine_by_kind"]["questions"]["cosine"] == pytest.approx(1.0)
     assert report["cosine_held_out"] == pytest.approx(1.0)
     speed = report["speed"]
     assert 5 <= speed["rounds"] <= 40 and speed["ci95"][0] <= speed["ratio"] <= speed["ci95"][1]

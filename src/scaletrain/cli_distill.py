@@ -7,9 +7,11 @@ then `distill.cache = OUT_DIR` trains with no teacher.
 eval MODEL [--teacher T]: a sentence encoder (a scaletrain run directory of a "sentences"
 student, a Hugging Face directory, or 'all-MiniLM-L6-v2') scored on Lee (Pearson),
 WordSim353, SimLex-999, the sentiment and topic probes and, with a teacher, each score's
-ratio to the teacher's, the student-teacher cosine on held-out news sentences, and the
-student's encode speed over the teacher's (forwards alone, tokenization timed apart;
---no-speed skips it) (distill/evaluate.py).
+ratio to the teacher's and the student-teacher cosine on the held-out sentences of each
+kind of text (every corpus's, none trained on), printed worst first so that the weakest
+figure is the first line read; then the cosine on the held-out news BENCHMARKS.md has
+always given, and the student's encode speed over the teacher's (forwards alone,
+tokenization timed apart; --no-speed skips it) (distill/evaluate.py).
 
 A CLI-level module (beside cli.py, which registers its parsers): it builds data, model and
 loss with training/assemble.py, which sits above distill/, so it cannot live in distill/.
@@ -29,6 +31,9 @@ import torch
 from scaletrain.config import ConfigError, given_world, load_config
 from scaletrain.plan import resolve
 
+# The scores `scaletrain eval` prints, in the order printed without a teacher.
+SCORE_LINES = ("lee_pearson", "wordsim353", "simlex999", "polarity", "topic")
+
 
 def add_parsers(sub) -> None:
     cache = sub.add_parser(
@@ -39,7 +44,9 @@ def add_parsers(sub) -> None:
     cache.add_argument("out_dir", type=Path, metavar="OUT_DIR")
     cache.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
     ev = sub.add_parser(
-        "eval", help="score a sentence encoder (Lee, WordSim353, SimLex-999) against its teacher"
+        "eval",
+        help="score a sentence encoder (Lee, WordSim353, SimLex-999, probes, each kind of "
+        "held-out text) against its teacher, worst first",
     )
     ev.add_argument(
         "model",
@@ -218,29 +225,43 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def format_report(report: dict) -> list[str]:
-    """One line per score: the student's, the teacher's and their ratio."""
-    lines = []
-    for key in ("lee_pearson", "wordsim353", "simlex999", "polarity", "topic"):
-        score = _score(report[key])
-        line = f"{key:<12} {score:.4f}"
-        if "teacher" in report:
-            t = _score(report["teacher"][key])
-            line += f"   teacher {t:.4f}   ratio {report['ratio'][key]:.3f}"
-        lines.append(line)
+    """One line per figure. With a teacher: the scores' ratios and the kinds' cosines to
+    the teacher, worst first, then the held-out news cosine and the speed; alone, the
+    scores in a fixed order."""
+    if "teacher" not in report:
+        return [f"{key:<12} {_score(report[key]):.4f}" for key in SCORE_LINES]
+    ranked = report.get("worst_first") or [(k, report["ratio"][k]) for k in SCORE_LINES]
+    lines = ["worst first: each score's ratio to the teacher, each kind's cosine to it"]
+    lines += [_figure_line(report, name) for name, _ in ranked]
     if "cosine_held_out" in report:
         lines.append(
             f"{'cosine':<12} {report['cosine_held_out']:.4f} (student-teacher, held-out news)"
         )
     if "speed" in report:
-        sp = report["speed"]
-        low, high = sp["ci95"]
-        lines.append(
-            f"{'speed':<12} {sp['student_sentences_per_s']:.0f} sentences/s   teacher "
-            f"{sp['teacher_sentences_per_s']:.0f}   ratio {sp['ratio']:.2f} (95% CI "
-            f"{low:.2f}-{high:.2f}, {sp['rounds']} rounds; forwards alone, tokenizing "
-            f"{sp['tokenize_sentences_per_s']:.0f} sentences/s apart)"
-        )
+        lines.append(_speed_line(report["speed"]))
     return lines
+
+
+def _figure_line(report: dict, name: str) -> str:
+    """A score with the teacher's and the ratio, or a kind's cosine to the teacher."""
+    if name in SCORE_LINES:
+        score, teacher = _score(report[name]), _score(report["teacher"][name])
+        return f"{name:<12} {score:.4f}   teacher {teacher:.4f}   ratio {report['ratio'][name]:.3f}"
+    kind = report["cosine_by_kind"][name]
+    return (
+        f"{name:<12} {kind['cosine']:.4f}   cosine to the teacher on "
+        f"{kind['sentences']} held-out sentences"
+    )
+
+
+def _speed_line(sp: dict) -> str:
+    low, high = sp["ci95"]
+    return (
+        f"{'speed':<12} {sp['student_sentences_per_s']:.0f} sentences/s   teacher "
+        f"{sp['teacher_sentences_per_s']:.0f}   ratio {sp['ratio']:.2f} (95% CI "
+        f"{low:.2f}-{high:.2f}, {sp['rounds']} rounds; forwards alone, tokenizing "
+        f"{sp['tokenize_sentences_per_s']:.0f} sentences/s apart)"
+    )
 
 
 def _score(entry) -> float:

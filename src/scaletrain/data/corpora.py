@@ -1,33 +1,40 @@
 """English sentences from the installed packages, cleaned, deduplicated and split by a hash.
 
 Everything here is read from files that installed packages ship; nothing is downloaded.
-Each corpus is one function returning its sentences in text order, and `READERS` maps the
-names of `data.kwargs.corpora` to them:
+Each corpus is one function returning its sentences in text order (data/catalog.py maps
+the names of `data.kwargs.corpora` to them; data/kinds.py adds the questions,
+instructions, headlines and technical prose of the packages' documentation):
 
 - "wikipedia" (`wikipedia_sentences`): gensim's shortened English Wikipedia dump, 106
   articles with markup stripped (the `wikitext` source's text), ~20k sentences.
 - "news" (`news_sentences`): lee_background.cor, 300 ABC news stories (Lee, Pincombe and
-  Welsh 2005's background corpus), less the 300 sentences evaluation scores (below).
-- "reviews" (`review_sentences`): alldata-id-10.txt, 10 IMDB movie reviews in the format of
-  Maas et al. 2011 (lower-cased, punctuation spaced out; re-attached here).
+  Welsh 2005's background corpus: the unlabelled text their benchmark's authors gave for
+  training, not its 50 scored documents, lee.cor), less the 300 sentences evaluation
+  scores (below).
 - "python-docs" (`python_doc_sentences`): the running interpreter's
   pydoc_data/topics.py, the language reference's topics as plain text; its prose only.
 - "articles" (`article_sentences`): the English Wikipedia gensim ships beside the excerpt:
   enwiki-table-markup.xml.bz2 (5 more articles) and para2para_text1/2.txt (New York,
   Berlin).
 - "words" (`frequent_words`): not sentences but the excerpt's most frequent words, items
-  of their own (word-similarity benchmarks encode single words).
+  of their own (word-similarity benchmarks encode single words, so the student learns what
+  the teacher does with a word alone; the benchmarks' own words are excluded, below).
 
 What evaluation reads is never training text. distill/evaluate.py scores lee.cor (Lee's 50
-documents), pang_lee_polarity.cor (the sentiment probe's 200 sentences), the word-pair
-files and news sentences reserved here (`evaluation_news`); none of those files is a
-corpus, and `evaluation_keys` lets the caller drop a training item equal to any of their
-sentences however it arrived (the same sentence in two files). Files left out on
-purpose: varembed_lee_subcorpus.cor (4 of lee.cor's documents: evaluation text),
+documents), pang_lee_polarity.cor (the sentiment probe), mini_newsgroup (the topic probe),
+the word-pair files (data/benchmarks.py reads them all), the news sentences reserved here
+(`evaluation_news`) and the held-out part of every corpus; none of those files is a
+corpus, and data/leakage.py drops any training item that equals or contains one of their
+items however it arrived (the same sentence in two files, a benchmark word among the
+frequent words). No corpus reads the data of a well-known evaluation set either, even one
+a package ships: alldata-id-10.txt (10 IMDB reviews: MTEB's IMDB classification) was the
+"reviews" corpus and is no longer read. Files left out on purpose:
+varembed_lee_subcorpus.cor (4 of lee.cor's documents: evaluation text),
 head500.noblanks.cor (Wikipedia stemmed with stop words removed, "anarch greek rule stem
 archon": not sentences), toy-data.txt (text8: no punctuation, no sentence ends),
-mini_newsgroup (a pickle, never opened: unpickling can run code), crime-and-punishment.txt
-and bgwiki (Russian, Bulgarian), the word lists and toy corpora.
+questions-words.txt (the word-analogy benchmark), mini_newsgroup and pang_lee_polarity.cor
+(the probes), crime-and-punishment.txt and bgwiki (Russian, Bulgarian), the word lists
+and toy corpora.
 
 Cleaning, for the new corpora: split into sentences after '.', '!' or '?' (not after
 'Dr.' or 'U.S.'), whitespace normalised (NFC, single spaces), 5 to 64 words, and
@@ -42,11 +49,11 @@ Held out: `held_out(sentence)` is true for 1 sentence in 20, decided by a BLAKE2
 that same case-folded key. A pure function of the text, so a sentence is on the same side
 whichever corpora are mixed, in whatever order, and copies of it in two corpora cannot
 straddle the split. The held-out sentences are the eval split of `data.source =
-"sentences"` and the text evaluation may use (`held_out_sentences`); training never sees
-them. News also reserves RESERVED_NEWS sentences, the first of each story (round-robin over
-the stories; a few stories repeat): the set `scaletrain eval` has always scored as "held-out
-news" (BENCHMARKS.md), kept so that its numbers stay comparable; `evaluation_news` gives
-those, then the news the hash holds out.
+"sentences"` and the text evaluation may use (`catalog.held_out_sentences`); training
+never sees them. News also reserves RESERVED_NEWS sentences, the first of each story
+(round-robin over the stories; a few stories repeat): the set `scaletrain eval` has always
+scored as "held-out news" (BENCHMARKS.md), kept so that its numbers stay comparable;
+`evaluation_news` gives those, then the news the hash holds out.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ import io
 import re
 import unicodedata
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from scaletrain.data.sources import _package_file, _strip_wiki_markup, _wikitext_bytes
 
@@ -130,12 +137,20 @@ def split_sentences(text: str) -> list[str]:
     return sentences
 
 
-def looks_english(sentence: str) -> bool:
+def looks_english(
+    sentence: str, *, min_words: int = MIN_WORDS, function_share: float = 1 / 6
+) -> bool:
     """English prose of MIN_WORDS to MAX_WORDS words: no code or markup characters, at least
     3 words in 4 alphabetic (hyphens and apostrophes allowed), at least 1 in 6 an English
-    function word, and letters mostly ASCII (a few accented names pass, other scripts not)."""
+    function word, and letters mostly ASCII (a few accented names pass, other scripts not).
+
+    Args:
+        sentence: normalised text.
+        min_words: fewer words is no sentence (questions and instructions allow 3).
+        function_share: the least share of function words (titles have few: 0).
+    """
     tokens = sentence.split()
-    if not MIN_WORDS <= len(tokens) <= MAX_WORDS or _MARKUP.search(sentence):
+    if not min_words <= len(tokens) <= MAX_WORDS or _MARKUP.search(sentence):
         return False
     words = [t.strip(".,;:!?()\"'“”‘’") for t in tokens]
     alphabetic = sum(w.replace("-", "").replace("'", "").isalpha() for w in words)
@@ -144,7 +159,7 @@ def looks_english(sentence: str) -> bool:
     ascii_letters = len(_ASCII_LETTERS.findall(sentence))
     return (
         alphabetic >= 0.75 * len(tokens)
-        and function >= len(tokens) / 6
+        and function >= function_share * len(tokens)
         and ascii_letters >= 0.95 * letters
     )
 
@@ -236,21 +251,6 @@ def news_sentences() -> tuple[str, ...]:
     return tuple(clean(re.sub(r"</?\w+>|[\[\]]", "", s) for s in kept))
 
 
-@functools.cache
-def review_sentences() -> tuple[str, ...]:
-    """Sentences of the 10 IMDB reviews in alldata-id-10.txt, punctuation re-attached."""
-    out = []
-    for line in _gensim_text("alldata-id-10.txt").splitlines():
-        text = re.sub(r"^_\*\d+\s+", "", line)  # the "_*N" review id
-        # Quotes are spaced out on both sides, so which one opens is lost: drop them.
-        text = re.sub(r"<br\s*/?>", " ", text).replace('"', " ")
-        text = re.sub(r"\s+([.,!?;:)])", r"\1", " ".join(text.split()))  # "lot ," -> "lot,"
-        text = re.sub(r"([(])\s+", r"\1", text)
-        # Lower-cased text: a sentence ends at '.', '!' or '?' whatever follows.
-        out += re.split(r"(?<=[.!?])\s+", text)
-    return tuple(clean(out))
-
-
 def _doc_block_text(block: str) -> str:
     """One block of pydoc's text as one line: heading underlines dropped, a word broken at a
     line end ("User-\\ndefined") rejoined, a bullet mark and *emphasis* marks removed."""
@@ -291,15 +291,6 @@ def article_sentences() -> tuple[str, ...]:
     return tuple(clean(out))
 
 
-READERS: dict[str, Callable[[], tuple[str, ...]]] = {
-    "wikipedia": wikipedia_sentences,
-    "news": news_sentences,
-    "reviews": review_sentences,
-    "python-docs": python_doc_sentences,
-    "articles": article_sentences,
-}
-
-
 # ---------------------------------------------------------------------------- evaluation
 
 
@@ -311,27 +302,3 @@ def evaluation_news() -> tuple[str, ...]:
     Training reads none of them."""
     pool = _news_round_robin()
     return pool[:RESERVED_NEWS] + tuple(s for s in pool[RESERVED_NEWS:] if held_out(s))
-
-
-@functools.cache
-def evaluation_keys() -> frozenset[str]:
-    """`sentence_key` of every sentence evaluation scores: Lee's 50 documents (each sentence,
-    and each document whole), the sentiment probe's sentences, the reserved news."""
-    lee = [d for d in _gensim_text("lee.cor").splitlines() if d.strip()]
-    probe = [
-        line.split(None, 1)[1]
-        for line in _gensim_text("pang_lee_polarity.cor").splitlines()
-        if len(line.split(None, 1)) == 2
-    ]
-    texts = [*lee, *(s for d in lee for s in split_sentences(d)), *probe, *evaluation_news()]
-    return frozenset(map(sentence_key, texts))
-
-
-def held_out_sentences(corpora: Iterable[str] = tuple(READERS)) -> list[str]:
-    """The held-out sentences of the named corpora (`held_out`), deduplicated, in order:
-    text no training item contains, for evaluation.
-
-    Args:
-        corpora: names in READERS.
-    """
-    return [s for s in dedup(s for name in corpora for s in READERS[name]()) if held_out(s)]

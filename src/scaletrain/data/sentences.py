@@ -1,28 +1,32 @@
 """Tokenized sentences for an encoder (`data.source = "sentences"`, task kind "encode").
 
-What a sentence encoder is distilled on: English sentences from the installed packages
-(data/corpora.py: where each corpus comes from, how it is cleaned, what is left out), named
-by data.kwargs.corpora:
+What a sentence encoder is distilled on: English text from the installed packages, named by
+data.kwargs.corpora (data/catalog.py lists them; data/corpora.py and data/kinds.py say
+where each comes from, how it is cleaned and what is left out):
 
 - "wikipedia": gensim's Wikipedia excerpt (106 articles), ~20k sentences;
 - "words": the excerpt's most frequent words as items of their own, so that the student also
   learns what the teacher does with a word alone (word-similarity benchmarks encode single
-  words);
-- "news" (Lee's background news), "reviews" (10 IMDB reviews), "python-docs" (the
-  interpreter's language reference), "articles" (the other English Wikipedia gensim ships).
+  words; their own words are never among them, below);
+- "news" (Lee's background news), "python-docs" (the interpreter's language reference),
+  "articles" (the other English Wikipedia gensim ships);
+- "questions", "instructions", "headlines", "package-docs": the kinds of sentence of the
+  packages' own documentation (READMEs, docstrings, IDLE's help).
 
-The default stays ["wikipedia", "words"]. The chosen corpora are concatenated in the order
-given and deduplicated. The eval split is the items `corpora.held_out` holds back (1 in 20,
-by a hash of the text: the same sentence is on the same side whatever the mix), the train
-split the rest, less any sentence evaluation scores (`corpora.evaluation_keys`: Lee's
-documents, the sentiment probe, the reserved news), so distill/evaluate.py never scores
-text the student trained on.
+The default stays ["wikipedia", "words"]. "reviews" (IMDB reviews, an evaluation set's
+data) is refused with the reason (`catalog.REMOVED`). The chosen corpora are concatenated
+in the order given and deduplicated. The eval split is the items `corpora.held_out` holds
+back (1 in 20, by a hash of the text: the same sentence is on the same side whatever the
+mix), the train split the rest, less any item that equals or contains text evaluation
+scores (`leakage.is_evaluated`, the one rule: the benchmarks' words, Lee's documents, the
+probes, the held-out news and the held-out sentences of every corpus), so
+distill/evaluate.py never scores text the student trained on.
 
 data.kwargs.augment = { n = 4, p = 0.4, k = 15 } adds TinyBERT's word-replacement variants of
-the training sentences (data/augment.py), seeded by train.seed, to the train split only; the
-variants pass the same filter as the sentences, and the teacher labels them like any item
-(online, or once through distill-cache, which iterates the dataset). The neighbours come
-from the word embeddings in the tokenizer's directory.
+the training sentences of every corpus (data/augment.py), seeded by train.seed, to the
+train split only; the variants pass the same rule as the sentences, and the teacher labels
+them like any item (online, or once through distill-cache, which iterates the dataset).
+The neighbours come from the word embeddings in the tokenizer's directory.
 
 Items are tokenized once with the teacher's WordPiece tokenizer (a directory handed in by
 the caller: data.kwargs.tokenizer resolved above this layer, by default the packaged
@@ -31,7 +35,8 @@ as the model's `attention_mask` keyword. There are no labels: the targets are ze
 count is examples, and the loss comes from the teacher (distill/objective.py).
 
 data.kwargs: tokenizer (directory or 'all-MiniLM-L6-v2'), corpora (["wikipedia", "words"]),
-words (how many frequent words, 5000), augment (absent: none).
+words (how many frequent words, 5000, before the benchmarks' are excluded), augment
+(absent: none).
 """
 
 from __future__ import annotations
@@ -45,14 +50,9 @@ from typing import Any
 import torch
 
 from scaletrain.data.augment import Augment, augment, parse_augment
-from scaletrain.data.corpora import (
-    READERS,
-    dedup,
-    evaluation_keys,
-    frequent_words,
-    held_out,
-    sentence_key,
-)
+from scaletrain.data.catalog import READERS, REMOVED
+from scaletrain.data.corpora import dedup, frequent_words, held_out
+from scaletrain.data.leakage import is_evaluated
 from scaletrain.data.sources import Batch, TaskSpec
 from scaletrain.errors import ConfigError
 
@@ -127,6 +127,12 @@ def check_kwargs(kwargs: dict[str, Any]) -> tuple[list[str], int, Augment | None
             f"allowed: {', '.join(KWARGS)}"
         )
     corpora = list(kwargs.get("corpora", DEFAULT_CORPORA))
+    removed = [c for c in corpora if c in REMOVED]
+    if removed:
+        raise ConfigError(
+            f"data.kwargs.corpora = {corpora!r}: {removed[0]!r} was removed: "
+            f"{REMOVED[removed[0]]}; allowed: {', '.join(CORPORA)}"
+        )
     bad = [c for c in corpora if c not in CORPORA]
     if bad or not corpora:
         raise ConfigError(
@@ -145,12 +151,12 @@ def items_of(corpora: Iterable[str], *, words: int) -> list[str]:
 
 
 def split_items(items: Iterable[str], *, split: str) -> list[str]:
-    """The items of one split: "eval" the held-out ones; "train" the others, less any text
-    evaluation scores (a rule for variants too, which arrive after the split)."""
+    """The items of one split: "eval" the held-out ones; "train" the others, less any that
+    equals or contains evaluated text (`leakage.is_evaluated`; for variants too, which
+    arrive after the split)."""
     if split == "eval":
         return [t for t in items if held_out(t)]
-    scored = evaluation_keys()
-    return [t for t in items if not held_out(t) and sentence_key(t) not in scored]
+    return [t for t in items if not held_out(t) and not is_evaluated(t)]
 
 
 def split_texts(

@@ -5,7 +5,8 @@ same benchmarks score the teacher, a student ``BertModel`` still in memory, or a
 on disk. ``hf_encoder`` builds one from a Hugging Face model with mean (or CLS) pooling,
 the way all-MiniLM-L6-v2 produces its sentence embeddings.
 
-The benchmarks, all from gensim's bundled test data so that nothing is downloaded:
+The benchmarks, all from gensim's bundled test data so that nothing is downloaded (their
+files are read by data/benchmarks.py, the same text data/leakage.py keeps out of training):
 
 * ``lee_pearson``: 50 news documents (``lee.cor``) and a 50 x 50 matrix of human similarity
   (``similarities0-1.txt``, upper triangle filled); the 1225 pairs ``i < j`` are scored by
@@ -19,21 +20,22 @@ The benchmarks, all from gensim's bundled test data so that nothing is downloade
   averaged. Embeddings are scaled to unit length first: the probe then sees the same cosine
   geometry the other benchmarks score, it neither rewards nor punishes the overall scale of
   an encoder's output (which distillation by cosine leaves free), and being per-example it
-  leaks nothing across folds. On the teacher this gives 0.728 against 0.69 for per-feature
-  standardisation, and the repeats cut the spread over seeds from 0.02 to 0.003, well below
-  the student/teacher gaps it is meant to show.
+  leaks nothing across folds; the repeats make the spread over seeds small next to the
+  student/teacher gaps it is meant to show.
 * ``topic_probe``: the same probe on another unseen task, topic: the 200 Usenet posts of
-  gensim's ``mini_newsgroup`` (20 Newsgroups' alt.atheism and sci.space, 100 each), their
-  headers, quoted lines and signatures removed as scikit-learn's ``remove=("headers",
-  "footers", "quotes")`` does, labelled by the group they were posted to. The file is a
-  pickle of a scikit-learn ``Bunch``; it is never unpickled (that can run code): its strings
-  are read off the pickle's opcodes (``pickletools.genops``), which executes nothing.
-  Training never reads it (data/corpora.py lists no Usenet corpus).
+  gensim's ``mini_newsgroup`` (20 Newsgroups' alt.atheism and sci.space, 100 each), headers,
+  quotes and signatures removed, labelled by the group they were posted to (read without
+  unpickling: data/benchmarks.py).
 * ``mean_cosine`` on ``held_out_sentences()``: agreement with the teacher on news sentences
   from ``lee_background.cor`` that no training set reads: the first sentence of each story,
-  which data/corpora.py reserves (its "news" corpus trains on the others, less the 1 in 20
-  its hash holds out). Lee's documents and the probe's sentences are never training text
-  either: the sentences source drops any item equal to one of their sentences.
+  which data/corpora.py reserves; the figure BENCHMARKS.md has always given.
+* ``mean_cosine`` per kind of text on ``held_out_by_kind()``: the held-out part (1 in 20,
+  by a hash of the text) of every corpus, Wikipedia, news, the language reference, the
+  packages' questions, instructions, headlines and technical prose: how closely the
+  student follows its teacher on each register, none of it ever trained on.
+
+No text scored here is training text: data/leakage.py drops every training item that
+equals or contains any of it (the benchmarks' words included).
 
 Trade-offs: documents longer than ``max_len`` tokens are truncated. Lee's documents run to
 126 words, longer in WordPiece tokens, so ``max_len=128`` cuts the tail of some: the teacher
@@ -52,12 +54,8 @@ until the ratio's 95% confidence interval is within 5% of it.
 
 from __future__ import annotations
 
-import functools
-import pickletools
-import re
 import statistics
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +68,9 @@ from sklearn.model_selection import RepeatedStratifiedKFold, cross_val_score
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import Normalizer
 
+from scaletrain.data.benchmarks import lee_corpus, polarity_data, topic_data, word_pairs
+from scaletrain.data.catalog import READERS
+from scaletrain.data.catalog import held_out_sentences as held_out_of
 from scaletrain.data.corpora import evaluation_news
 
 Encode = Callable[[list[str]], np.ndarray]  # texts -> (N, D) float64 embeddings, not normalised
@@ -284,111 +285,6 @@ def speed_ratio(
 # ---------------------------------------------------------------------------- data
 
 
-def _read_text(name: str) -> str:
-    """A gensim test-data file as text; lee.cor and pang_lee_polarity.cor are cp1252, not UTF-8."""
-    from gensim.test.utils import datapath
-
-    raw = Path(datapath(name)).read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("cp1252")
-
-
-@functools.cache
-def word_pairs(name: str) -> tuple[tuple[str, str, float], ...]:
-    """Rated word pairs ``(word1, word2, score)`` from a gensim file (``wordsim353.tsv``, ``simlex999.txt``).
-
-    Args:
-        name: file name under gensim's test data. Lines starting with ``#`` and blank lines are
-            skipped; fields are split on tabs, or on whitespace when a line has no tab.
-    """
-    pairs = []
-    for line in _read_text(name).splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = line.split("\t") if "\t" in line else line.split()
-        if len(fields) < 3:
-            raise ValueError(f"{name}: expected 'word1<TAB>word2<TAB>score', got {line!r}")
-        pairs.append((fields[0].strip(), fields[1].strip(), float(fields[2])))
-    return tuple(pairs)
-
-
-@functools.cache
-def lee_corpus() -> tuple[tuple[str, ...], np.ndarray]:
-    """Lee's 50 documents and the human similarity of each pair ``i < j``, shape ``(1225,)``, row-major."""
-    docs = tuple(d.strip() for d in _read_text("lee.cor").splitlines() if d.strip())
-    from gensim.test.utils import datapath
-
-    sim = np.loadtxt(datapath("similarities0-1.txt"))  # (50, 50), only the upper triangle filled
-    if sim.shape != (len(docs), len(docs)):
-        raise ValueError(f"lee: {len(docs)} documents but a {sim.shape} similarity matrix")
-    i, j = np.triu_indices(len(docs), k=1)
-    human = sim[i, j]
-    human.setflags(write=False)  # cached: callers must not change it
-    return docs, human
-
-
-@functools.cache
-def polarity_data() -> tuple[tuple[str, ...], np.ndarray]:
-    """The 200 sentences of ``pang_lee_polarity.cor`` and their labels (1 = positive), shape ``(200,)``."""
-    texts, labels = [], []
-    for line in _read_text("pang_lee_polarity.cor").splitlines():
-        if not line.strip():
-            continue
-        label, text = line.split(None, 1)
-        if label not in ("__label__pos", "__label__neg"):
-            raise ValueError(f"pang_lee_polarity.cor: unknown label {label!r}")
-        texts.append(text.strip())
-        labels.append(int(label == "__label__pos"))
-    y = np.array(labels)
-    y.setflags(write=False)
-    return tuple(texts), y
-
-
-@functools.cache
-def topic_data() -> tuple[tuple[str, ...], np.ndarray]:
-    """The posts of gensim's ``mini_newsgroup`` without headers, quotes and signatures, and
-    their labels (1 = sci.space, 0 = alt.atheism), read from the pickle's opcodes without
-    unpickling it (module docstring). Posts left empty are dropped."""
-    from gensim.test.utils import datapath
-
-    raw = zlib.decompress(Path(datapath("mini_newsgroup")).read_bytes())
-    texts, labels = [], []
-    for op, arg, _ in pickletools.genops(raw):  # reads the opcodes; executes nothing
-        if "UNICODE" not in op.name or not isinstance(arg, str):
-            continue
-        head, _, body = arg.partition("\n\n")
-        groups = re.search(r"^Newsgroups:\s*(\S+)", head, re.M)
-        if groups is None:
-            continue  # a field name or a file name, not a post
-        names = groups.group(1).split(",")
-        space, atheism = "sci.space" in names, "alt.atheism" in names
-        if space == atheism:
-            raise ValueError(f"mini_newsgroup: a post in {names}, expected one of the two groups")
-        text = _post_body(body)
-        if text:
-            texts.append(text)
-            labels.append(int(space))
-    y = np.array(labels)
-    y.setflags(write=False)
-    return tuple(texts), y
-
-
-_QUOTE = re.compile(r"(writes in|writes:|wrote:|says:|said:|^In article|^Quoted from|^\||^>)")
-
-
-def _post_body(body: str) -> str:
-    """A post's text as scikit-learn's remove=("footers", "quotes") leaves it, on one line:
-    nothing from the last line that starts with "--" (a signature), no quoted line (">",
-    "|") and no attribution ("In article ...", "... writes:")."""
-    lines = body.splitlines()
-    cut = [k for k, line in enumerate(lines) if line.startswith("--")]
-    kept = [line for line in lines[: cut[-1] if cut else None] if not _QUOTE.search(line)]
-    return " ".join(" ".join(kept).split())
-
-
 def held_out_sentences(n: int = 300) -> list[str]:
     """``n`` news sentences from ``lee_background.cor`` that training never reads,
     deterministic, each of at least 5 words (``data/corpora.evaluation_news``).
@@ -404,6 +300,15 @@ def held_out_sentences(n: int = 300) -> list[str]:
             f"n={n}: lee_background.cor has only {len(pool)} usable sentences held out of training"
         )
     return list(pool[:n])
+
+
+def held_out_by_kind() -> dict[str, list[str]]:
+    """Each corpus's held-out sentences, what training never reads, by kind of text: "news"
+    is all of ``evaluation_news`` (the reserved first sentences and the hash's), every other
+    corpus its 1 in 20 (``data/catalog.held_out_sentences``)."""
+    return {
+        name: list(evaluation_news()) if name == "news" else held_out_of([name]) for name in READERS
+    }
 
 
 # ---------------------------------------------------------------------------- benchmarks
@@ -515,9 +420,11 @@ def encoder_report(encode: Encode, *, teacher: Encode | None = None) -> dict:
 
     Args:
         encode: the encoder under test (the student).
-        teacher: when given, adds ``"teacher"`` (the same four entries), ``"ratio"`` (student
-            over teacher for the score named in ``SCORE_KEYS``) and ``"cosine_held_out"``
-            (``mean_cosine`` on ``held_out_sentences()``).
+        teacher: when given, adds ``"teacher"`` (the same five entries), ``"ratio"``
+            (student over teacher for the score named in ``SCORE_KEYS``),
+            ``"cosine_held_out"`` (``mean_cosine`` on ``held_out_sentences()``, the news
+            scored since the start), ``"cosine_by_kind"`` (kind -> ``{"cosine",
+            "sentences"}`` on ``held_out_by_kind()``) and ``"worst_first"``.
     """
     report = _scores(encode)
     if teacher is not None:
@@ -525,4 +432,19 @@ def encoder_report(encode: Encode, *, teacher: Encode | None = None) -> dict:
         report["teacher"] = ref
         report["ratio"] = {k: report[k][key] / ref[k][key] for k, key in SCORE_KEYS.items()}
         report["cosine_held_out"] = mean_cosine(encode, teacher, held_out_sentences())
+        report["cosine_by_kind"] = {
+            kind: {"cosine": mean_cosine(encode, teacher, texts), "sentences": len(texts)}
+            for kind, texts in held_out_by_kind().items()
+            if texts
+        }
+        report["worst_first"] = worst_first(report)
     return report
+
+
+def worst_first(report: dict) -> list[tuple[str, float]]:
+    """Every figure of a report with a teacher, the worst first: each score's ratio to the
+    teacher (``"ratio"``) and each kind's cosine to it (``"cosine_by_kind"``); on both, 1 is
+    the teacher's own. Ties keep the report's order."""
+    figures = [*report["ratio"].items()]
+    figures += [(kind, c["cosine"]) for kind, c in report.get("cosine_by_kind", {}).items()]
+    return sorted(figures, key=lambda item: item[1])
