@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from scaletrain.allocator import configure_allocator
+from scaletrain.runtime.allocator import configure_allocator
 
 REPS = 3
 POLICIES = ("system", "retain")

@@ -11,7 +11,7 @@ mark of the process's resident memory) and prints, per rank, the peak next to th
 full fp32 parameter bytes.
 
 train.allocator is the default, auto: for a model of 256 MiB of parameters or more it is
-`release` (allocator.py: fixed mmap and trim thresholds, every freed block of 1 MiB or
+`release` (runtime/allocator.py: fixed mmap and trim thresholds, every freed block of 1 MiB or
 more handed back). `--allocator retain` or `system` shows what the others cost: retain
 keeps every freed block (206m: 3.8-4.2 GiB a rank), and glibc's defaults let FSDP's
 16-32 MiB gathered tensors fragment the heap (0.8b: above the whole model's bytes before
@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from scaletrain.memory import available_bytes
+from scaletrain.records.memory import available_bytes
 
 SIZES = {  # name -> (hidden, layers, intermediate, heads)
     "206m": (1024, 16, 2816, 16),

@@ -396,8 +396,8 @@ def _launch(library: str, a: argparse.Namespace) -> tuple[list[str], dict[str, s
     """The command line that starts `library`'s N processes, and its extra environment."""
     match library:
         case "scaletrain":
-            # Its workers get what scaletrain's own launcher gives them (launch.py).
-            from scaletrain.launch import SUBPROCESS_ENV
+            # Its workers get what scaletrain's own launcher gives them (launch/agent.py).
+            from scaletrain.launch.agent import SUBPROCESS_ENV
 
             return torchrun("peer_scaletrain.py", a.procs), dict(SUBPROCESS_ENV)
         case "torch":

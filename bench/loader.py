@@ -43,7 +43,7 @@ import torch
 from common import BIN, ROOT, run
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from scaletrain.metrics import read_metrics
+from scaletrain.records.metrics import read_metrics
 
 BATCH = 128
 

@@ -26,7 +26,7 @@ from common import WallClock, describe_defaults, scaletrain_overrides, worker_ar
 def main() -> None:
     a = worker_args(__doc__)
     from scaletrain.config import flatten_config, load_config
-    from scaletrain.metrics import read_metrics
+    from scaletrain.records.metrics import read_metrics
     from scaletrain.runtime import exit_worker, read_env
     from scaletrain.training import trainer
 

@@ -36,10 +36,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def scaletrain_parts(a, *, rank: int, world: int):
     """(data, DDP model, optimizer, sampler, heap policy) as scaletrain's trainer builds them."""
-    from scaletrain.allocator import configure_allocator
     from scaletrain.config import load_config
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
     from scaletrain.runtime import read_env, seed_everything
+    from scaletrain.runtime.allocator import configure_allocator
     from scaletrain.training.build import build
 
     config = load_config(None, scaletrain_overrides(a))

@@ -179,7 +179,7 @@ def main() -> None:
         help="predict again for the runs and profiles a --keep DIR holds; train nothing",
     )
     a = p.parse_args()
-    from scaletrain.hardware import load_profile
+    from scaletrain.runtime.hardware import load_profile
 
     rows = []
     if a.source:

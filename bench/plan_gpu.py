@@ -10,7 +10,7 @@ part matched by name, its memory the device's: hardware.device_profile), or the 
 by --hardware, whose peak is compared whole (the allocator's counter starts at zero, so the
 parameters are in both). The issue's target on a GPU: peak within 10%. Step time is printed
 beside it, its matmuls timed at the profile's achievable rate (its part's measured MAMF
-share of the datasheet peak: hardware.py), so the ratio says how far the GPU ran from the
+share of the datasheet peak: runtime/hardware.py), so the ratio says how far the GPU ran from the
 best a matmul reaches on it. The fp32 row runs and is planned without TF32 (precision.tf32
 off: the plain FP32 rate).
 
@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--only", default="llama,gpt")
     a = p.parse_args()
-    from scaletrain.hardware import device_profile, load_profile
+    from scaletrain.runtime.hardware import device_profile, load_profile
 
     profile = load_profile(a.hardware) if a.hardware else device_profile()
     if profile is None:

@@ -145,7 +145,7 @@ def profile_of(name: str, *, bf16: float | None = None):
     """The built-in profile `name`, or torchtitan's Grand Teton H100 (96 GB HBM2e at
     2.4 TB/s, 500 W) at the dense bf16 peak `bf16` (default: the SXM-NVL midpoint), the
     matmuls at the same share of it as the SXM's MAMF."""
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.runtime.hardware import BUILTIN
 
     if name != "h100-96gb-500w":
         return BUILTIN[name]

@@ -96,7 +96,7 @@ def scaletrain_job(model: str, precision: str, a: argparse.Namespace, extra: tup
     """(step function, model, tokens per step, model FLOPs per step, peak) for scaletrain's
     own step in this process."""
     from scaletrain.config import load_config
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
     from scaletrain.runtime import ProcessEnv, seed_everything
     from scaletrain.training.build import build
     from scaletrain.training.step import train_step
@@ -200,8 +200,8 @@ def model_flops(net, a: argparse.Namespace) -> float:
 def peaks() -> dict[str, float]:
     """Matmul FLOP/s of one process: the calibrated profile's, else measured here on 2048^3
     products (planner/calibrate.matmul_rate) with this process's threads."""
-    from scaletrain.hardware import default_profile
     from scaletrain.planner.calibrate import matmul_rate
+    from scaletrain.runtime.hardware import default_profile
 
     profile = default_profile("cpu")
     if profile is not None:

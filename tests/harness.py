@@ -12,7 +12,7 @@ still running at the deadline is killed and the test fails, so a hang cannot sta
 
 `run_job` is the cheap way to run many trainings: N processes join one process group once
 and train case after case in it (a `JobPool`: `python harness.py POOL_DIR`, the `__main__`
-below), each case through the worker's own entry (`cli._run_worker`, as `scaletrain train`
+below), each case through the worker's own entry (`commands/worker.run_worker`, as `scaletrain train`
 under an agent runs it), writing its usual run directory. Interpreter start-up, imports and
 rendezvous are paid once per world size for the whole session (`keep=True`) instead of once
 per rank per run. `conftest.py`'s session fixture `trained` caches the runs, so files asking
@@ -387,7 +387,7 @@ def assert_planner_bytes_match(run_dir: Path, *, world_size: int) -> None:
     """The planner's bytes (planner/held.py) for the run's stored config and world equal the
     param_bytes, grad_bytes and optim_state_bytes its rank 0 logged, to the byte."""
     from scaletrain.config import load_config
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
     from scaletrain.planner.held import held_on_rank
     from scaletrain.training.assemble import build_data
 
@@ -471,12 +471,13 @@ def forbid_starting(monkeypatch, tmp_path: Path) -> None:
     or SLURM environment; cwd is the test's directory, so a stray default run directory
     would land there and be seen."""
     import scaletrain.cli
-    import scaletrain.launch
+    import scaletrain.commands.train
+    import scaletrain.launch.agent
 
-    monkeypatch.setattr(scaletrain.launch, "launch", refuse_start)
-    monkeypatch.setattr(scaletrain.cli, "launch", refuse_start)
-    monkeypatch.setattr(scaletrain.cli, "_run_worker", refuse_start)
-    monkeypatch.setattr(scaletrain.cli, "_run_ps_rank", refuse_start)
+    monkeypatch.setattr(scaletrain.launch.agent, "launch", refuse_start)
+    monkeypatch.setattr(scaletrain.commands.train, "launch", refuse_start)
+    monkeypatch.setattr(scaletrain.commands.train, "run_worker", refuse_start)
+    monkeypatch.setattr(scaletrain.commands.train, "run_ps_rank", refuse_start)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     for name in list(os.environ):
         if name.startswith("SLURM_"):
@@ -728,7 +729,7 @@ def run_job(
     cases is not held to one deadline for all of them.
 
     Cases run in the order given; a case whose training leg fails unexpectedly (expect_ok)
-    fails the test with that leg's output. A bug (an exception `_run_worker` re-raises)
+    fails the test with that leg's output. A bug (an exception `run_worker` re-raises)
     ends the job: its traceback is in the failure message.
     """
     root.mkdir(parents=True, exist_ok=True)
@@ -816,7 +817,7 @@ def _run_cases(spec: dict, job: Path, *, rank: int, world: int) -> None:
 
     import torch.distributed as dist
 
-    from scaletrain.cli import _run_worker
+    from scaletrain.commands.worker import run_worker as _run_worker
     from scaletrain.config import load_config
 
     cwd = os.path.realpath(spec["cwd"])

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from scaletrain.allocator import AUTO_RELEASE_BYTES, configure_allocator, resolve_allocator
+from scaletrain.runtime.allocator import AUTO_RELEASE_BYTES, configure_allocator, resolve_allocator
 
 # Training steps of a 1.9M-parameter MLP at batch 512: activations and gradients of a few
 # MiB each are freed and allocated again every step. Prints page faults per step, the
@@ -20,7 +20,7 @@ from scaletrain.allocator import AUTO_RELEASE_BYTES, configure_allocator, resolv
 # a single window, against 0-51 in quiet ones).
 PROBE = """
 import resource, sys, torch
-from scaletrain.allocator import configure_allocator
+from scaletrain.runtime.allocator import configure_allocator
 configure_allocator(sys.argv[1], device_type="cpu")
 torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
@@ -92,7 +92,7 @@ def test_modes() -> None:
 # come from the heap and the freed ones stay resident as holes between the kept ones.
 RELEASE_PROBE = """
 import sys
-from scaletrain.allocator import configure_allocator
+from scaletrain.runtime.allocator import configure_allocator
 configure_allocator(sys.argv[1], device_type="cpu")
 import torch
 def rss():

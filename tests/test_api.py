@@ -1,4 +1,4 @@
-"""The Python API, `scaletrain.train(config, model=..., data=..., loss=...)` (api.py).
+"""The Python API, `scaletrain.train(config, model=..., data=..., loss=...)` (commands/api.py).
 
 What it promises, each measured here against an in-process reference run in float64:
 - in one process it trains right here and writes the run directory the CLI writes, with
@@ -38,7 +38,7 @@ import pytest
 import torch
 
 import scaletrain
-from scaletrain.api import train as api_train  # = scaletrain.train
+from scaletrain.commands.api import train as api_train  # = scaletrain.train
 
 from harness import cli_env, forbid_starting, load_weights, losses, max_abs_diff, run_cli
 

@@ -12,7 +12,7 @@ import torch
 
 import scaletrain.training.finish as finish
 from scaletrain.checkpoint import Checkpointer, TrainState
-from scaletrain.checkpoint_files import export_weights, list_checkpoints
+from scaletrain.checkpoint.files import export_weights, list_checkpoints
 from scaletrain.config import Config
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models import build_model

@@ -1,4 +1,4 @@
-"""The attention kernel chosen by measurement (attention.py): the fastest backend over a
+"""The attention kernel chosen by measurement (runtime/attention.py): the fastest backend over a
 model's own SDPA calls, decided with a fake clock here (no timing in a test); the calls
 recorded as autocast runs them; the choice applied by the precision policy's forward
 context and kept by checkpoints (test_resume.py)."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaletrain.attention import AttentionCall, fastest_backend, record_calls
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models import build_model
 from scaletrain.precision import make_precision
+from scaletrain.runtime.attention import AttentionCall, fastest_backend, record_calls
 
 A = AttentionCall((2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 16, 8), torch.bfloat16, None, True, False)
 B = AttentionCall((2, 4, 32, 8), (2, 2, 32, 8), (2, 2, 32, 8), torch.bfloat16, None, True, True)

@@ -11,7 +11,7 @@ import pytest
 
 import scaletrain.training.auto_precision as auto
 from scaletrain.config import load_config
-from scaletrain.plan import resolve
+from scaletrain.launch.resolve import resolve
 from scaletrain.precision import Hardware
 
 GPT = [

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 import scaletrain.cli
+import scaletrain.commands.train
 from scaletrain.checkpoint import Checkpointer, TrainState
-from scaletrain.checkpoint_files import list_checkpoints
+from scaletrain.checkpoint.files import list_checkpoints
 from scaletrain.config import ConfigError, config_to_toml, load_config
 from scaletrain.data.sources import TaskSpec
+from scaletrain.launch.rundir import check_resumable
 from scaletrain.models import build_model
 from scaletrain.precision import make_precision
-from scaletrain.rundir import check_resumable
 from scaletrain.training.optim import build_optimizer, build_scheduler
 
 from harness import cli_main, forbid_starting
@@ -144,8 +145,8 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
     def refuse(*args, **kwargs):
         pytest.fail("no worker runs in the launcher's process here")
 
-    monkeypatch.setattr(scaletrain.cli, "launch", launch)
-    monkeypatch.setattr(scaletrain.cli, "_run_worker", refuse)
+    monkeypatch.setattr(scaletrain.commands.train, "launch", launch)
+    monkeypatch.setattr(scaletrain.commands.train, "run_worker", refuse)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     for name in list(os.environ):
         if name.startswith("SLURM_"):
@@ -193,9 +194,11 @@ def test_a_checkpoint_that_does_not_fit_fails_cleanly_and_keeps_config_toml(
     # both) are put back after.
     cfg, run_dir = _run_dir_with_checkpoint(tmp_path)
     before = (run_dir / "config.toml").read_bytes()
-    run_worker = scaletrain.cli._run_worker
+    run_worker = scaletrain.commands.train.run_worker
     forbid_starting(monkeypatch, tmp_path)
-    monkeypatch.setattr(scaletrain.cli, "_run_worker", run_worker)  # the in-process trainer
+    monkeypatch.setattr(
+        scaletrain.commands.train, "run_worker", run_worker
+    )  # the in-process trainer
     threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     try:
         code = cli_main(

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import scaletrain.checkpoint_files as checkpoint_files
+import scaletrain.checkpoint.files as checkpoint_files
 from scaletrain.checkpoint import Checkpointer, TrainState, load
-from scaletrain.checkpoint_files import latest_valid, list_checkpoints
+from scaletrain.checkpoint.files import latest_valid, list_checkpoints
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models import build_model
 from scaletrain.precision import make_precision
@@ -258,7 +258,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from test_checkpoint_files import _state
 from scaletrain.checkpoint import Checkpointer, load
-from scaletrain.checkpoint_files import export_weights, list_checkpoints
+from scaletrain.checkpoint.files import export_weights, list_checkpoints
 
 for mode in (True, False):
     saver = Checkpointer(Path(sys.argv[2]) / str(mode), keep=1, async_save=mode, config_toml="")

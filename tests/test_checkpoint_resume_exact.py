@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.checkpoint_files import list_checkpoints
+from scaletrain.checkpoint.files import list_checkpoints
 
 from harness import Case, CaseResult, load_weights, records
 

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as stock_p
 
 import scaletrain.checkpoint as checkpoint
 from scaletrain.checkpoint import Checkpointer, TrainState, load
-from scaletrain.checkpoint_files import CheckpointError, latest_valid
+from scaletrain.checkpoint.files import CheckpointError, latest_valid
 from scaletrain.data.sources import Batch, TaskSpec
 from scaletrain.models import build_model
 from scaletrain.parallel.comm_hooks import HookState

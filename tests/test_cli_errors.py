@@ -685,10 +685,10 @@ def test_a_value_error_of_ours_shows_a_traceback(
     """A ValueError raised inside scaletrain's own pre-launch checks is a bug: it leaves
     `main` as itself (`python -m scaletrain` then prints its traceback, exit status 1), it
     is not turned into a user's one-line mistake with status 2."""
-    import scaletrain.prelaunch
+    import scaletrain.commands.prelaunch
 
     # Where the pre-launch check looks it up (prelaunch imports it by name).
-    monkeypatch.setattr(scaletrain.prelaunch, "check_model_fits", _our_bug)
+    monkeypatch.setattr(scaletrain.commands.prelaunch, "check_model_fits", _our_bug)
     cfg = tmp_path / "config.toml"
     cfg.write_text(GOOD_TOML)
 
@@ -705,10 +705,10 @@ def test_a_user_mistake_from_the_same_check_is_still_one_paragraph(
     def refuse(*args, **kwargs):
         raise TensorParallelError("parallel.tp = 2: 'fc1' has 7 features, not divisible by 2")
 
-    import scaletrain.prelaunch
+    import scaletrain.commands.prelaunch
 
     # Where the pre-launch check looks it up (prelaunch imports it by name).
-    monkeypatch.setattr(scaletrain.prelaunch, "check_model_fits", refuse)
+    monkeypatch.setattr(scaletrain.commands.prelaunch, "check_model_fits", refuse)
     cfg = tmp_path / "config.toml"
     cfg.write_text(GOOD_TOML)
 

@@ -56,7 +56,7 @@ def test_compile_mistakes_are_refused_before_launch(monkeypatch: pytest.MonkeyPa
     import shutil
 
     from scaletrain.config import ConfigError, validate_config
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
 
     config = validate_config(
         {

@@ -165,7 +165,7 @@ def between_stop_and_resume(run_dir: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     from scaletrain.config import load_config
-    from scaletrain.rundir import check_resumable
+    from scaletrain.launch.rundir import check_resumable
 
     assert not (run_dir / "model.safetensors").exists()
     saved = FileSystemReader(str(run_dir / "checkpoints" / "step-00000005")).read_metadata()

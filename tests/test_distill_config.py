@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import scaletrain.cli
+import scaletrain.commands.train
 
 from harness import cli_main, file_tree, forbid_starting, refuse_start
 
@@ -511,9 +512,9 @@ def test_good_distill_configs_reach_the_launcher(
 
     launched = []
     monkeypatch.setattr(
-        scaletrain.cli, "launch", lambda spec, args, **kw: launched.append(spec) or 0
+        scaletrain.commands.train, "launch", lambda spec, args, **kw: launched.append(spec) or 0
     )
-    monkeypatch.setattr(scaletrain.cli, "_run_worker", refuse_start)
+    monkeypatch.setattr(scaletrain.commands.train, "run_worker", refuse_start)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "config.toml"

@@ -217,7 +217,7 @@ def test_held_out_text_of_every_kind_is_scored():
 def test_eval_prints_the_worst_figure_first():
     """Scores' ratios and kinds' cosines on one scale (1 is the teacher), ascending; the
     held-out news cosine and the speed keep their lines after them."""
-    from scaletrain.cli_distill import format_report
+    from scaletrain.commands.distill import format_report
 
     scores = {k: {"accuracy": 0.7} for k in ("polarity", "topic")}
     scores |= {"lee_pearson": {"pearson": 0.6}, "wordsim353": {"spearman": 0.7}}

@@ -1016,7 +1016,7 @@ def test_a_checkpoint_teacher_is_pinned_before_its_metadata_is_read(
     """A checkpoint teacher's SHA-256 is over its files as they lie: a wrong pin is refused
     with nothing unpickled; the right pin loads it, the model the checkpoint holds."""
     from scaletrain.checkpoint import Checkpointer, TrainState
-    from scaletrain.checkpoint_files import MANIFEST, _MetadataUnpickler
+    from scaletrain.checkpoint.files import MANIFEST, _MetadataUnpickler
     from scaletrain.distill.teacher import teacher_sha256
     from scaletrain.precision import make_precision
     from scaletrain.training.optim import build_optimizer, build_scheduler

@@ -195,8 +195,8 @@ def _probe(reshard_after_forward: bool, mesh) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
-    from scaletrain.memory import local_bytes
     from scaletrain.parallel.fsdp import apply_fsdp
+    from scaletrain.records.memory import local_bytes
 
     torch.manual_seed(0)  # the same model on both ranks
     model = _gpt()
@@ -248,8 +248,8 @@ def _save_probe(mesh, run_dir: Path) -> dict:
     from torch import nn
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from scaletrain.memory import WindowPeak, local_bytes
     from scaletrain.parallel.fsdp import apply_fsdp
+    from scaletrain.records.memory import WindowPeak, local_bytes
     from scaletrain.training.finish import save_split_weights
 
     torch.manual_seed(0)
@@ -379,7 +379,7 @@ def test_the_peak_is_the_process_own_not_its_parents() -> None:
     far less than that."""
     held = bytearray(2**30)  # 1 GiB, touched: resident in this process
     held[::4096] = b"x" * (len(held) // 4096)
-    probe = "from scaletrain.memory import lifetime_peak_bytes as p; print(p())"
+    probe = "from scaletrain.records.memory import lifetime_peak_bytes as p; print(p())"
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )

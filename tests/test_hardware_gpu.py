@@ -1,4 +1,4 @@
-"""The built-in GPU profiles (hardware.py, issue 44 item 7): which one a CUDA device gets, by
+"""The built-in GPU profiles (runtime/hardware.py, issue 44 item 7): which one a CUDA device gets, by
 its exact name, with its memory from the device; the datasheet rates of each part; and
 TF32 as a precision choice (precision.tf32) that sets torch's flags and the rate the
 planner counts fp32 matmuls at. No GPU is needed: torch.cuda's answers are mocked.
@@ -46,7 +46,7 @@ def device(monkeypatch):
 def test_a_gpu_gets_its_exact_parts_datasheet_rates_and_its_own_memory(device, name):
     """An A100-40GB was given 80 GiB and an H100 PCIe or NVL the SXM's figures (the name
     was matched by substring); the memory is what the device reports, not a table's."""
-    from scaletrain.hardware import default_profile
+    from scaletrain.runtime.hardware import default_profile
 
     key, (fp64, fp32, tf32, bf16) = PARTS[name]
     device(name, 37 * GIB + 12345)  # a figure no datasheet gives: it must be the device's
@@ -68,7 +68,7 @@ def test_a_gpu_gets_its_exact_parts_datasheet_rates_and_its_own_memory(device, n
 def test_an_unknown_gpu_gets_no_profile_and_a_near_name_is_not_matched(device):
     """No built-in is guessed for a part not in the table: MFU is then null, as on an
     uncalibrated CPU. A name that merely contains a known one is a different part."""
-    from scaletrain.hardware import default_profile
+    from scaletrain.runtime.hardware import default_profile
 
     for name in ("NVIDIA GeForce RTX 4090", "NVIDIA A100X", "NVIDIA H100 80GB HBM3e 141GB"):
         device(name, 80 * GIB)
@@ -78,11 +78,11 @@ def test_an_unknown_gpu_gets_no_profile_and_a_near_name_is_not_matched(device):
 def test_scaletrain_hardware_still_names_a_built_in_or_a_profile_file(device, monkeypatch):
     """SCALETRAIN_HARDWARE overrides the device's own profile; the short names of before
     (a100, h100, h200) still load, as the SXM parts they always described."""
-    from scaletrain.hardware import BUILTIN, load_profile
+    from scaletrain.runtime.hardware import BUILTIN, load_profile
 
     device("NVIDIA A100-PCIE-40GB", 40 * GIB)
     monkeypatch.setenv("SCALETRAIN_HARDWARE", "h100")
-    from scaletrain.hardware import default_profile
+    from scaletrain.runtime.hardware import default_profile
 
     assert default_profile("cuda") == BUILTIN["h100-sxm"] == load_profile("h100")
     assert load_profile("a100") == BUILTIN["a100-sxm4-80gb"]
@@ -93,7 +93,7 @@ def test_scaletrain_hardware_still_names_a_built_in_or_a_profile_file(device, mo
 def test_a_built_in_named_without_its_device_plans_with_the_datasheets_memory():
     """`scaletrain plan --hardware a100-sxm4-40gb` on a machine without one: the memory is
     the part's datasheet figure (40 GB, of HBM sized in GiB), not an 80 GB part's."""
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.runtime.hardware import BUILTIN
 
     assert BUILTIN["a100-sxm4-40gb"].memory_bytes == 40 * GIB
     assert BUILTIN["a100-pcie-80gb"].memory_bytes == 80 * GIB
@@ -108,8 +108,8 @@ def test_the_plan_counts_fp32_at_the_plain_rate_and_at_tf32s_where_it_is_on():
     import dataclasses
 
     from scaletrain.config import validate_config
-    from scaletrain.hardware import BUILTIN
     from scaletrain.planner import build_for_plan, plan_layouts
+    from scaletrain.runtime.hardware import BUILTIN
 
     a100 = dataclasses.replace(BUILTIN["a100-sxm4-80gb"], op_s=0.0, byte_s=0.0)
     raw = {

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from scaletrain.launch import LaunchError, LaunchSpec, torchrun_argv
-from scaletrain.launch_output import (
+from scaletrain.launch.agent import LaunchError, LaunchSpec, torchrun_argv
+from scaletrain.launch.output import (
     OutputFilter,
     describe_child_failure,
     describe_interrupt,

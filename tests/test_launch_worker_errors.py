@@ -105,11 +105,11 @@ def test_exit_worker_says_when_destroy_fails_after_a_clean_run(
 def test_worker_tells_our_bugs_from_user_mistakes(
     mistake: bool, monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """One rank's real error path (cli._run_worker over trainer.train, world size 1): a
+    """One rank's real error path (commands/worker.run_worker over trainer.train, world size 1): a
     ValueError from our code inside the build is a traceback and status 1; a user mistake
     raised at the same place is one `scaletrain: error:` paragraph and status 2."""
-    import scaletrain.cli as cli
-    import scaletrain.training.trainer as trainer
+    import scaletrain.commands.worker as worker
+    import scaletrain.training.build as build
     from scaletrain.config import validate_config
     from scaletrain.parallel.tensor import TensorParallelError
 
@@ -121,7 +121,7 @@ def test_worker_tells_our_bugs_from_user_mistakes(
     def leave(status: int) -> None:
         raise SystemExit(status)
 
-    monkeypatch.setattr(trainer, "check_model_fits", check)
+    monkeypatch.setattr(build, "check_model_fits", check)
     monkeypatch.setattr(runtime, "exit_worker", leave)
     for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -134,7 +134,7 @@ def test_worker_tells_our_bugs_from_user_mistakes(
     )
 
     with pytest.raises(SystemExit) as left:
-        cli._run_worker(config, tmp_path / "run", exit_process=True)
+        worker.run_worker(config, tmp_path / "run", exit_process=True)
 
     err = capsys.readouterr().err
     if mistake:

@@ -28,28 +28,27 @@ PACKAGE = "scaletrain"
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
     (name, frozenset(rooms))
     for name, rooms in (
-        # leaves: the user-mistake errors below the user's code, process and memory plumbing
+        # leaves: the user-mistake errors below the user's code, and the process's runtime
+        # (process group, heap policy, hardware facts, the measured attention kernel)
         ("errors", {"errors", "version"}),  # the user-mistake base classes: import nothing
-        ("leaves", {"user_code", "memory", "allocator", "runtime", "hardware", "attention"}),
+        ("leaves", {"user_code", "runtime"}),
         ("data", {"data"}),  # sources, shards, sampler: know nothing of models
         ("models", {"models"}),  # built-in models and the ModelSpec protocol; take a TaskSpec
         # the techniques and the loss protocol: each takes plain values, owns its checks
         ("techniques", {"parallel", "precision", "loss"}),
         ("schema", {"config"}),  # the typed [sections], loading, overrides: no checks of others
-        (
-            "records",
-            {"checkpoint_files", "metrics"},
-        ),  # what a run writes, readable without torch.distributed
-        ("run files", {"checkpoint", "rundir", "launch_output", "report"}),
-        ("launcher", {"launch"}),  # the elastic agent; workers only ask it under_elastic_agent()
+        # what a run records and saves: metrics, report, memory; checkpoint state and files
+        ("records", {"records", "checkpoint"}),
         ("distill", {"distill"}),  # teacher, student, objective, its cache and its checks
-        ("plan", {"plan"}),  # config + world -> Derived; calls every room's checks once
+        # the run's life around its workers: resolve (config + world -> Derived, calling every
+        # room's checks once), the run directory, the elastic agent and its console output
+        ("launch", {"launch"}),
         ("training", {"training"}),  # builds from the config and runs the loop
         ("ps", {"ps"}),  # the parameter-server strategy reuses training's pieces
-        ("pre-launch", {"prelaunch"}),  # checks that build the model before any worker starts
         ("planner", {"planner"}),  # every layout's memory and time, from the layout's own code
-        ("commands", {"api", "cli_distill", "cli_plan"}),  # the Python API; subcommands
-        ("cli", {"cli"}),
+        # one module per subcommand, the Python API, the pre-launch checks, a rank's entry
+        ("commands", {"commands"}),
+        ("cli", {"cli"}),  # the parser and the dispatch to commands/
         ("command", {"console"}),  # the `scaletrain` command: the CLI behind a Ctrl-C guard
         ("entry", {"__main__", PACKAGE}),  # `python -m scaletrain`; the package's lazy exports
     )

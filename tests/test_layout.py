@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 
 import scaletrain.cli
-import scaletrain.launch
+import scaletrain.commands.train
+import scaletrain.launch.agent
 from scaletrain.config import ConfigError, load_config
+from scaletrain.launch.resolve import resolve
 from scaletrain.parallel.layout import MESH_DIMS, LayoutError, ParallelLayout
-from scaletrain.plan import resolve
 
 from harness import cli_main, file_tree, forbid_starting
 
@@ -582,8 +583,8 @@ def explain(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     def refuse(*args, **kwargs):
         pytest.fail("explain started a worker or the launcher")
 
-    monkeypatch.setattr(scaletrain.launch, "launch", refuse)
-    monkeypatch.setattr(scaletrain.cli, "launch", refuse)
+    monkeypatch.setattr(scaletrain.launch.agent, "launch", refuse)
+    monkeypatch.setattr(scaletrain.commands.train, "launch", refuse)
     monkeypatch.setenv("COLUMNS", "240")  # rich would squeeze the tables into 80 columns
     for name in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)

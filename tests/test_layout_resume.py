@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.checkpoint_files import list_checkpoints
+from scaletrain.checkpoint.files import list_checkpoints
 
 from harness import Case, file_tree, load_weights, max_abs_diff, records, run_job
 
@@ -90,7 +90,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """Stops on 4 and 2 ranks, the launcher's resume checks, resumes on 2 and 1 rank."""
     from scaletrain.config import load_config
     from scaletrain.errors import ConfigError
-    from scaletrain.rundir import check_resumable
+    from scaletrain.launch.rundir import check_resumable
 
     runs = Runs(tmp_path_factory.mktemp("layout-resume"))
     config = runs.root / "cfg.toml"  # what `scaletrain train CONFIG ... --resume` reads

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.metrics import MetricsLogger, read_metrics
-from scaletrain.report import (
+from scaletrain.records.metrics import MetricsLogger, read_metrics
+from scaletrain.records.report import (
     build_figure,
     config_table,
     differing_keys,

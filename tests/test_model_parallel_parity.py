@@ -24,7 +24,7 @@ Speed: the runs are not one launch each. The 1- and 2-rank runs are cases of the
 session's pools of ranks (conftest's `trained`: one call per world size with all of its
 runs, one gloo process group per world size started once for the whole test session and
 shared with the other files), trained one after the other through the workers' own entry
-(`cli._run_worker`, as `scaletrain train` under torchrun runs it); this file starts no
+(`commands/worker.run_worker`, as `scaletrain train` under torchrun runs it); this file starts no
 process for them. The 4-rank runs and the view probe stay a job of this file's own (this
 file run as a script, the runs through the Python API, `scaletrain.train` as torchrun's
 ranks call it: it reuses the caller's process group), for what a pool cannot show: the
@@ -580,7 +580,7 @@ def _main(root: Path) -> None:
         "torch.distributed.fsdp",
         "torch.distributed.pipelining",
         "torch.distributed.tensor.parallel",
-        "scaletrain.api",
+        "scaletrain.commands.api",
         "scaletrain.models.gpt",
         "scaletrain.parallel.compose",
         "scaletrain.parallel.pipeline",

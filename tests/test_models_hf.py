@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from scaletrain.data.sources import IGNORE_INDEX, Batch, TaskSpec, target_count  # noqa: E402
 from scaletrain.loss import cross_entropy  # noqa: E402
-from scaletrain.models.hf import HFModelError, build_hf_model, hf_spec, save_hf  # noqa: E402
+from scaletrain.models.hf import HFModelError, build_hf_model, hf_spec  # noqa: E402
+from scaletrain.models.hf_files import save_hf  # noqa: E402
 from scaletrain.models.protocol import check_spec, model_spec, tp_targets  # noqa: E402
 
 TINY = dict(

@@ -20,9 +20,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from scaletrain.config import load_config
+from scaletrain.launch.resolve import resolve
 from scaletrain.models.flops import traced_flops, train_flops, transformer_flops, transformer_shape
 from scaletrain.models.gpt import GPT, GPT_SHAPES
-from scaletrain.plan import resolve
 
 from harness import Case, assert_planner_bytes_match
 
@@ -195,8 +195,8 @@ def test_plan_json_ranks_the_accepted_layouts_with_the_pick_first(tmp_path, caps
 
 
 def test_a_run_logs_its_model_flops_and_mfu_against_the_profile(tmp_path, monkeypatch):
-    from scaletrain.api import train
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.commands.api import train
+    from scaletrain.runtime.hardware import BUILTIN
 
     monkeypatch.setenv("SCALETRAIN_HARDWARE", "h100")
     cfg = tmp_path / "cfg.toml"
@@ -251,9 +251,9 @@ def test_train_refuses_a_layout_predicted_not_to_fit(tmp_path, monkeypatch):
     """A 4.5M-parameter Llama with AdamW holds 72 MB of states on one device of 70 MB,
     plus activations; on one rank the planner predicts more than fits, sharded over two it
     fits. The refusal names the numbers; plan_check=False (--no-plan-check) launches."""
-    from scaletrain.api import prepare_run
+    from scaletrain.commands.api import prepare_run
     from scaletrain.errors import ConfigError
-    from scaletrain.launch import LaunchSpec, validate_spec
+    from scaletrain.launch.agent import LaunchSpec, validate_spec
 
     profile = tmp_path / "gpu.toml"
     profile.write_text(SMALL_GPU)
@@ -297,8 +297,8 @@ def test_the_peak_is_every_ranks(monkeypatch, tmp_path):
     """MFU's denominator: a GPU profile's peak times the world; a CPU profile's per-core
     rate times the cores each rank gets (the node's cores shared by its ranks)."""
     from scaletrain.data.sources import Batch
-    from scaletrain.hardware import BUILTIN
     from scaletrain.precision import make_precision
+    from scaletrain.runtime.hardware import BUILTIN
     from scaletrain.training.progress import model_flops
 
     model = GPT(vocab_size=256, block_size=16, shape=GPT_SHAPES["tiny"])
@@ -321,8 +321,8 @@ def test_the_peak_is_every_ranks(monkeypatch, tmp_path):
 
 
 def test_a_profile_round_trips_and_the_collectives_fit_their_line(tmp_path):
-    from scaletrain.hardware import Link, Profile, load_profile, profile_toml
     from scaletrain.planner.calibrate import _fit
+    from scaletrain.runtime.hardware import Link, Profile, load_profile, profile_toml
 
     # t = 200 us + bytes / 1 GB/s, timed at four sizes; the second smallest hiccuped (a
     # scheduler's 5 ms): the latency is the fastest of the three smallest
@@ -525,7 +525,7 @@ def test_a_reference_step_runs_under_the_heap_policy_the_run_would_apply(monkeyp
     """The reference's steps are timed under the run's CPU heap policy (train.allocator),
     chosen by the model's size as the trainer chooses it: glibc's defaults map and unmap
     every large block each step, which a run under `retain` never pays."""
-    import scaletrain.allocator as allocator
+    import scaletrain.runtime.allocator as allocator
     from scaletrain.planner.reference import step_worker
 
     applied = []
@@ -562,7 +562,7 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
     import dataclasses
 
     from scaletrain.config import validate_config
-    from scaletrain.hardware import BUILTIN, Link
+    from scaletrain.runtime.hardware import BUILTIN, Link
 
     config = validate_config(RAW)
     gpu = BUILTIN["h100"]
@@ -667,7 +667,7 @@ def test_a_pipeline_bubble_on_shared_cores_lends_them_to_the_other_ranks():
     import dataclasses
 
     from scaletrain.config import validate_config
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.runtime.hardware import BUILTIN
 
     config = validate_config(
         {
@@ -694,7 +694,7 @@ def test_a_pipeline_bubble_on_shared_cores_lends_them_to_the_other_ranks():
 
 def _cpu_profile(*, fsdp_call_s=0.0, tp_call_s=0.0):
     """A 2-core CPU profile as calibrate has it before its sharded probes."""
-    from scaletrain.hardware import Link, Profile
+    from scaletrain.runtime.hardware import Link, Profile
 
     link = Link(
         bus_bw=1e9,
@@ -721,7 +721,7 @@ def _four_rank_profile():
     calls cost more over the whole world than in groups of 2."""
     import dataclasses
 
-    from scaletrain.hardware import Link
+    from scaletrain.runtime.hardware import Link
 
     base = _cpu_profile()
     link4 = Link(
@@ -756,7 +756,7 @@ def test_calibrate_reads_the_sharded_slack_off_the_settled_peak(tmp_path):
     Each kind's timed probes take its steps in 2, 4 and 1 micro-batches (LOOKS)."""
     import dataclasses
 
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
     from scaletrain.planner import build_for_plan, predict_configured
     from scaletrain.planner.held import held_on_rank
     from scaletrain.planner.reference import sharded_config, sharded_worker
@@ -969,9 +969,9 @@ def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and
     FSDP over all 4 ranks: its cost per call beside the 2-rank cost per step."""
     import dataclasses
 
-    from scaletrain.hardware import Link
     from scaletrain.planner import predict_configured
     from scaletrain.planner.reference import SHARDED_DIM, sharded_config
+    from scaletrain.runtime.hardware import Link
 
     base = _cpu_profile()
     link4 = Link(bus_bw=5e8, latency_s=3e-4)
@@ -1093,7 +1093,7 @@ def test_a_profile_slowed_by_a_factor_predicts_every_step_that_much_longer():
     import dataclasses
 
     from scaletrain.config import validate_config
-    from scaletrain.hardware import slowed
+    from scaletrain.runtime.hardware import slowed
 
     four = _four_rank_profile()
     profile = dataclasses.replace(
@@ -1129,8 +1129,8 @@ def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
     """calibrate keeps the Linear stack's cost per call where no probe measured the
     configured model's own (here tp: the probe was refused), and puts each probed one on
     the link of the world size it was measured on."""
-    from scaletrain.hardware import Link, slowed
     from scaletrain.planner import calibrate as cal
+    from scaletrain.runtime.hardware import Link, slowed
 
     def stack(world):
         link = Link(bus_bw=1e9, latency_s=1e-4)
@@ -1328,8 +1328,8 @@ def test_checkpointing_counts_what_backward_runs_again():
     # included): one process, 2 micro-batches of 4
     import dataclasses
 
-    from scaletrain.hardware import BUILTIN
     from scaletrain.planner.predict import RECOMPUTED_SHARE
+    from scaletrain.runtime.hardware import BUILTIN
 
     bare = dataclasses.replace(BUILTIN["h100"], op_s=0.0, byte_s=0.0)
     for mode, acts in (("none", none), ("full", full), ("op", op)):
@@ -1362,7 +1362,7 @@ def test_auto_precision_is_planned_as_the_run_on_the_profiles_hardware_decides(m
 
     from scaletrain import precision
     from scaletrain.config import validate_config
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.runtime.hardware import BUILTIN
 
     def planned(mode, profile):
         pred = _configured(validate_config({**RAW, "precision": {"mode": mode}}), profile)
@@ -1383,7 +1383,7 @@ def test_the_configured_layout_alone_is_planned_or_refused_never_replaced():
     is refused: it returned dp_shard x tp's prediction as the configured one's)."""
     from scaletrain.config import validate_config
     from scaletrain.errors import UserError
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.runtime.hardware import BUILTIN
 
     refused = validate_config({**RAW, "parallel": {"dp_replicate": 2, "tp": 2}})
     with pytest.raises(UserError, match="dp_replicate = 2 with tp = 2"):
@@ -1440,7 +1440,7 @@ def test_the_configured_pipeline_chunks_are_planned():
     """parallel.pp_microbatches splits each micro-batch into that many chunks: the bubble is
     (p - 1) / chunks. The configured layout was planned with the default (pp chunks)."""
     from scaletrain.config import validate_config
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.runtime.hardware import BUILTIN
 
     for chunks, bubble in ((0, 1 / 2), (4, 1 / 4)):
         parallel = {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": chunks}
@@ -1455,7 +1455,7 @@ def test_tensor_parallel_collectives_are_called_per_pipeline_chunk():
     the same in backward) are called once per chunk, for the same bytes in all. They were
     counted once per micro-batch: GPT small's pp 2 x tp 2 was predicted 29% fast."""
     from scaletrain.config import validate_config
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.runtime.hardware import BUILTIN
 
     def planned(chunks):
         parallel = {"pp": 2, "tp": 2, "pp_schedule": "1f1b", "pp_microbatches": chunks}
@@ -1477,7 +1477,7 @@ def test_a_gpu_times_its_matmuls_at_the_achievable_rate_and_reports_mfu_against_
     import dataclasses
 
     from scaletrain.config import validate_config
-    from scaletrain.hardware import BUILTIN
+    from scaletrain.runtime.hardware import BUILTIN
 
     config = validate_config(RAW)
     h100 = dataclasses.replace(BUILTIN["h100"], op_s=0.0, byte_s=0.0)
@@ -1519,7 +1519,7 @@ def test_a_hand_edited_profile_is_refused_with_what_was_wrong(tmp_path):
     """A profile that is not TOML, has a value that is not a number, or a matmul efficiency
     outside (0, 1] is refused as the user's mistake (a ProfileError naming the file and the
     key), not a ValueError or TOMLDecodeError traceback."""
-    from scaletrain.hardware import BUILTIN, ProfileError, load_profile, profile_toml
+    from scaletrain.runtime.hardware import BUILTIN, ProfileError, load_profile, profile_toml
 
     good = profile_toml(BUILTIN["a100"])
     cases = {
@@ -1571,7 +1571,7 @@ def test_a_users_own_large_model_is_planned_from_the_users_code(tmp_path, monkey
 def _cpu_plan(world: int, *, devices_per_node: int, memory_bytes: int = 2**40, **kw):
     import dataclasses
 
-    from scaletrain.cli_plan import plan_config
+    from scaletrain.commands.plan import plan_config
     from scaletrain.config import validate_config
 
     profile = dataclasses.replace(
@@ -1609,8 +1609,8 @@ def test_plan_and_train_plan_give_a_rank_the_same_share_of_a_cpus_memory(
 
     from scaletrain.cli import main
     from scaletrain.errors import ConfigError
-    from scaletrain.hardware import profile_toml
     from scaletrain.planner.launch import pick_layout
+    from scaletrain.runtime.hardware import profile_toml
 
     smallest = min(p.memory_bytes["peak"] for p in _cpu_plan(2, devices_per_node=2))
     machine = 3 * smallest // 2  # the whole machine holds a layout; half of it none
@@ -1634,7 +1634,7 @@ def test_plan_and_train_plan_give_a_rank_the_same_share_of_a_cpus_memory(
 
 def test_the_plan_table_prints_a_gpus_step_in_milliseconds_to_four_figures():
     """Every `step s` of a GPU plan printed 0.000 (its JSON: 0.000138)."""
-    from scaletrain.cli_plan import format_table
+    from scaletrain.commands.plan import format_table
     from scaletrain.planner.predict import Prediction
 
     layout = {
@@ -1663,7 +1663,7 @@ def test_plan_warns_once_when_the_profile_was_calibrated_on_another_model(tmp_pa
     import dataclasses
 
     from scaletrain.cli import main
-    from scaletrain.hardware import profile_toml
+    from scaletrain.runtime.hardware import profile_toml
 
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(PLAN_CONFIG)
@@ -1689,7 +1689,7 @@ def test_calibrate_replaces_its_profile_whole_or_leaves_the_old_one(tmp_path, mo
     import os
 
     import scaletrain.planner.calibrate as calibrate
-    from scaletrain.cli_plan import cmd_calibrate
+    from scaletrain.commands.plan import cmd_calibrate
 
     monkeypatch.setattr(calibrate, "calibrate", lambda **kw: _cpu_profile())
     out = tmp_path / "hardware.toml"

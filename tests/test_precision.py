@@ -205,7 +205,7 @@ def test_a_precision_slower_than_fp32_on_this_cpu_is_warned(
     precision asked for runs slower than fp32 on this CPU, naming its capability and the
     missing instruction sets; `auto` never warns, it picks fp32 there."""
     from scaletrain.config import validate_config
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
 
     from harness import cli_main, forbid_starting
 
@@ -239,7 +239,7 @@ def test_a_precision_slower_than_fp32_on_this_cpu_is_warned(
 
 def test_fp16_warning_no_longer_recommends_bf16_blindly(monkeypatch: pytest.MonkeyPatch) -> None:
     from scaletrain.config import validate_config
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     warnings = resolve(

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 import scaletrain.cli
-import scaletrain.launch
+import scaletrain.commands.train
+import scaletrain.launch.agent
 
 from harness import (
     cli_main,
@@ -284,9 +285,9 @@ def test_good_ps_configs_reach_the_launcher(
     """The table cannot pass by refusing everything: these get as far as launching."""
     launched = []
     monkeypatch.setattr(
-        scaletrain.cli, "launch", lambda spec, args, **kw: launched.append(spec) or 0
+        scaletrain.commands.train, "launch", lambda spec, args, **kw: launched.append(spec) or 0
     )
-    monkeypatch.setattr(scaletrain.cli, "_run_worker", refuse_start)
+    monkeypatch.setattr(scaletrain.commands.train, "run_worker", refuse_start)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "config.toml"
@@ -394,7 +395,7 @@ def _other_interface() -> tuple[str, str] | None:
     import socket
 
     from scaletrain.config import ConfigError
-    from scaletrain.ps.run import interface_address
+    from scaletrain.ps.connect import interface_address
 
     for _, name in socket.if_nameindex():
         if name == "lo":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.checkpoint_files import latest_valid, list_checkpoints
+from scaletrain.checkpoint.files import latest_valid, list_checkpoints
 
 from harness import env_of, listening, records, start_cli, wait_until
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.checkpoint_files import list_checkpoints
+from scaletrain.checkpoint.files import list_checkpoints
 
 from harness import load_weights, max_abs_diff, records, run_cli, run_workers
 

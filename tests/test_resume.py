@@ -5,7 +5,7 @@ checkpoint never runs pickled code; export writes the checkpoint's weights.
 
 Speed: the runs that are not what a test is about go through the session's pools of ranks
 (conftest's `trained`, harness.run_job with keep=True), through the workers' own entry
-(`cli._run_worker`, as `scaletrain train` under torchrun runs it), without a process of
+(`commands/worker.run_worker`, as `scaletrain train` under torchrun runs it), without a process of
 their own: the references, the stops and the resumes on another world size (a stop in a
 job of one world size, its resume a case of the same name in a job of the other, both jobs
 in the test's own root so the resume finds the stop's run directory), and the run that is
@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from scaletrain.checkpoint import Checkpointer, TrainState, load
-from scaletrain.checkpoint_files import CheckpointError, latest_valid, list_checkpoints
+from scaletrain.checkpoint.files import CheckpointError, latest_valid, list_checkpoints
 from scaletrain.data.sources import TaskSpec
 from scaletrain.models import build_model
 from scaletrain.precision import make_precision
@@ -271,7 +271,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> dict:
     import contextlib
     import io
 
-    import scaletrain.report
+    import scaletrain.records.report
 
     from harness import cli_main
 
@@ -285,7 +285,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> dict:
         mp.chdir(tmp)
         # The PNG is not the point here (matplotlib costs seconds): a stub file stands in.
         mp.setattr(
-            scaletrain.report,
+            scaletrain.records.report,
             "write_report",
             lambda runs, out: Path(out).write_bytes(b"png") and out,
         )
@@ -357,7 +357,7 @@ def test_resume_of_a_finished_run_says_so_and_touches_nothing(
 
 def test_summary_is_valid_json_when_the_loss_is_not_finite(tmp_path: Path) -> None:
     """A NaN (or infinite) value is written as null: summary.json stays valid JSON."""
-    from scaletrain.rundir import json_safe, write_summary
+    from scaletrain.launch.rundir import json_safe, write_summary
 
     path = write_summary(
         tmp_path,

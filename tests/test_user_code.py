@@ -38,6 +38,7 @@ import pytest
 import torch
 
 import scaletrain.cli
+import scaletrain.commands.train
 
 from harness import cli_main, forbid_starting, run_cli
 
@@ -254,13 +255,13 @@ def cli_here(imported: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     nproc > 1 no worker either (the launcher must refuse), with nproc = 1 the trainer runs
     here as the CLI runs it. Torch's thread count and OMP_NUM_THREADS (the trainer sets
     both) are put back after."""
-    run_worker = scaletrain.cli._run_worker
+    run_worker = scaletrain.commands.train.run_worker
     forbid_starting(monkeypatch, imported)
     threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
 
     def run(*overrides: str, nproc: int = 2, flags: tuple[str, ...] = ()) -> tuple[int, str, str]:
         if nproc == 1:  # one process: cli.cmd_train trains right here (spec.in_process)
-            monkeypatch.setattr(scaletrain.cli, "_run_worker", run_worker)
+            monkeypatch.setattr(scaletrain.commands.train, "run_worker", run_worker)
         capsys.readouterr()
         code = cli_main(train_argv(imported / "run", overrides, nproc, flags))
         out, err = capsys.readouterr()
@@ -679,7 +680,7 @@ def test_misspelt_model_name_gets_a_did_you_mean() -> None:
 
 def test_model_kwargs_with_a_builtin_model_is_refused() -> None:
     from scaletrain.config import ConfigError, load_config
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
 
     config = load_config(None, ["model.name=mlp", "data.source=digits", "model.kwargs={width=3}"])
     with pytest.raises(
@@ -692,7 +693,7 @@ def test_model_kwargs_with_a_builtin_model_is_refused() -> None:
 
 def test_data_kwargs_with_a_builtin_source_is_refused() -> None:
     from scaletrain.config import ConfigError, load_config
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
 
     config = load_config(None, ["model.name=mlp", "data.source=digits", "data.kwargs={n=3}"])
     with pytest.raises(ConfigError, match="data.kwargs = .* is only read by a data function"):
@@ -701,7 +702,7 @@ def test_data_kwargs_with_a_builtin_source_is_refused() -> None:
 
 def test_hf_model_needs_a_path_or_a_config() -> None:
     from scaletrain.config import ConfigError, load_config
-    from scaletrain.plan import resolve
+    from scaletrain.launch.resolve import resolve
 
     config = load_config(None, ["model.name=hf", "data.source=synthetic-text"])
     with pytest.raises(ConfigError) as e:

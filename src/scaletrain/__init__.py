@@ -13,8 +13,8 @@ types a user's factory, data function and loss meet.
 from scaletrain.version import __version__ as __version__  # re-exported
 
 _LAZY = {
-    "train": ("scaletrain.api", "train"),
-    "TrainingFailed": ("scaletrain.api", "TrainingFailed"),
+    "train": ("scaletrain.commands.api", "train"),
+    "TrainingFailed": ("scaletrain.commands.api", "TrainingFailed"),
     "TaskSpec": ("scaletrain.data.sources", "TaskSpec"),
     "Batch": ("scaletrain.data.sources", "Batch"),
     "ModelSpec": ("scaletrain.models.protocol", "ModelSpec"),

@@ -16,6 +16,9 @@ working.
 
 from __future__ import annotations
 
+EXIT_USAGE = 2  # a user's mistake: the message is shown as is, no traceback
+EXIT_FAILED = 1  # a run that failed, or a bug of ours (its traceback is shown or logged)
+
 
 class UserError(ValueError):
     """A mistake of the user's: its message names the key or flag, the value and what is

@@ -23,7 +23,7 @@ The train step calls the same four methods whatever the mode; it never patches
   come from torch's own checks (the ones its oneDNN kernels dispatch on), not /proc/cpuinfo.
 
 The forward context also holds the attention kernel measured fastest for the model
-(`attention`, attention.py), which the checkpoint keeps.
+(`attention`, runtime/attention.py), which the checkpoint keeps.
 
 A mode asked for by name may be slower than fp32 on the machine it runs on: bf16 on a CPU
 without avx512_bf16 or AMX is emulated, about 100x slower than fp32, and fp16 on a CPU
@@ -49,7 +49,7 @@ from typing import Literal
 
 import torch
 
-from scaletrain.attention import attention_context
+from scaletrain.runtime.attention import attention_context
 
 PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto"]
 PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64", "auto")
@@ -68,7 +68,7 @@ class Hardware:
 
 
 def matmul_dtype(mode: str, *, tf32: bool = False) -> str:
-    """The hardware profile's key (hardware.py) for the rate `mode`'s matmuls run at (a
+    """The hardware profile's key (runtime/hardware.py) for the rate `mode`'s matmuls run at (a
     resolved mode, not "auto"); `tf32`: fp32's run on TF32 tensor cores."""
     named = {"bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16", "fp64": "fp64"}
     return named.get(mode, "tf32" if tf32 else "fp32")
@@ -151,7 +151,7 @@ class Precision:
     scaler: torch.amp.GradScaler | None = None  # fp16-mixed only
     overflow_steps: int = field(default=0)
     tf32: bool = False  # CUDA: fp32 matmuls on TF32 tensor cores (make_precision set it)
-    # the SDPA backend measured fastest for the model (attention.py; None: torch's choice)
+    # the SDPA backend measured fastest for the model (runtime/attention.py; None: torch's choice)
     attention: str | None = None
 
     @property

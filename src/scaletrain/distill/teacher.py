@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from scaletrain.checkpoint_files import MANIFEST, file_sha256
+from scaletrain.checkpoint.files import MANIFEST, file_sha256
 from scaletrain.data.sources import Batch, TaskSpec
 from scaletrain.models.init import WEIGHTS_ATTR, WeightFiles, is_meta
 from scaletrain.user_code import UserCodeError
@@ -211,7 +211,7 @@ def _identity_files(kind: str, d: Path) -> list[Path]:
     Hugging Face directory's weights (those transformers loads), a run's model.safetensors,
     or every file of a checkpoint (its metadata and shards; the manifest only lists them)."""
     if kind == "hf":
-        from scaletrain.models.hf import safetensors_files
+        from scaletrain.models.hf_files import safetensors_files
 
         return safetensors_files(d, where=f"distill.teacher = {str(d)!r}")
     if kind == "run":
@@ -222,7 +222,7 @@ def _identity_files(kind: str, d: Path) -> list[Path]:
 def _exported_weights(checkpoint: Path, tmp: Path) -> Path:
     """A checkpoint teacher's model weights as one safetensors file in `tmp`, under the
     student-free names its model has (a distilled run's checkpoint holds the student)."""
-    from scaletrain.checkpoint_files import export_weights
+    from scaletrain.checkpoint.files import export_weights
     from scaletrain.distill.student import strip_wrapper
 
     return export_weights(checkpoint, tmp / "model.safetensors", rename=strip_wrapper)
@@ -459,7 +459,7 @@ def place_teacher(teacher: Teacher, *, device: torch.device, mesh=None) -> Teach
 def describe_teacher(teacher: Teacher) -> str:
     """One line: what the teacher is and what it costs this rank (its weights' bytes here:
     1 / dp_shard of them when sharded), the number a memory plan adds to the student's."""
-    from scaletrain.memory import local_bytes
+    from scaletrain.records.memory import local_bytes
 
     params = list(teacher.module.parameters())
     total = sum(p.numel() for p in params)

@@ -13,11 +13,11 @@ time; `scaletrain plan` prints it, `scaletrain train --plan` trains the first.
 from __future__ import annotations
 
 from scaletrain.config import Config
-from scaletrain.hardware import Profile, rank_budget
 from scaletrain.planner.activations import traced_activations
 from scaletrain.planner.held import held_on_rank
 from scaletrain.planner.layouts import Candidate, candidates
 from scaletrain.planner.predict import Prediction, predict
+from scaletrain.runtime.hardware import Profile, rank_budget
 from scaletrain.training.assemble import NO_CODE, UserCode
 
 

@@ -35,8 +35,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.hardware import Link, Profile, cpu_name, slowed
-from scaletrain.launch import LOOPBACK_ENV, SUBPROCESS_ENV
+from scaletrain.launch.agent import LOOPBACK_ENV, SUBPROCESS_ENV
 from scaletrain.planner.reference import (
     GPT_TINY,
     collective_overheads,
@@ -48,6 +47,7 @@ from scaletrain.planner.reference import (
     slack_probe,
     step_costs,
 )
+from scaletrain.runtime.hardware import Link, Profile, cpu_name, slowed
 
 SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB .. 64 MiB
 DTYPE_OF = {

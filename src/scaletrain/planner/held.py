@@ -25,13 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.config import Config
-from scaletrain.memory import held_bytes, local_bytes
+from scaletrain.launch.resolve import Derived
 from scaletrain.models.flops import meta_copy
 from scaletrain.models.init import is_meta
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.compose import parallelize
-from scaletrain.plan import Derived
 from scaletrain.precision import make_precision
+from scaletrain.records.memory import held_bytes, local_bytes
 from scaletrain.training.assemble import NO_CODE, UserCode, build_net, build_objective
 from scaletrain.training.optim import build_optimizer
 

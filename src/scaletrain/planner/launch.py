@@ -15,9 +15,9 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import BUILTIN, Profile, default_profile, rank_budget
 from scaletrain.planner import build_for_plan, plan_layouts
 from scaletrain.planner.predict import Prediction
+from scaletrain.runtime.hardware import BUILTIN, Profile, default_profile, rank_budget
 from scaletrain.training.assemble import NO_CODE, UserCode
 
 
@@ -93,7 +93,7 @@ def check_fits(
 
 def _memory_only(budget: int) -> Profile:
     """A profile for the memory question alone (no calibration: its times mean nothing)."""
-    from scaletrain.hardware import Link
+    from scaletrain.runtime.hardware import Link
 
     return Profile(
         name="uncalibrated",

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config, apply_overrides, validate_config
 from scaletrain.errors import UserError
+from scaletrain.launch.resolve import Derived, resolve
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.compose import check_model_fits
-from scaletrain.plan import Derived, resolve
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 AC_MODES = ("none", "op", "selective", "full")

@@ -57,12 +57,12 @@ from dataclasses import dataclass, field
 import torch
 
 from scaletrain.config import Config
-from scaletrain.hardware import Link, Profile
+from scaletrain.launch.resolve import Derived
 from scaletrain.models.flops import train_flops, transformer_flops, transformer_shape
-from scaletrain.plan import Derived
 from scaletrain.planner.activations import Activations
 from scaletrain.planner.held import Held
 from scaletrain.precision import matmul_dtype
+from scaletrain.runtime.hardware import Link, Profile
 
 RECOMPUTED_SHARE = 1 / 3  # of an op's cost (forward and backward), what its forward alone costs
 

@@ -10,7 +10,7 @@ calibrate measures it on real steps:
 - `step_costs`: the configured model (`scaletrain calibrate CONFIG`; else the built-in GPT
   `tiny`) trained for real at four micro-batches (a quarter, half, once and twice the
   configured one: the sizes a layout's chunks run at) in turn, a step at each per round,
-  one thread, under the heap policy the run would apply (allocator.py), in fresh processes
+  one thread, under the heap policy the run would apply (runtime/allocator.py), in fresh processes
   (the calibration's own large buffers out of their heap): as many side by side as the
   cores a world's ranks keep busy, started as ranks by torch's elastic agent, each step
   begun together (a gloo barrier, not timed), and per micro-batch the slowest one's
@@ -146,9 +146,9 @@ def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> 
     every process in it is ready, as a synchronous rank's does (a barrier, not timed)."""
     import torch.distributed as dist
 
-    from scaletrain.allocator import configure_allocator
     from scaletrain.planner import build_for_plan
     from scaletrain.precision import make_precision
+    from scaletrain.runtime.allocator import configure_allocator
     from scaletrain.training.assemble import build_net, build_objective, tensor_bytes
     from scaletrain.training.optim import build_optimizer
     from scaletrain.training.step import forward
@@ -196,8 +196,8 @@ def step_costs(
     medians summed (what `pace` times again). `data`: the config as a dict (None: GPT
     tiny); `launch(n, fn, *args)` starts ranks and returns rank -> result
     (calibrate._launch)."""
-    from scaletrain.hardware import Profile
     from scaletrain.planner import predict_configured
+    from scaletrain.runtime.hardware import Profile
 
     data = data or GPT_TINY
     # the planner's own prediction with no per-op or per-byte terms: what the fit adds to
@@ -369,7 +369,7 @@ def sharded_probes(
     use)."""
     import dataclasses
 
-    from scaletrain.hardware import Profile
+    from scaletrain.runtime.hardware import Profile
 
     data = data or GPT_TINY
     bare = _without_sharding_costs(profile)
@@ -631,7 +631,7 @@ def first_use_worker(*, units: int = 8, width: int = 64) -> int:
     import torch.distributed.fsdp  # noqa: F401 imported before the baseline, as a run does
     from torch.distributed.device_mesh import init_device_mesh
 
-    from scaletrain.memory import lifetime_peak_bytes
+    from scaletrain.records.memory import lifetime_peak_bytes
 
     torch.set_num_threads(1)
     with gloo_group():

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from scaletrain.config import Config
-from scaletrain.plan import Derived
+from scaletrain.launch.resolve import Derived
 from scaletrain.ps.server import ParameterServer, Update
 
 

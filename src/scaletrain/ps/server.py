@@ -60,10 +60,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed.rpc as rpc
 
-from scaletrain.memory import global_bytes
 from scaletrain.ps.clock import Clocks, may_start, staleness_of
 from scaletrain.ps.threads import ThreadFailed
 from scaletrain.ps.threads import start as start_thread
+from scaletrain.records.memory import global_bytes
 from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
 
 

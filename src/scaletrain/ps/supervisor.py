@@ -28,7 +28,7 @@ from pathlib import Path
 
 from scaletrain.config import Config
 from scaletrain.errors import UserError
-from scaletrain.plan import resolve
+from scaletrain.launch.resolve import resolve
 
 FINISHED_MARKER = "ps-finished"  # RUN_DIR/logs/ps-finished: the servers are done
 EXIT_SERVER_LOST, EXIT_REFUSED = 3, 4  # a worker's child: a server is gone; declared dead

@@ -310,7 +310,7 @@ def measure_attention(
     micro_batch: int,
 ) -> tuple[str | None, dict[str, float]]:
     """The SDPA backend fastest for `model`'s own attention calls in `precision` on this CPU
-    (attention.py), and each candidate's seconds for a micro-batch of them; (None, {}) on
+    (runtime/attention.py), and each candidate's seconds for a micro-batch of them; (None, {}) on
     a GPU, in float64 (which proves numerics: torch's choice, the same everywhere), for a
     model without attention, or one whose forward cannot be traced here (a meta-built
     model whose forward reads values). `first`: this rank's first micro-batch's indices,
@@ -319,8 +319,8 @@ def measure_attention(
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from scaletrain.attention import fastest_backend, record_calls
     from scaletrain.models.init import is_meta
+    from scaletrain.runtime.attention import fastest_backend, record_calls
     from scaletrain.training.step import forward
 
     on_meta = is_meta(model)

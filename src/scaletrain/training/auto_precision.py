@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import Config
-from scaletrain.hardware import cpu_name
-from scaletrain.plan import Derived
+from scaletrain.launch.resolve import Derived
 from scaletrain.precision import decide_auto, detect_hardware, make_precision
+from scaletrain.runtime.hardware import cpu_name
 from scaletrain.training.assemble import (
     NO_CODE,
     UserCode,

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletrain.allocator import configure_allocator
 from scaletrain.checkpoint import Checkpointer, TrainState
 from scaletrain.config import Config, config_to_toml
 from scaletrain.data.loader import Dataset
@@ -25,19 +24,20 @@ from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.distill.build import cached_splits
 from scaletrain.distill.teacher import place_teacher
 from scaletrain.errors import UserError
+from scaletrain.launch.resolve import Derived
 from scaletrain.loss import LossFn
 from scaletrain.models.init import is_meta
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.compose import check_model_fits, parallelize
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import Pipeline
-from scaletrain.plan import Derived
 from scaletrain.precision import Precision, make_precision
 from scaletrain.runtime import (
     ProcessEnv,
     all_reduce_sum,
     broadcast_object,
 )
+from scaletrain.runtime.allocator import configure_allocator
 from scaletrain.training.assemble import (
     NO_CODE,
     UserCode,
@@ -66,7 +66,7 @@ from scaletrain.user_code import UserCodeError
 class Parts:
     """Everything `train` builds from the config, handed to the loop."""
 
-    state: TrainState  # what a checkpoint holds (checkpoint.py lists it)
+    state: TrainState  # what a checkpoint holds (checkpoint/__init__.py lists it)
     sampler: GlobalBatchSampler
     train_ds: Dataset
     eval_ds: Dataset
@@ -83,7 +83,7 @@ class Parts:
     # Called after each step's train_step with (step, its seconds): what a benchmark or a
     # user hooks in (training/hooks.py); the loop itself sleeps for nobody.
     after_step: tuple[Callable[[int, float], None], ...] = ()
-    heap: str = "system"  # the CPU heap policy applied (allocator.py)
+    heap: str = "system"  # the CPU heap policy applied (runtime/allocator.py)
 
     @property
     def reports_loss(self) -> bool:
@@ -188,7 +188,7 @@ def build(
         )
     except UserError as e:  # ModelSpecError, TensorParallelError, PipelineConfigError
         raise UserCodeError(str(e)) from None
-    # The attention kernel measured fastest for this model and precision (attention.py):
+    # The attention kernel measured fastest for this model and precision (runtime/attention.py):
     # rank 0 measures on the bare model, every rank runs what it chose.
     chosen, seconds = broadcast_object(
         measure_attention(

@@ -18,13 +18,13 @@ import torch
 from scaletrain.config import Config
 from scaletrain.data.loader import Dataset
 from scaletrain.data.sampler import eval_indices
+from scaletrain.launch.resolve import Derived
 from scaletrain.loss import LossFn, mse
-from scaletrain.memory import available_bytes, global_bytes
 from scaletrain.models.protocol import output_logits
 from scaletrain.parallel.compose import unwrap
 from scaletrain.parallel.pipeline import Pipeline, eval_pipeline
-from scaletrain.plan import Derived
 from scaletrain.precision import Precision
+from scaletrain.records.memory import available_bytes, global_bytes
 from scaletrain.runtime import ProcessEnv, all_reduce_sum
 from scaletrain.training.step import forward
 

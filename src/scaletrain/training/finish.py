@@ -24,9 +24,9 @@ from safetensors.torch import save_file, save_model
 from scaletrain.config import Config
 from scaletrain.distill.build import sentence_tokenizer_dir
 from scaletrain.distill.student import student_weights
+from scaletrain.launch.resolve import Derived
+from scaletrain.launch.rundir import write_summary
 from scaletrain.parallel.compose import unwrap
-from scaletrain.plan import Derived
-from scaletrain.rundir import write_summary
 from scaletrain.runtime import honour_umask, written_atomically
 
 WRITTEN = "written"  # `weights` when save_split_weights has written model.safetensors
@@ -98,7 +98,7 @@ def write_weights(
     net, weights = student_weights(unwrap(model), weights)  # under [distill]: the student alone
     if weights == WRITTEN:
         if config.model.name == "hf":  # its directory: the config beside the same file
-            from scaletrain.models.hf import save_hf_beside
+            from scaletrain.models.hf_files import save_hf_beside
 
             with written_atomically(run_dir / "hf-model") as tmp:
                 save_hf_beside(
@@ -117,7 +117,7 @@ def write_weights(
             save_file(weights, str(tmp), metadata=meta)
         honour_umask(tmp)  # safetensors writes 0600
     if config.model.name == "hf":  # also as a model directory: model.path can fine-tune it
-        from scaletrain.models.hf import save_hf
+        from scaletrain.models.hf_files import save_hf
 
         with written_atomically(run_dir / "hf-model") as tmp:
             save_hf(

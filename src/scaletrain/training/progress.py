@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from scaletrain.data.sources import Batch
-from scaletrain.memory import WindowPeak, held_bytes, lifetime_peak_bytes
-from scaletrain.metrics import MetricsLogger
 from scaletrain.precision import Precision
+from scaletrain.records.memory import WindowPeak, held_bytes, lifetime_peak_bytes
+from scaletrain.records.metrics import MetricsLogger
 from scaletrain.runtime import all_reduce_sum, collective_guard
 from scaletrain.training.step import StepResult
 
@@ -107,7 +107,7 @@ class CommCounter:
 class ModelFlops:
     """MFU's two numbers: the model FLOPs of one example's forward and backward
     (models/flops.py, the counter the planner uses; recomputation not counted) and the peak
-    FLOP/s of every rank together, from the hardware profile (hardware.py; None where no
+    FLOP/s of every rank together, from the hardware profile (runtime/hardware.py; None where no
     profile is known: mfu is then logged as null)."""
 
     per_example: int | None  # None: the model could not be traced on meta (see model_flops)
@@ -123,8 +123,8 @@ class ModelFlops:
 def model_flops(model, example, *, precision, world_size: int, device_type: str) -> ModelFlops:
     """ModelFlops for `model` (whole, before any technique splits it; meta or real) on one
     `example` Batch, with the peak of `world_size` devices of this machine's profile."""
-    from scaletrain.hardware import default_profile
     from scaletrain.models.flops import train_flops
+    from scaletrain.runtime.hardware import default_profile
 
     try:
         per_example = train_flops(model, example.inputs, **example.extras)

@@ -6,7 +6,7 @@ torchrun's agent forwards the signal it receives to every worker. What a worker 
 - SIGTERM with checkpointing on (checkpoint.every > 0): the handler only sets a flag. The
   loop asks `stop_requested()` after every step (trainer `_checkpoint_or_stop`); when it
   says yes, every rank saves a checkpoint of that step and leaves with status 143. The
-  launcher waits SCALETRAIN_SIGTERM_GRACE_S seconds (default 30, launch.py) for that,
+  launcher waits SCALETRAIN_SIGTERM_GRACE_S seconds (default 30, launch/agent.py) for that,
   then kills the workers; a save cut short leaves only a `.tmp-` directory, so the
   previous checkpoint stays the newest valid one.
 - SIGTERM without checkpointing, or a second SIGTERM: `Terminated` is raised at once.

@@ -38,10 +38,10 @@ import torch.distributed as dist
 
 from scaletrain.data.sources import Batch
 from scaletrain.loss import LossFn, cross_entropy
-from scaletrain.memory import local_bytes
 from scaletrain.parallel.compose import gradient_sync
 from scaletrain.parallel.pipeline import Pipeline, run_pipeline
 from scaletrain.precision import Precision
+from scaletrain.records.memory import local_bytes
 from scaletrain.runtime import all_reduce_sum
 from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
 from scaletrain.user_code import UserCodeError

@@ -22,18 +22,18 @@ import torch
 
 from scaletrain.checkpoint import TrainState
 from scaletrain.checkpoint import load as load_checkpoint
-from scaletrain.checkpoint_files import latest_valid
+from scaletrain.checkpoint.files import latest_valid
 from scaletrain.config import Config
 from scaletrain.data.sources import Batch
 from scaletrain.distill.objective import take_terms
 from scaletrain.distill.teacher import describe_teacher
-from scaletrain.launch import under_elastic_agent
-from scaletrain.memory import WindowPeak
-from scaletrain.metrics import MetricsLogger
+from scaletrain.launch.agent import under_elastic_agent
+from scaletrain.launch.resolve import Derived, resolve
+from scaletrain.launch.rundir import default_run_dir, describe_finished, finished_run, write_config
 from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
-from scaletrain.plan import Derived, resolve
 from scaletrain.precision import Precision
-from scaletrain.rundir import default_run_dir, describe_finished, finished_run, write_config
+from scaletrain.records.memory import WindowPeak
+from scaletrain.records.metrics import MetricsLogger
 from scaletrain.runtime import (
     ProcessEnv,
     broadcast_object,

@@ -13,7 +13,7 @@ which sit beside what they protect:
                           keys under the collective strategy
 
 Every refusal is one `ConfigError` naming the key, the value and what is allowed. Checks
-that need the model built (its TP plan, its blocks) run later, in prelaunch.py.
+that need the model built (its TP plan, its blocks) run later, in commands/prelaunch.py.
 """
 
 from __future__ import annotations

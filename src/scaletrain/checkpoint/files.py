@@ -1,6 +1,6 @@
 """Checkpoint directories on disk: safe reading, manifests, finding the latest valid one.
 
-`checkpoint.py` decides *what* a checkpoint holds (the Stateful pieces) and drives DCP's
+`checkpoint/__init__.py` decides *what* a checkpoint holds (the Stateful pieces) and drives DCP's
 save and load; this module owns everything about the directories themselves, so a tool
 that only inspects, verifies or exports a checkpoint (`scaletrain export`, `report`)
 needs none of the training state.

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# Set by the launcher (launch.py) for its workers, read by them in prepare_worker_process.
+# Set by the launcher (launch/agent.py) for its workers, read by them in prepare_worker_process.
 LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # a worker dies when this process does
 MERGE_STREAMS_ENV = "SCALETRAIN_MERGE_STREAMS"  # "1": a worker points stdout at its stderr log
 

@@ -19,7 +19,7 @@ Platform traps handled here (shared/PLATFORM-NOTES.md):
   node count, node rank and rendezvous endpoint come from SLURM's environment.
 
 What the user sees and what the logs keep (RUN_DIR/logs/rank-N.log, the console filter, the
-failure paragraph, the interrupt line) is launch_output.py's concern; `launch` wires it in.
+failure paragraph, the interrupt line) is launch/output.py's concern; `launch` wires it in.
 
 Signals:
 - Ctrl-C / SIGTERM: torchrun's agent forwards the signal to the workers (SIGTERM: they save
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import UserError
-from scaletrain.launch_output import ConsoleEcho, agent_log, describe_child_failure, run_dir_logs
+from scaletrain.launch.output import ConsoleEcho, agent_log, describe_child_failure, run_dir_logs
 from scaletrain.runtime import LAUNCHER_PID_ENV, MERGE_STREAMS_ENV
 
 SUBPROCESS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", MERGE_STREAMS_ENV: "1"}

@@ -5,7 +5,7 @@
     RUN_DIR/model.safetensors  final weights, plain parameter names
     RUN_DIR/summary.json       final loss, eval metric, wall time, throughput
     RUN_DIR/report.png         loss and throughput curves (`scaletrain report`)
-    RUN_DIR/checkpoints/step-N sharded checkpoints (torch.distributed.checkpoint), see checkpoint.py
+    RUN_DIR/checkpoints/step-N sharded checkpoints (torch.distributed.checkpoint), see checkpoint/__init__.py
     RUN_DIR/checkpoints/step-N.corrupt-<time>  a damaged checkpoint, moved aside on resume
 
 Resuming (`--resume`) is checked here, in the launcher, before any process starts: the run
@@ -167,7 +167,7 @@ def check_resumable(
     Raises:
         ConfigError: no run directory, no valid checkpoint, or a refused config change.
     """
-    from scaletrain.checkpoint_files import latest_valid
+    from scaletrain.checkpoint.files import latest_valid
 
     if run_dir is None:
         raise ConfigError("--resume needs --run-dir, the run to continue")
@@ -217,7 +217,7 @@ def check_resumable(
 def resumed_precision(run_dir: Path | None) -> str | None:
     """The precision mode the run in `run_dir` started with (its newest checkpoint's config;
     "auto" where that run resolved it in each worker), or None when it has no checkpoint."""
-    from scaletrain.checkpoint_files import latest_valid
+    from scaletrain.checkpoint.files import latest_valid
 
     if run_dir is None:
         return None

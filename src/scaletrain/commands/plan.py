@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import Config, ConfigError, given_world, load_config
-from scaletrain.hardware import (
+from scaletrain.runtime import written_atomically
+from scaletrain.runtime.hardware import (
     BUILTIN,
     CALIBRATED,
     Profile,
@@ -21,7 +22,6 @@ from scaletrain.hardware import (
     profile_toml,
     rank_budget,
 )
-from scaletrain.runtime import written_atomically
 
 BUILTINS = ", ".join(BUILTIN)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import ConfigError, given_world, load_config
-from scaletrain.plan import resolve
+from scaletrain.launch.resolve import resolve
 
 # The scores `scaletrain eval` prints, in the order printed without a teacher.
 SCORE_LINES = ("lee_pearson", "wordsim353", "simlex999", "polarity", "topic")
@@ -178,7 +178,7 @@ def _has_tokenizer(path: Path) -> bool:
 def _safetensors_dir(path: Path, model: str) -> Path:
     """`path`, which must hold safetensors weights: pickle weights (pytorch_model.bin) are
     refused, never loaded, since unpickling can run code (the README's promise)."""
-    from scaletrain.models.hf import PICKLE_SUFFIXES
+    from scaletrain.models.hf_files import PICKLE_SUFFIXES
 
     if any(path.glob("*.safetensors")):
         return path
@@ -199,7 +199,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         hf_encoder,
         speed_ratio,
     )
-    from scaletrain.models.hf import _import_transformers
+    from scaletrain.models.hf_files import _import_transformers
 
     logging = _import_transformers().utils.logging
     logging.set_verbosity_error()  # the student has no pooler (unused): not worth a warning

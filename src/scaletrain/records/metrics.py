@@ -5,7 +5,7 @@ Design:
 * One object, ``MetricsLogger``, owns the three sinks so the trainer makes one call per
   logged step. Ranks other than 0 build it with ``enabled=False``: every method is then a
   no-op and no file is opened, so the training loop needs no ``if rank == 0`` around it.
-* ``metrics.jsonl`` is the record of truth; the PNG report (``report.py``) and any external
+* ``metrics.jsonl`` is the record of truth; the PNG report (``records/report.py``) and any external
   tool read it back with ``read_metrics``. Each line is one JSON object with a ``"kind"``
   field (``"train"`` or ``"eval"``) and at least a ``"step"``. Every line is flushed as it is
   written, so a crashed or killed run keeps everything logged up to the crash.

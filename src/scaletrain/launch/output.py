@@ -1,6 +1,6 @@
 """What a launched run shows on the console, and what it keeps in RUN_DIR/logs.
 
-launch.py starts the workers through torchrun's agent; this module decides where their
+launch/agent.py starts the workers through torchrun's agent; this module decides where their
 output goes. The rule: the files keep everything, the console shows what a user acts on.
 
 - Files. Each rank's whole output (stdout and stderr in one file) goes to
@@ -364,7 +364,7 @@ def last_error_line(log: Path, *, limit: int = 400) -> str | None:
 
 def describe_interrupt(run_dir: Path, *, signum: int) -> str:
     """The one line printed when a signal stopped the run: where, last checkpoint, how to go on."""
-    from scaletrain.checkpoint_files import list_checkpoints
+    from scaletrain.checkpoint.files import list_checkpoints
 
     checkpoints = list_checkpoints(Path(run_dir) / "checkpoints")
     last = checkpoints[-1] if checkpoints else None

@@ -44,8 +44,8 @@ from scaletrain.config import (
     load_config,
     validate_config,
 )
-from scaletrain.launch import LaunchSpec, under_elastic_agent, validate_spec
-from scaletrain.plan import Derived, resolve
+from scaletrain.launch.agent import LaunchSpec, under_elastic_agent, validate_spec
+from scaletrain.launch.resolve import Derived, resolve
 
 if TYPE_CHECKING:
     from scaletrain.training.auto_precision import AutoChoice
@@ -91,8 +91,8 @@ def prepare_run(
     Raises:
         ConfigError, UserCodeError: a mistake, before anything starts.
     """
-    from scaletrain.prelaunch import check_layout_fits
-    from scaletrain.rundir import (
+    from scaletrain.commands.prelaunch import check_layout_fits
+    from scaletrain.launch.rundir import (
         check_resumable,
         check_run_dir,
         default_run_dir,
@@ -111,7 +111,7 @@ def prepare_run(
     if resume and (done := finished_run(run_dir, config)) is not None:
         return Prepared(derived=derived, run_dir=Path(run_dir), warnings=(), complete=done)
     if derived.ps is not None:
-        from scaletrain.ps.run import interface_address
+        from scaletrain.ps.connect import interface_address
 
         interface_address(config.ps.interface)  # refused here if this machine lacks it
     if derived.ps is not None and spec.max_nodes > 1 and config.ps.interface == "lo":
@@ -215,7 +215,7 @@ def train(
     for warning in (*prepared.warnings,):
         print(f"scaletrain: warning: {warning}", file=sys.stderr)
     if prepared.complete is not None:  # --resume of a finished run: say so, touch nothing
-        from scaletrain.rundir import describe_finished
+        from scaletrain.launch.rundir import describe_finished
 
         print(describe_finished(prepared.run_dir, prepared.complete), file=sys.stderr)
         return {**prepared.complete, "run_dir": str(prepared.run_dir), "complete": True}
@@ -306,7 +306,7 @@ def _train_as_rank(config: Config, *, run_dir: Path | None, code) -> dict:
 def _train_here(config: Config, run_dir: Path, *, code) -> dict:
     import signal
 
-    from scaletrain.launch import Interrupted
+    from scaletrain.launch.agent import Interrupted
     from scaletrain.training import signals
 
     try:
@@ -321,7 +321,7 @@ def _train_here(config: Config, run_dir: Path, *, code) -> dict:
 def _launch(config: Config, spec: LaunchSpec, prepared: Prepared, *, code, debug: bool) -> dict:
     """Workers through the elastic agent; they read the config from a TOML file and import
     the user's code by the paths recorded in it."""
-    from scaletrain.launch import launch
+    from scaletrain.launch.agent import launch
     from scaletrain.user_code import import_path_of, pythonpath_for
 
     roots = []

@@ -32,7 +32,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from scaletrain.config import flatten_config  # nested TOML tables -> {"section.key": value}
-from scaletrain.metrics import METRICS_FILE, read_metrics
+from scaletrain.records.metrics import METRICS_FILE, read_metrics
 
 EVAL_METRICS = ("accuracy", "loss", "perplexity")  # the first one the eval records hold is shown
 NAME_KEYS = ("name", "run.name")  # already in the label: not repeated as a difference

@@ -23,7 +23,7 @@ every rank writes its own entry and takes back its own. Their key sets can grow 
 goes (PowerSGD adds tensors per bucket), so on load the template comes from the
 checkpoint's metadata, not from the fresh objects.
 
-On disk (checkpoint_files.py): DCP writes into `.tmp-step-N/`, which rank 0 renames to
+On disk (checkpoint/files.py): DCP writes into `.tmp-step-N/`, which rank 0 renames to
 `step-N/` once every rank is done and the manifest is written, so a crash mid-save never
 leaves a half checkpoint that looks complete. Loading goes through that module's safe
 reader and planner: no pickled code runs, and the model and optimizer must fit exactly.
@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from scaletrain.checkpoint_files import (
+from scaletrain.checkpoint.files import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,

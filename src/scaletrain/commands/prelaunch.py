@@ -13,9 +13,9 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.launch.resolve import Derived
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.compose import check_model_fits, techniques_needing_the_model
-from scaletrain.plan import Derived
 from scaletrain.ps.partition import PartitionError, model_partition
 from scaletrain.training.assemble import NO_CODE, UserCode, build_data, build_net
 
