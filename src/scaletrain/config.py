@@ -11,7 +11,7 @@ Design notes:
 - Sections are frozen pydantic models with `extra="forbid"`, so a typo is an error.
 - Checks between fields, and those that need the world size, sit beside what they protect
   (parallel/layout.py, parallel/checks.py, distill/checks.py), called once by
-  `plan.resolve`, which turns a `Config` plus a world size into `Derived` values. This
+  `launch/resolve.resolve`, which turns a `Config` plus a world size into `Derived` values. This
   module imports none of them: every room may read the schema, the schema reads no room.
 - Overrides are parsed as TOML values (`train.steps=200`, `optim.betas=[0.9,0.95]`,
   `model.name=gpt`); anything that is not a TOML literal is taken as a string.

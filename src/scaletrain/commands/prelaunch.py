@@ -1,6 +1,6 @@
 """Pre-launch checks that need the model built: does it take the layout the config asks for?
 
-`plan.resolve` checks the config against the world without building anything. What only the
+`launch/resolve.resolve` checks the config against the world without building anything. What only the
 model can answer (a TP plan whose heads and features divide by tp, enough blocks for the
 pipeline's stages, blocks to checkpoint, a parameter tensor for every server) is asked here,
 on a model built on the meta device in the launcher's process, before any worker starts.

@@ -18,7 +18,7 @@ pipeline peers read the same examples.
 
 A frozen dataclass that checks itself and is testable without any process group.
 `layout_of` reads the [parallel] degrees as plain numbers (the config's section is handed
-down by plan.resolve, this room imports nothing above it) and raises `LayoutError`, a
+down by launch/resolve.resolve, this room imports nothing above it) and raises `LayoutError`, a
 `ConfigError` naming the key the user wrote.
 """
 

@@ -74,7 +74,7 @@ def held_on_rank(
 
     Args:
         config: the run's config (model, precision, optimizer, [parallel] keys).
-        derived: `plan.resolve(config, world_size=...)`.
+        derived: `launch.resolve.resolve(config, world_size=...)`.
         dataset: the training data (its task sizes the model), built once by the caller.
     """
     layout = derived.layout

@@ -6,7 +6,7 @@ interleaved-1f1b with two stages per rank), the micro-batch (the configured one 
 power-of-two divisor of the per-rank batch below it, down to a quarter), activation
 checkpointing (none, op, selective, full; where the model declares blocks) and, under FSDP,
 ZeRO-3 or ZeRO-2 (parallel.reshard_after_forward true / false). Each is put through the
-launcher's own checks, `plan.resolve` and `compose.check_model_fits` on the model built on
+launcher's own checks, `launch/resolve.resolve` and `compose.check_model_fits` on the model built on
 meta: a layout that would be refused before launch is not a candidate.
 """
 

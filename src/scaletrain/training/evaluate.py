@@ -4,7 +4,7 @@
 terms (distillation: `hard_loss`, `distill/kl`, ...), each term, with no collective;
 `eval_record` turns totals into the record; `evaluate` is the two with one all-reduce in
 between, as every collective layout runs it. The parameter-server strategy evaluates on one
-server with no collective (ps/run.py).
+server with no collective (ps/finish.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ gathered state dict would put it.
 
 One function for both strategies, so that what a run leaves behind does not depend on how
 it trained: the collective trainer (training/trainer.py) and the parameter servers' server
-0 (ps/run.py) both call `finish_run`. The weights are written by `save_model` from the whole
+0 (ps/finish.py) both call `finish_run`. The weights are written by `save_model` from the whole
 module when no gathered state dict is given: buffers included, and one name kept for
 weights tied to each other (safetensors refuses aliases). A parameter server's copy of
 `named_parameters()` would drop both.
