@@ -28,7 +28,7 @@ The forward context also holds the attention kernel measured fastest for the mod
 A mode asked for by name may be slower than fp32 on the machine it runs on: bf16 on a CPU
 without avx512_bf16 or AMX is emulated, about 100x slower than fp32, and fp16 on a CPU
 without AMX-FP16 about 200x (BENCHMARKS.md, "Precision and accumulation"). `slow_precision_warning` says so, naming the CPU's capability and the instruction set
-it lacks; `explain` and `train` print it (plan.resolve collects it with its warnings).
+it lacks; `explain` and `train` print it (launch/resolve.resolve collects it with its warnings).
 
 TF32 (`precision.tf32`, CUDA only): fp32 matmuls and convolutions on the tensor cores, their
 inputs rounded to a 10-bit mantissa. `make_precision` sets torch's two flags either way, so

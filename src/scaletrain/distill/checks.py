@@ -1,4 +1,4 @@
-"""[distill] refusals the launcher makes before any worker starts (plan.resolve calls them)."""
+"""[distill] refusals the launcher makes before any worker starts (launch/resolve.resolve calls them)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Each check is a pure function of plain values (degrees, key values), testable without a
 config or a process group, raising `ConfigError` with the key, the value and what is
-allowed. `plan.resolve` is the one caller: it reads the config's sections and hands the
+allowed. `launch/resolve.resolve` is the one caller: it reads the config's sections and hands the
 values down, so this room imports nothing above itself. The layout's own degrees are checked
 by `layout.layout_of`, the pipeline schedule by `pipeline.check_schedule`; here sit the rules
 between techniques:
