@@ -154,7 +154,7 @@ from torch import nn
 
 def _break(thread):
     """Make one of scaletrain's background threads raise in this process."""
-    from scaletrain.ps import server
+    from scaletrain.ps import endpoints, server
 
     error = ValueError(f"injected into {thread}")
     if thread == "leases":
@@ -176,7 +176,7 @@ def _break(thread):
         send = rpc.rpc_async
 
         def rpc_async(to, func, *args, **kwargs):
-            if func is server.rpc_heartbeat:
+            if func is endpoints.rpc_heartbeat:
                 raise error
             return send(to, func, *args, **kwargs)
 

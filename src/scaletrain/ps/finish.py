@@ -11,7 +11,7 @@ import torch.distributed.rpc as rpc
 
 from scaletrain.config import Config
 from scaletrain.launch.resolve import Derived
-from scaletrain.ps import server as ps_server
+from scaletrain.ps import endpoints
 from scaletrain.ps.metrics import ServerMetrics
 from scaletrain.ps.parts import AllWorkersDead, fresh_net
 from scaletrain.ps.server import ParameterServer
@@ -24,7 +24,7 @@ def server_versions(own: int, servers: int) -> dict[int, int]:
     out = {0: own}
     for k in range(1, servers):
         try:
-            out[k] = rpc.rpc_sync(server_name(k), ps_server.rpc_version, timeout=10)
+            out[k] = rpc.rpc_sync(server_name(k), endpoints.rpc_version, timeout=10)
         except RuntimeError:
             pass
     return out
@@ -34,7 +34,7 @@ def _param_bytes_by_server(own: int, servers: int) -> dict[str, int]:
     """Every server's resident parameter bytes (server 0's given)."""
     out = {"0": own}
     for k in range(1, servers):
-        out[str(k)] = rpc.rpc_sync(server_name(k), ps_server.rpc_param_bytes, timeout=60)
+        out[str(k)] = rpc.rpc_sync(server_name(k), endpoints.rpc_param_bytes, timeout=60)
     return out
 
 
@@ -48,7 +48,7 @@ def _gathered_model(config: Config, servers: int, *, eval_ds, precision) -> torc
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k in range(servers):
-            shard = rpc.rpc_sync(server_name(k), ps_server.rpc_snapshot, timeout=60)
+            shard = rpc.rpc_sync(server_name(k), endpoints.rpc_snapshot, timeout=60)
             for n, value in shard.items():
                 params[n].copy_(value)
             del shard

@@ -14,7 +14,7 @@ import torch.distributed.rpc as rpc
 
 from scaletrain.config import Config, config_to_toml
 from scaletrain.launch.resolve import Derived
-from scaletrain.ps import server as ps_server
+from scaletrain.ps import endpoints
 from scaletrain.ps.finish import evaluate_gathered, finish_ps_run, server_versions
 from scaletrain.ps.metrics import ServerMetrics, ServerProgress
 from scaletrain.ps.parts import server_part, shard_module
@@ -143,7 +143,7 @@ def run_server(config: Config, derived: Derived, *, index: int, run_dir: Path) -
     )
     _restore(progress, server=server, metrics=metrics)
     started = time.perf_counter()
-    ps_server.serve(server)
+    endpoints.serve(server)
     try:
         server.wait_until_done()
         _settle(announced)
@@ -216,7 +216,7 @@ def _announce(worker: int, why: str | None, servers: int, *, timeout_s: float) -
     why)."""
     return [
         rpc.rpc_async(
-            server_name(k), ps_server.rpc_membership, args=(worker, why), timeout=timeout_s
+            server_name(k), endpoints.rpc_membership, args=(worker, why), timeout=timeout_s
         )
         for k in range(1, servers)
     ]
@@ -228,7 +228,7 @@ def _tell_cut(step: int, examples: int, servers: int, *, timeout_s: float) -> li
     return [
         rpc.rpc_async(
             server_name(k),
-            ps_server.rpc_cut,
+            endpoints.rpc_cut,
             args=(step, examples, timeout_s),
             timeout=2 * timeout_s,
         )

@@ -55,64 +55,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed.rpc as rpc
 
 from scaletrain.ps.clock import Clocks, may_start, staleness_of
+from scaletrain.ps.messages import Push, Read, Reply, Update
 from scaletrain.ps.threads import ThreadFailed
 from scaletrain.ps.threads import start as start_thread
-from scaletrain.records.memory import global_bytes
 from scaletrain.training.grad_norm import clip_grads_, global_grad_norm
-
-
-@dataclass(frozen=True)
-class Read:
-    """Which parameters a gradient was computed on: the server's version when they were
-    read, and the slowest live worker's clock then."""
-
-    version: int
-    slowest: int
-
-
-@dataclass
-class Reply:
-    """A server's answer to a worker.
-
-    status: "go" (tensors: the parameters for `step`), "done" (all steps applied), "stop"
-    (a planned stop after a checkpoint), "refused" (declared dead: leave).
-    """
-
-    status: str
-    step: int
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    read: Read = Read(0, 0)
-
-
-@dataclass(frozen=True)
-class Push:
-    """One worker's gradient for one step, and what it says about itself."""
-
-    worker: int
-    step: int
-    grads: list[torch.Tensor] | None  # in the server's names' order; None: non-finite
-    read: Read
-    loss_sum: float  # summed loss over the worker's examples in the step
-    count: int  # the loss's normaliser (examples or target tokens)
-    examples: int
-    examples_per_s: float  # the worker's own rate over its last step (compute + waits)
-
-
-@dataclass(frozen=True)
-class Update:
-    """What applying (or collecting) one gradient did, for the metrics."""
-
-    push: Push
-    staleness: int  # clock.py's staleness_of
-    delay: int  # server updates applied between the read and this one
-    version: int  # the server's version after it
-    applied: bool  # False: a non-finite gradient, skipped
 
 
 class ParameterServer:
@@ -601,62 +551,3 @@ class ParameterServer:
         clocks = [int(c) for c in state["clocks"].split(",")]
         if len(clocks) == len(self.clocks.clock):  # else the start_step every worker got
             self.clocks.clock = dict(enumerate(clocks))
-
-
-# ---------------------------------------------------------------------- RPC entry points
-# TensorPipe pickles a function by its qualified name; these run in the server's process.
-
-_SERVER: ParameterServer | None = None
-_READY = threading.Event()
-_READY_TIMEOUT_S = 600.0
-
-
-def serve(server: ParameterServer) -> None:
-    """Make `server` the one this process's rpc_* functions route to."""
-    global _SERVER
-    _SERVER = server
-    _READY.set()
-
-
-def _server() -> ParameterServer:
-    if not _READY.wait(_READY_TIMEOUT_S):  # a worker that calls in before the server is built
-        raise RuntimeError("the parameter server did not start in time")
-    return _SERVER
-
-
-def rpc_join(worker: int) -> Reply:
-    return _server().join(worker)
-
-
-@rpc.functions.async_execution
-def rpc_push(push: Push) -> torch.futures.Future:
-    return _server().push(push)
-
-
-def rpc_heartbeat(worker: int) -> bool:
-    return _server().heartbeat(worker)
-
-
-def rpc_leave(worker: int) -> None:
-    _server().leave(worker)
-
-
-def rpc_membership(worker: int, why: str | None) -> None:
-    _server().membership(worker, why)
-
-
-def rpc_cut(step: int, examples: int, timeout_s: float) -> None:
-    _server().cut(step, examples, timeout_s=timeout_s)
-
-
-def rpc_snapshot() -> dict[str, torch.Tensor]:
-    return _server().snapshot()
-
-
-def rpc_version() -> int:
-    return _server().version
-
-
-def rpc_param_bytes() -> int:
-    """The bytes of the parameters this server holds (its partition)."""
-    return global_bytes(_server().params)

@@ -37,8 +37,8 @@ from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.sources import Batch
 from scaletrain.loss import LossFn
 from scaletrain.precision import Precision
-from scaletrain.ps import server as ps_server
-from scaletrain.ps.server import Push, Read, Reply
+from scaletrain.ps import endpoints
+from scaletrain.ps.messages import Push, Read, Reply
 from scaletrain.ps.threads import ThreadFailed
 from scaletrain.ps.threads import start as start_thread
 from scaletrain.training.step import accumulate_gradients, clip_gradients
@@ -112,7 +112,7 @@ class _Heartbeat:
             try:
                 renewed = rpc.rpc_async(
                     server_name(0),
-                    ps_server.rpc_heartbeat,
+                    endpoints.rpc_heartbeat,
                     args=(self.worker,),
                     timeout=self.lease_s,
                 ).wait()
@@ -171,7 +171,7 @@ def run_worker(
     order = [n for n, p in params.items() if p.requires_grad]  # `gradient`'s order
     positions = [[order.index(n) for n in names] for names in partition]
     replies = _all(
-        rpc.rpc_async(server_name(k), ps_server.rpc_join, args=(worker,), timeout=timeout_s)
+        rpc.rpc_async(server_name(k), endpoints.rpc_join, args=(worker,), timeout=timeout_s)
         for k in range(len(partition))
     )
     heartbeat = _Heartbeat(worker, lease_s=lease_s)
@@ -194,7 +194,7 @@ def run_worker(
             replies = _all(
                 rpc.rpc_async(
                     server_name(k),
-                    ps_server.rpc_push,
+                    endpoints.rpc_push,
                     args=(
                         Push(
                             worker=worker,
@@ -225,7 +225,7 @@ def run_worker(
     # Every server at once (best effort: one that is gone cannot be told): a server whose
     # sync step completes without this worker waits for the others to do the same.
     goodbyes = [
-        rpc.rpc_async(server_name(k), ps_server.rpc_leave, args=(worker,), timeout=lease_s)
+        rpc.rpc_async(server_name(k), endpoints.rpc_leave, args=(worker,), timeout=lease_s)
         for k in range(len(partition))
     ]
     for call in goodbyes:
