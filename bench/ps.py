@@ -4,10 +4,11 @@ Five contenders train the same job through the real CLI (`scaletrain train ... -
 one after the other in this invocation, each after the machine is quiet
 (`common.measured`): DDP (parallel.strategy = "collective", 3 ranks), and parameter
 servers with 1 server + 3 workers under sync, ssp (staleness 2 and 8) and async. Every
-process runs 1 torch thread, and data-parallel rank 0 / worker 0 is slowed by
-`ps.slow_factor` (it sleeps (factor - 1) x its compute time each step; the same knob slows
-DDP's rank 0, so the other DDP ranks wait for it in the all-reduce). Config: identical for
-all but the strategy keys (printed, with every key that differs in the resolved configs).
+process runs 1 torch thread, and data-parallel rank 0 / worker 0 is slowed --slow-factor
+times (bench/straggler.py: the model's forward and backward on that rank take that many
+times as long, so the other DDP ranks wait for it in the all-reduce). Config: identical for
+all but the strategy keys and which rank is slowed (printed, with every key that differs in
+the resolved configs).
 
 What is measured, the same way for every contender:
 
@@ -35,19 +36,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import BIN, NOISY_CORES, measured
+from common import BIN, NOISY_CORES, ROOT, measured
 
 CONFIG = """
 name = "bench-ps"
 [model]
-name = "{model}"
-size = "{size}"
+name = "straggler:build"  # bench/straggler.py: the built-in model, one rank slowed
+kwargs = {{ model = "{model}", size = "{size}", factor = {slow_factor} }}
 [data]
 source = "{source}"
 [optim]
@@ -67,11 +69,13 @@ seed = 0
 [log]
 every = {log_every}
 quiet = true
-[ps]
-slow_worker = 0
-slow_factor = {slow_factor}
 """
 WORKERS = 3
+# The workers import the model factory (straggler:build) from bench/.
+BENCH_ON_PATH = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]),
+}
 CONTENDERS = {  # name: (--nproc, the strategy's overrides)
     "ddp": (WORKERS, ["parallel.strategy=collective", f"parallel.dp={WORKERS}"]),
     "ps-sync": (
@@ -136,7 +140,9 @@ def parse() -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     p.add_argument("--steps", type=int, default=400, help="train.steps (global steps)")
-    p.add_argument("--slow-factor", type=float, default=3.0, help="ps.slow_factor of worker 0")
+    p.add_argument(
+        "--slow-factor", type=float, default=3.0, help="how many times slower worker 0 runs"
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -190,11 +196,13 @@ def train(name: str, a: argparse.Namespace, config: Path, root: Path) -> dict:
         "--nproc",
         str(nproc),
         *overrides,
+        # the slowed rank: DDP's rank 0; under PS the servers come first, worker 0 after them
+        f"model.kwargs.slow_rank={nproc - WORKERS}",
         "--run-dir",
         str(run_dir),
     ]
     started = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=BENCH_ON_PATH)
     if done.returncode != 0:
         raise SystemExit(
             f"{name}: {' '.join(cmd)} failed ({done.returncode}):\n"

@@ -269,7 +269,6 @@ def test_a_room_checks_plain_values_without_the_config():
         comm_hook="none",
         compile=False,
         precision="fp32",
-        slow_worker=-1,
         lease_s=10.0,
         timeout_s=300.0,
     )

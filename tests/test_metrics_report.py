@@ -249,22 +249,3 @@ def test_eval_is_drawn_as_a_line_through_a_marker_per_evaluation(tmp_path: Path)
     assert list(line.get_ydata()) == pytest.approx([0.55, 0.6, 0.65, 0.7])
     assert line.get_linestyle() == "-" and line.get_linewidth() > 0  # a line, not lone dots
     assert line.get_marker() == "o"
-
-
-def test_the_straggler_is_an_after_step_hook_not_part_of_the_loop(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """ps.slow_worker under collective (bench/ps.py's slowed rank) is a hook the trainer
-    runs after each step on that data-parallel rank alone: it sleeps (factor - 1) x the
-    step's time; every other rank, and every rank without the knob, gets no hook."""
-    import scaletrain.training.hooks as hooks
-    from scaletrain.config import validate_config
-
-    slept = []
-    monkeypatch.setattr(hooks.time, "sleep", slept.append)
-    config = validate_config({"parallel": {"dp": 2}, "ps": {"slow_worker": 1, "slow_factor": 3}})
-    assert hooks.step_hooks(config, dp_rank=0) == ()
-    (hook,) = hooks.step_hooks(config, dp_rank=1)
-    hook(5, 0.25)
-    assert slept == [0.5]
-    assert hooks.step_hooks(validate_config({}), dp_rank=0) == ()

@@ -42,15 +42,25 @@ every = 5
 quiet = true
 """
 
-# Worker 0 sleeps 2x its compute after each step: worker 1 runs ahead as far as it may.
-STRAGGLER = ["ps.slow_worker=0", "ps.slow_factor=3"]
+# Worker 0 (rank 1, after the server) takes 3x as long a step (bench/straggler.py, imported
+# from the ranks' working directory): worker 1 runs ahead as far as it may.
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+STRAGGLER = [
+    "model.name=straggler:build",
+    "model.kwargs.model=mlp",
+    "model.kwargs.size=tiny",
+    "model.kwargs.slow_rank=1",
+    "model.kwargs.factor=3.0",
+]
 
 
 def _run(tmp_path: Path, *overrides: str) -> tuple[Path, dict]:
     config = tmp_path / "cfg.toml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    run_workers(config, list(overrides), world_size=1 + WORKERS, run_dir=run_dir, timeout=120)
+    run_workers(
+        config, list(overrides), world_size=1 + WORKERS, run_dir=run_dir, timeout=120, cwd=BENCH
+    )
     return run_dir, json.loads((run_dir / "summary.json").read_text())
 
 

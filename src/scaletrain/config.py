@@ -230,10 +230,6 @@ class PSConfig(_Section):
     """A worker not heard from (gradients or heartbeats) for this long is declared dead; the run goes on without it and refuses its late messages."""
     interface: str = "lo"
     """Network interface that servers and workers listen on (TensorPipe's TP_SOCKET_IFNAME): lo = loopback, one machine; on several machines the one their hosts reach each other on (e.g. eth0)."""
-    slow_worker: int = Field(-1, ge=-1)
-    """Benchmark knob: slow this worker (under parallel.strategy = 'collective': this data-parallel rank) by sleeping (ps.slow_factor - 1) x its compute time per step; -1 = none."""
-    slow_factor: float = Field(1.0, ge=1.0, le=100.0)
-    """How many times slower ps.slow_worker runs (1 = not slowed)."""
 
 
 class DistillConfig(_Section):
@@ -353,8 +349,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+# Keys the schema once had, with the value they held unless set and where they went: an
+# older run's config.toml (which writes every key) still loads and resumes; set to anything
+# else, the key is refused with the reason.
+RETIRED_KEYS = {
+    ("ps", "slow_worker"): (
+        -1,
+        "the benchmarks' straggler is a model factory now (bench/straggler.py)",
+    ),
+    ("ps", "slow_factor"): (
+        1.0,
+        "the benchmarks' straggler is a model factory now (bench/straggler.py)",
+    ),
+}
+
+
 def validate_config(data: dict[str, Any]) -> Config:
     """Validate a nested dict against the schema; raise one ConfigError for the first problem."""
+    data = _without_retired(data)
     _check_keys(data, Config, prefix="")
     try:
         return Config.model_validate(data)
@@ -387,6 +399,18 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
             )
         node = child
     node[parts[-1]] = value
+
+
+def _without_retired(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` less the retired keys that hold their old default (RETIRED_KEYS)."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for (section, key), (default, moved) in RETIRED_KEYS.items():
+        if not isinstance(data.get(section), dict) or key not in data[section]:
+            continue
+        value = data[section].pop(key)
+        if value != default:
+            raise ConfigError(f"{section}.{key} = {value!r} is no longer a key: {moved}")
+    return data
 
 
 def _check_keys(data: dict[str, Any], schema: type[BaseModel], *, prefix: str) -> None:

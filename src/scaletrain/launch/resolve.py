@@ -131,7 +131,6 @@ def _layout(config: Config, *, world_size: int) -> tuple[ParallelLayout, PSShape
             comm_hook=pc.comm_hook,
             compile=config.train.compile,
             precision=config.precision.mode,
-            slow_worker=config.ps.slow_worker,
             lease_s=config.ps.worker_timeout_s,
             timeout_s=pc.timeout_s,
         )
@@ -143,7 +142,7 @@ def _layout(config: Config, *, world_size: int) -> tuple[ParallelLayout, PSShape
         pp=pc.pp,
         world_size=world_size,
     )
-    _check_ps_keys_unused(config, layout)
+    _check_ps_keys_unused(config)
     return layout, None
 
 
@@ -174,25 +173,18 @@ def _check_collective(config: Config, layout: ParallelLayout) -> PipelineShape |
     )
 
 
-def _check_ps_keys_unused(config: Config, layout: ParallelLayout) -> None:
-    """[ps] is read only by the parameter-server strategy (but for the straggler knob)."""
+def _check_ps_keys_unused(config: Config) -> None:
+    """[ps] is read only by the parameter-server strategy."""
     # Compared with the defaults, not "given": a stored config.toml writes every key.
     default = PSConfig()
     changed = sorted(
-        k
-        for k in PSConfig.model_fields
-        if k not in ("slow_worker", "slow_factor") and getattr(config.ps, k) != getattr(default, k)
+        k for k in PSConfig.model_fields if getattr(config.ps, k) != getattr(default, k)
     )
     if changed:
         raise ConfigError(
             f"ps.{changed[0]} is only read with parallel.strategy = 'ps' "
             f"(parallel.strategy is 'collective'); set parallel.strategy='ps' or "
             f"remove the [ps] keys"
-        )
-    if config.ps.slow_worker >= layout.dp:
-        raise ConfigError(
-            f"ps.slow_worker = {config.ps.slow_worker} is not a data-parallel rank: "
-            f"allowed -1 .. {layout.dp - 1}"
         )
 
 

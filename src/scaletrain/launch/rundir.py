@@ -144,8 +144,6 @@ RESUME_SAFE_KEYS = frozenset(
         "ps.servers",
         "ps.worker_timeout_s",
         "ps.interface",
-        "ps.slow_worker",
-        "ps.slow_factor",
     }
 )
 RESUME_SAFE_SECTIONS = ("checkpoint.", "log.")

@@ -163,7 +163,6 @@ def ps_layout(
     comm_hook: str,
     compile: bool,
     precision: str,
-    slow_worker: int,
     lease_s: float,
     timeout_s: float,
 ) -> tuple[ParallelLayout, PSShape]:
@@ -175,7 +174,6 @@ def ps_layout(
         dp, dp_replicate: parallel.dp and parallel.dp_replicate (-1 = not given).
         degrees: parallel.dp_shard, tp and pp by name (PS_REFUSES_DEGREES).
         comm_hook, compile, precision: parallel.comm_hook, train.compile, precision.mode.
-        slow_worker: ps.slow_worker (-1 = none).
         lease_s, timeout_s: ps.worker_timeout_s and parallel.timeout_s.
     """
     workers = world_size - servers
@@ -226,11 +224,6 @@ def ps_layout(
             "step's agreement and a checkpoint cut) until it is declared dead, so a lease "
             "that long times the run out first; lower ps.worker_timeout_s or raise "
             "parallel.timeout_s"
-        )
-    if slow_worker >= workers:
-        raise ConfigError(
-            f"ps.slow_worker = {slow_worker} is not a worker: the workers are "
-            f"0 .. {workers - 1} (ranks {servers} .. {world_size - 1})"
         )
     return (
         ParallelLayout(dp_replicate=workers).resolve(workers),

@@ -155,7 +155,6 @@ def _work(config: Config, derived: Derived, *, index: int) -> int:
         timeout_s=config.parallel.timeout_s,
         lease_s=ps.worker_timeout_s,
         seed=t.seed,
-        slow_factor=ps.slow_factor if ps.slow_worker == index else 1.0,
     )
     print(
         f"scaletrain: worker {index}: {outcome.status} after {outcome.steps_done} steps "

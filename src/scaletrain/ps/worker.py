@@ -147,7 +147,6 @@ def run_worker(
     timeout_s: float,
     lease_s: float,
     seed: int = 0,
-    slow_factor: float = 1.0,
 ) -> WorkerOutcome:
     """Train as worker `worker` until the servers say done, stop or refused.
 
@@ -164,7 +163,6 @@ def run_worker(
         lease_s: ps.worker_timeout_s; heartbeats go out every lease_s / 4.
         seed: train.seed; the RNG (dropout) is reseeded from (seed, worker, step) before
             every step, so a resumed worker draws what it would have drawn (no RNG state).
-        slow_factor: > 1 makes this worker a straggler (sleeps (factor - 1) x compute).
     """
     params = dict(model.named_parameters())
     shards = [[params[n] for n in names] for names in partition]
@@ -186,8 +184,6 @@ def run_worker(
             grads, loss_sum, count = gradient(
                 model, micro, precision=precision, loss_fn=loss_fn, grad_clip=grad_clip
             )
-            if slow_factor > 1:  # the benchmark's straggler (ps.slow_worker)
-                time.sleep((slow_factor - 1) * (time.perf_counter() - started))
             examples = sum(len(mb.targets) for mb in micro)
             rate = examples / max(time.perf_counter() - started, 1e-9)
             last_loss = loss_sum / max(count, 1)

@@ -10,7 +10,6 @@ every technique underneath receives its section or explicit arguments.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +50,6 @@ from scaletrain.training.assemble import (
     measure_attention,
     tensor_bytes,
 )
-from scaletrain.training.hooks import step_hooks
 from scaletrain.training.optim import from_section
 from scaletrain.training.progress import (
     CommCounter,
@@ -80,9 +78,6 @@ class Parts:
     pp_group: object | None = None  # under pp > 1: the pipeline's process group
     dp_group: object | None = None  # the data-parallel peers' group (ragged counts sum over it)
     teacher: object | None = None  # under [distill] with an online teacher: distill.teacher.Teacher
-    # Called after each step's train_step with (step, its seconds): what a benchmark or a
-    # user hooks in (training/hooks.py); the loop itself sleeps for nobody.
-    after_step: tuple[Callable[[int, float], None], ...] = ()
     heap: str = "system"  # the CPU heap policy applied (runtime/allocator.py)
 
     @property
@@ -286,7 +281,6 @@ def build(
         pp_group=par.pipeline.stages[0].group if par.pipeline else None,
         dp_group=layout.dp_group(par.mesh),
         teacher=kd.teacher if kd is not None else None,
-        after_step=step_hooks(config, dp_rank=layout.dp_rank(penv.rank)),
         heap=heap,
     )
 

@@ -194,8 +194,6 @@ def _loop(
                 f"scaletrain: torch.compile: the first step took "
                 f"{time.perf_counter() - step_started:.1f} s (compiling; later steps reuse it)"
             )
-        for hook in parts.after_step:  # e.g. the benchmark's straggler (training/hooks.py)
-            hook(step, time.perf_counter() - step_started)
         state.step = step + 1
         _count_bad_steps(state, result, run, config=config)
         log_window(
