@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomli_w
 import torch
 from safetensors.torch import load_file
 
@@ -540,6 +541,22 @@ PARITY_MODELS = {  # name -> (model and data, global batch, extra overrides)
         (),
     ),
 }
+
+
+# What a test's job is unless it says otherwise: the smallest model on the packaged digits.
+BASE_JOB = {"model": {"name": "mlp", "size": "tiny"}, "data": {"source": "digits"}}
+
+
+def config_toml(name: str = "", **sections: dict) -> str:
+    """A test job's config as TOML: BASE_JOB with each given section's keys laid over it
+    (`model={"size": "small"}` keeps `name = "mlp"`), and `name` at the top if given.
+
+        config_toml(optim={"lr": 3e-3}, train={"steps": 10}, precision={"mode": "fp64"})
+    """
+    data: dict = {"name": name} if name else {}
+    for section in dict.fromkeys([*BASE_JOB, *sections]):
+        data[section] = {**BASE_JOB.get(section, {}), **sections.get(section, {})}
+    return tomli_w.dumps(data)
 
 
 def parity_case(

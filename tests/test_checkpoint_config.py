@@ -25,26 +25,14 @@ from scaletrain.models import build_model
 from scaletrain.precision import make_precision
 from scaletrain.training.optim import build_optimizer, build_scheduler
 
-from harness import cli_main, forbid_starting
+from harness import cli_main, config_toml, forbid_starting
 
-TOML = """\
-[model]
-name = "mlp"
-size = "tiny"
-[data]
-source = "digits"
-[optim]
-lr = 0.003
-[train]
-steps = 4
-global_batch = 16
-micro_batch = 8
-eval_examples = 16
-[checkpoint]
-every = 2
-[log]
-quiet = true
-"""
+TOML = config_toml(
+    optim={"lr": 0.003},
+    train={"steps": 4, "global_batch": 16, "micro_batch": 8, "eval_examples": 16},
+    checkpoint={"every": 2},
+    log={"quiet": True},
+)
 
 
 def _run_dir_with_checkpoint(tmp_path: Path, overrides: list[str] = ()) -> tuple[Path, Path]:
@@ -52,18 +40,16 @@ def _run_dir_with_checkpoint(tmp_path: Path, overrides: list[str] = ()) -> tuple
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(TOML)
     run_dir = tmp_path / "run"
-    config_toml = config_to_toml(load_config(cfg, list(overrides)))
+    saved = config_to_toml(load_config(cfg, list(overrides)))
     (run_dir / "checkpoints").mkdir(parents=True)
-    (run_dir / "config.toml").write_text(config_toml)
+    (run_dir / "config.toml").write_text(saved)
     model = build_model("mlp", size="tiny", task=TaskSpec("classification", (1, 8, 8), 10))
     opt = build_optimizer(
         model, name="adamw", lr=3e-3, weight_decay=0.0, betas=(0.9, 0.999), momentum=0.0
     )
     sched = build_scheduler(opt, warmup_steps=0, total_steps=4, schedule="cosine", min_lr_ratio=0.1)
     state = TrainState(model, opt, sched, make_precision("fp32", device_type="cpu"), step=2)
-    Checkpointer(run_dir / "checkpoints", keep=2, async_save=False, config_toml=config_toml).save(
-        state
-    )
+    Checkpointer(run_dir / "checkpoints", keep=2, async_save=False, config_toml=saved).save(state)
     return cfg, run_dir
 
 

@@ -16,32 +16,18 @@ import torch
 
 from scaletrain.checkpoint.files import list_checkpoints
 
-from harness import Case, CaseResult, load_weights, records
+from harness import Case, CaseResult, config_toml, load_weights, records
 
 pytestmark = pytest.mark.slow
 
 # float64: the run is exact on any CPU; the comparison is exact too (torch.equal, ==).
-CONFIG = """
-[model]
-name = "mlp"
-size = "tiny"
-dropout = 0.1
-[data]
-source = "digits"
-[optim]
-lr = 3e-3
-warmup_steps = 2
-[train]
-steps = 8
-global_batch = 32
-micro_batch = 8
-eval_examples = 32
-[precision]
-mode = "fp64"
-[log]
-every = 3
-quiet = true
-"""
+CONFIG = config_toml(
+    model={"dropout": 0.1},
+    optim={"lr": 3e-3, "warmup_steps": 2},
+    train={"steps": 8, "global_batch": 32, "micro_batch": 8, "eval_examples": 32},
+    precision={"mode": "fp64"},
+    log={"every": 3, "quiet": True},
+)
 
 # Every number a step record holds that a resume must reproduce (not times or memory).
 SAME_IN_RECORDS = (

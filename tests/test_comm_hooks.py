@@ -9,30 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from harness import Case, load_weights
+from harness import Case, config_toml, load_weights
 
 pytestmark = pytest.mark.slow
 
-CONFIG = """
-[model]
-name = "mlp"
-size = "small"
-[data]
-source = "digits"
-[optim]
-lr = 3e-3
-[train]
-steps = 30
-global_batch = 64
-micro_batch = 32
-eval_examples = 359
-[parallel]
-dp = 2
-powersgd_start_iter = 5
-[log]
-every = 5
-quiet = true
-"""
+CONFIG = config_toml(
+    model={"size": "small"},
+    optim={"lr": 3e-3},
+    train={"steps": 30, "global_batch": 64, "micro_batch": 32, "eval_examples": 359},
+    parallel={"dp": 2, "powersgd_start_iter": 5},
+    log={"every": 5, "quiet": True},
+)
 
 
 @pytest.fixture(scope="module")

@@ -10,31 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from harness import Case, load_weights, max_abs_diff
+from harness import Case, config_toml, load_weights, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
-CONFIG = """
-[model]
-name = "mlp"
-size = "small"
-[data]
-source = "digits"
-[optim]
-lr = 3e-3
-[train]
-steps = 4
-global_batch = 64
-micro_batch = 32
-eval_examples = 32
-[parallel]
-dp = 2
-[precision]
-mode = "fp64"
-[log]
-every = 1
-quiet = true
-"""
+CONFIG = config_toml(
+    model={"size": "small"},
+    optim={"lr": 3e-3},
+    train={"steps": 4, "global_batch": 64, "micro_batch": 32, "eval_examples": 32},
+    parallel={"dp": 2},
+    precision={"mode": "fp64"},
+    log={"every": 1, "quiet": True},
+)
 
 
 HOOKS = ("powersgd", "batched-powersgd")

@@ -8,26 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import load_weights, max_abs_diff, records, run_workers
+from harness import config_toml, load_weights, max_abs_diff, records, run_workers
 
-CONFIG = """
-[model]
-name = "mlp"
-size = "tiny"
-[data]
-source = "digits"
-[optim]
-lr = 1e-2
-[train]
-steps = 3
-global_batch = 32
-eval_examples = 32
-[precision]
-mode = "fp64"
-[log]
-every = 1
-quiet = true
-"""
+CONFIG = config_toml(
+    optim={"lr": 1e-2},
+    train={"steps": 3, "global_batch": 32, "eval_examples": 32},
+    precision={"mode": "fp64"},
+    log={"every": 1, "quiet": True},
+)
 
 
 @pytest.mark.slow

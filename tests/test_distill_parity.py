@@ -30,10 +30,20 @@ import os
 from pathlib import Path
 
 import pytest
+import tomli_w
 import torch
 from safetensors.torch import load_file
 
-from harness import Case, file_tree, load_weights, losses, max_abs_diff, records, run_job
+from harness import (
+    Case,
+    config_toml,
+    file_tree,
+    load_weights,
+    losses,
+    max_abs_diff,
+    records,
+    run_job,
+)
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -42,61 +52,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TOL = 1e-9
 
-COMMON = """
-[optim]
-name = "sgd"
-lr = 0.05
-momentum = 0.9
-warmup_steps = 0
-grad_clip = 0.0
-[train]
-steps = 4
-seed = 7
-eval_examples = 16
-[precision]
-mode = "fp64"
-[log]
-every = 1
-quiet = true
-"""
+# What every student shares: 4 steps of SGD with momentum in float64 (BERT's at 10x the lr).
+COMMON = {
+    "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "warmup_steps": 0, "grad_clip": 0.0},
+    "train": {"steps": 4, "seed": 7, "eval_examples": 16},
+    "precision": {"mode": "fp64"},
+    "log": {"every": 1, "quiet": True},
+}
 
-TEACHER = """
-[model]
-name = "mlp"
-size = "small"
-[data]
-source = "digits"
-[optim]
-lr = 3e-3
-warmup_steps = 2
-[train]
-steps = 40
-global_batch = 32
-micro_batch = 32
-seed = 3
-eval_examples = 32
-[precision]
-mode = "fp64"
-[log]
-every = 10
-quiet = true
-"""
-
-DISTILL_KEYS = """[distill]
-alpha = 0.7
-temperature = 3.0
-"""
-MLP_STUDENT = (
-    """
-[model]
-name = "mlp"
-size = "tiny"
-[data]
-source = "digits"
-"""
-    + DISTILL_KEYS
-    + COMMON
+TEACHER = config_toml(
+    model={"size": "small"},
+    optim={"lr": 3e-3, "warmup_steps": 2},
+    train={"steps": 40, "global_batch": 32, "micro_batch": 32, "seed": 3, "eval_examples": 32},
+    precision={"mode": "fp64"},
+    log={"every": 10, "quiet": True},
 )
+
+MLP_STUDENT = config_toml(distill={"alpha": 0.7, "temperature": 3.0}, **COMMON)
+PLAIN_STUDENT = config_toml(**COMMON)  # MLP_STUDENT without [distill]
 
 BERT_WIDTHS = dict(
     hidden_size=32,
@@ -129,7 +102,7 @@ attention_weight = 1.0
 cosine_weight = 1.0
 init_layers = [1, 3]
 layer_map = [0, 2, 4]
-""" + COMMON.replace("lr = 0.05", "lr = 0.5")
+""" + tomli_w.dumps({**COMMON, "optim": {**COMMON["optim"], "lr": 0.5}})
 
 # Defect for the negative control: the KL averaged over the micro-batch, not summed.
 MEAN_KL = """
@@ -221,7 +194,7 @@ def students(
             "alone": student_case(
                 MLP_STUDENT, dp=1, global_batch=32, overrides=[*mlp, "distill.alpha=0.0"]
             ),
-            "plain": student_case(MLP_STUDENT.replace(DISTILL_KEYS, ""), dp=1, global_batch=32),
+            "plain": student_case(PLAIN_STUDENT, dp=1, global_batch=32),
             "bert-dp1": student_case(BERT_STUDENT, dp=1, global_batch=16, overrides=bert),
         },
         2: {

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from harness import (
     cli_env,
     cli_main,
+    config_toml,
     free_port,
     records,
     run_cli,
@@ -29,25 +30,18 @@ from harness import (
 
 pytestmark = pytest.mark.slow
 
-SMALL = """
-name = "e2e"
-[model]
-name = "mlp"
-size = "tiny"
-[data]
-source = "digits"
-[optim]
-lr = 1e-2
-[train]
-steps = 40
-global_batch = 32
-micro_batch = 16
-eval_every = 20
-eval_examples = 200
-[log]
-every = 5
-quiet = true
-"""
+SMALL = config_toml(
+    "e2e",
+    optim={"lr": 1e-2},
+    train={
+        "steps": 40,
+        "global_batch": 32,
+        "micro_batch": 16,
+        "eval_every": 20,
+        "eval_examples": 200,
+    },
+    log={"every": 5, "quiet": True},
+)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import pytest
 
 from harness import (
     cli_env,
+    config_toml,
     listening_addresses,
     records,
     run_cli,
@@ -33,22 +34,11 @@ from harness import (
 pytestmark = pytest.mark.slow
 
 STEPS = 100_000_000  # "forever": at ~1 ms per step, longer than a day
-CONFIG = f"""
-name = "signals"
-[model]
-name = "mlp"
-size = "tiny"
-[data]
-source = "digits"
-[train]
-steps = {STEPS}
-global_batch = 32
-micro_batch = 16
-eval_examples = 64
-[log]
-every = 1
-quiet = true
-"""
+CONFIG = config_toml(
+    "signals",
+    train={"steps": STEPS, "global_batch": 32, "micro_batch": 16, "eval_examples": 64},
+    log={"every": 1, "quiet": True},
+)
 
 
 def _as_from_a_terminal() -> None:

@@ -25,7 +25,7 @@ import pytest
 
 from scaletrain.checkpoint.files import latest_valid, list_checkpoints
 
-from harness import env_of, listening, records, start_cli, wait_until
+from harness import config_toml, env_of, listening, records, start_cli, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -33,32 +33,14 @@ LEASE_S = 2.0  # ps.worker_timeout_s
 SERVERS, WORKERS = 2, 4
 WAIT_S = 300.0  # for any one condition; a loaded CI machine starts 6 ranks slowly
 
-CONFIG = f"""
-name = "ps-faults"
-[model]
-name = "mlp"
-size = "tiny"
-[data]
-source = "digits"
-[train]
-steps = 150
-global_batch = 64
-micro_batch = 16
-eval_examples = 256
-[optim]
-lr = 0.01
-[parallel]
-strategy = "ps"
-dp = {WORKERS}
-timeout_s = 60
-[ps]
-mode = "sync"
-servers = {SERVERS}
-worker_timeout_s = {LEASE_S}
-[log]
-every = 10
-quiet = true
-"""
+CONFIG = config_toml(
+    "ps-faults",
+    train={"steps": 150, "global_batch": 64, "micro_batch": 16, "eval_examples": 256},
+    optim={"lr": 0.01},
+    parallel={"strategy": "ps", "dp": WORKERS, "timeout_s": 60},
+    ps={"mode": "sync", "servers": SERVERS, "worker_timeout_s": LEASE_S},
+    log={"every": 10, "quiet": True},
+)
 
 
 def _start(root: Path, *overrides: str, workers: int = WORKERS) -> tuple[subprocess.Popen, Path]:

@@ -26,29 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import Case, load_weights, losses, max_abs_diff, run_workers
+from harness import Case, config_toml, load_weights, losses, max_abs_diff, run_workers
 
 TOL = 1e-9
 STEPS = 6
 
-CONFIG = """\
-name = "ps-parity"
-[model]
-name = "mlp"
-size = "tiny"
-[data]
-source = "digits"
-[train]
-steps = 6
-global_batch = 64
-seed = 3
-eval_examples = 64
-[precision]
-mode = "fp64"
-[log]
-every = 1
-quiet = true
-"""
+CONFIG = config_toml(
+    "ps-parity",
+    train={"steps": STEPS, "global_batch": 64, "seed": 3, "eval_examples": 64},
+    precision={"mode": "fp64"},
+    log={"every": 1, "quiet": True},
+)
 
 SGD = ["optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.05"]
 ADAMW = ["optim.name=adamw", "optim.lr=3e-3", "optim.warmup_steps=2"]

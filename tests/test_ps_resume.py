@@ -14,39 +14,21 @@ import pytest
 
 from scaletrain.checkpoint.files import list_checkpoints
 
-from harness import load_weights, max_abs_diff, records, run_cli, run_workers
+from harness import config_toml, load_weights, max_abs_diff, records, run_cli, run_workers
 
 pytestmark = pytest.mark.slow
 
 WORKERS, STEPS, STOP = 2, 30, 12
 
-CONFIG = f"""
-name = "ps-resume"
-[model]
-name = "mlp"
-size = "tiny"
-[data]
-source = "digits"
-[train]
-steps = {STEPS}
-global_batch = 64
-micro_batch = 32
-eval_examples = 128
-[optim]
-lr = 3e-3
-warmup_steps = 2
-[parallel]
-strategy = "ps"
-dp = {WORKERS}
-timeout_s = 60
-[ps]
-worker_timeout_s = 10
-[checkpoint]
-every = 6
-[log]
-every = 1
-quiet = true
-"""
+CONFIG = config_toml(
+    "ps-resume",
+    train={"steps": STEPS, "global_batch": 64, "micro_batch": 32, "eval_examples": 128},
+    optim={"lr": 3e-3, "warmup_steps": 2},
+    parallel={"strategy": "ps", "dp": WORKERS, "timeout_s": 60},
+    ps={"worker_timeout_s": 10},
+    checkpoint={"every": 6},
+    log={"every": 1, "quiet": True},
+)
 
 
 def _config(tmp_path: Path) -> Path:

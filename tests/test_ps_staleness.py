@@ -11,36 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from harness import records, run_workers
+from harness import config_toml, records, run_workers
 
 pytestmark = pytest.mark.slow
 
 WORKERS, GLOBAL_BATCH, STEPS = 2, 64, 40
 
-CONFIG = f"""
-name = "ps-staleness"
-[model]
-name = "mlp"
-size = "tiny"
-[data]
-source = "digits"
-[train]
-steps = {STEPS}
-global_batch = {GLOBAL_BATCH}
-micro_batch = 32
-eval_examples = 64
-[optim]
-lr = 0.01
-[parallel]
-strategy = "ps"
-dp = {WORKERS}
-timeout_s = 60
-[ps]
-worker_timeout_s = 10
-[log]
-every = 5
-quiet = true
-"""
+CONFIG = config_toml(
+    "ps-staleness",
+    train={"steps": STEPS, "global_batch": GLOBAL_BATCH, "micro_batch": 32, "eval_examples": 64},
+    optim={"lr": 0.01},
+    parallel={"strategy": "ps", "dp": WORKERS, "timeout_s": 60},
+    ps={"worker_timeout_s": 10},
+    log={"every": 5, "quiet": True},
+)
 
 # Worker 0 (rank 1, after the server) takes 3x as long a step (bench/straggler.py, imported
 # from the ranks' working directory): worker 1 runs ahead as far as it may.

@@ -36,26 +36,29 @@ from scaletrain.models import build_model
 from scaletrain.precision import make_precision
 from scaletrain.training.optim import build_optimizer, build_scheduler
 
-from harness import Case, cli_main, load_weights, records, run_job, start_cli, worker_pids
+from harness import (
+    Case,
+    cli_main,
+    config_toml,
+    load_weights,
+    records,
+    run_job,
+    start_cli,
+    worker_pids,
+)
 
-CONFIG = """
-[model]
-name = "mlp"
-size = "small"
-[data]
-source = "digits"
-[optim]
-lr = 3e-3
-warmup_steps = 2
-[train]
-steps = 10
-global_batch = 64
-micro_batch = 16
-eval_examples = 64
-[log]
-every = 1
-quiet = true
-"""
+
+def mlp_config(*, steps: int = 10, quiet: bool = True) -> str:
+    """This file's job: a small MLP on digits, 10 AdamW steps of 64 examples."""
+    return config_toml(
+        model={"size": "small"},
+        optim={"lr": 3e-3, "warmup_steps": 2},
+        train={"steps": steps, "global_batch": 64, "micro_batch": 16, "eval_examples": 64},
+        log={"every": 1, "quiet": quiet},
+    )
+
+
+CONFIG = mlp_config()
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -277,9 +280,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     tmp = tmp_path_factory.mktemp("finished")
     cfg, run_dir = tmp / "config.toml", tmp / "run"
-    cfg.write_text(
-        CONFIG.replace("steps = 10", "steps = 2").replace("quiet = true", "quiet = false")
-    )
+    cfg.write_text(mlp_config(steps=2, quiet=False))
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp)
