@@ -46,16 +46,17 @@ def _step(net: torch.nn.Module) -> None:
     net(torch.randn(4, 64)).sum().backward()
 
 
+def _straggler(monkeypatch: pytest.MonkeyPatch, *, rank: int, seed: int = 0) -> torch.nn.Module:
+    """An mlp tiny through the factory on RANK `rank`, rank 1 slowed 3x."""
+    monkeypatch.setenv("RANK", str(rank))
+    kwargs = dict(model="mlp", size="tiny", slow_rank=1, factor=3.0)
+    return build_model("straggler:build", size="small", task=TASK, seed=seed, kwargs=kwargs)
+
+
 def test_the_slowed_rank_sleeps_once_per_backward(
     clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("RANK", "1")
-    net = build_model(
-        "straggler:build",
-        size="small",
-        task=TASK,
-        kwargs=dict(model="mlp", size="tiny", slow_rank=1, factor=3.0),
-    )
+    net = _straggler(monkeypatch, rank=1)
     _step(net)
     assert clock.slept == [2 * 1.0]  # (3 - 1) x the one second between the two reads
     with torch.no_grad():
@@ -68,14 +69,7 @@ def test_the_slowed_rank_sleeps_once_per_backward(
 def test_other_ranks_and_the_weights_are_the_built_in_models(
     clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("RANK", "0")
-    net = build_model(
-        "straggler:build",
-        size="small",
-        task=TASK,
-        seed=3,
-        kwargs=dict(model="mlp", size="tiny", slow_rank=1, factor=3.0),
-    )
+    net = _straggler(monkeypatch, rank=0, seed=3)
     _step(net)
     assert clock.slept == []
     plain = build_model("mlp", size="tiny", task=TASK, seed=3)
