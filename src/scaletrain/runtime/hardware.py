@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import asdict, dataclass, field, replace
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from scaletrain.errors import UserError
 
@@ -30,75 +32,164 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp64")
 CALIBRATED = Path.home() / ".cache" / "scaletrain" / "hardware.toml"
 
 
+def quantity(default: Any = MISSING, *, unit: str, how: str, scale: str = "none", factory=None):
+    """A profile field, declared once: its default, its unit, how it is set, and how it scales
+    on a machine some factor slower (`slowed`): "rate" (divided: FLOP/s, bytes/s), "time"
+    (multiplied: seconds), "links" (each Link scaled), "none" (bytes, counts, names). Loading,
+    writing and scaling a profile read these declarations, not lists of names."""
+    meta = {"unit": unit, "how": how, "scale": scale}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class Link:
     """One collective's cost model: seconds = latency_s + bytes on the wire / bus_bw."""
 
-    bus_bw: float  # bytes/s of the ring's bus bandwidth (what nccl-tests call busbw)
-    latency_s: float
-    # seconds per collective call beyond its bytes, the framework's Python included, where
-    # calibrate measured it (planner/reference.py); 0: latency_s
-    fsdp_call_s: float = 0.0
-    tp_call_s: float = 0.0
-    # the same for a group of 2 among this world's ranks (the others in groups of their
-    # own): where ranks outnumber cores, a call waits on fewer peers than the whole world's;
-    # 0: the whole world's
-    fsdp_pair_call_s: float = 0.0
-    tp_pair_call_s: float = 0.0
-    # FSDP2's / DTensor's cost once a step (the whole model's; a pipeline stage pays its
-    # share) that goes with the pair's calls, fitted with them (used where they are)
-    fsdp_pair_step_s: float = 0.0
-    tp_pair_step_s: float = 0.0
-    # CPU: resident bytes a rank adds on its first FSDP2 steps (the code and state it
-    # loads), measured per world size by calibrate; 0 on a GPU
-    fsdp_rss: int = 0
+    bus_bw: float = quantity(
+        unit="bytes/s",
+        scale="rate",
+        how="the ring's bus bandwidth (nccl-tests' busbw): calibrate fits all-reduce and "
+        "all-gather times over 4 KiB..64 MiB; a GPU's from its datasheet",
+    )
+    latency_s: float = quantity(
+        unit="s",
+        scale="time",
+        how="a collective's time at no bytes: the fastest of calibrate's smallest messages",
+    )
+    fsdp_call_s: float = quantity(
+        0.0,
+        unit="s per call",
+        scale="time",
+        how="FSDP2's cost per collective call beyond its bytes, its Python included, fitted "
+        "on the configured model's sharded steps (planner/reference.py); 0: latency_s",
+    )
+    tp_call_s: float = quantity(
+        0.0, unit="s per call", scale="time", how="the same for DTensor's tensor parallelism"
+    )
+    fsdp_pair_call_s: float = quantity(
+        0.0,
+        unit="s per call",
+        scale="time",
+        how="fsdp_call_s in a group of 2 among this world's ranks (where ranks outnumber "
+        "cores a call waits on fewer peers than the world's); 0: the world's",
+    )
+    tp_pair_call_s: float = quantity(
+        0.0, unit="s per call", scale="time", how="the same for tensor parallelism"
+    )
+    fsdp_pair_step_s: float = quantity(
+        0.0,
+        unit="s per step",
+        scale="time",
+        how="FSDP2's cost once a step (the whole model's; a pipeline stage pays its share) "
+        "fitted with the pair's calls",
+    )
+    tp_pair_step_s: float = quantity(
+        0.0, unit="s per step", scale="time", how="the same for tensor parallelism"
+    )
+    fsdp_rss: int = quantity(
+        0,
+        unit="bytes",
+        how="CPU: resident bytes a rank adds on its first FSDP2 steps (code and state it "
+        "loads), measured per world size on fresh ranks; 0 on a GPU",
+    )
 
 
 @dataclass(frozen=True)
 class Profile:
-    name: str
-    flops: dict[str, float]  # dtype -> matmul FLOP/s of one device (rank)
-    memory_bytes: int  # per device (rank)
-    memory_bw: float  # bytes/s a device streams (the optimizer step, element-wise work)
-    # world size -> Link; an unlisted size uses the nearest listed one below it
-    intra: dict[int, Link] = field(default_factory=dict)  # within a node
-    inter: Link | None = None  # between nodes (per device's share of the NIC)
-    devices_per_node: int = 1
-    overlap: bool = False  # do collectives overlap compute (GPU streams: yes; gloo on CPU: no)
-    cores: int = 0  # a CPU profile: flops are per core, shared by the node's ranks; 0: a GPU
-    # Beyond the matmuls and the collectives' bytes (calibrate fits these from real steps of
-    # a reference model, planner/reference.py; a GPU's stay 0 but byte_s):
-    op_s: float = 0.0  # seconds per forward op, its backward included (dispatch, autograd)
-    byte_s: float = 0.0  # seconds per byte the forward's ops write, backward included
-    rss_fixed: float = 0.0  # CPU: resident bytes a training step adds beyond live tensors
-    rss_ratio: float = 1.0  # CPU: resident bytes per live tensor byte (the allocator's slack)
-    # CPU: what a rank under FSDP2 holds once its steps have settled, beyond the links'
-    # fsdp_rss, per byte of the stage's whole parameters (the heap's holes around its
-    # gathered buffers), measured by calibrate on the configured model's own sharded steps
-    # (planner/reference.py)
-    fsdp_rss_per_byte: float = 0.0
-    # CPU: resident bytes per live tensor byte of a rank under tensor parallelism once its
-    # steps have settled (DTensor's slack: its gathered and scattered copies of the stream
-    # leave holes between the activations), measured the same way
-    tp_rss_ratio: float = 1.0
-    # CPU: what FSDP2 / DTensor cost once a step beyond their calls, for the whole model's
-    # parameters, measured by calibrate on the configured model's own sharded steps on 2
-    # ranks (planner/reference.py)
-    fsdp_step_s: float = 0.0
-    tp_step_s: float = 0.0
-    # the share of `flops` a matmul reaches, for the planner's step time (MFU stays against
-    # `flops`): a GPU's measured Maximum Achievable Matmul FLOPS over its datasheet peak; 1 on
-    # a CPU, whose `flops` calibrate measured at the model's own shapes
-    matmul_efficiency: float = 1.0
-    # CPU: one round of calibrate's reference, its micro-batches' median steps summed (the
-    # slowest of its ranks side by side each), seconds: how fast this machine ran when it was
-    # measured, against which a later timing of the same round tells how much its speed has
-    # moved since (a shared VM's moves by a quarter from minute to minute); 0: not measured
-    reference_round_s: float = 0.0
-    # CPU: the model whose steps calibrate fitted the costs above on (reference.model_label;
-    # "" where not recorded): a plan of another model with this profile says so
-    calibrated_on: str = ""
-    source: str = ""
+    name: str = quantity(unit="", how="this-machine (calibrate) or the built-in part's name")
+    flops: dict[str, float] = quantity(
+        unit="FLOP/s by dtype",
+        scale="rate",
+        how="matmul rate of one device, or of one core on a CPU: calibrate times one thread "
+        "at the model's linear shapes (1024^3 without a config); a GPU's datasheet",
+    )
+    memory_bytes: int = quantity(
+        unit="bytes", how="per device: MemTotal, or the GPU's total_memory"
+    )
+    memory_bw: float = quantity(
+        unit="bytes/s",
+        scale="rate",
+        how="what a device streams (the optimizer, element-wise work): a 128 MiB copy timed",
+    )
+    intra: dict[int, Link] = quantity(
+        unit="world size -> Link",
+        scale="links",
+        factory=dict,
+        how="within a node, per world size (an unlisted size uses the nearest below)",
+    )
+    inter: Link | None = quantity(
+        None, unit="Link", scale="links", how="between nodes, a device's share of the NIC"
+    )
+    devices_per_node: int = quantity(1, unit="devices", how="a GPU node's devices")
+    overlap: bool = quantity(
+        False, unit="", how="do collectives overlap compute (GPU streams: yes; gloo on CPU: no)"
+    )
+    cores: int = quantity(
+        0, unit="cores", how="a CPU profile: the cores this process may run on; 0: a GPU"
+    )
+    op_s: float = quantity(
+        0.0,
+        unit="s per forward op",
+        scale="time",
+        how="dispatch and autograd per op, its backward included: fitted from a reference "
+        "model's real steps (planner/reference.py); 0 on a GPU",
+    )
+    byte_s: float = quantity(
+        0.0,
+        unit="s per byte written",
+        scale="time",
+        how="per byte a forward's ops write, backward included, fitted with op_s; a GPU's: "
+        "6 bytes of traffic per byte written at its memory bandwidth",
+    )
+    rss_fixed: float = quantity(
+        0.0, unit="bytes", how="CPU: resident bytes a step adds beyond live tensors"
+    )
+    rss_ratio: float = quantity(
+        1.0,
+        unit="bytes per live byte",
+        how="CPU: resident bytes per live tensor byte (the allocator's slack), from the "
+        "trainer's steps on 2 ranks under DDP",
+    )
+    fsdp_rss_per_byte: float = quantity(
+        0.0,
+        unit="bytes per parameter byte",
+        how="CPU: what a rank under FSDP2 holds once its steps have settled, beyond the links' "
+        "fsdp_rss, per byte of the stage's whole parameters, from the model's sharded steps",
+    )
+    tp_rss_ratio: float = quantity(
+        1.0,
+        unit="bytes per live byte",
+        how="CPU: resident bytes per live byte of a rank under tensor parallelism once "
+        "settled (DTensor's gathered and scattered copies), measured the same way",
+    )
+    fsdp_step_s: float = quantity(
+        0.0,
+        unit="s per step",
+        scale="time",
+        how="CPU: FSDP2's cost once a step beyond its calls, for the whole model's "
+        "parameters, from the model's sharded steps on 2 ranks",
+    )
+    tp_step_s: float = quantity(0.0, unit="s per step", scale="time", how="the same for DTensor")
+    matmul_efficiency: float = quantity(
+        1.0,
+        unit="share",
+        how="of `flops` a matmul reaches (the planner's step time; MFU stays against flops): a "
+        "GPU's Maximum Achievable Matmul FLOPS over its datasheet peak; 1 on a CPU, measured "
+        "at the model's own shapes",
+    )
+    reference_round_s: float = quantity(
+        0.0,
+        unit="s",
+        scale="time",
+        how="CPU: one round of calibrate's reference steps, to tell later how much the "
+        "machine's speed has moved since; 0: not measured",
+    )
+    calibrated_on: str = quantity(
+        "", unit="", how="CPU: the model calibrate fitted the costs on (reference.model_label)"
+    )
+    source: str = quantity("", unit="", how="where the figures come from")
 
     def link(self, group_size: int, *, spans_nodes: bool = False) -> Link:
         if spans_nodes and self.inter is not None:
@@ -311,20 +402,6 @@ DEVICE_NAMES = {
 }
 
 
-_FLOAT_KEYS = (
-    "op_s",
-    "byte_s",
-    "rss_fixed",
-    "rss_ratio",
-    "fsdp_rss_per_byte",
-    "tp_rss_ratio",
-    "fsdp_step_s",
-    "tp_step_s",
-    "matmul_efficiency",
-    "reference_round_s",
-)
-
-
 class ProfileError(UserError):
     pass
 
@@ -345,20 +422,7 @@ def load_profile(name_or_path: str) -> Profile:
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"hardware profile {path} is not valid TOML ({e})") from None
     try:
-        profile = Profile(
-            name=data["name"],
-            flops={k: float(v) for k, v in data["flops"].items()},
-            memory_bytes=int(data["memory_bytes"]),
-            memory_bw=float(data["memory_bw"]),
-            intra={int(k): Link(**v) for k, v in data.get("intra", {}).items()},
-            inter=Link(**data["inter"]) if "inter" in data else None,
-            devices_per_node=int(data.get("devices_per_node", 1)),
-            overlap=bool(data.get("overlap", False)),
-            cores=int(data.get("cores", 0)),
-            **{k: float(data[k]) for k in _FLOAT_KEYS if k in data},
-            calibrated_on=str(data.get("calibrated_on", "")),
-            source=data.get("source", str(path)),
-        )
+        profile = _read(Profile, {"source": str(path), **data})
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileError(
             f"hardware profile {path}: missing or wrong key ({e}); a profile another "
@@ -386,29 +450,58 @@ def slowed(profile: Profile, factor: float) -> Profile:
     """`profile` on a machine `factor` times as slow: every rate over it (matmul FLOP/s,
     memory and bus bandwidth), every time cost times it (latency, the costs per call, per
     step, per op and per byte, the reference round); memory untouched. Every step the
-    planner predicts with it is `factor` times as long."""
-    timed = (
-        "fsdp_call_s",
-        "tp_call_s",
-        "fsdp_pair_call_s",
-        "tp_pair_call_s",
-        "fsdp_pair_step_s",
-        "tp_pair_step_s",
-        "latency_s",
+    planner predicts with it is `factor` times as long. What scales how is each field's
+    declared `scale` (`quantity`)."""
+    return _scaled(profile, factor)
+
+
+def _scaled(x, factor: float):
+    """A Profile or Link with each field scaled as it declares."""
+    changes: dict[str, Any] = {}
+    for f in fields(x):
+        value, scale = getattr(x, f.name), f.metadata.get("scale", "none")
+        if scale == "rate":
+            changes[f.name] = (
+                {k: v / factor for k, v in value.items()}
+                if isinstance(value, dict)
+                else value / factor
+            )
+        elif scale == "time":
+            changes[f.name] = value * factor
+        elif scale == "links" and isinstance(value, dict):
+            changes[f.name] = {k: _scaled(v, factor) for k, v in value.items()}
+        elif scale == "links" and value is not None:
+            changes[f.name] = _scaled(value, factor)
+    return replace(x, **changes)
+
+
+def _read(cls, data: dict[str, Any]):
+    """A Profile or Link from its TOML table, each field converted to its declared type (an
+    unknown key in a link is an error; a profile's unknown keys, another version's, are not
+    read). Raises KeyError, TypeError or ValueError for a missing or wrong value."""
+    hints = typing.get_type_hints(cls)
+    if cls is Link and set(data) - set(hints):
+        raise TypeError(f"unknown link keys {sorted(set(data) - set(hints))}")
+    return cls(
+        **{f.name: _typed(hints[f.name], data[f.name]) for f in fields(cls) if f.name in data}
     )
 
-    def link(x: Link) -> Link:
-        return replace(x, bus_bw=x.bus_bw / factor, **{k: getattr(x, k) * factor for k in timed})
 
-    costs = ("op_s", "byte_s", "fsdp_step_s", "tp_step_s", "reference_round_s")
-    return replace(
-        profile,
-        flops={k: v / factor for k, v in profile.flops.items()},
-        memory_bw=profile.memory_bw / factor,
-        intra={w: link(x) for w, x in profile.intra.items()},
-        inter=link(profile.inter) if profile.inter else None,
-        **{k: getattr(profile, k) * factor for k in costs},
-    )
+def _typed(kind, value: Any) -> Any:
+    """`value` as the declared type `kind` (float, int, bool, str, the dicts and links)."""
+    if kind in (float, int, str):
+        return kind(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{value!r} is not true or false")
+        return value
+    if kind == dict[str, float]:
+        return {str(k): float(v) for k, v in value.items()}
+    if kind == dict[int, Link]:
+        return {int(k): _read(Link, v) for k, v in value.items()}
+    if kind == Link | None:
+        return _read(Link, value)
+    raise TypeError(f"no reader for {kind}")
 
 
 def default_profile(device_type: str) -> Profile | None:

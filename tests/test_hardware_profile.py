@@ -1,0 +1,114 @@
+"""Hardware profiles declared once (runtime/hardware.py `quantity`): every field of `Profile`
+and `Link` says its unit, how it is set and how it scales with a machine's speed, and
+loading, writing and scaling a profile follow those declarations, for every field."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from scaletrain.runtime.hardware import Link, Profile, load_profile, profile_toml, slowed
+
+
+def _every_field_set() -> Profile:
+    """A profile in which no field holds its default."""
+    link = Link(
+        bus_bw=1e9,
+        latency_s=2e-4,
+        fsdp_call_s=1e-3,
+        tp_call_s=2e-3,
+        fsdp_pair_call_s=3e-3,
+        tp_pair_call_s=4e-3,
+        fsdp_pair_step_s=5e-3,
+        tp_pair_step_s=6e-3,
+        fsdp_rss=7 * 2**20,
+    )
+    return Profile(
+        name="m",
+        flops={"fp32": 1e11, "bf16": 4e11},
+        memory_bytes=2**34,
+        memory_bw=1e10,
+        intra={2: link, 4: Link(bus_bw=5e8, latency_s=3e-4)},
+        inter=Link(bus_bw=2e8, latency_s=1e-3, tp_call_s=1e-2),
+        devices_per_node=4,
+        overlap=True,
+        cores=2,
+        op_s=6e-6,
+        byte_s=3e-10,
+        rss_fixed=4e6,
+        rss_ratio=1.4,
+        fsdp_rss_per_byte=0.3,
+        tp_rss_ratio=1.2,
+        fsdp_step_s=0.01,
+        tp_step_s=0.02,
+        matmul_efficiency=0.8,
+        reference_round_s=1.5,
+        calibrated_on="gpt tiny",
+        source="a test",
+    )
+
+
+@pytest.mark.parametrize("cls", [Profile, Link])
+def test_every_field_declares_its_unit_how_it_is_set_and_how_it_scales(cls) -> None:
+    for f in fields(cls):
+        assert set(f.metadata) == {"unit", "how", "scale"}, f"{cls.__name__}.{f.name}"
+        assert f.metadata["how"], f"{cls.__name__}.{f.name} says not how it is set"
+        assert f.metadata["scale"] in ("rate", "time", "links", "none"), f.name
+
+
+def test_a_profile_with_every_field_set_round_trips(tmp_path: Path) -> None:
+    profile = _every_field_set()
+    defaults = Profile(name="", flops={}, memory_bytes=0, memory_bw=0.0)
+    unset = [
+        f.name for f in fields(Profile) if getattr(profile, f.name) == getattr(defaults, f.name)
+    ]
+    assert unset == [], unset
+    path = tmp_path / "p.toml"
+    path.write_text(profile_toml(profile))
+    loaded = load_profile(str(path))
+    assert loaded == profile
+    assert type(loaded.intra[2].fsdp_rss) is int and type(loaded.memory_bw) is float
+
+
+def test_a_slower_machine_divides_its_rates_and_multiplies_its_times() -> None:
+    profile = _every_field_set()
+    slow = slowed(profile, 2.0)
+    assert slow.flops == {"fp32": 5e10, "bf16": 2e11}
+    assert slow.memory_bw == 5e9
+    assert (slow.op_s, slow.byte_s, slow.fsdp_step_s, slow.tp_step_s) == (
+        12e-6,
+        6e-10,
+        0.02,
+        0.04,
+    )
+    assert slow.reference_round_s == 3.0
+    link = slow.intra[2]
+    assert (link.bus_bw, link.latency_s, link.fsdp_call_s, link.tp_pair_step_s) == (
+        5e8,
+        4e-4,
+        2e-3,
+        12e-3,
+    )
+    assert slow.inter.bus_bw == 1e8 and slow.inter.tp_call_s == 2e-2
+    # memory, counts and ratios are the machine's, not its speed's
+    assert (slow.memory_bytes, slow.cores, slow.rss_ratio, link.fsdp_rss) == (
+        2**34,
+        2,
+        1.4,
+        7 * 2**20,
+    )
+    assert slow.matmul_efficiency == 0.8 and slow.tp_rss_ratio == 1.2
+
+
+def test_a_link_with_an_unknown_key_is_refused(tmp_path: Path) -> None:
+    from scaletrain.runtime.hardware import ProfileError
+
+    text = profile_toml(_every_field_set()).replace(
+        "bus_bw = 1000000000.0", "bus_bw = 1e9\nspeed = 3", 1
+    )
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match="missing or wrong key"):
+        load_profile(str(path))
