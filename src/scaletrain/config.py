@@ -352,15 +352,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 # Keys the schema once had, with the value they held unless set and where they went: an
 # older run's config.toml (which writes every key) still loads and resumes; set to anything
 # else, the key is refused with the reason.
+_STRAGGLER_MOVED = "the benchmarks' straggler is a model factory now (bench/straggler.py)"
 RETIRED_KEYS = {
-    ("ps", "slow_worker"): (
-        -1,
-        "the benchmarks' straggler is a model factory now (bench/straggler.py)",
-    ),
-    ("ps", "slow_factor"): (
-        1.0,
-        "the benchmarks' straggler is a model factory now (bench/straggler.py)",
-    ),
+    ("ps", "slow_worker"): (-1, _STRAGGLER_MOVED),
+    ("ps", "slow_factor"): (1.0, _STRAGGLER_MOVED),
 }
 
 
@@ -402,14 +397,15 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _without_retired(data: dict[str, Any]) -> dict[str, Any]:
-    """`data` less the retired keys that hold their old default (RETIRED_KEYS)."""
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    """`data` less the retired keys that hold their old default (RETIRED_KEYS); the
+    caller's dict is left as it was."""
     for (section, key), (default, moved) in RETIRED_KEYS.items():
-        if not isinstance(data.get(section), dict) or key not in data[section]:
+        keys = data.get(section)
+        if not isinstance(keys, dict) or key not in keys:
             continue
-        value = data[section].pop(key)
-        if value != default:
-            raise ConfigError(f"{section}.{key} = {value!r} is no longer a key: {moved}")
+        if keys[key] != default:
+            raise ConfigError(f"{section}.{key} = {keys[key]!r} is no longer a key: {moved}")
+        data = {**data, section: {k: v for k, v in keys.items() if k != key}}
     return data
 
 
