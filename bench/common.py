@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -459,56 +458,41 @@ def run_contender(
 
 # ------------------------------------------------------------- noise from other processes
 # The bench machine may be shared: a test suite or a JVM of someone else's job on the same
-# cores halves a run's speed. Each run is therefore measured for CPU time used by anything
-# that is not this benchmark's process tree ("foreign" cores: the machine's busy time from
-# /proc/stat minus our own CPU time and that of our finished children, over the wall time;
-# so a run may be subprocesses or work in this process, as in bench/own_data.py). A run
-# with more than NOISY_CORES of foreign load is retried after the machine is quiet again, up
-# to --retries times; the cleanest attempt is kept and the tables mark any that stayed noisy.
-NOISY_CORES = 0.10
-
-
-def machine_busy_s() -> float:
-    """CPU seconds spent busy on all cores since boot (user, nice, system, irq, steal)."""
-    with open("/proc/stat") as f:
-        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process and of its waited-for descendants (workers included)."""
-    return sum(
-        r.ru_utime + r.ru_stime
-        for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    )
+# cores halves a run's speed. Each run is measured for foreign load (scaletrain.runtime.load:
+# CPU time taken on our CPUs outside this benchmark's process tree, per second of the run;
+# so a run may be subprocesses or work in this process, as in bench/own_data.py), steal
+# added: a run another VM slowed is as disturbed, though no waiting clears it. A run with
+# more than NOISY_CORES is retried after the machine is quiet again, up to --retries times;
+# the cleanest attempt is kept and the tables mark any that stayed noisy. The load module is
+# imported where used: the ranks import this file too, and runtime/__init__ brings torch.
+NOISY_CORES = 0.10  # runtime/load.py's NOISY_CORES, and its reasoning
 
 
 def wait_for_quiet(*, limit_s: float = 180.0) -> float:
-    """Sleep until the machine is idle for 1 s (or `limit_s` passes); returns seconds waited."""
-    waited = 0.0
-    while waited < limit_s:
-        before = machine_busy_s()
-        time.sleep(1.0)
-        waited += 1.0
-        if machine_busy_s() - before < NOISY_CORES:
-            break
-    return waited - 1.0
+    """Sleep until 1 s has little foreign load (or `limit_s` passes); returns seconds waited
+    before that quiet second."""
+    from scaletrain.runtime.load import wait_quiet
+
+    start = time.perf_counter()
+    wait_quiet(limit_s=limit_s, threshold=NOISY_CORES)
+    return max(0.0, time.perf_counter() - start - 1.0)
 
 
 def measured(fn, *, retries: int) -> tuple[dict, float, str]:
     """Run `fn()` (subprocesses, or work in this process) until one attempt has little
     foreign load.
 
-    Returns (result, foreign cores, note): the attempt with the least foreign load, and a
-    note saying which attempt that was when there was more than one.
+    Returns (result, foreign cores, note): the attempt with the least foreign load (steal
+    included), and a note saying which attempt that was when there was more than one.
     """
+    from scaletrain.runtime.load import Meter
+
     best, attempt = None, 0
     for attempt in range(1, retries + 2):
         wait_for_quiet()
-        busy, ours, start = machine_busy_s(), own_cpu_s(), time.perf_counter()
-        result = fn()
-        wall = time.perf_counter() - start
-        foreign = max(0.0, (machine_busy_s() - busy) - (own_cpu_s() - ours)) / wall
+        with Meter() as meter:
+            result = fn()
+        foreign = meter.load.foreign_cores + meter.load.steal_cores
         if best is None or foreign < best[1]:
             best = (result, foreign, attempt)
         if foreign <= NOISY_CORES:
