@@ -1,58 +1,34 @@
-"""One layout's predicted memory, communication and step time, from what was measured on
-meta (planner/held.py, planner/activations.py) and the hardware profile.
+"""One layout's predicted memory, communication and step time: the planner's cost model,
+from what was measured on meta (held.py, activations.py) and the hardware profile.
 
-Memory per rank (the peak of a step):
-    params + grads + optimizer state      exact, from the layout's own code (held.py)
-  + activations x micro-batches in flight traced (activations.py); a pipeline stage keeps
-                                          its blocks' share, for as many chunks as its
-                                          schedule holds (1F1B: pp - stage, GPipe: all)
-  + the largest saved tensor once more    its gradient during backward (the logits')
-  + one checkpointed block's activations  while it recomputes
-  + FSDP's gathered parameters            two units (the one running, the one prefetched);
-                                          ZeRO-2 keeps every unit gathered until backward
-  + runtime (a CPU profile)               what a process holds beyond its live tensors:
-                                          rss_fixed + the larger of (rss_ratio - 1) x what
-                                          a step adds (the allocator's slack: calibrate's
-                                          DDP probe) and what FSDP2 or DTensor add once
-                                          settled (calibrate's fsdp_rss + fsdp_rss_per_byte
-                                          x the stage's parameters; (tp_rss_ratio - 1) x
-                                          what a step adds; the larger once where a layout
-                                          has both)
+Memory per rank, at a step's peak: the layout's params, grads and optimizer state
+(held.py); the traced activations of the micro-batches in flight (a pipeline stage: its
+blocks' share, for the chunks its schedule holds); the largest saved tensor once more (its
+gradient) and one checkpointed block while it recomputes; FSDP's gathered parameters (two
+units, running and prefetched; ZeRO-2 all of them until backward); and on a CPU what a
+process holds beyond its live tensors (`_runtime_bytes`).
 
-Communication per rank and step, by collective (ring algorithms, bytes on the wire):
-    DDP / HSDP replicas   all-reduce of the gradients, 2 (r - 1) / r x their bytes, once a step
-    FSDP                  all-gather (r - 1) / r x the unsharded parameters per micro-batch,
-                          twice under ZeRO-3 (forward and backward); reduce-scatter of the
-                          gradients per micro-batch
-    tensor parallel       per block and micro-batch (under pp: per chunk of it), forward and
-                          backward: with sequence parallelism two all-gathers and two
-                          reduce-scatters of the (B, T, C) stream, without it two
-                          all-reduces; the head's logits all-gathered
-    pipeline              send/recv of each chunk's (B, T, C) boundary, forward and backward
+Communication per rank and step, ring algorithms, bytes on the wire: replicas all-reduce
+the gradients once; FSDP all-gathers the parameters per micro-batch (twice under ZeRO-3)
+and reduce-scatters the gradients; tensor parallelism moves each block's (B, T, C) stream
+twice forward and twice backward per chunk (all-gathers and reduce-scatters under sequence
+parallelism, else all-reduces); a pipeline sends each chunk's boundary both ways.
 
-Step time: compute (hardware FLOPs, recomputation included, over the profile's rate for
-the compute dtype, a GPU's at the share of it a real matmul reaches; plus the forward's
-traced ops x op_s and written bytes x byte_s, each with its backward, fitted by calibrate
-on a reference model's real steps, and a third of that again for the ops activation
-checkpointing runs a second time: only their forward, about 2 of the 6 bytes of traffic
-per byte written) + the optimizer's pass over its bytes (memory bandwidth) + the
-collectives (bytes over the bus bandwidth, plus per call the framework's measured cost for
-FSDP and tensor parallelism, a group smaller than the world at calibrate's figure for
-groups of 2, else the link's latency) + on a CPU FSDP2's and DTensor's measured cost once
-a step (the stage's share; for a group of 2 among more ranks the figure fitted with its
-calls), of which what does not overlap (on a GPU FSDP's and DDP's collectives hide
-behind compute; gloo on a CPU overlaps nothing),
-stretched by the pipeline's bubble (p - 1) / (v m). Where a CPU's ranks outnumber its
-cores, a stage waiting in the bubble lends its core to the others: the step is then the
-longer of the shared cores' work and the critical path (a rank's work at a whole core,
-stretched by the bubble).
-MFU = model FLOPs (no recomputation) / (step time x peak x world).
+Step time, a function of named terms (`Terms.step_s`): the matmuls (hardware FLOPs over the
+rate a real matmul reaches), each op's dispatch and the bytes it writes (calibrate's op_s
+and byte_s, fitted on a model's real steps) and the forward checkpointing runs again; each
+collective (alpha-beta on the link its group spans, per call FSDP2's or DTensor's measured
+cost where calibrate has one) and their cost once a step; less what hides behind compute
+(a GPU's FSDP and DDP collectives; gloo overlaps nothing); stretched by the pipeline's
+bubble (p - 1) / (v m); plus the optimizer's pass over memory. Where a CPU's ranks outnumber
+its cores they take turns, and a stage waiting in the bubble lends its core to the others.
+MFU = model FLOPs (no recomputation) / (step x peak x world).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -64,7 +40,107 @@ from scaletrain.planner.held import Held
 from scaletrain.precision import matmul_dtype
 from scaletrain.runtime.hardware import Link, Profile
 
-RECOMPUTED_SHARE = 1 / 3  # of an op's cost (forward and backward), what its forward alone costs
+# What re-running an op's forward costs of its whole cost (op_s and byte_s are fitted on
+# forward and backward together): the forward alone, about 2 of the 6 bytes of traffic
+# per byte written that a GPU's byte_s counts (runtime/hardware.py)
+RECOMPUTED_SHARE = 1 / 3
+# The optimizer's memory traffic, in passes over params + grads + optimizer state. torch
+# 2.13's AdamW (optim/adam.py) per element of those 4 tensors: fused (optim.impl "auto" on
+# CPU and CUDA) is one kernel reading all 4 and writing 3, and the gradient norm reads the
+# grads once: 8 passes of 4, 2x (2.5x where clipping rescales the grads); foreach is 8
+# kernels (mul_, lerp_, mul_, addcmul_, sqrt, div_, add_, addcdiv_) of 20 passes, 21 with
+# the norm, 5.25x. 3 lies between the two, above the default's 2-2.5x
+OPTIMIZER_PASSES = 3
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step on one mesh dimension, per rank: alpha-beta on its link."""
+
+    name: str  # all_reduce, all_gather, reduce_scatter or send_recv
+    dim: str  # mesh dimension: dp_replicate, dp_shard, tp or pp
+    group: int  # ranks in its group
+    nbytes: float  # bytes on the wire a step
+    calls: int  # calls a step
+    call_s: float  # s per call beyond the bytes: FSDP2's or DTensor's, else the latency
+    bus_bw: float  # bytes/s of the link the group spans
+    overlaps: bool  # runs beside compute on a GPU (FSDP's and DDP's)
+
+    @property
+    def seconds(self) -> float:
+        return self.nbytes / self.bus_bw + self.calls * self.call_s
+
+    def how(self) -> str:
+        return (
+            f"{self.nbytes / 2**20:,.2f} MiB at {self.bus_bw / 1e9:.3g} GB/s in a group of "
+            f"{self.group}, {self.calls:,} calls x {self.call_s * 1e6:.3g} us a call"
+        )
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A step's time on one rank, a function of named terms (`step_s`); `parts()` lists
+    the terms it adds up."""
+
+    flops: float  # FLOP: hardware FLOPs, recomputation included
+    rate: float  # FLOP/s: what a real matmul reaches of the profile's peak
+    matmul_s: float  # s: flops / rate
+    ops: float  # forward ops (each runs backward too)
+    dispatch_s: float  # s: ops x op_s x turns
+    written: float  # bytes the forward's ops write
+    memory_s: float  # s: written x byte_s x turns
+    recompute_s: float  # s: RECOMPUTED_SHARE x the cost of the ops checkpointing re-runs
+    collectives: tuple[Collective, ...]
+    sharded_step_s: float  # s: FSDP2's or DTensor's cost once a step, the stage's share
+    overlap: bool  # collectives that overlap hide behind compute (GPU streams; gloo: no)
+    bubble: float  # fraction of the busy time: (p - 1) / (v m), 0 without a pipeline
+    turns: float  # x: a node's ranks over its cores where they outnumber them, else 1
+    optimizer_s: float  # s: OPTIMIZER_PASSES x (params + grads + optim) / memory_bw
+
+    @property
+    def compute_s(self) -> float:
+        return self.matmul_s + self.dispatch_s + self.memory_s + self.recompute_s
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.seconds for c in self.collectives) + self.sharded_step_s
+
+    @property
+    def hidden_s(self) -> float:
+        """What of the collectives that overlap hides behind compute: at most all of it."""
+        overlapped = sum(c.seconds for c in self.collectives if c.overlaps)
+        return min(overlapped, self.compute_s) if self.overlap else 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return self.compute_s + (self.comm_s - self.hidden_s)
+
+    @property
+    def stretched_s(self) -> float:
+        """The busy time stretched by the bubble. Where ranks take turns on the cores, a
+        stage waiting in the bubble lends its core to the others: the longer of the shared
+        cores' work and the critical path (a rank's own work at a whole core, stretched)."""
+        return max(self.busy_s, self.busy_s / self.turns * (1 + self.bubble))
+
+    @property
+    def step_s(self) -> float:
+        return self.stretched_s + self.optimizer_s
+
+    def parts(self) -> list[tuple[str, float, str]]:
+        """(name, seconds, how) of each term `step_s` adds up."""
+        mib = 2**20
+        turns = f" x {self.turns:g} (ranks take turns on the cores)" if self.turns > 1 else ""
+        return [
+            ("matmul", self.matmul_s, f"{self.flops:.4g} FLOP at {self.rate:.4g} FLOP/s"),
+            ("dispatch", self.dispatch_s, f"{self.ops:,.0f} ops x op_s{turns}"),
+            ("memory", self.memory_s, f"{self.written / mib:,.2f} MiB written x byte_s{turns}"),
+            ("recompute", self.recompute_s, "the forward of what checkpointing re-runs"),
+            *((f"{c.name} {c.dim}", c.seconds, c.how()) for c in self.collectives),
+            ("sharded per step", self.sharded_step_s, "FSDP2's or DTensor's cost once a step"),
+            ("overlap", -self.hidden_s, "collectives hidden behind compute"),
+            ("bubble", self.stretched_s - self.busy_s, f"{self.bubble:.3g} x the busy time"),
+            ("optimizer", self.optimizer_s, f"{OPTIMIZER_PASSES} passes over its bytes"),
+        ]
 
 
 @dataclass
@@ -84,19 +160,15 @@ class Prediction:
     written: float = 0.0  # bytes those forward ops write
     bubble: float = 0.0
     notes: list[str] = field(default_factory=list)
+    terms: Terms | None = None
 
     def as_json(self) -> dict:
-        return {
-            "layout": self.layout,
-            "fits": self.fits,
-            "memory_bytes": self.memory_bytes,
-            "comm_bytes": self.comm_bytes,
-            "step_time_s": self.step_time_s,
-            "mfu": self.mfu,
-            "compute_s": self.compute_s,
-            "comm_s": self.comm_s,
-            "bubble": self.bubble,
-        }
+        keys = ("layout", "fits", "memory_bytes", "comm_bytes", "step_time_s", "mfu")
+        out = {k: getattr(self, k) for k in (*keys, "compute_s", "comm_s", "optim_s", "bubble")}
+        if self.terms:
+            parts = {name: s for name, s, _ in self.terms.parts()}
+            out["terms"] = {**asdict(self.terms), "parts": parts}
+        return out
 
 
 def spans_nodes(lay, dim: str, per_node: int) -> bool:
@@ -140,223 +212,212 @@ def predict(
             wider than a node spans nodes).
         budget_bytes: memory per rank to fit in (hardware.rank_budget).
     """
-    lay, p = derived.layout, config.parallel
-    mb = config.train.micro_batch
-    pipe = derived.pipeline
-    chunks = pipe.microbatches if pipe else 1
-    stages = pipe.stages_per_rank if pipe else 1
+    lay = derived.layout
+    per_node = min(lay.world_size, ranks_per_node)
     dtype = compute_dtype(config, profile)
     width = 2 if dtype in ("bf16", "fp16") else (8 if dtype == "fp64" else 4)
+    shape, seq = transformer_shape(model), example.shape[-1] if example.dim() >= 1 else 1
+    hw = train_flops(model, example.unsqueeze(0))  # one example's, no recomputation
+    # the costs calibrate measured among the world's ranks (none in a profile without links)
+    link = profile.link(lay.world_size) if profile.intra else Link(bus_bw=1.0, latency_s=0.0)
 
-    # memory
-    share = 1.0 / lay.pp  # a stage's part of the blocks (and of their ops and bytes)
+    memory = _memory(config, derived, held, acts, width=width, profile=profile, link=link)
+    collectives = _collectives(
+        config, derived, held, shape=shape, seq=seq, width=width, profile=profile, link=link,
+        per_node=per_node,
+    )  # fmt: skip
+    terms = _terms(
+        config, derived, held, acts, collectives, hw=hw, shape=shape, seq=seq, dtype=dtype,
+        profile=profile, link=link, per_node=per_node,
+    )  # fmt: skip
+
+    comm = dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter", "send_recv"), 0.0)
+    comm_calls = dict.fromkeys(comm, 0)
+    calls_by_dim: dict[str, int] = {}
+    for c in collectives:
+        comm[c.name] += c.nbytes
+        comm_calls[c.name] += c.calls
+        calls_by_dim[c.dim] = calls_by_dim.get(c.dim, 0) + c.calls
+    peak = profile.peak(dtype, ranks_per_node=per_node)
+    model_flops = hw * config.train.global_batch
+    return Prediction(
+        layout=layout_keys,
+        fits=memory["peak"] <= budget_bytes,
+        memory_bytes=memory,
+        comm_bytes={k: int(v) for k, v in comm.items()},
+        step_time_s=terms.step_s,
+        mfu=model_flops / (terms.step_s * peak * lay.world_size) if peak else None,
+        comm_calls=comm_calls,
+        calls_by_dim=calls_by_dim,
+        compute_s=terms.compute_s,
+        comm_s=terms.comm_s,
+        optim_s=terms.optimizer_s,
+        ops=terms.ops,
+        written=terms.written,
+        bubble=terms.bubble,
+        terms=terms,
+    )
+
+
+def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, int]:
+    """Rank 0's bytes at the peak of a step, by part (module docstring)."""
+    lay, pipe = derived.layout, derived.pipeline
     if pipe is None:
         in_flight = 1
     elif pipe.schedule == "gpipe":
-        in_flight = chunks
-    else:
-        in_flight = min(chunks, lay.pp * stages)
+        in_flight = pipe.microbatches
+    else:  # 1F1B and its kin: stage 0 holds a chunk for every stage (virtual ones too)
+        in_flight = min(pipe.microbatches, lay.pp * pipe.stages_per_rank)
+    share = 1.0 / lay.pp  # a stage's part of the blocks
     activations = int(acts.saved * share * in_flight)
     transient = acts.largest + acts.recompute
     unsharded = held.params * lay.dp_shard  # rank 0's stage, whole again
     gathered = 0
     if lay.dp_shard > 1:
-        gathered = (
-            2 * held.largest_unit if p.reshard_after_forward else unsharded + 2 * held.largest_unit
-        )
+        gathered = 2 * held.largest_unit
+        gathered += 0 if config.parallel.reshard_after_forward else unsharded
         gathered = gathered * width // _param_width(config)
-    # the costs calibrate measured among the world's ranks (none in a profile without links)
-    world_link = profile.link(lay.world_size) if profile.intra else Link(bus_bw=1.0, latency_s=0.0)
     live = held.grads + held.optim + activations + transient + gathered  # a step's, over params
-    runtime = _runtime_bytes(profile, lay, world_link, live=live, stage_params=unsharded * lay.tp)
-    peak = held.params + live + runtime
-    memory = {
+    runtime = _runtime_bytes(profile, lay, link, live=live, stage_params=unsharded * lay.tp)
+    return {
         "params": held.params,
         "grads": held.grads,
         "optim": held.optim,
         "activations": activations + transient,
         "buffers": gathered,
         "runtime": runtime,
-        "peak": peak,
+        "peak": held.params + live + runtime,
     }
-
-    # communication: (collective, mesh dimension, group size, bytes, calls, overlaps compute
-    # on a GPU, seconds per call beyond the bytes where calibrate measured the framework's
-    # own: else the link's latency)
-    flows: list[tuple[str, str, int, float, int, bool, float]] = []
-    accum = derived.accumulation
-    shape = transformer_shape(model)
-    units = max(1, held.units)
-    if lay.dp_replicate > 1:
-        r = lay.dp_replicate
-        flows.append(("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * held.grads, 1, True, 0.0))
-    if lay.dp_shard > 1:
-        s = lay.dp_shard
-        fsdp_s = _per_call(world_link, "fsdp", group=s, world=lay.world_size)
-        gathers = 2 if p.reshard_after_forward else 1
-        unsharded_c = unsharded * width / _param_width(config)
-        flows.append(
-            (
-                "all_gather",
-                "dp_shard",
-                s,
-                gathers * (s - 1) / s * unsharded_c * accum,
-                gathers * units * accum,
-                True,
-                fsdp_s,
-            )
-        )
-        flows.append(
-            (
-                "reduce_scatter",
-                "dp_shard",
-                s,
-                (s - 1) / s * unsharded * accum,
-                units * accum,
-                True,
-                fsdp_s,
-            )
-        )
-    seq = example.shape[-1] if example.dim() >= 1 else 1
-    if lay.tp > 1 and shape is not None:
-        t = lay.tp
-        stream = mb * seq * shape.attention_width * width / chunks  # a chunk's (B, T, C)
-        blocks = shape.layers // lay.pp
-        calls = 4 * blocks * accum * chunks  # two in forward, two in backward, per block and chunk
-        per_call = _per_call(world_link, "tp", group=t, world=lay.world_size)
-        if p.sequence_parallel:
-            gathered_s = calls * (t - 1) / t * stream
-            flows.append(("all_gather", "tp", t, gathered_s, calls, False, per_call))
-            flows.append(("reduce_scatter", "tp", t, gathered_s, calls, False, per_call))
-        else:
-            reduced = calls * 2 * (t - 1) / t * stream
-            flows.append(("all_reduce", "tp", t, reduced, calls, False, per_call))
-    if lay.pp > 1 and shape is not None:
-        boundary = mb * seq * shape.attention_width * width / (lay.tp if p.sequence_parallel else 1)
-        sends = 4 * stages * chunks * accum
-        flows.append(("send_recv", "pp", 2, 4 * stages * boundary * accum, sends, False, 0.0))
-    comm = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "send_recv": 0.0}
-    comm_calls = dict.fromkeys(comm, 0)
-    calls_by_dim: dict[str, int] = {}
-    for name, dim, _, nbytes, calls, *_ in flows:
-        comm[name] += nbytes
-        comm_calls[name] += calls
-        calls_by_dim[dim] = calls_by_dim.get(dim, 0) + calls
-
-    # time
-    examples_per_rank = derived.examples_per_rank
-    hw = train_flops(model, example.unsqueeze(0), recomputed_blocks=0)
-    model_flops_rank = hw * examples_per_rank / (lay.tp * lay.pp)
-    recomputed = held.recomputed_blocks * (lay.pp if lay.pp > 1 else 1)
-    if shape is not None and recomputed:
-        extra = transformer_flops(shape, batch=1, seq=seq, recomputed_blocks=recomputed)
-        extra -= transformer_flops(shape, batch=1, seq=seq)
-        hw_rank = (hw + extra) * examples_per_rank / (lay.tp * lay.pp)
-    else:
-        hw_rank = model_flops_rank
-    # under "op" the matrix products its policy recomputes, as the trace counted them
-    hw_rank += accum * chunks * share * acts.again_flops
-    per_node = min(lay.world_size, ranks_per_node)
-    rate = profile.peak(dtype, ranks_per_node=per_node) or profile.peak(
-        "fp32", ranks_per_node=per_node
-    )
-    rate *= profile.matmul_efficiency  # what a real matmul reaches of that peak
-    # Beyond the matmuls (profile.op_s and byte_s, fitted by calibrate on a reference model's
-    # real steps): every op's dispatch and the element-wise work's memory traffic, per chunk,
-    # and the forward again of what activation checkpointing recomputes in backward
-    chunk_steps = accum * chunks
-    ops = chunk_steps * share * acts.ops
-    written = chunk_steps * share * acts.written
-    ops_paid = ops + RECOMPUTED_SHARE * chunk_steps * share * acts.again_ops
-    written_paid = written + RECOMPUTED_SHARE * chunk_steps * share * acts.again_written
-    overhead_s = ops_paid * profile.op_s + written_paid * profile.byte_s
-    overhead_s *= profile.slowdown(per_node)
-    compute_s = hw_rank / rate + overhead_s
-    optim_s = 3 * (held.params + held.grads + held.optim) / profile.memory_bw
-    comm_s = overlapped = 0.0
-    for _, dim, group, nbytes, calls, overlaps, per_call in flows:
-        link = profile.link(group, spans_nodes=spans_nodes(lay, dim, per_node))
-        seconds = nbytes / link.bus_bw + calls * (per_call or link.latency_s)
-        comm_s += seconds
-        overlapped += seconds if overlaps else 0.0
-    # FSDP2's and DTensor's cost once a step beyond their calls (a CPU's: calibrate measured
-    # it, with the calls it goes with), the stage's share of it; a layout with both pays the
-    # larger once (its parameters are DTensors once). Not stretched where ranks outnumber
-    # cores: with it stretched, GPT small's and base's dp_shard 2 x tp 2 on 4 ranks of 2
-    # cores were predicted at 1.27-1.30x and 1.08x their measured steps; without, 1.05-1.17x
-    # and 1.03-1.09x (BENCHMARKS.md)
-    fsdp_step = _per_step(profile, world_link, "fsdp", group=lay.dp_shard, world=lay.world_size)
-    tp_step = _per_step(profile, world_link, "tp", group=lay.tp, world=lay.world_size)
-    comm_s += share * max(fsdp_step if lay.dp_shard > 1 else 0.0, tp_step if lay.tp > 1 else 0.0)
-    exposed = comm_s - (min(overlapped, compute_s) if profile.overlap else 0.0)
-    bubble = (lay.pp - 1) / (stages * chunks) if lay.pp > 1 else 0.0
-    busy = compute_s + exposed
-    turns = profile.slowdown(per_node)
-    if turns > 1:
-        # more ranks than cores (a CPU): a stage waiting in the bubble hands its core to the
-        # other ranks, so the step is the longer of the shared cores' work and the
-        # pipeline's critical path (a rank's own work at a whole core, stretched by the bubble)
-        step = max(busy, busy / turns * (1 + bubble)) + optim_s
-    else:
-        step = busy * (1 + bubble) + optim_s
-    model_flops_step = hw * config.train.global_batch
-    peak_flops = profile.peak(dtype, ranks_per_node=per_node)
-    mfu = model_flops_step / (step * peak_flops * lay.world_size) if peak_flops else None
-    return Prediction(
-        layout=layout_keys,
-        fits=peak <= budget_bytes,
-        memory_bytes=memory,
-        comm_bytes={k: int(v) for k, v in comm.items()},
-        step_time_s=step,
-        comm_calls=comm_calls,
-        calls_by_dim=calls_by_dim,
-        mfu=mfu,
-        compute_s=compute_s,
-        comm_s=comm_s,
-        optim_s=optim_s,
-        ops=ops,
-        written=written,
-        bubble=bubble,
-    )
 
 
 def _runtime_bytes(profile: Profile, lay, first_use: Link, *, live: int, stage_params: int) -> int:
-    """A CPU process's resident memory beyond its live tensors (0 on a GPU profile):
-    rss_fixed, plus the largest of the claims on the same free heap:
+    """A CPU process's resident memory beyond its live tensors (0 on a GPU profile): the
+    largest of the claims on one free heap, whose blocks the next step's activations and
+    gathered buffers reuse, so they do not add up:
     - the allocator's slack on what a step adds, (rss_ratio - 1) x the live bytes;
-    - under FSDP2, what it adds once a rank's steps have settled (a one-process reference
-      has none of it): a fixed part (the code and state it loads) and a part per byte of
-      the stage's whole parameters (the holes its gathered buffers leave in the heap);
-    - under tensor parallelism, DTensor's slack, (tp_rss_ratio - 1) x the live bytes: in
-      proportion to what a step adds, with no fixed part (a fixed first use put GPT small's
-      pp 2 x tp 2 27% over; reference._settled_rss).
-    A layout with both pays the larger once (their sum over-predicted dp_shard x tp by ~30
-    MiB). Why the largest and not the sum: all are free blocks the heap keeps, and the next
-    step's activations and gathered buffers reuse whichever are there. Measured: small's
-    ZeRO-3 settles at 95, 89 and 92 MiB above baseline at micro-batch 8, 4 and 8 with full
-    recomputation, while its live bytes go 46, 28 and 22 (BENCHMARKS.md, the planner)."""
+    - under FSDP2, what it holds once a rank's steps have settled: a fixed part (the code
+      and state it loads) and a part per byte of the stage's whole parameters (the holes
+      its gathered buffers leave in the heap);
+    - under tensor parallelism, DTensor's slack, (tp_rss_ratio - 1) x the live bytes (in
+      proportion to what a step adds, no fixed part: reference._settled_rss)."""
     sharded = max(
         first_use.fsdp_rss + profile.fsdp_rss_per_byte * stage_params if lay.dp_shard > 1 else 0,
         (profile.tp_rss_ratio - 1.0) * live if lay.tp > 1 else 0,
     )
-    return int(profile.rss_fixed + max((profile.rss_ratio - 1.0) * live, sharded))
+    return int(max((profile.rss_ratio - 1.0) * live, sharded))
 
 
-def _per_call(link: Link, kind: str, *, group: int, world: int) -> float:
-    """Seconds per FSDP ("fsdp") or tensor-parallel ("tp") call beyond its bytes in a group
-    of `group` among `world` ranks: calibrate's figure for groups of 2 where the group is
-    smaller than the world and it has one, else the whole world's (0: the link's latency)."""
-    pair = getattr(link, f"{kind}_pair_call_s")
-    return pair if group < world and pair else getattr(link, f"{kind}_call_s")
+def _collectives(
+    config, derived, held, *, shape, seq, width, profile, link, per_node
+) -> list[Collective]:
+    """The step's collectives on rank 0, by mesh dimension (module docstring)."""
+    lay, pipe, p = derived.layout, derived.pipeline, config.parallel
+    accum, chunks = derived.accumulation, pipe.microbatches if pipe else 1
+    out: list[Collective] = []
+
+    def add(name, dim, group, nbytes, calls, *, overlaps, call_s=0.0) -> None:
+        on = profile.link(group, spans_nodes=spans_nodes(lay, dim, per_node))
+        out.append(
+            Collective(name, dim, group, nbytes, calls, call_s or on.latency_s, on.bus_bw, overlaps)
+        )
+
+    if lay.dp_replicate > 1:
+        r = lay.dp_replicate
+        add("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * held.grads, 1, overlaps=True)
+    if lay.dp_shard > 1:
+        s, units = lay.dp_shard, max(1, held.units)
+        call_s, _ = _sharded_costs(profile, link, "fsdp", group=s, world=lay.world_size)
+        gathers = 2 if p.reshard_after_forward else 1  # ZeRO-3 gathers again for backward
+        unsharded = held.params * s  # the stage's parameters
+        in_compute = unsharded * width / _param_width(config)  # gathered in the compute dtype
+        nbytes = gathers * (s - 1) / s * in_compute * accum
+        add("all_gather", "dp_shard", s, nbytes, gathers * units * accum, overlaps=True, call_s=call_s)  # fmt: skip
+        nbytes = (s - 1) / s * unsharded * accum
+        add("reduce_scatter", "dp_shard", s, nbytes, units * accum, overlaps=True, call_s=call_s)
+    if lay.tp > 1 and shape is not None:
+        t = lay.tp
+        # the (B, T, C) stream of a chunk
+        stream = config.train.micro_batch * seq * shape.attention_width * width / chunks
+        calls = 4 * (shape.layers // lay.pp) * accum * chunks  # per block: 2 forward, 2 backward
+        call_s, _ = _sharded_costs(profile, link, "tp", group=t, world=lay.world_size)
+        if p.sequence_parallel:
+            nbytes = calls * (t - 1) / t * stream
+            add("all_gather", "tp", t, nbytes, calls, overlaps=False, call_s=call_s)
+            add("reduce_scatter", "tp", t, nbytes, calls, overlaps=False, call_s=call_s)
+        else:
+            nbytes = calls * 2 * (t - 1) / t * stream
+            add("all_reduce", "tp", t, nbytes, calls, overlaps=False, call_s=call_s)
+    if lay.pp > 1 and shape is not None:
+        boundary = config.train.micro_batch * seq * shape.attention_width * width
+        boundary /= lay.tp if p.sequence_parallel else 1
+        v = pipe.stages_per_rank  # activations and gradients, each in and out, per chunk
+        add("send_recv", "pp", 2, 4 * v * boundary * accum, 4 * v * chunks * accum, overlaps=False)
+    return out
 
 
-def _per_step(profile: Profile, link: Link, kind: str, *, group: int, world: int) -> float:
-    """FSDP2's ("fsdp") or DTensor's ("tp") cost once a step, the whole model's, that goes
-    with `_per_call`'s figure: the pair's own (calibrate fitted the two together on this
-    world's ranks) where the calls are the pair's, else calibrate's on 2 ranks."""
-    if group < world and getattr(link, f"{kind}_pair_call_s"):
-        return getattr(link, f"{kind}_pair_step_s")
-    return getattr(profile, f"{kind}_step_s")
+def _terms(
+    config, derived, held, acts, collectives, *, hw, shape, seq, dtype, profile, link, per_node
+) -> Terms:
+    """The step's terms on rank 0 and their sum (module docstring)."""
+    lay, pipe = derived.layout, derived.pipeline
+    chunk_steps = derived.accumulation * (pipe.microbatches if pipe else 1)
+    share = 1.0 / lay.pp  # a stage's part of the blocks, and of their ops and bytes
+    # matmuls: hardware FLOPs, with the forward checkpointing runs again, at what a real
+    # matmul reaches of the peak
+    recomputed = held.recomputed_blocks * lay.pp
+    if shape is not None and recomputed:
+        hw += transformer_flops(shape, batch=1, seq=seq, recomputed_blocks=recomputed)
+        hw -= transformer_flops(shape, batch=1, seq=seq)
+    flops = hw * derived.examples_per_rank / (lay.tp * lay.pp)
+    flops += chunk_steps * share * acts.again_flops  # under "op", the products it recomputes
+    rate = profile.peak(dtype, ranks_per_node=per_node) or profile.peak(
+        "fp32", ranks_per_node=per_node
+    )
+    rate *= profile.matmul_efficiency
+    # beyond the matmuls: each op's dispatch and the bytes it writes, longer where the
+    # node's ranks take turns on its cores
+    turns = profile.slowdown(per_node)
+    ops, written = chunk_steps * share * acts.ops, chunk_steps * share * acts.written
+    again = acts.again_ops * profile.op_s + acts.again_written * profile.byte_s
+    # FSDP2's and DTensor's cost once a step, the stage's share; a layout with both pays the
+    # larger once (its parameters are DTensors once). Not longer for the turns: calibrate
+    # measured it with them
+    _, fsdp_step = _sharded_costs(profile, link, "fsdp", group=lay.dp_shard, world=lay.world_size)
+    _, tp_step = _sharded_costs(profile, link, "tp", group=lay.tp, world=lay.world_size)
+    sharded_step_s = share * max(
+        fsdp_step if lay.dp_shard > 1 else 0.0, tp_step if lay.tp > 1 else 0.0
+    )
+    bubble = (lay.pp - 1) / (pipe.stages_per_rank * pipe.microbatches) if lay.pp > 1 else 0.0
+    optimizer_s = OPTIMIZER_PASSES * (held.params + held.grads + held.optim) / profile.memory_bw
+    return Terms(
+        flops=flops,
+        rate=rate,
+        matmul_s=flops / rate,
+        ops=ops,
+        dispatch_s=ops * profile.op_s * turns,
+        written=written,
+        memory_s=written * profile.byte_s * turns,
+        recompute_s=RECOMPUTED_SHARE * chunk_steps * share * again * turns,
+        collectives=tuple(collectives),
+        sharded_step_s=sharded_step_s,
+        overlap=profile.overlap,
+        bubble=bubble,
+        turns=turns,
+        optimizer_s=optimizer_s,
+    )
+
+
+def _sharded_costs(profile: Profile, link: Link, kind: str, *, group: int, world: int):
+    """(s per call, s per step) of FSDP2 ("fsdp") or DTensor ("tp") in a group of `group`
+    among `world` ranks. Where the group is smaller than the world and calibrate measured
+    groups of 2, the pair's own (fitted together on this world's ranks); else the whole
+    world's per call (0: the link's latency) and calibrate's on 2 ranks per step."""
+    if kind == "fsdp":
+        costs = link.fsdp_call_s, profile.fsdp_step_s, link.fsdp_pair_call_s, link.fsdp_pair_step_s
+    else:
+        costs = link.tp_call_s, profile.tp_step_s, link.tp_pair_call_s, link.tp_pair_step_s
+    call, step, pair_call, pair_step = costs
+    return (pair_call, pair_step) if group < world and pair_call else (call, step)
 
 
 def _param_width(config: Config) -> int:
