@@ -345,7 +345,6 @@ def test_a_profile_round_trips_and_the_collectives_fit_their_line(tmp_path):
         cores=2,
         op_s=6e-6,
         byte_s=3e-10,
-        rss_fixed=4e6,
         rss_ratio=1.4,
     )
     path = tmp_path / "p.toml"
@@ -415,15 +414,15 @@ def test_the_step_cost_fit_is_least_squares_over_every_micro_batch_and_never_neg
 
 def test_the_reference_steps_run_side_by_side_as_ranks_each_begun_together(monkeypatch):
     """calibrate's reference runs as ranks do: started side by side by torch's elastic
-    agent (calibrate._launch) into one gloo group, where each step waits at a barrier of
+    agent (calibrate.launch) into one gloo group, where each step waits at a barrier of
     all of them, so that every step begins together; a process alone waits at none."""
     import torch.distributed as dist
 
-    from scaletrain.planner.calibrate import _launch
+    from scaletrain.planner.calibrate import launch
     from scaletrain.planner.held import fake_world
     from scaletrain.planner.reference import reference_rank, step_worker
 
-    got = _launch(2, reference_rank, RAW, (2,), 3)
+    got = launch(2, reference_rank, RAW, (2,), 3)
     assert sorted(got) == [0, 1] and all(r["step_s"][2] > 0 for r in got.values())
 
     waits = []
@@ -516,8 +515,6 @@ def test_the_reference_step_is_the_slowest_of_the_processes_side_by_side(monkeyp
     side_by_side = fit(2, together)
     assert seen == [(ref.reference_rank, (1, 2, 4, 8), 2)]
     assert side_by_side == fit(1, alone)
-    # a round's steps (each micro-batch's slowest) summed: the machine's speed then
-    assert side_by_side["reference_round_s"] == pytest.approx(0.1 + 0.2 + 0.4 + 0.8)
     assert side_by_side["op_s"] > 0 or side_by_side["byte_s"] > 0
 
 
@@ -556,8 +553,8 @@ def _configured(config, profile, *, world_size: int = 1):
 
 
 def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
-    """runtime = rss_fixed + the larger of (rss_ratio - 1) x what a step adds over the
-    parameters and what FSDP2 or DTensor add once settled; a GPU profile (and a CPU one
+    """runtime = the larger of (rss_ratio - 1) x what a step adds over the parameters and
+    what FSDP2 or DTensor add once settled; a GPU profile (and a CPU one
     without the fit) adds nothing."""
     import dataclasses
 
@@ -566,11 +563,11 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
 
     config = validate_config(RAW)
     gpu = BUILTIN["h100"]
-    cpu = dataclasses.replace(gpu, name="cpu", cores=2, rss_fixed=3e6, rss_ratio=1.5)
+    cpu = dataclasses.replace(gpu, name="cpu", cores=2, rss_ratio=1.5)
     bare, slack = _configured(config, gpu).memory_bytes, _configured(config, cpu).memory_bytes
     assert bare["runtime"] == 0
     live = bare["peak"] - bare["params"]
-    assert slack["runtime"] == int(3e6 + 0.5 * live)
+    assert slack["runtime"] == int(0.5 * live)
     assert slack["peak"] == bare["peak"] + slack["runtime"]
 
     # a layout that shards (FSDP2) or splits tensors (DTensor) adds what they hold once
@@ -600,11 +597,11 @@ def test_a_cpu_profile_adds_the_calibrated_resident_slack_to_the_peak():
         stage = plain.memory_bytes["params"] * parallel.get("dp_shard", 1) * parallel.get("tp", 1)
         sharded = settled(stage, live)
         assert sharded > 0.5 * live  # the sharded part is the larger here
-        assert paid.memory_bytes["runtime"] == int(3e6 + sharded)
+        assert paid.memory_bytes["runtime"] == int(sharded)
         # a slack larger than the sharded part is paid alone
         big = dataclasses.replace(cpu, rss_ratio=1.0 + 2 * sharded / live)
         slack = _configured(shaped, big, world_size=world)
-        assert slack.memory_bytes["runtime"] == int(3e6 + 2 * sharded / live * live)
+        assert slack.memory_bytes["runtime"] == int(2 * sharded / live * live)
     assert tp_live[("tp", "pp")] < 0.75 * tp_live[("tp",)]  # a stage holds fewer blocks'
 
 
@@ -628,21 +625,18 @@ def test_an_hf_decoder_under_full_checkpointing_is_traced_with_its_keyword_input
     assert acts.saved < plain.saved
 
 
-def test_calibrate_times_gloo_and_the_per_call_cost_of_fsdp_and_tensor_parallelism():
-    """Two ranks started by torch's elastic agent: every rank runs the same count of each
-    collective (a time budget per size once let ranks stop apart and hang), and FSDP2's and
-    DTensor's collectives cost at least a collective per call over the plain stack (about 0
-    if they never ran)."""
-    from scaletrain.planner.calibrate import measure_collectives
+def test_calibrate_times_gloo_and_fsdp2s_first_use_on_fresh_ranks():
+    """Two ranks forked from calibrate's preloaded server by torch's elastic agent: every
+    rank runs the same count of each collective (a time budget per size once let ranks stop
+    apart and hang), the three smallest looked at again, and FSDP2's first use, measured
+    first while the ranks are fresh, adds resident bytes."""
+    from scaletrain.planner.calibrate import measure_link
 
-    all_reduce, all_gather, calls = measure_collectives(2, sizes=(4096, 16384, 65536))
+    link, got = measure_link(2, sizes=(4096, 16384, 65536))
     # each size timed, then the three smallest a second time (gloo's slow mode takes a look)
-    assert sorted(n for n, _ in calls["all_reduce"]) == sorted(2 * [4096, 16384, 65536])
-    for link in (all_reduce, all_gather):
-        assert link.bus_bw > 0 and link.latency_s > 0
-    # a call carries at least its collective (the timing's noise alone stays far below)
-    assert calls["fsdp_call_s"] > 0.5 * all_gather.latency_s
-    assert calls["tp_call_s"] > 0.5 * all_reduce.latency_s
+    assert sorted(n for n, _ in got["all_reduce"]) == sorted(2 * [4096, 16384, 65536])
+    assert link.bus_bw > 0 and link.latency_s > 0
+    assert got["fsdp_rss"] > 0 and link.fsdp_rss >= got["fsdp_rss"]
 
 
 def test_planning_leaves_the_process_excepthook_as_it_found_it():
@@ -712,7 +706,6 @@ def _cpu_profile(*, fsdp_call_s=0.0, tp_call_s=0.0):
         cores=2,
         op_s=1e-5,
         byte_s=1e-10,
-        rss_fixed=10**6,
     )
 
 
@@ -750,11 +743,10 @@ def _quiet_probes(launch, profile, **kw):
 def test_calibrate_reads_the_sharded_slack_off_the_settled_peak(tmp_path):
     """sharded_probes trains the configured model under dp_shard = 2 and tp = 2 (here a
     stand-in launcher writes the run's metrics) and keeps what the settled peak holds beyond
-    the planner's live bytes: under FSDP2 beyond rss_fixed and the first use, per byte of
-    the stage's parameters; under tensor parallelism the resident bytes (less rss_fixed)
-    per live byte. Nothing beyond them: 0 and 1; every further byte of peak counted once.
-    Each kind's timed probes take its steps in 2, 4 and 1 micro-batches (LOOKS)."""
-    import dataclasses
+    the planner's live bytes: under FSDP2 beyond the first use, per byte of the stage's
+    parameters; under tensor parallelism the resident bytes per live byte. Nothing beyond
+    them: 0 and 1; every further byte of peak counted once.
+    Each kind's timed probes take its steps in 2 and 4 micro-batches (LOOKS)."""
 
     from scaletrain.launch.resolve import resolve
     from scaletrain.planner import build_for_plan, predict_configured
@@ -779,7 +771,7 @@ def test_calibrate_reads_the_sharded_slack_off_the_settled_peak(tmp_path):
     assert calls == [
         (2, sharded_worker, parallel, steps, accumulation)
         for parallel in ({"dp_shard": 2}, {"tp": 2})
-        for steps, accumulation in ((20, 1), (30, 2), (30, 4), (30, 1))
+        for steps, accumulation in ((20, 1), (30, 2), (30, 4))
     ]
     extra = 2**30  # far beyond what the tiny GPT's step holds
     low, high = measured(extra), measured(2 * extra)
@@ -790,10 +782,9 @@ def test_calibrate_reads_the_sharded_slack_off_the_settled_peak(tmp_path):
     assert per_byte == pytest.approx(extra / stage)
     # the tp probe's live bytes: its predicted peak over the parameters with no runtime
     tp = sharded_config(RAW, {"tp": 2}, steps=20)
-    bare = dataclasses.replace(_cpu_profile(), rss_fixed=0.0)
-    memory = predict_configured(tp, world_size=2, profile=bare).memory_bytes
+    memory = predict_configured(tp, world_size=2, profile=_cpu_profile()).memory_bytes
     live = memory["peak"] - memory["params"]
-    assert low["tp_rss_ratio"] == pytest.approx((extra - 10**6) / live)
+    assert low["tp_rss_ratio"] == pytest.approx(extra / live)
     assert high["tp_rss_ratio"] - low["tp_rss_ratio"] == pytest.approx(extra / live)
 
 
@@ -843,7 +834,7 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
         ]
         _probe_rows(run_dir, rows)
 
-    fields, links, _ = _quiet_probes(launch, profile, steps=40)
+    fields, links = _quiet_probes(launch, profile, steps=40)
     for kind, calls in (("fsdp", 9), ("tp", 16)):
         config = sharded_config(RAW, probe_parallel(kind, world=2, group=2), steps=40)
         assert (
@@ -853,13 +844,11 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
         assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)
 
 
-def test_calibrate_fits_each_sharded_cost_to_three_call_counts_at_their_fastest_look():
+def test_calibrate_fits_each_sharded_cost_to_three_call_counts_by_least_squares():
     """Each kind's fit takes the probes' excess at 1, 2 and 4 micro-batches a step (once,
-    twice and 4 times the calls) by least squares, and 1 micro-batch is looked at twice
-    (the settled probe, then a timed one after the others): a look the machine ran slow
-    beyond its pace (here the settled one, 0.5 s) is dropped for the faster. Two points,
-    one look each, put that look's whole error into the cost per step (GPT base's tp: 7 to
-    357 ms over four calibrates). Calibrate says every look, the dropped one too."""
+    twice and 4 times the calls; the settled probe is the first) by least squares: a look
+    off the line (here the 4 micro-batches', 40 ms) moves the fit by its share, where two
+    points put all of one look's error into the cost per step. Calibrate says every look."""
     import numpy as np
 
     from scaletrain.planner import predict_configured
@@ -867,7 +856,7 @@ def test_calibrate_fits_each_sharded_cost_to_three_call_counts_at_their_fastest_
 
     bare = _cpu_profile(fsdp_call_s=1e-12, tp_call_s=1e-12)
     per_step, per_call = 0.25, 0.01
-    off = {(40, 1): 0.5, (30, 1): 0.0, (30, 2): 0.0, (30, 4): 0.04}  # (steps, micro-batches)
+    off = {1: 0.0, 2: 0.0, 4: 0.04}  # micro-batches a step -> the look's error
     excess = {"fsdp": {}, "tp": {}}
 
     def launch(world, fn, data, parallel, steps, accumulation, run_dir):
@@ -875,8 +864,8 @@ def test_calibrate_fits_each_sharded_cost_to_three_call_counts_at_their_fastest_
         config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
         pred = predict_configured(config, world_size=world, profile=bare)
         calls = pred.calls_by_dim[SHARDED_DIM[kind]]
-        beyond = per_step + per_call * calls + off[steps, accumulation]
-        excess[kind][accumulation] = (calls, per_step + per_call * calls + off[30, accumulation])
+        beyond = per_step + per_call * calls + off[accumulation]
+        excess[kind][accumulation] = (calls, beyond)
         rows = [
             {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": t}
             for t in (100.0, pred.step_time_s + beyond, pred.step_time_s + beyond)
@@ -884,25 +873,20 @@ def test_calibrate_fits_each_sharded_cost_to_three_call_counts_at_their_fastest_
         _probe_rows(run_dir, rows)
 
     said = []
-    fields, links, _ = sharded_probes(
+    fields, links = sharded_probes(
         RAW, launch=launch, profile=_cpu_profile(), steps=40, timed_steps=30, say=said.append
     )
     for kind in ("fsdp", "tp"):
         calls, beyond = zip(*(excess[kind][a] for a in (1, 2, 4)), strict=True)
-        # every look said, in the order they ran: the slow one too
-        looks = [beyond[0] + 0.5, beyond[1], beyond[2], beyond[0]]
         assert [s for s in said if s.startswith(f"{kind} on 2 ranks: ")] == [
             f"{kind} on 2 ranks: "
             + ", ".join(
                 f"{e * 1e3:.1f} ms beyond the plan with {c} calls"
-                for e, c in zip(looks, (*calls, calls[0]), strict=True)
+                for e, c in zip(beyond, calls, strict=True)
             )
-            + "; each call count at its fastest: "
+            + "; fitted: "
             + f"{fields[f'{kind}_step_s'] * 1e3:.1f} ms a step + "
-            + f"{links[2][f'{kind}_call_s'] * 1e6:.0f} us a call (the machine 1.00, 1.00, "
-            + "1.00, 1.00, 1.00"
-            + (", 1.00, 1.00, 1.00, 1.00" if kind == "tp" else "")
-            + "x as slow as at the reference, timed around the probes)"
+            + f"{links[2][f'{kind}_call_s'] * 1e6:.0f} us a call"
         ]
         assert calls[1] == 2 * calls[0] and calls[2] == 4 * calls[0]
         fit = np.linalg.lstsq(np.c_[np.ones(3), calls], np.array(beyond), rcond=None)[0]
@@ -911,59 +895,10 @@ def test_calibrate_fits_each_sharded_cost_to_three_call_counts_at_their_fastest_
         assert links[2][f"{kind}_call_s"] == pytest.approx(fit[1], rel=1e-9)
 
 
-def test_calibrate_takes_each_probes_steps_at_the_machines_speed_when_its_reference_ran():
-    """A shared VM's speed moves: the reference is timed again (`pace`: its micro-batches in
-    turn in 2 ranks side by side, as step_costs ran it) before the first probe and after
-    each, and each probe's steps are divided by the mean of the paces around it. Here the
-    machine runs 1.0x and 2.0x as slow as at the reference in turn, each probe's steps
-    1.5x: the costs per step and per call fitted are the machine's at the reference's
-    speed, not 1.5x them."""
-    import dataclasses
-
-    from scaletrain.planner import predict_configured
-    from scaletrain.planner.reference import (
-        SHARDED_DIM,
-        reference_batches,
-        reference_rank,
-        sharded_config,
-    )
-
-    profile = dataclasses.replace(_cpu_profile(), reference_round_s=0.2)
-    bare = _cpu_profile(fsdp_call_s=1e-12, tp_call_s=1e-12)
-    per_step, per_call = 0.25, 0.01
-    paces, launched = [], []
-
-    def launch(world, fn, data, *args):
-        if fn is reference_rank:
-            (batches,) = args
-            launched.append((world, batches))
-            paces.append(2.0 if len(paces) % 2 else 1.0)
-            step = {mb: 0.2 * paces[-1] / len(batches) for mb in batches}  # a round: 0.2 x pace
-            return {r: {"step_s": step} for r in range(world)}
-        parallel, steps, accumulation, run_dir = args
-        kind = "tp" if "tp" in parallel else "fsdp"
-        config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
-        pred = predict_configured(config, world_size=world, profile=bare)
-        step_s = pred.step_time_s + per_step + per_call * pred.calls_by_dim[SHARDED_DIM[kind]]
-        rows = [
-            {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 1.5 * t}
-            for t in (100.0, step_s, step_s)
-        ]
-        _probe_rows(run_dir, rows)
-
-    fields, links, timed = _quiet_probes(launch, profile, steps=40, concurrent=2)
-    assert timed == paces == [1.0, 2.0] * 4 + [1.0]  # before, and after 4 probes a kind
-    # the reference's own round (its micro-batches in turn) before the probes and after each
-    assert launched == [(2, reference_batches(RAW))] * 9
-    for kind in ("fsdp", "tp"):
-        assert fields[f"{kind}_step_s"] == pytest.approx(per_step, rel=1e-6)
-        assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)
-
-
 def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and_per_call():
     """On 4 ranks (2 cores), the probes time FSDP in groups of 2 (HSDP) and tensor
     parallelism in groups of 2 (with pipeline stages, each holding half the parameters and
-    paying half the cost per step), each in 1, 2, 4 and 1 micro-batches (1, 2 and 4 x the calls),
+    paying half the cost per step), each in 1, 2 and 4 micro-batches (1, 2 and 4 x the calls),
     fitted to the pair's own cost per step and per call: on 4 ranks of 2 cores these are
     not the 2-rank ones (GPT small's tensor parallelism showed no cost per step there).
     FSDP over all 4 ranks: its cost per call beside the 2-rank cost per step."""
@@ -1000,11 +935,11 @@ def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and
         rows = [{"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": step_s}] * 3
         _probe_rows(run_dir, rows)
 
-    fields, links, _ = _quiet_probes(launch, profile, worlds=(2, 4), steps=40)
+    fields, links = _quiet_probes(launch, profile, worlds=(2, 4), steps=40)
     for accumulation in (1, 2, 4):
         assert (4, {"dp_shard": 2, "dp_replicate": 2}, accumulation) in launched
     # tp x pp at 4 micro-batches of 1 is refused (a pipeline's micro-batch is split in 2)
-    assert [a for w, par, a in launched if par == {"tp": 2, "pp": 2}] == [1, 2, 1]
+    assert [a for w, par, a in launched if par == {"tp": 2, "pp": 2}] == [1, 2]
     assert (4, {"dp_shard": 4}, 1) in launched
     assert fields["fsdp_step_s"] == pytest.approx(0.25, rel=1e-6)
     for kind in ("fsdp", "tp"):
@@ -1032,10 +967,10 @@ def test_a_probe_whose_rank_dies_fits_nothing_and_calibrate_goes_on():
         rows = [{"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 9.0}] * 3
         _probe_rows(run_dir, rows)
 
-    fields, links, _ = sharded_probes(
+    fields, links = sharded_probes(
         RAW, launch=launch, profile=_cpu_profile(), steps=40, say=said.append
     )
-    fsdp = [(2, {"dp_shard": 2}, accumulation) for accumulation in (1, 2, 4, 1)]
+    fsdp = [(2, {"dp_shard": 2}, accumulation) for accumulation in (1, 2, 4)]
     assert launched == [*fsdp, (2, {"tp": 2}, 1)]
     assert fields["fsdp_step_s"] + links[2]["fsdp_call_s"] > 0  # FSDP's probes still fitted
     assert "tp_step_s" not in fields and "tp_call_s" not in links[2]
@@ -1085,95 +1020,108 @@ def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_th
         assert planned(parallel, costly).comm_s - pred.comm_s == pytest.approx(step, rel=1e-9)
 
 
-def test_a_profile_slowed_by_a_factor_predicts_every_step_that_much_longer():
-    """hardware.slowed scales every rate and every time cost of a profile, none missed: each
-    layout's predicted step (matmuls, ops, bytes, optimizer, collectives' bytes and calls,
-    FSDP2's and DTensor's costs per step, on 4 ranks of 2 cores) is `factor` times as long,
-    and its memory the same."""
-    import dataclasses
+def _stubbed_calibrate(monkeypatch, links, *, load=None):
+    """planner.calibrate with every measurement stubbed: 1e10 FLOP/s and bytes/s, a link of
+    1 GB/s and 100 us per world size, the probes' `links`; the machine's foreign load
+    `load` (default: quiet) at every look."""
+    from scaletrain.planner import calibrate as cal
+    from scaletrain.runtime.hardware import Link
+    from scaletrain.runtime.load import Load
 
-    from scaletrain.config import validate_config
-    from scaletrain.runtime.hardware import slowed
+    load = load or Load(foreign_cores=0.0, steal_cores=0.0, wall_s=1.0)
+    monkeypatch.setattr(cal, "matmul_rate", lambda dtype, shapes: 1e10)
+    monkeypatch.setattr(cal, "memory_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(cal, "step_costs", lambda *a, **k: {"op_s": 0.0, "byte_s": 0.0})
+    monkeypatch.setattr(cal.os, "sched_getaffinity", lambda pid: {0, 1})
+    link = Link(bus_bw=1e9, latency_s=1e-4, fsdp_rss=5)
+    monkeypatch.setattr(cal, "measure_link", lambda world: (link, {}))
+    fields = {"fsdp_rss_per_byte": 1.5, "fsdp_step_s": 0.02, "tp_rss_ratio": 1.5}
+    monkeypatch.setattr(cal, "sharded_probes", lambda *a, **k: (dict(fields), links))
+    monkeypatch.setattr(cal, "slack_probe", lambda *a, **k: {"rss_ratio": 1.25})
+    if load == "real":  # the machine's own, runtime/load.py
+        return cal
+    monkeypatch.setattr(cal, "foreign_load", lambda seconds=1.0: load)
+    monkeypatch.setattr(cal, "wait_quiet", lambda **k: load)
 
-    four = _four_rank_profile()
-    profile = dataclasses.replace(
-        four,
-        fsdp_step_s=0.2,
-        tp_step_s=0.3,
-        reference_round_s=0.5,
-        intra={
-            **four.intra,
-            4: dataclasses.replace(four.intra[4], fsdp_pair_step_s=0.1, tp_pair_step_s=0.16),
-        },
-    )
-    slow = slowed(profile, 1.5)
-    assert (
-        slow.reference_round_s == pytest.approx(0.75) and slow.memory_bytes == profile.memory_bytes
-    )
-    for parallel in (
-        {"dp_replicate": 4},
-        {"dp_shard": 2, "dp_replicate": 2},
-        {"dp_shard": 2, "tp": 2},
-        {"pp": 2, "tp": 2},
-        {"pp": 2, "dp_shard": 2},
-    ):
-        config = validate_config(
-            {**RAW, "train": {"micro_batch": 4, "global_batch": 16}, "parallel": parallel}
-        )
-        fast, slower = (_configured(config, p, world_size=4) for p in (profile, slow))
-        assert slower.step_time_s == pytest.approx(1.5 * fast.step_time_s, rel=1e-12), parallel
-        assert slower.memory_bytes == fast.memory_bytes
+    class Meter:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.load = load
+
+    monkeypatch.setattr(cal, "Meter", Meter)
+    return cal
 
 
 def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
-    """calibrate keeps the Linear stack's cost per call where no probe measured the
-    configured model's own (here tp: the probe was refused), and puts each probed one on
-    the link of the world size it was measured on."""
-    from scaletrain.planner import calibrate as cal
-    from scaletrain.runtime.hardware import Link, slowed
-
-    def stack(world):
-        link = Link(bus_bw=1e9, latency_s=1e-4)
-        return link, link, {"fsdp_call_s": world * 1e-3, "tp_call_s": world * 2e-3}
-
-    costs = {"op_s": 0.0, "byte_s": 0.0}
-    fields = {"fsdp_rss_per_byte": 1.5, "fsdp_step_s": 0.02, "tp_rss_ratio": 1.5}
-    links = {2: {"fsdp_call_s": 7e-3}, 4: {"fsdp_call_s": 9e-3, "fsdp_pair_call_s": 6e-3}}
-    monkeypatch.setattr(cal, "matmul_rate", lambda dtype, shapes: 1e10)
-    monkeypatch.setattr(cal, "memory_bandwidth", lambda: 1e10)
-    concurrent = []
-    monkeypatch.setattr(
-        cal, "step_costs", lambda *a, **k: concurrent.append(k["concurrent"]) or costs
-    )
-    monkeypatch.setattr(cal.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(cal, "measure_collectives", stack)
-    monkeypatch.setattr(cal, "measure_first_use", lambda world: {"fsdp_rss": 0})
-    probed = []
-
-    paces = [1.0]  # the machine as fast as at the reference throughout
-
-    def probes(*a, worlds, concurrent, **k):
-        probed.append((worlds, concurrent))
-        return dict(fields), links, paces
-
-    monkeypatch.setattr(cal, "sharded_probes", probes)
-    slack = {"rss_fixed": 0.0, "rss_ratio": 1.25}
-    monkeypatch.setattr(cal, "slack_probe", lambda *a, **k: slack)
-    got = cal.calibrate(worlds=[2, 4], shapes=None, name="t", say=lambda *_: None)
+    """calibrate puts each probed cost on the link of the world size it was measured on;
+    where no probe ran over a whole world (tp over 4 ranks: GPT tiny's 2 heads do not split
+    4 ways) the world's call costs what a pair's did."""
+    links = {2: {"fsdp_call_s": 7e-3, "tp_call_s": 8e-3}, 4: {"fsdp_call_s": 9e-3}}
+    links[4] |= {"fsdp_pair_call_s": 6e-3, "tp_pair_call_s": 5e-3}
+    cal = _stubbed_calibrate(monkeypatch, links)
+    said = []
+    got = cal.calibrate(worlds=[2, 4], shapes=None, name="t", busy="refuse", say=said.append)
     assert got.calibrated_on == "gpt size=tiny"  # no config given: the built-in reference
-    # the reference side by side on the 2 cores 4 ranks keep busy, and so its paces
-    assert probed == [((2, 4), 2)]
-    assert concurrent == [2]
-    assert (got.rss_fixed, got.rss_ratio) == (0.0, 1.25)
-    assert (got.intra[2].fsdp_call_s, got.intra[2].tp_call_s) == (7e-3, 4e-3)  # tp: no probe
-    assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (9e-3, 8e-3)
-    assert (got.intra[4].fsdp_pair_call_s, got.intra[4].tp_pair_call_s) == (6e-3, 0.0)
-    assert (got.fsdp_rss_per_byte, got.tp_rss_ratio, got.fsdp_step_s) == (1.5, 1.5, 0.02)
-    # the machine 1.2, 1.4, 0.9 and 1.3x as slow as at the reference at the paces timed
-    # around the probes: the profile is kept at the median with the reference's moment (1.2)
-    paces[:] = [1.2, 1.4, 0.9, 1.3]
-    slower = cal.calibrate(worlds=[2, 4], shapes=None, name="t", say=lambda *_: None)
-    assert slower == slowed(got, 1.2) and slower != got
+    assert (got.rss_ratio, got.fsdp_rss_per_byte, got.fsdp_step_s) == (1.25, 1.5, 0.02)
+    assert (got.intra[2].fsdp_call_s, got.intra[2].tp_call_s) == (7e-3, 8e-3)
+    assert (got.intra[4].fsdp_call_s, got.intra[4].tp_call_s) == (9e-3, 5e-3)
+    assert (got.intra[4].fsdp_pair_call_s, got.intra[4].tp_pair_call_s) == (6e-3, 5e-3)
+    assert got.intra[2].fsdp_rss == 5 and got.foreign_cores == 0.0
+    assert not [line for line in said if "busy" in line]
+
+
+def test_calibrate_refuses_to_measure_beside_a_cpu_bound_job(monkeypatch):
+    """A real CPU-bound job beside calibrate (a process outside its tree: its parent has
+    exited) is seen by the machine's own load meter, and `--busy refuse` measures nothing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from scaletrain.planner.calibrate import BusyMachine
+
+    cal = _stubbed_calibrate(monkeypatch, {}, load="real")
+    # the burner double-forks out of this tree, says its pid once burning, stops by itself
+    burn = "import time\nend = time.time() + 60\nwhile time.time() < end: pass\n"
+    spawn = (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {burn!r}], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid, flush=True)\n"
+    )
+    pid = int(
+        subprocess.run(
+            [sys.executable, "-c", spawn], capture_output=True, timeout=30, check=True, text=True
+        ).stdout
+    )
+    try:
+        with pytest.raises(BusyMachine, match="busy outside this run .* before calibrate began"):
+            cal.calibrate(worlds=[2], shapes=None, name="t", busy="refuse", say=print)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_calibrate_beside_a_busy_machine_says_so_and_marks_or_refuses_the_profile(monkeypatch):
+    """A profile timed beside another job predicts every layout too slow: calibrate says so
+    and records the load in the profile (what `scaletrain plan` warns of), or under
+    --busy refuse raises before measuring and writes nothing."""
+    from scaletrain.planner.calibrate import BusyMachine
+    from scaletrain.runtime.load import Load
+
+    busy = Load(foreign_cores=1.0, steal_cores=0.0, wall_s=1.0)
+    cal = _stubbed_calibrate(monkeypatch, {}, load=busy)
+    said = []
+    got = cal.calibrate(worlds=[2], shapes=None, name="t", busy="warn", say=said.append)
+    assert got.foreign_cores == 1.0
+    warned = [line for line in said if line.startswith("warning:")]
+    assert len(warned) == 2 and all("1.0 cores busy outside this run" in w for w in warned)
+    with pytest.raises(BusyMachine, match="before calibrate began"):
+        cal.calibrate(worlds=[2], shapes=None, name="t", busy="refuse", say=said.append)
+    waited = []
+    monkeypatch.setattr(cal, "wait_quiet", lambda **k: waited.append(k) or busy)
+    cal.calibrate(worlds=[2], shapes=None, name="t", busy="wait", say=said.append)
+    assert waited == [{"limit_s": cal.QUIET_WAIT_S}]
 
 
 def test_calibrate_reads_the_resident_slack_off_a_ddp_probes_settled_peak():
@@ -1202,7 +1150,7 @@ def test_calibrate_reads_the_resident_slack_off_a_ddp_probes_settled_peak():
     memory = predict_configured(config, world_size=2, profile=_cpu_profile()).memory_bytes
     live = memory["grads"] + memory["optim"] + memory["activations"] + memory["buffers"]
     beyond = live - memory["grads"]  # what a step adds above the baseline
-    assert measured(beyond) == {"rss_fixed": 0.0, "rss_ratio": pytest.approx(1.0)}
+    assert measured(beyond) == {"rss_ratio": pytest.approx(1.0)}
     assert launched == [(2, sharded_worker, {"dp_replicate": 2}, 20, 1)]
     assert measured(beyond + live // 2)["rss_ratio"] == pytest.approx(1.5, rel=1e-6)
     assert measured(0)["rss_ratio"] == 1.0
@@ -1226,10 +1174,10 @@ def test_calibrate_skips_a_sharded_probe_the_model_cannot_run(tmp_path):
         "data": {"source": "digits"},
         "train": {"micro_batch": 8, "global_batch": 16},
     }
-    fields, links, _ = sharded_probes(
+    fields, links = sharded_probes(
         cnn, launch=launch, profile=_cpu_profile(), steps=10, say=said.append
     )
-    assert launched == [{"dp_shard": 2}] * 4  # settled, then 2, 4 and 1 micro-batches
+    assert launched == [{"dp_shard": 2}] * 3  # settled, then 2 and 4 micro-batches
     assert fields["tp_rss_ratio"] == 1.0 and "tp_step_s" not in fields
     assert fields["fsdp_rss_per_byte"] == 0.0 and links[2]["fsdp_call_s"] >= 0.0
     assert "not measured" in said[-1] and "tensor-parallel plan" in said[-1]
@@ -1408,7 +1356,7 @@ def test_the_trace_counts_the_bytes_an_op_writes_to_new_storage_by_its_local_sha
 
     counter = _OpCounter(keeps_ops=False)
     x = torch.ones(64, 32)
-    with counter.mode:
+    with counter:
         x.view(2048), x.t(), x.detach(), x + 1
     assert (counter.ops, counter.written) == (4, 64 * 32 * 4)
 
@@ -1416,7 +1364,7 @@ def test_the_trace_counts_the_bytes_an_op_writes_to_new_storage_by_its_local_sha
         mesh = init_device_mesh("cpu", (2,))
         d = DTensor.from_local(torch.ones(4, 32), mesh, [Shard(0)])
         counter = _OpCounter(keeps_ops=False)
-        with counter.mode:
+        with counter:
             y = d * 2
         assert y.shape == (8, 32) and counter.written == 4 * 32 * 4
 
@@ -1508,7 +1456,7 @@ def test_calibrate_fits_no_cost_per_call_to_a_probe_with_no_calls_planned(monkey
         row = {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 1.0}
         _probe_rows(args[-1], [row])
 
-    fields, links, _ = sharded_probes(
+    fields, links = sharded_probes(
         RAW, launch=launch, profile=_cpu_profile(), worlds=(2, 4), steps=10, say=print
     )
     assert set(fields) == {"fsdp_rss_per_byte", "tp_rss_ratio"}
@@ -1656,10 +1604,13 @@ def test_the_plan_table_prints_a_gpus_step_in_milliseconds_to_four_figures():
     assert " 1235 " in row(1.23456)[1] and " 12.35 " in row(0.0123456)[1]
 
 
-def test_plan_warns_once_when_the_profile_was_calibrated_on_another_model(tmp_path, capsys):
-    """A CPU profile's step costs were fitted on one model's steps: calibrate records which
-    (test_calibrate_puts_each_probed_cost_per_call_on_its_own_link), and `scaletrain plan`
-    says so in one line when it plans another model with it."""
+def test_plan_warns_when_the_profile_was_refined_on_another_model_or_a_busy_machine(
+    tmp_path, capsys
+):
+    """A machine profile (calibrate's defaults: GPT tiny) is for every model; one refined
+    on a config's own model (`scaletrain calibrate CONFIG`) holds that model's step costs,
+    and `scaletrain plan` says so in one line when it plans another. A profile taken while
+    other work ran predicts every step too slow: plan says that too."""
     import dataclasses
 
     from scaletrain.cli import main
@@ -1673,14 +1624,37 @@ def test_plan_warns_once_when_the_profile_was_calibrated_on_another_model(tmp_pa
         out.write_text(profile_toml(profile))
         capsys.readouterr()
         assert main(["plan", str(cfg), *overrides, "--world", "1", "--hardware", str(out)]) == 0
-        return [x for x in capsys.readouterr().err.splitlines() if "calibrated on" in x]
+        # (how busy the machine is now is said too, where it is: not this test's)
+        said = capsys.readouterr().err.splitlines()
+        return [x for x in said if "refined on" in x or "calibrated while" in x]
 
-    tiny = dataclasses.replace(_four_rank_profile(), calibrated_on="gpt size=tiny")
-    assert warnings(tiny) == []
-    (warned,) = warnings(tiny, "model.size=small")
-    assert "gpt size=tiny" in warned and "gpt size=small" in warned
+    machine = dataclasses.replace(_four_rank_profile(), calibrated_on="gpt size=tiny")
+    assert warnings(machine, "model.size=small") == []
+    small = dataclasses.replace(machine, calibrated_on="gpt size=small")
+    assert warnings(small, "model.size=small") == []
+    (warned,) = warnings(small)
+    assert "refined on the model 'gpt size=small'" in warned and "gpt size=tiny" in warned
     # a profile of before the field (none recorded): nothing to compare, nothing said
     assert warnings(_four_rank_profile(), "model.size=small") == []
+    (busy,) = warnings(dataclasses.replace(machine, foreign_cores=1.2))
+    assert "calibrated while 1.2 cores were busy" in busy
+
+
+def test_plan_warns_when_the_machine_is_busier_than_at_calibrate():
+    """`busier_than_calibrated` compares the foreign load while plan ran with the one the
+    profile recorded: more than half a core beyond calibrate's is said, a quiet moment is not."""
+    import dataclasses
+
+    from scaletrain.commands.plan import busier_than_calibrated
+    from scaletrain.runtime.load import Load
+
+    profile = _four_rank_profile()
+    quiet, busy = (Load(foreign_cores=c, steal_cores=0.0, wall_s=2.0) for c in (0.02, 1.0))
+    assert busier_than_calibrated(profile, quiet) is None
+    said = busier_than_calibrated(profile, busy)
+    assert "busier now (1.0 cores busy outside this run" in said
+    calibrated_busy = dataclasses.replace(profile, foreign_cores=0.95)
+    assert "calibrated while" in busier_than_calibrated(calibrated_busy, busy)
 
 
 def test_calibrate_replaces_its_profile_whole_or_leaves_the_old_one(tmp_path, monkeypatch):
@@ -1699,7 +1673,7 @@ def test_calibrate_replaces_its_profile_whole_or_leaves_the_old_one(tmp_path, mo
         raise OSError("the machine went down")
 
     monkeypatch.setattr(os, "replace", crash)
-    args = types.SimpleNamespace(config=None, overrides=[], world="2", out=out)
+    args = types.SimpleNamespace(config=None, overrides=[], world="2", out=out, busy="warn")
     with pytest.raises(OSError, match="went down"):
         cmd_calibrate(args)
     assert out.read_text() == "the old profile"

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,8 +23,14 @@ from scaletrain.runtime.hardware import (
     profile_toml,
     rank_budget,
 )
+from scaletrain.runtime.load import Meter
 
 BUILTINS = ", ".join(BUILTIN)
+MIN_LOOK_S = 0.3
+# half a core more than at calibrate: on the smallest machine this project runs on (2
+# cores), a quarter of it, so a layout using every core steps ~25% slower than planned,
+# beyond the 15% the planner's median row is held to
+BUSIER_CORES = 0.5
 
 
 def add_parsers(sub) -> None:
@@ -51,6 +58,9 @@ def add_parsers(sub) -> None:
     plan.add_argument(
         "--all", action="store_true", dest="show_all", help="every layout, not the best 15"
     )
+    plan.add_argument(
+        "--why", type=int, metavar="N", help="row N's step time, term by term, and their sum"
+    )
     cal = sub.add_parser(
         "calibrate",
         help="measure this machine: matmul, memory, collectives, FSDP/TP costs, a model's steps",
@@ -69,6 +79,13 @@ def add_parsers(sub) -> None:
     )
     cal.add_argument(
         "--out", type=Path, default=CALIBRATED, help=f"profile to write (default {CALIBRATED})"
+    )
+    cal.add_argument(
+        "--busy",
+        choices=("wait", "warn", "refuse"),
+        default="wait",
+        help="on a machine busy with other work: wait for it to go quiet (a minute at most, "
+        "then warn), warn and go on, or refuse; the profile records the load (default wait)",
     )
 
 
@@ -113,52 +130,79 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.nproc is not None and not 1 <= args.nproc <= world:
         raise ConfigError(f"--nproc {args.nproc}: ranks per node, from 1 to --world ({world})")
     per_node = args.nproc or profile.ranks_per_node(world)
-    preds = plan_config(config, world_size=world, profile=profile, ranks_per_node=per_node)
+    with Meter() as meter:  # the machine's foreign load while this plans
+        preds = plan_config(config, world_size=world, profile=profile, ranks_per_node=per_node)
     if not preds:
         raise ConfigError(f"no layout of {world} ranks is accepted for this config")
-    warning = calibrated_elsewhere(profile, config)
-    if warning:
-        print(f"scaletrain: warning: {warning}", file=sys.stderr)
+    # a CPU profile's times hold on a machine as quiet as at calibrate (a plan shorter than
+    # MIN_LOOK_S is too short to judge the load by: /proc/stat counts in 10 ms ticks)
+    judged = profile.cores and meter.load.wall_s >= MIN_LOOK_S
+    busy = busier_than_calibrated(profile, meter.load) if judged else None
+    for warning in (calibrated_elsewhere(profile, config), busy):
+        if warning:
+            print(f"scaletrain: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps([p.as_json() for p in preds], indent=1))
         return 0
+    rows = preds if args.show_all else _shown(preds)
+    if args.why is not None and not 1 <= args.why <= len(rows):
+        raise ConfigError(f"--why {args.why}: a row of the table, from 1 to {len(rows)}")
     budget, where = rank_budget(profile, ranks_per_node=per_node)
     print(
         f"scaletrain plan: {len(preds)} layouts of {world} ranks, {per_node} a node, profile "
         f"{profile.name!r}; memory per rank {budget / 2**30:.2f} GiB ({where})"
     )
-    print(format_table(preds if args.show_all else _shown(preds)))
+    print(explain(args.why, rows[args.why - 1]) if args.why else format_table(rows))
     return 0
 
 
 def calibrated_elsewhere(profile: Profile, config: Config) -> str | None:
     """Why the profile's step costs may not hold for `config`'s model, or None: they were
-    fitted on another model's steps (a profile that records none is not compared)."""
-    from scaletrain.planner.reference import model_label
+    refined on another model's steps (`scaletrain calibrate CONFIG`). A machine profile,
+    taken at calibrate's defaults on the built-in GPT tiny, is for every model."""
+    from scaletrain.planner.reference import GPT_TINY, model_label
 
     planned = model_label(config.model.model_dump(mode="json"))
-    if not profile.calibrated_on or profile.calibrated_on == planned:
+    default = model_label(GPT_TINY["model"])
+    if profile.calibrated_on in ("", default, planned):
         return None
     return (
-        f"profile {profile.name!r} was calibrated on the model {profile.calibrated_on!r}, "
-        f"not {planned!r}: its step costs are that model's; `scaletrain calibrate` this "
-        "config for its own"
+        f"profile {profile.name!r} was refined on the model {profile.calibrated_on!r}, "
+        f"not {planned!r}: its step costs are that model's; `scaletrain calibrate` at its "
+        "defaults for this machine's, or with this config for its own"
     )
 
 
+def busier_than_calibrated(profile: Profile, now) -> str | None:
+    """Why the predicted steps may be too fast or too slow for this moment, or None: the
+    profile was taken on a busy machine, or the machine is busier now (`now`: a
+    runtime.load.Load over the plan) than then."""
+    from scaletrain.runtime.load import NOISY_CORES
+
+    if profile.foreign_cores > NOISY_CORES:
+        return (
+            f"profile {profile.name!r} was calibrated while {profile.foreign_cores:.1f} cores "
+            "were busy outside it: every step it predicts is too slow; run `scaletrain "
+            "calibrate` again on a quiet machine"
+        )
+    if now.foreign_cores - profile.foreign_cores > BUSIER_CORES:
+        return (
+            f"this machine is busier now ({now.describe()}) than when profile "
+            f"{profile.name!r} was calibrated: the steps predicted are a quiet machine's"
+        )
+    return None
+
+
 def _shown(preds):
-    best = preds[:15]
-    return best + [p for p in preds[15:] if "configured" in p.notes]
+    """The table's rows without --all: the best 15, and the configured layout wherever it is."""
+    return preds[:15] + [p for p in preds[15:] if "configured" in p.notes]
 
 
 def describe_layout(layout: dict) -> str:
-    parts = [
-        f"pp{layout['parallel.pp']}",
-        f"rep{layout['parallel.dp_replicate']}",
-        f"shard{layout['parallel.dp_shard']}",
-        f"tp{layout['parallel.tp']}",
-        f"mb{layout['train.micro_batch']}",
-    ]
+    """`pp1 rep1 shard2 tp1 mb4 1f1b AC-full ZeRO-3`: a layout's degrees and options."""
+    degrees = (("pp", "pp"), ("rep", "dp_replicate"), ("shard", "dp_shard"), ("tp", "tp"))
+    parts = [f"{short}{layout[f'parallel.{key}']}" for short, key in degrees]
+    parts.append(f"mb{layout['train.micro_batch']}")
     if layout.get("parallel.pp_schedule"):
         parts.append(layout["parallel.pp_schedule"])
     if layout["parallel.activation_checkpointing"] != "none":
@@ -190,11 +234,20 @@ def format_table(preds) -> str:
     return "\n".join(rows)
 
 
+def explain(number: int, pred) -> str:
+    """Row `number`'s step time on one rank, term by term (predict.Terms), and their sum."""
+    lines = [f"#{number}  {describe_layout(pred.layout)}: the step on one rank, term by term"]
+    for name, seconds, how in pred.terms.parts():
+        lines.append(f"  {name:<24} {_figures(seconds * 1e3):>9} ms  {how}")
+    lines.append(f"  {'= step':<24} {_figures(pred.step_time_s * 1e3):>9} ms")
+    return "\n".join(lines)
+
+
 def _figures(x: float, digits: int = 4) -> str:
-    """`x` to `digits` significant figures, without an exponent (0.1380, 12.35, 1235)."""
-    if x <= 0 or not math.isfinite(x):
+    """`x` to `digits` significant figures, without an exponent (0.1380, 12.35, -1235)."""
+    if x == 0 or not math.isfinite(x):
         return f"{x:g}"
-    decimals = max(0, digits - 1 - math.floor(math.log10(x)))
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
     return f"{x:.{decimals}f}"
 
 
@@ -211,8 +264,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.config:
         config = load_config(args.config, args.overrides)
         shapes, reference = model_shapes(config), config.model_dump(mode="json")
+    start = time.perf_counter()
+
+    def say(line: str) -> None:
+        print(f"[{time.perf_counter() - start:5.0f} s] {line}", flush=True)
+
     profile = calibrate(
-        worlds=worlds, shapes=shapes, reference=reference, name="this-machine", say=print
+        worlds=worlds,
+        shapes=shapes,
+        reference=reference,
+        name="this-machine",
+        busy=args.busy,
+        say=say,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with written_atomically(args.out) as tmp:  # a crash leaves the old profile whole

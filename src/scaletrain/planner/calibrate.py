@@ -1,32 +1,30 @@
 """`scaletrain calibrate`: measure this machine and write its hardware profile.
 
-- Matmul FLOP/s per dtype with one thread, at the shapes the model multiplies when a config
-  is given (tokens of a micro-batch x each linear layer's in x out, weighted by FLOPs), else
-  at 1024^3. A CPU profile keeps the per-core rate and the core count: a rank of a world
-  of N on C cores gets max(1, C // N) threads, and shares the cores when N > C.
-- Memory bandwidth: a large tensor copied (the optimizer's and element-wise work's bound).
-- All-reduce and all-gather on the backend, per world size, at message sizes from 4 KiB to
-  64 MiB and the three smallest again after them, timed on ranks started by torch's own
-  elastic agent (`elastic_launch`): latency and bus bandwidth fitted to t = latency + bytes
-  on the wire / bandwidth (`_fit`, each size at its fastest look); on the same ranks,
-  FSDP's and tensor parallelism's cost per collective call (reference.py).
-- What a step costs beyond its matmuls, fitted from real steps of a reference model
-  (reference.py); a rank's resident memory beyond its live tensors, from the model
-  trained by the trainer on 2 ranks under DDP; and from its sharded steps on 2 ranks, the
-  resident bytes FSDP2 holds per byte of parameters and DTensor per live byte, and their
-  costs per step and per collective call on the model's own units, and on each larger
-  world size a cost per step and per call of its own in groups of 2, and per call over
-  the world.
-- The machine's pace: the reference timed again before the sharded probes and after each
-  (reference.pace), their steps taken at the reference's speed; and the whole profile
-  then kept at the median of those paces and the reference's own moment
-  (hardware.slowed): a shared VM's speed moves by a quarter from minute to minute, and a
-  profile is for the machine's typical speed, not one minute's.
+- Matmul FLOP/s per dtype on one thread (at the model's own shapes with a config, else
+  1024^3) and memory bandwidth (a large copy). A CPU profile keeps the per-core rate and
+  the core count: a rank of N on C cores gets max(1, C // N) threads, and shares the cores
+  when N > C.
+- Per world size, on ranks started by torch's elastic agent: all-reduce and all-gather on
+  the backend at 4 KiB, 16 KiB, 64 KiB and 64 MiB, the three small ones looked at again
+  after the large one, fitted to t = latency + bytes on the wire / bus bandwidth (`_fit`);
+  and, first in those fresh ranks, the resident bytes FSDP2's first use adds.
+- The model's own steps (reference.py): the costs beyond the matmuls, the heap's slack and
+  FSDP2's and DTensor's costs per step and per call.
+
+Every launch forks its ranks from one server that has imported torch and the trainer once
+(multiprocessing's forkserver): a rank starts in a fraction of a second, fresh (its own
+heap, as a run's), where a spawned one re-imports torch. Throughout, calibrate watches the
+machine's foreign load (runtime/load.py: CPU time of processes outside its own tree). A
+profile timed beside another job is too slow for every layout, so calibrate waits for a
+quiet machine, says which phase ran busy, and records the load in the profile (or, with
+`--busy refuse`, writes none); `scaletrain plan` warns when the machine is busier than that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -35,27 +33,30 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.errors import UserError
 from scaletrain.launch.agent import LOOPBACK_ENV, SUBPROCESS_ENV
 from scaletrain.planner.reference import (
     GPT_TINY,
-    collective_overheads,
-    fastest_looks,
-    first_use_worker,
+    first_use_bytes,
     gloo_group,
     model_label,
     sharded_probes,
     slack_probe,
     step_costs,
 )
-from scaletrain.runtime.hardware import Link, Profile, cpu_name, slowed
+from scaletrain.runtime.hardware import Link, Profile, cpu_name, total_memory
+from scaletrain.runtime.load import Load, Meter, foreign_load, wait_quiet
 
-SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB .. 64 MiB
-DTYPE_OF = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp64": torch.float64,
-}
+SIZES = (4096, 16384, 65536, 2**26)  # `_fit` reads the three smallest and the largest
+DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+BUSY = ("wait", "warn", "refuse")
+QUIET_WAIT_S = 60.0  # how long `--busy wait` waits for the machine to go quiet
+# what every rank imports: loaded once in the fork server, not once per rank
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch._dynamo", "scaletrain.training.trainer"]
+
+
+class BusyMachine(UserError):
+    pass
 
 
 def _median_seconds(fn, *, reps: int, budget_s: float = 1.0) -> float:
@@ -89,71 +90,70 @@ def memory_bandwidth() -> float:
 
 
 def _fit(points: list[tuple[float, float]]) -> Link:
-    """t = latency + bytes / bw from (bytes on the wire, seconds), a size timed in more than
-    one look taken at its fastest: the latency is the fastest of the three smallest
-    messages, the bandwidth the largest's rate beyond it (a least-squares line over sizes
-    4 KiB..64 MiB is all large messages and puts the intercept anywhere, below zero
-    included). On gloo, 2 ranks' median all-reduce of a small message sits at 2-4 ms about
-    one look in three, 0.2-0.8 ms otherwise (21 of 64 looks, with or without a busy
-    neighbour): all three smallest sat there once (GPT small's calibrate read 3.3 ms), so
-    `collective_worker` looks at them again after the largest (six looks)."""
-    points = sorted(fastest_looks(points).items())
+    """t = latency + bytes / bw from (bytes on the wire, seconds), each size at its fastest
+    look: the latency is the fastest of the three smallest messages, the bandwidth the
+    largest's rate beyond it. (A least-squares line over 4 KiB..64 MiB is all large
+    messages and puts the intercept anywhere, below zero included; gloo's small messages
+    sometimes sit in a slow mode for a whole look, hence the second look.)"""
+    fastest: dict[float, float] = {}
+    for nbytes, t in points:
+        fastest[nbytes] = min(t, fastest.get(nbytes, t))
+    points = sorted(fastest.items())
     latency = min(t for _, t in points[:3])
     largest_bytes, largest_s = points[-1]
     return Link(bus_bw=largest_bytes / max(largest_s - latency, 1e-12), latency_s=latency)
 
 
 def collective_worker(sizes: tuple[int, ...]) -> dict:
-    """One rank of the collectives' measurement (started by elastic_launch)."""
+    """One rank (started by the elastic agent): FSDP2's first use, while the rank is fresh,
+    then each collective at each size and the three smallest again."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     with gloo_group():
+        out = {"fsdp_rss": first_use_bytes(), "all_reduce": [], "all_gather": []}
         world = dist.get_world_size()
-        out = {"all_reduce": [], "all_gather": []}
-        for nbytes in (*sizes, *sorted(sizes)[:3]):  # the smallest again, after the largest
+        for nbytes in (*sizes, *sorted(sizes)[:3]):
             x = torch.ones(nbytes // 4)
             gathered = torch.empty(x.numel() * world)
-
-            def reduce(x=x):
-                dist.all_reduce(x)
-
-            def gather(x=x, g=gathered):
-                dist.all_gather_single(g, x)
-
             # the same count on every rank (a time budget would let ranks stop apart and
             # pair one rank's all-reduce with another's all-gather: a hang)
             reps = 15 if nbytes < 2**22 else 4
-            t_ar = _median_seconds(reduce, reps=reps, budget_s=float("inf"))
-            t_ag = _median_seconds(gather, reps=reps, budget_s=float("inf"))
+            t_ar = _median_seconds(lambda x=x: dist.all_reduce(x), reps=reps, budget_s=1e9)
+            t_ag = _median_seconds(
+                lambda x=x, g=gathered: dist.all_gather_single(g, x), reps=reps, budget_s=1e9
+            )
             # bytes each rank puts on the wire in a ring
             out["all_reduce"].append((2 * (world - 1) / world * nbytes, t_ar))
             out["all_gather"].append(((world - 1) * nbytes, t_ag))
-        out.update(collective_overheads(world))
         return out
 
 
-def measure_collectives(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, Link, dict]:
-    """(all-reduce, all-gather, FSDP's and TP's seconds per call) of `world` ranks of this
-    machine on gloo."""
-    got = _launch(world, collective_worker, sizes)[0]
-    return _fit(got["all_reduce"]), _fit(got["all_gather"]), got
+def measure_link(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, dict]:
+    """`world` ranks' link on gloo, the slower of all-reduce's and all-gather's fits in each
+    term (reduce-scatter is all-gather's twin), with FSDP2's first use (the largest rank's);
+    and the raw timings."""
+    ranks = launch(world, collective_worker, sizes)
+    got = ranks[0]
+    fits = [_fit(got["all_reduce"]), _fit(got["all_gather"])]
+    link = Link(
+        bus_bw=min(f.bus_bw for f in fits),
+        latency_s=max(f.latency_s for f in fits),
+        fsdp_rss=max(r["fsdp_rss"] for r in ranks.values()),
+    )
+    return link, got
 
 
-def measure_first_use(world: int) -> dict[str, int]:
-    """The resident bytes a rank adds on its first FSDP2 steps, in fresh ranks
-    (reference.first_use_worker); the largest rank's."""
-    return {"fsdp_rss": max(_launch(world, first_use_worker).values())}
-
-
-def _launch(world: int, fn, *args) -> dict:
-    """`fn(*args)` on `world` ranks started by torch's elastic agent; rank -> its result."""
+def launch(world: int, fn, *args) -> dict:
+    """`fn(*args)` on `world` ranks started by torch's elastic agent, forked from the
+    preloaded server; rank -> its result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # loopback only, as a single-node `scaletrain train` (launch.LOOPBACK_ENV): a file-backed
     # rendezvous, rank 0's group store on 127.0.0.1 (gloo_group), gloo on `lo`
     for key, value in {**SUBPROCESS_ENV, **LOOPBACK_ENV}.items():
         os.environ.setdefault(key, value)
+    multiprocessing.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="scaletrain-rdzv-") as rdzv_dir:
         config = LaunchConfig(
             min_nodes=1,
@@ -166,7 +166,7 @@ def _launch(world: int, fn, *args) -> dict:
             local_addr="127.0.0.1",
             max_restarts=0,
             monitor_interval=0.1,
-            start_method="spawn",
+            start_method="forkserver",
         )
         return elastic_launch(config, fn)(*args)
 
@@ -177,99 +177,125 @@ def calibrate(
     shapes: list[tuple[int, int, int]] | None,
     reference: dict | None = None,
     name: str,
+    busy: str = "wait",
     say=print,
 ) -> Profile:
     """Measure this machine (module docstring) and return its profile.
 
     Args:
         shapes: the model's matmul shapes (m, k, n); None: 1024^3.
-        reference: the config (as a dict) whose model's real steps fit the costs beyond the
+        reference: the config (as a dict) whose model's steps fit the costs beyond the
             matmuls (reference.py); None: the built-in GPT tiny.
+        busy: what to do on a machine busy with other work: "wait" (up to QUIET_WAIT_S,
+            then go on and say so), "warn" (go on and say so) or "refuse" (BusyMachine,
+            before measuring or after, and no profile).
     """
+    loads = [_quiet_enough(busy, say)]
+
+    @contextlib.contextmanager
+    def phase(what: str):
+        """Meter one phase, and say how busy the machine was beside it if it was."""
+        with Meter() as meter:
+            yield
+        loads.append(meter.load)
+        if meter.load.noisy:
+            say(f"{what}: {meter.load.describe()}; its figures are slower than this machine's")
+
     torch.set_num_threads(1)
     shapes = shapes or [(1024, 1024, 1024)]
-    flops = {}
-    for key in ("fp32", "bf16", "fp64"):
-        flops[key] = matmul_rate(DTYPE_OF[key], shapes)
-        say(f"matmul {key}: {flops[key] / 1e9:.1f} GFLOP/s per core")
-    bw = memory_bandwidth()
+    with phase("matmuls and memory"):
+        flops = {key: matmul_rate(dtype, shapes) for key, dtype in DTYPE_OF.items()}
+        bw = memory_bandwidth()
+    say(", ".join(f"matmul {k}: {v / 1e9:.1f} GFLOP/s per core" for k, v in flops.items()))
     say(f"memory bandwidth: {bw / 1e9:.1f} GB/s")
     cores = len(os.sched_getaffinity(0))
-    # the reference steps as the busiest world's ranks run them: side by side on its cores
-    busy = min(cores, max(worlds))
-    costs = step_costs(
-        reference, flops=flops, memory_bw=bw, concurrent=busy, launch=_launch, say=say
-    )
+    with phase("reference steps"):
+        # side by side as the busiest world's ranks run them: on the cores they keep busy
+        concurrent = min(cores, max(worlds))
+        costs = step_costs(
+            reference, flops=flops, memory_bw=bw, concurrent=concurrent, launch=launch, say=say
+        )
     say(
         f"beyond the matmuls: {costs['op_s'] * 1e6:.1f} us per op, "
         f"{costs['byte_s'] * 1e9:.3f} ns per byte written"
     )
     intra = {}
-    for world in worlds:
-        *links, calls = measure_collectives(world)
-        for kind, link in zip(("all-reduce", "all-gather"), links, strict=True):
+    with phase("collectives"):
+        for world in worlds:
+            intra[world], _ = measure_link(world)
             say(
-                f"gloo {kind}, {world} ranks: bus bandwidth {link.bus_bw / 1e9:.2f} GB/s, "
-                f"latency {link.latency_s * 1e6:.0f} us"
+                f"gloo on {world} ranks: bus bandwidth {intra[world].bus_bw / 1e9:.2f} GB/s, "
+                f"latency {intra[world].latency_s * 1e6:.0f} us; FSDP2's first use "
+                f"{intra[world].fsdp_rss / 2**20:.1f} MiB a rank"
             )
-        first = measure_first_use(world)
-        say(
-            f"{world} ranks, per call: FSDP {calls['fsdp_call_s'] * 1e6:.0f} us, "
-            f"tensor parallel {calls['tp_call_s'] * 1e6:.0f} us; FSDP's first use per rank: "
-            f"{first['fsdp_rss'] / 2**20:.1f} MiB"
-        )
-        # one link per world size: the slower of the two (reduce-scatter is all-gather's twin)
-        intra[world] = Link(
-            bus_bw=min(link.bus_bw for link in links),
-            latency_s=max(link.latency_s for link in links),
-            fsdp_call_s=calls["fsdp_call_s"],
-            tp_call_s=calls["tp_call_s"],
-            **first,
-        )
     profile = Profile(
         name=name,
         flops=flops,
-        memory_bytes=_total_memory(),
+        memory_bytes=total_memory(),
         memory_bw=bw,
         intra=intra,
         devices_per_node=max(worlds),
-        overlap=False,
         cores=cores,
         **costs,
         calibrated_on=model_label((reference or GPT_TINY)["model"]),
         source=f"scaletrain calibrate on {cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
     )
+    with phase("the heap's slack"):
+        profile = dataclasses.replace(
+            profile, **slack_probe(reference, launch=launch, profile=profile, say=say)
+        )
+    with phase("sharded steps"):
+        fields, links = sharded_probes(
+            reference, launch=launch, profile=profile, worlds=tuple(intra), say=say
+        )
+    profile = dataclasses.replace(profile, intra=_with_probed(intra, links), **fields)
+    worst = max(loads, key=lambda load: load.foreign_cores)
     profile = dataclasses.replace(
-        profile, **slack_probe(reference, launch=_launch, profile=profile, say=say)
+        profile,
+        foreign_cores=round(worst.foreign_cores, 3),
+        steal_cores=round(max(load.steal_cores for load in loads), 3),
     )
-    fields, links, paces = sharded_probes(
-        reference,
-        launch=_launch,
-        profile=profile,
-        worlds=tuple(intra),
-        concurrent=busy,
-        say=say,
-    )
-    # the configured model's own costs per call replace the Linear stack's where a probe
-    # measured them; the rest (a model without a TP plan, tp over a whole world > 2) keep
-    # the stack's
-    intra = {w: dataclasses.replace(link, **links.get(w, {})) for w, link in intra.items()}
-    profile = dataclasses.replace(profile, intra=intra, **fields)
-    # Everything above was timed at (or taken to) the machine's speed when the reference
-    # ran, one minute of it. A shared VM's speed moves by a quarter from minute to minute:
-    # the profile is kept at the median of that moment and every pace timed since.
-    typical = statistics.median([1.0, *paces])
-    say(
-        "the machine over calibrate: "
-        + ", ".join(f"{x:.2f}" for x in [1.0, *paces])
-        + f"x as slow as at the reference; the profile is kept at the median, {typical:.2f}x"
-    )
-    return slowed(profile, typical)
+    if worst.noisy and busy == "refuse":
+        raise BusyMachine(_busy_paragraph(worst, during=True))
+    if worst.noisy:
+        say(f"warning: {_busy_paragraph(worst, during=True)}")
+    return profile
 
 
-def _total_memory() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _with_probed(intra: dict[int, Link], links: dict[int, dict[str, float]]) -> dict[int, Link]:
+    """Each world's link with the probes' costs per call; where no probe ran over a whole
+    world (a model whose heads do not split that far), its call costs at least the pair's."""
+    out = {}
+    for world, link in intra.items():
+        probed = dict(links.get(world, {}))
+        for kind in ("fsdp", "tp"):
+            pair = probed.get(f"{kind}_pair_call_s", 0.0)
+            probed.setdefault(f"{kind}_call_s", pair)
+        out[world] = dataclasses.replace(link, **probed)
+    return out
+
+
+def _quiet_enough(busy: str, say) -> Load:
+    """The machine's foreign load before measuring, waited out under "wait"."""
+    load = foreign_load(1.0)
+    if not load.noisy:
+        return load
+    if busy == "refuse":
+        raise BusyMachine(_busy_paragraph(load, during=False))
+    if busy == "wait":
+        say(f"{load.describe()}: waiting up to {QUIET_WAIT_S:.0f} s for the machine to go quiet")
+        load = wait_quiet(limit_s=QUIET_WAIT_S)
+        if not load.noisy:
+            return load
+    say(f"warning: {_busy_paragraph(load, during=False)}")
+    return load
+
+
+def _busy_paragraph(load: Load, *, during: bool) -> str:
+    when = "while calibrate measured" if during else "before calibrate began"
+    return (
+        f"{load.describe()} {when}. A profile taken beside another job predicts every layout "
+        "too slow; the profile records the load (foreign_cores) and `scaletrain plan` "
+        "repeats this warning. Stop the other work and run `scaletrain calibrate` again "
+        "(--busy wait|warn|refuse chooses what calibrate does on a busy machine)."
+    )
