@@ -1,29 +1,25 @@
-"""How many floating-point operations a training step costs: the one counter that the
-metrics' MFU and the planner's step time read.
+"""FLOPs of one training step: the one counter that the metrics' MFU and the planner read.
 
-Two ways to count, checked against each other (tests/test_flops.py):
+Matrix products only (mm, bmm, convolutions, attention), as every published MFU counts;
+element-wise work is not counted. Three counts that agree where they overlap
+(tests/test_planner.py):
 
-- `traced_flops`: torch's own `FlopCounterMode` over one forward and backward of the model
-  on the meta device (shapes only: no memory, no time). It counts the matrix products
-  (mm, addmm, bmm, convolutions, scaled-dot-product attention), as every published MFU does;
-  element-wise work is not counted. Any model that runs on meta can be traced: a user's
-  model, a CNN.
-- `transformer_flops`: the closed form for a decoder transformer made of `nn.Linear`
-  projections and attention, from its shape alone. Forward, per token: 2 x the weights of
-  every linear layer (q, k, v, out, the MLP's two or three matrices, the head), plus
-  4 x T x (heads x head_dim) per layer for the attention scores and their weighted sum
-  (FlopCounterMode counts the full T x T product, causal or not). Backward is twice the
-  forward (each product's two gradients). Narayanan et al. 2021 write the same count as
-  72 B s l h^2 (1 + s/6h + V/12lh) for a GPT with a 4h MLP; it is exact for the built-in GPT
-  and Hugging Face Llama models (grouped-query attention and the gated MLP included).
+- `transformer_flops`: the closed form for a decoder transformer, from its shape. Forward,
+  per token, 2 x the weights of every linear layer, plus 4 x T x (heads x head_dim) per
+  layer for the full T x T scores and their weighted sum; backward twice the forward. It is
+  Narayanan et al. 2021's 72 B s l h^2 (1 + s/6h + V/12lh), exact for the built-in GPT and
+  Hugging Face Llama (grouped-query attention and gated MLP included).
+- `layer_flops`: the built-in MLP and CNN, layer by layer, without a dispatch mode (a trace
+  imports torch._dynamo, a cost every run's MFU would pay at start).
+- `traced_flops`: torch's FlopCounterMode over a meta copy, for any other model.
 
-Activation checkpointing adds one forward of every recomputed block: those are hardware
-FLOPs (what the step time pays), not model FLOPs (what MFU counts, as Megatron and
-torchtitan do).
+Activation checkpointing adds one forward of each recomputed block: hardware FLOPs (what
+the step time pays), not model FLOPs (what MFU counts, as Megatron and torchtitan do).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +38,7 @@ class TransformerShape:
 
 def transformer_shape(model: nn.Module) -> TransformerShape | None:
     """The shape of a built-in GPT or a Hugging Face decoder (on any device, meta included);
-    None for any other model (count it with `traced_flops`)."""
+    None for any other model."""
     from scaletrain.models.gpt import GPT
 
     if isinstance(model, GPT):
@@ -89,13 +85,11 @@ def transformer_flops(
 
 def traced_flops(model: nn.Module, inputs: torch.Tensor, **extras: torch.Tensor) -> int:
     """FLOPs of one forward and backward of `model` on `inputs`, counted by torch's
-    FlopCounterMode on the meta device. The trace runs on a copy made of meta tensors (a
-    real model's values are not copied; a meta model's parameters get no `.grad`)."""
+    FlopCounterMode on a meta copy (shapes only; the caller's model is left untouched)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = meta_copy(model)  # even a meta model: backward would leave .grad on the caller's
-    inputs = inputs.to("meta")
-    extras = {k: v.to("meta") for k, v in extras.items()}
+    inputs, extras = inputs.to("meta"), {k: v.to("meta") for k, v in extras.items()}
     with FlopCounterMode(display=False) as counter:
         out = model(inputs, **extras)
         out = getattr(out, "logits", out)
@@ -104,10 +98,7 @@ def traced_flops(model: nn.Module, inputs: torch.Tensor, **extras: torch.Tensor)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers are meta tensors of the same shapes:
-    nothing of the real values is copied."""
-    import copy
-
+    """A copy of `model` with meta parameters and buffers of the same shapes (no values)."""
     memo = {}
     for t in (*model.parameters(), *model.buffers()):
         twin = torch.empty_like(t, device="meta")
@@ -119,43 +110,37 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def layer_flops(model: nn.Module, inputs: torch.Tensor) -> int:
     """FLOPs of one forward and backward of a model whose only products are `nn.Linear` and
-    `nn.Conv2d` layers (the built-in MLP and CNN), from each layer's output shape on one
-    forward of a twin with uninitialised values: forward 2 x outputs x inputs per output; backward the weight's gradient, and
-    the input's unless the input needs none (the first layer's raw data), as autograd and
-    FlopCounterMode count them. It needs no dispatch mode, so no import of torch._dynamo
-    (2-3 s of CPU per process that would not import it otherwise)."""
-    total = [0]
+    `nn.Conv2d` (the built-in MLP and CNN), from each layer's output shape: forward 2 x
+    outputs x inputs per output; backward the weight's gradient, and the input's unless it
+    needs none (the raw data), as autograd and FlopCounterMode count them."""
+    total = 0
 
     def count(module, args, out) -> None:
+        nonlocal total
         if isinstance(module, nn.Linear):
             forward = 2 * out.numel() * module.in_features
         else:
             kh, kw = module.kernel_size
             forward = 2 * out.numel() * module.in_channels // module.groups * kh * kw
-        total[0] += forward * (2 + bool(args[0].requires_grad))
+        total += forward * (2 + bool(args[0].requires_grad))
 
-    # On the CPU with uninitialised values: the built-ins are small, and a meta convolution
-    # runs a Python meta kernel whose decorator imports torch._dynamo.
+    # on the CPU, uninitialised: a meta convolution's kernel would import torch._dynamo
     twin = meta_copy(model).to_empty(device="cpu")
-    handles = [
-        m.register_forward_hook(count)
-        for m in twin.modules()
-        if isinstance(m, (nn.Linear, nn.Conv2d))
-    ]
+    layers = [m for m in twin.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    handles = [m.register_forward_hook(count) for m in layers]
     try:
         twin(torch.zeros(inputs.shape, dtype=next(twin.parameters()).dtype))
     finally:
         for h in handles:
             h.remove()
-    return total[0]
+    return total
 
 
 def train_flops(
     model: nn.Module, inputs: torch.Tensor, *, recomputed_blocks: int = 0, **extras
 ) -> int:
     """FLOPs of one forward and backward of `model` on `inputs` (B, ...): the closed form
-    where the model is a transformer it knows, shape by shape for the built-in MLP and
-    CNN, else traced. The metrics' MFU and the planner both count with this."""
+    for a transformer it knows, layer by layer for the built-in MLP and CNN, else traced."""
     from scaletrain.models.cnn import CNN
     from scaletrain.models.mlp import MLP
 

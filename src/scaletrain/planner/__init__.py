@@ -1,24 +1,26 @@
 """The planner: per-rank memory and step time of every layout before launch, and a pick.
 
-    layouts.py      the layouts of a world size the launcher accepts (its own checks)
-    held.py         params, grads, optimizer state per rank, exact: the model on meta under
-                    the layout's own `parallelize`, in a fake process group
+    layouts.py      the layouts of a world size that the launcher accepts (its own checks)
+    held.py         params, grads, optimizer state per rank, exact: the layout's own
+                    `parallelize` on meta, in a fake process group
     activations.py  one micro-batch's activations, traced under FakeTensorMode
     predict.py      memory peak, bytes per collective, step time, MFU (the cost model)
 
-`plan_layouts` runs them over every candidate and ranks the ones that fit by predicted step
+`plan_layouts` runs them over every candidate and ranks those that fit by predicted step
 time; `scaletrain plan` prints it, `scaletrain train --plan` trains the first.
 """
 
 from __future__ import annotations
 
+import torch
+
 from scaletrain.config import Config
 from scaletrain.planner.activations import traced_activations
 from scaletrain.planner.held import held_on_rank
-from scaletrain.planner.layouts import Candidate, candidates
+from scaletrain.planner.layouts import candidates, layout_overrides
 from scaletrain.planner.predict import Prediction, predict
 from scaletrain.runtime.hardware import Profile, rank_budget
-from scaletrain.training.assemble import NO_CODE, UserCode
+from scaletrain.training.assemble import NO_CODE, UserCode, build_data, build_net
 
 
 def plan_layouts(
@@ -33,17 +35,16 @@ def plan_layouts(
     only_configured: bool = False,
     code: UserCode = NO_CODE,
 ) -> list[Prediction]:
-    """Predictions for the accepted layouts of `world_size`: those that fit first, fastest
-    first; then those that do not, smallest peak first. The configured layout's prediction
-    carries `configured` in its notes.
+    """Predictions for the accepted layouts of `world_size`: those that fit, fastest first;
+    then the others, smallest peak first. The configured layout's notes say `configured`.
 
     Args:
         dataset: the training data (its task sizes the model; one example is traced).
-        model: the bare model on meta (candidates.py reads its spec).
+        model: the bare model on meta (the candidates read its spec).
         ranks_per_node: the launch's ranks on one node (default: Profile.ranks_per_node).
         budget_bytes: memory per rank (default: hardware.rank_budget's for those ranks).
-        only_configured: predict the configured layout alone (`scaletrain train`'s check);
-            the launcher's UserError where it would refuse it.
+        only_configured: predict the configured layout alone (`scaletrain train`'s check),
+            raising the launcher's UserError where it would refuse it.
         code: the user's own model, data and loss (the Python API's), which every layout
             is built from as the run builds it.
     """
@@ -52,36 +53,35 @@ def plan_layouts(
     if budget_bytes is None:
         budget_bytes, _ = rank_budget(profile, ranks_per_node=per_node)
     found = candidates(config, world_size=world_size, model=model, only_configured=only_configured)
-    held_cache: dict = {}
-    act_cache: dict = {}
-    example = dataset.get(_first()).inputs[0]
+    example = dataset.get(torch.zeros(1, dtype=torch.long)).inputs[0]
+    held: dict = {}  # by what changes a rank's parameters, gradients and optimizer state
+    acts: dict = {}  # by what changes one micro-batch's (or pipeline chunk's) activations
     out = []
     for i, cand in enumerate(found):
-        held = held_cache.get(_held_key(cand))
-        if held is None:
-            held = held_on_rank(cand.config, cand.derived, dataset=dataset, rank=0, code=code)
-            held_cache[_held_key(cand)] = held
-        chunk = _chunk(cand)
-        key = (cand.derived.layout.tp, cand.config.parallel.activation_checkpointing, chunk)
-        acts = act_cache.get(key)
-        if acts is None:
-            acts = traced_activations(
-                cand.config, dataset=dataset, examples=chunk, tp=cand.derived.layout.tp, code=code
+        lay, pipe = cand.derived.layout, cand.derived.pipeline
+        ac = cand.config.parallel.activation_checkpointing
+        stages = (pipe.schedule, pipe.stages_per_rank) if pipe else (None, 1)
+        held_key = (lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, *stages, ac)
+        if held_key not in held:
+            held[held_key] = held_on_rank(cand.config, cand.derived, dataset=dataset, code=code)
+        chunk = cand.config.train.micro_batch // (pipe.microbatches if pipe else 1)
+        if (lay.tp, ac, chunk) not in acts:
+            acts[lay.tp, ac, chunk] = traced_activations(
+                cand.config, dataset=dataset, examples=chunk, tp=lay.tp, code=code
             )
-            act_cache[key] = acts
         pred = predict(
             cand.config,
             cand.derived,
             layout_keys=cand.overrides,
-            held=held,
-            acts=acts,
+            held=held[held_key],
+            acts=acts[lay.tp, ac, chunk],
             model=model,
             example=example,
             profile=profile,
             ranks_per_node=per_node,
             budget_bytes=budget_bytes,
         )
-        if i == 0 and _is_configured(cand, config, world_size):
+        if i == 0 and cand.overrides == layout_overrides(config, world_size=world_size):
             pred.notes.append("configured")
         out.append(pred)
     return sorted(
@@ -92,8 +92,7 @@ def plan_layouts(
 def predict_configured(
     config: Config, *, world_size: int, profile: Profile, ranks_per_node: int | None = None
 ) -> Prediction:
-    """The prediction for `config`'s own layout on `world_size` ranks (data and model built
-    as the launcher's checks build them; ranks per node as plan_layouts takes them)."""
+    """The prediction for `config`'s own layout on `world_size` ranks."""
     dataset, model = build_for_plan(config)
     (pred,) = plan_layouts(
         config,
@@ -108,9 +107,9 @@ def predict_configured(
 
 
 def resolve_auto_precision(config: Config, profile: Profile) -> Config:
-    """`config` with precision.mode "auto" decided as a run on `profile`'s hardware decides
-    it (precision.decide_auto): a GPU profile is Ampere or later (every built-in is), so
-    bf16-mixed; a CPU profile was calibrated on this machine, so this CPU's answer."""
+    """`config` with precision.mode "auto" decided as a run on `profile`'s hardware would
+    decide it: bf16-mixed on a GPU profile (every built-in is Ampere or later); on a CPU
+    profile, calibrated here, this CPU's answer."""
     from scaletrain.precision import Hardware, decide_auto, detect_hardware
 
     if config.precision.mode != "auto":
@@ -123,44 +122,9 @@ def resolve_auto_precision(config: Config, profile: Profile) -> Config:
 
 def build_for_plan(config: Config, code: UserCode | None = None):
     """The training data and the bare model on meta, as the launcher's checks build them."""
-    import torch
-
-    from scaletrain.training.assemble import build_data, build_net
-
     code = code or NO_CODE
     torch.manual_seed(config.train.seed)
     dataset = build_data(config, split="train", code=code)
     with torch.device("meta"):
         model = build_net(config, dataset, code=code, meta=True)
     return dataset, model
-
-
-def _first():
-    import torch
-
-    return torch.zeros(1, dtype=torch.long)
-
-
-def _held_key(cand: Candidate) -> tuple:
-    lay, pipe = cand.derived.layout, cand.derived.pipeline
-    return (
-        lay.pp,
-        lay.dp_replicate,
-        lay.dp_shard,
-        lay.tp,
-        pipe.schedule if pipe else None,
-        pipe.stages_per_rank if pipe else 1,
-        cand.config.parallel.activation_checkpointing,
-    )
-
-
-def _chunk(cand: Candidate) -> int:
-    pipe = cand.derived.pipeline
-    mb = cand.config.train.micro_batch
-    return mb // pipe.microbatches if pipe else mb
-
-
-def _is_configured(cand: Candidate, config: Config, world_size: int) -> bool:
-    from scaletrain.planner.layouts import layout_overrides
-
-    return cand.overrides == layout_overrides(config, world_size=world_size)

@@ -1,21 +1,12 @@
 """Activation memory of one micro-batch, measured by tracing it: no formula to drift.
 
-The model is built on meta, split by the layout's own tensor parallelism and activation
-checkpointing (`parallelize`, in a fake process group of tp ranks), materialised as fake
-tensors (torch's FakeTensorMode: shapes, no memory) and run forward on a micro-batch of the
-asked size. Every tensor autograd saves for backward is counted once by its storage
-(`saved_tensors_hooks`); a checkpointed block's input, which the checkpoint keeps by its
-own means, is counted at the block's entry, and under "op" checkpointing so are the outputs
-its policy keeps (counted as they are made, by asking the policy itself: torch's selective
-checkpoint holds them where no saved-tensor hook sees them). What comes back is the bytes
-one micro-batch keeps until its backward, the largest single saved tensor (the logits,
-typically: the backward's transient gradient is as large) and, under checkpointing, one
-block's whole activations (what its recomputation holds for a moment), with the ops the
-forward dispatches and the bytes they write, and under "op" the FLOPs of the matmuls its
-backward multiplies again.
-
-FSDP does not change a rank's activations (each rank runs its own examples through whole
-layers) and a pipeline stage keeps its own blocks' share: the caller scales by the stage.
+The model goes through the layout's own tensor parallelism and activation checkpointing
+(held.parallelized), is materialised as fake tensors (FakeTensorMode: shapes, no memory)
+and runs forward once. Every tensor autograd saves for backward is counted once by its
+storage. A checkpointed block's input is counted at the block's entry, and under "op" so
+are the outputs its policy keeps: torch's checkpoint holds both where no saved-tensor hook
+sees them. FSDP does not change a rank's activations; a pipeline stage keeps its own
+blocks' share, which the caller scales.
 """
 
 from __future__ import annotations
@@ -24,23 +15,21 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from scaletrain.config import Config
-from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.checkpointing import MATMUL_OPS, OpPolicy
-from scaletrain.parallel.compose import parallelize
 from scaletrain.parallel.layout import ParallelLayout
-from scaletrain.planner.held import fake_world
-from scaletrain.precision import make_precision
-from scaletrain.training.assemble import NO_CODE, UserCode, build_net, build_objective
+from scaletrain.planner.held import parallelized
+from scaletrain.training.assemble import NO_CODE, UserCode
 from scaletrain.training.step import forward
 
 
 @dataclass(frozen=True)
 class Activations:
     saved: int  # bytes kept from forward to backward, one micro-batch
-    largest: int  # the largest single saved tensor
+    largest: int  # the largest single saved tensor (its gradient is as large, for a moment)
     recompute: int  # one checkpointed block's activations, held while it recomputes
     ops: int  # aten ops of the forward (each costs a dispatch: the CPU's floor per op)
     written: int  # bytes the forward's ops write (element-wise work is bound by memory)
@@ -49,48 +38,36 @@ class Activations:
     again_flops: int = 0  # under "op", the FLOPs of the matrix products it runs again
 
 
-class _OpCounter:
-    """A dispatch mode counting the ops that run and the bytes their outputs write (new
-    storage only: a view or an alias of an input writes nothing; a DTensor's by its local
-    shard, as this mode sees tensor parallelism's ops at their global shapes), and, while
-    `inside` a checkpointed block, the ops its backward runs again and the bytes they
-    write, and under "op" the bytes of what its policy keeps instead (the block's
-    `OpPolicy`, a fresh one each block call, as the run's)."""
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops that run and the bytes they write to new storage (a view writes
+    nothing; a DTensor its local shard, though this mode sees its global shape). While
+    `inside` a checkpointed block: the ops backward runs again and their bytes, or under
+    "op" the bytes of what the block's `policy` keeps instead (a fresh one each call)."""
 
     def __init__(self, *, keeps_ops: bool) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                counter.ops += 1
-                fresh = _new_storage(func, out, (args, kwargs))
-                nbytes = sum(t.numel() * t.element_size() for t in fresh)
-                counter.written += nbytes
-                policy = counter.policy
-                if counter.inside and policy is not None and policy.keeps(func):
-                    counter.kept += nbytes
-                elif counter.inside and fresh:  # run again in backward (a view is not:
-                    # selective checkpoint hands back what it keeps as detached aliases)
-                    counter.again_ops += 1
-                    counter.again_written += nbytes
-                return out
-
+        super().__init__()
         self.ops = self.written = self.kept = self.inside = 0
         self.again_ops = self.again_written = 0
         self.keeps_ops = keeps_ops
-        self.policy: OpPolicy | None = None  # the "op" block call's, while inside one
-        self.mode = Mode()
+        self.policy: OpPolicy | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        fresh = _new_storage(func, out, (args, kwargs))
+        nbytes = sum(t.numel() * t.element_size() for t in fresh)
+        self.written += nbytes
+        if self.inside and self.policy is not None and self.policy.keeps(func):
+            self.kept += nbytes
+        elif self.inside and fresh:  # run again in backward (a view is not: selective
+            # checkpoint hands back what it keeps as detached aliases)
+            self.again_ops += 1
+            self.again_written += nbytes
+        return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t  # no dispatch, no autograd
-
-
-# a functional collective's wait hands back its input (fake tensors make it a new one)
-_RETURNS_ITS_INPUT = frozenset((torch.ops._c10d_functional.wait_tensor.default,))
 
 
 def _new_storage(func, out, inputs) -> list[torch.Tensor]:
@@ -99,8 +76,8 @@ def _new_storage(func, out, inputs) -> list[torch.Tensor]:
     def local_tensors(tree):
         return [_local(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
-    if func in _RETURNS_ITS_INPUT:
-        return []
+    if func is torch.ops._c10d_functional.wait_tensor.default:
+        return []  # hands back its input (fake tensors make it a new one)
     held = {t.untyped_storage()._cdata for t in local_tensors(inputs)}
     return [t for t in local_tensors(out) if t.untyped_storage()._cdata not in held]
 
@@ -109,21 +86,15 @@ def traced_activations(
     config: Config, *, dataset, examples: int, tp: int, code: UserCode = NO_CODE
 ) -> Activations:
     """Activations of a micro-batch of `examples` under tensor parallelism `tp` and the
-    config's activation checkpointing and precision (module docstring); `code`: the user's
-    own model and loss (the Python API's), built in place of the config's names."""
+    config's activation checkpointing and precision; `code`: the user's own model and loss
+    (the Python API's), built in place of the config's names."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     layout = ParallelLayout(pp=1, dp_replicate=1, dp_shard=1, tp=tp)
-    precision = make_precision(config.precision.mode, device_type="cpu", sharded=tp > 1)
-    with torch.device("meta"):
-        net = build_net(config, dataset, code=code, meta=True)
-        model, loss_fn, _ = build_objective(
-            config, net, dataset, precision=precision, code=code, teacher_meta=True
-        )
-    model = precision.convert_module(model)
     batch = dataset.get(torch.arange(examples) % len(dataset))
-    saved: dict[int, int] = {}
+    counter = _OpCounter(keeps_ops=config.parallel.activation_checkpointing == "op")
+    saved: dict[int, int] = {}  # storage -> bytes
     entries: list[int] = []
     first_call: list[tuple[tuple, dict]] = []  # the first checkpointed block's arguments
 
@@ -142,28 +113,14 @@ def traced_activations(
     def at_exit(module, args, output) -> None:
         counter.inside -= 1
 
-    counter = _OpCounter(keeps_ops=config.parallel.activation_checkpointing == "op")
-
-    with fake_world(tp, 0):
-        par = parallelize(
-            model,
-            spec=model_spec(model),
-            layout=layout,
-            rank=0,
-            device=torch.device("cpu"),
-            parallel=config.parallel,
-            pipeline=None,
-            precision=precision,
-            loss_fn=loss_fn,
-            shapes_only=True,
-        )
+    with parallelized(config, layout, dataset=dataset, code=code) as (par, precision, loss_fn):
         wrapped = [m for m in par.model.modules() if isinstance(m, CheckpointWrapper)]
         for m in wrapped:
             m.register_forward_pre_hook(at_entry, with_kwargs=True)
             m.register_forward_hook(at_exit)
         with FakeTensorMode(allow_non_fake_inputs=True):
             par.model.to_empty(device="cpu")
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter.mode:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
                 with precision.forward_context():
                     loss_fn(forward(par.model, batch, precision), batch)
             kept = sum(saved.values()) + sum(entries) + counter.kept
@@ -197,35 +154,31 @@ def traced_activations(
 
 
 def _again_flops(run_block) -> int:
-    """The FLOPs of the matrix products one "op" block runs again in backward: those its
-    policy does not keep, up to the last op that saves a tensor for backward, where torch's
-    recomputation stops (checkpoint's early stop: the GPT's MLP projection, 6th and last,
-    is not multiplied again). `run_block` runs the block plainly (fake tensors); FLOPs by
-    torch's own formulas, on a DTensor's local shapes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """The FLOPs of the matmuls one "op" block runs again in backward: those its policy does
+    not keep, up to the last op that saves a tensor for backward, where torch's
+    recomputation stops early. `run_block` runs the block plainly; FLOPs by torch's own
+    formulas, at a DTensor's local shapes."""
     from torch.utils.flop_counter import flop_registry
 
     policy = OpPolicy()
     flops: list[int] = []  # each op's, in order
-    upto = [0]  # the ops run when a tensor was last saved for backward
+    upto = 0  # the ops run when a tensor was last saved for backward
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            again = func in MATMUL_OPS and not policy.keeps(func)
-            if again:
-                local = tree_map_only(DTensor, _local, (args, kwargs or {}, out))
-                flops.append(
-                    flop_registry[func.overloadpacket](*local[0], **local[1], out_val=local[2])
-                )
+            if func in MATMUL_OPS and not policy.keeps(func):
+                a, k, o = tree_map_only(DTensor, _local, (args, kwargs or {}, out))
+                flops.append(flop_registry[func.overloadpacket](*a, **k, out_val=o))
             else:
                 flops.append(0)
             return out
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        upto[0] = len(flops)
+        nonlocal upto
+        upto = len(flops)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Mode():
         run_block()
-    return sum(flops[: upto[0]])
+    return sum(flops[:upto])

@@ -1,16 +1,12 @@
 """What one rank holds, to the byte, without building anything real: parameters, gradients
 and optimizer state of any layout, from the layout's own code.
 
-The model is built on the meta device as the trainer builds it (`build_net`, the
-distillation wrapper, the precision cast), and handed to the trainer's own `parallelize`
-(pipeline split, tensor parallel, activation checkpointing, FSDP) inside a fake process
-group of the planned world, joined as the rank asked for: torch's FakeProcessGroup, which
-makes DeviceMesh, DTensor and `fully_shard` do everything but communicate. Each DTensor then
-has the local shape this rank would hold. The optimizer is the trainer's
-(`build_optimizer`), stepped once on zero gradients so that its state exists, as shapes.
-The counts are the metrics' own (`memory.held_bytes`, `local_bytes`), so a prediction and
-a run's logged `param_bytes`, `grad_bytes` and `optim_state_bytes` are computed by one
-function on the same tensors; tests/test_planner.py holds them equal for every layout.
+The model is built on meta as the trainer builds it and put through the trainer's own
+`parallelize` inside torch's FakeProcessGroup, where DeviceMesh, DTensor and `fully_shard`
+do everything but communicate: each DTensor has the local shape this rank would hold. The
+trainer's optimizer is stepped once on zero gradients so that its state exists. The bytes
+are counted by the metrics' own functions, so a prediction and a run's logged bytes come
+from one function on the same tensors (tests hold them equal for every layout).
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ from scaletrain.models.flops import meta_copy
 from scaletrain.models.init import is_meta
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.compose import parallelize
+from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.precision import make_precision
 from scaletrain.records.memory import held_bytes, local_bytes
 from scaletrain.training.assemble import NO_CODE, UserCode, build_net, build_objective
@@ -56,9 +53,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("the planner's fake process group needs a process without one")
-    # init_process_group wraps sys.excepthook to prefix "[rankN]: " and nothing unwraps it:
-    # a launcher that planned 26 layouts printed its next traceback with 26 prefixes a line
-    hook = sys.excepthook
+    hook = sys.excepthook  # init_process_group wraps it with a "[rankN]: " prefix, for good
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
@@ -67,17 +62,19 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         sys.excepthook = hook
 
 
-def held_on_rank(
-    config: Config, derived: Derived, *, dataset, rank: int = 0, code: UserCode = NO_CODE
-) -> Held:
-    """The bytes rank `rank` holds under `derived`'s layout (see the module docstring).
-
-    Args:
-        config: the run's config (model, precision, optimizer, [parallel] keys).
-        derived: `launch.resolve.resolve(config, world_size=...)`.
-        dataset: the training data (its task sizes the model), built once by the caller.
-    """
-    layout = derived.layout
+@contextlib.contextmanager
+def parallelized(
+    config: Config,
+    layout: ParallelLayout,
+    *,
+    dataset,
+    rank: int = 0,
+    pipeline=None,
+    code: UserCode = NO_CODE,
+) -> Iterator[tuple]:
+    """Yields (Parallelized, precision, loss_fn): the run's model built on meta as the
+    trainer builds it (`build_net`, the distillation wrapper, the precision's cast), through
+    `layout`'s own `parallelize`, inside a fake process group of its world as `rank`."""
     precision = make_precision(
         config.precision.mode, device_type="cpu", sharded=layout.splits_gradients
     )
@@ -97,11 +94,29 @@ def held_on_rank(
             rank=rank,
             device=torch.device("cpu"),
             parallel=config.parallel,
-            pipeline=derived.pipeline,
+            pipeline=pipeline,
             precision=precision,
             loss_fn=loss_fn,
             shapes_only=True,
         )
+        yield par, precision, loss_fn
+
+
+def held_on_rank(
+    config: Config, derived: Derived, *, dataset, rank: int = 0, code: UserCode = NO_CODE
+) -> Held:
+    """The bytes rank `rank` holds under `derived`'s layout (see the module docstring).
+
+    Args:
+        config: the run's config (model, precision, optimizer, [parallel] keys).
+        derived: `launch.resolve.resolve(config, world_size=...)`.
+        dataset: the training data (its task sizes the model), built once by the caller.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    with parallelized(
+        config, derived.layout, dataset=dataset, rank=rank, pipeline=derived.pipeline, code=code
+    ) as (par, _, _):
         o = config.optim
         optimizer = build_optimizer(  # foreach: its state is the fused kernel's, shape for shape
             par.model,
@@ -117,48 +132,30 @@ def held_on_rank(
             p.grad = torch.zeros_like(p)
         optimizer.step()
         held = held_bytes(par.model, optimizer)
+        units, largest = _fsdp_units(par.model)
+        wrapped = sum(isinstance(m, CheckpointWrapper) for m in par.model.modules())
         return Held(
             params=held["param_bytes"],
             grads=local_bytes(p.grad for p in trained),
             optim=held["optim_state_bytes"],
-            largest_unit=_largest_unit(par.model),
-            units=_units(par.model),
-            recomputed_blocks=_recomputed(par.model, mode=config.parallel.activation_checkpointing),
+            largest_unit=largest,
+            units=units,
+            # "op" keeps every other matmul's output: the trace counts the FLOPs of those it
+            # runs again (Activations.again_flops)
+            recomputed_blocks=0 if config.parallel.activation_checkpointing == "op" else wrapped,
         )
 
 
-def _largest_unit(model: nn.Module) -> int:
-    """The whole (unsharded) bytes of the largest FSDP unit's own parameters: what one
-    all-gather materialises (0 without FSDP)."""
+def _fsdp_units(model: nn.Module) -> tuple[int, int]:
+    """The FSDP units, and the whole (unsharded) bytes of the largest one's own parameters:
+    what one all-gather materialises (0 without FSDP)."""
     from torch.distributed.fsdp import FSDPModule
 
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     largest = 0
-    for unit in model.modules():
-        if not isinstance(unit, FSDPModule):
-            continue
-        own = {
-            id(p)
-            for sub in unit.modules()
-            if isinstance(sub, FSDPModule) and sub is not unit
-            for p in sub.parameters()
-        }
-        size = sum(p.numel() * p.element_size() for p in unit.parameters() if id(p) not in own)
-        largest = max(largest, size)
-    return largest
-
-
-def _units(model: nn.Module) -> int:
-    from torch.distributed.fsdp import FSDPModule
-
-    return sum(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _recomputed(model: nn.Module, *, mode: str) -> int:
-    """The checkpointed blocks whose matmuls run again in backward: every wrapped one, but
-    none under "op", whose policy keeps every other matmul's output (the trace counts the
-    FLOPs of those it runs again: Activations.again_flops)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    if mode == "op":
-        return 0
-    return sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+    for unit in units:
+        inner = [m for m in unit.modules() if isinstance(m, FSDPModule) and m is not unit]
+        nested = {id(p) for m in inner for p in m.parameters()}
+        own = (p for p in unit.parameters() if id(p) not in nested)
+        largest = max(largest, sum(p.numel() * p.element_size() for p in own))
+    return len(units), largest

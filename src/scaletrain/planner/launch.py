@@ -1,12 +1,10 @@
 """What the launcher asks the planner: the layout to train (`scaletrain train --plan`) and
-whether the configured one fits (`scaletrain train` refuses one predicted not to,
-unless --no-plan-check).
+whether the configured one fits (`scaletrain train` refuses one predicted not to, unless
+--no-plan-check).
 
-The fit check plans only where a model can outgrow a device: a Hugging Face model or the
-user's own. The built-ins (mlp, cnn, gpt at their sizes) hold at most a few MB, so their
-launch pays nothing for it. A model whose parameters, gradients and Adam's two moments
-(16 bytes a parameter) take under a tenth of a rank's memory fits whatever its layout,
-and is not planned either.
+The fit check plans only a model that can outgrow a device (a Hugging Face model or the
+user's own) and whose parameters, gradients and Adam's moments (16 bytes a parameter) take
+a tenth of a rank's memory or more: the built-ins' launches pay nothing for it.
 """
 
 from __future__ import annotations
@@ -16,8 +14,9 @@ import torch
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError
 from scaletrain.planner import build_for_plan, plan_layouts
+from scaletrain.planner.layouts import toml_value
 from scaletrain.planner.predict import Prediction
-from scaletrain.runtime.hardware import BUILTIN, Profile, default_profile, rank_budget
+from scaletrain.runtime.hardware import BUILTIN, Link, Profile, default_profile, rank_budget
 from scaletrain.training.assemble import NO_CODE, UserCode
 
 
@@ -45,8 +44,7 @@ def pick_layout(
             f"{_size(budget)} per rank (the smallest peak is {_size(smallest)}); add ranks, "
             "or train a smaller model"
         )
-    keys = preds[0].layout
-    items = [f"{k}={_value(v)}" for k, v in keys.items()]
+    items = [f"{k}={toml_value(v)}" for k, v in preds[0].layout.items()]
     return ["parallel.dp=-1", *items], preds[0]
 
 
@@ -64,10 +62,16 @@ def check_fits(
     profile = _profile(required=False)
     budget, where = rank_budget(profile, ranks_per_node=ranks_per_node)
     dataset, model = build_for_plan(config, code)
-    params = sum(p.numel() for p in model.parameters())
-    if 16 * params < budget / 10:
+    if 16 * sum(p.numel() for p in model.parameters()) < budget / 10:
         return
-    profile = profile or _memory_only(budget)
+    # without a profile only the memory is asked: a stand-in's times mean nothing
+    profile = profile or Profile(
+        name="uncalibrated",
+        flops={"fp32": 1e11},
+        memory_bytes=budget,
+        memory_bw=1e10,
+        intra={1: Link(1e9, 1e-4)},  # any link: the collectives' costs need one
+    )
     preds = plan_layouts(
         config,
         world_size=world_size,
@@ -91,22 +95,8 @@ def check_fits(
         )
 
 
-def _memory_only(budget: int) -> Profile:
-    """A profile for the memory question alone (no calibration: its times mean nothing)."""
-    from scaletrain.runtime.hardware import Link
-
-    return Profile(
-        name="uncalibrated",
-        flops={"fp32": 1e11},
-        memory_bytes=budget,
-        memory_bw=1e10,
-        intra={1: Link(1e9, 1e-4)},
-    )
-
-
 def _profile(required: bool = True) -> Profile | None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    profile = default_profile(device)
+    profile = default_profile("cuda" if torch.cuda.is_available() else "cpu")
     if profile is None and required:
         raise ConfigError(
             "--plan needs a hardware profile: run `scaletrain calibrate` once on this "
@@ -118,9 +108,3 @@ def _profile(required: bool = True) -> Profile | None:
 
 def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def _value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return f'"{v}"' if isinstance(v, str) else str(v)
