@@ -628,15 +628,29 @@ def test_an_hf_decoder_under_full_checkpointing_is_traced_with_its_keyword_input
 def test_calibrate_times_gloo_and_fsdp2s_first_use_on_fresh_ranks():
     """Two ranks forked from calibrate's preloaded server by torch's elastic agent: every
     rank runs the same count of each collective (a time budget per size once let ranks stop
-    apart and hang), the three smallest looked at again, and FSDP2's first use, measured
-    first while the ranks are fresh, adds resident bytes."""
-    from scaletrain.planner.calibrate import measure_link
+    apart and hang), the three smallest looked at again. FSDP2's first use, on ranks spawned
+    as a run's are, adds resident bytes."""
+    from scaletrain.planner.calibrate import measure_first_use, measure_link
 
     link, got = measure_link(2, sizes=(4096, 16384, 65536))
     # each size timed, then the three smallest a second time (gloo's slow mode takes a look)
     assert sorted(n for n, _ in got["all_reduce"]) == sorted(2 * [4096, 16384, 65536])
     assert link.bus_bw > 0 and link.latency_s > 0
-    assert got["fsdp_rss"] > 0 and link.fsdp_rss >= got["fsdp_rss"]
+    assert measure_first_use() > 0
+
+
+def test_fsdp2s_first_use_is_measured_on_spawned_ranks(monkeypatch):
+    """A rank forked from calibrate's preloaded server already holds what FSDP2 loads on
+    first use (7 MiB measured where a spawned rank, as a run's, showed 32: BENCHMARKS.md),
+    so the first use alone is measured on spawned ranks; the largest rank's is kept."""
+    from scaletrain.planner import calibrate as cal
+
+    seen = []
+    monkeypatch.setattr(
+        cal, "launch", lambda world, fn, **kw: seen.append((world, fn, kw)) or {0: 5, 1: 7}
+    )
+    assert cal.measure_first_use() == 7
+    assert seen == [(2, cal.first_use_worker, {"start_method": "spawn"})]
 
 
 def test_planning_leaves_the_process_excepthook_as_it_found_it():
@@ -898,14 +912,14 @@ def test_calibrate_fits_each_sharded_cost_to_three_call_counts_by_least_squares(
 def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and_per_call():
     """On 4 ranks (2 cores), the probes time FSDP in groups of 2 (HSDP) and tensor
     parallelism in groups of 2 (with pipeline stages, each holding half the parameters and
-    paying half the cost per step), each in 1, 2 and 4 micro-batches (1, 2 and 4 x the calls),
-    fitted to the pair's own cost per step and per call: on 4 ranks of 2 cores these are
-    not the 2-rank ones (GPT small's tensor parallelism showed no cost per step there).
-    FSDP over all 4 ranks: its cost per call beside the 2-rank cost per step."""
+    paying half the cost per step), each in 1 and 4 micro-batches (WIDE_LOOKS: 1 and 4 x
+    the calls), fitted to the pair's own cost per step and per call: on 4 ranks of 2 cores
+    these are not the 2-rank ones. FSDP over all 4 ranks: its cost per call beside the
+    2-rank cost per step; tp over all 4 is refused (GPT tiny's 2 heads) and fits none."""
     import dataclasses
 
     from scaletrain.planner import predict_configured
-    from scaletrain.planner.reference import SHARDED_DIM, sharded_config
+    from scaletrain.planner.reference import SHARDED_DIM, sharded_config, sharded_probes
     from scaletrain.runtime.hardware import Link
 
     base = _cpu_profile()
@@ -935,18 +949,21 @@ def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and
         rows = [{"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": step_s}] * 3
         _probe_rows(run_dir, rows)
 
-    fields, links = _quiet_probes(launch, profile, worlds=(2, 4), steps=40)
-    for accumulation in (1, 2, 4):
-        assert (4, {"dp_shard": 2, "dp_replicate": 2}, accumulation) in launched
-    # tp x pp at 4 micro-batches of 1 is refused (a pipeline's micro-batch is split in 2)
-    assert [a for w, par, a in launched if par == {"tp": 2, "pp": 2}] == [1, 2]
+    # micro-batches of 8: tp x pp's 4 micro-batches of 2 split into the pipeline's 2 chunks
+    eight = RAW | {"train": {"micro_batch": 8, "global_batch": 16}}
+    fields, links = sharded_probes(
+        eight, launch=launch, profile=profile, worlds=(2, 4), steps=40, say=lambda *_: None
+    )
+    hsdp = {"dp_shard": 2, "dp_replicate": 2}
+    assert [a for w, par, a in launched if par == hsdp] == [1, 4]
+    assert [a for w, par, a in launched if par == {"tp": 2, "pp": 2}] == [1, 4]
     assert (4, {"dp_shard": 4}, 1) in launched
     assert fields["fsdp_step_s"] == pytest.approx(0.25, rel=1e-6)
     for kind in ("fsdp", "tp"):
         assert links[4][f"{kind}_pair_step_s"] == pytest.approx(0.1, rel=1e-6)
         assert links[4][f"{kind}_pair_call_s"] == pytest.approx(0.03, rel=1e-6)
     assert links[4]["fsdp_call_s"] == pytest.approx(0.05, rel=1e-6)
-    assert "tp_call_s" not in links[4]  # tp over all 4: the stack's
+    assert "tp_call_s" not in links[4]  # tp over all 4: calibrate takes the pair's
 
 
 def test_a_probe_whose_rank_dies_fits_nothing_and_calibrate_goes_on():
@@ -1033,8 +1050,9 @@ def _stubbed_calibrate(monkeypatch, links, *, load=None):
     monkeypatch.setattr(cal, "memory_bandwidth", lambda: 1e10)
     monkeypatch.setattr(cal, "step_costs", lambda *a, **k: {"op_s": 0.0, "byte_s": 0.0})
     monkeypatch.setattr(cal.os, "sched_getaffinity", lambda pid: {0, 1})
-    link = Link(bus_bw=1e9, latency_s=1e-4, fsdp_rss=5)
+    link = Link(bus_bw=1e9, latency_s=1e-4)
     monkeypatch.setattr(cal, "measure_link", lambda world: (link, {}))
+    monkeypatch.setattr(cal, "measure_first_use", lambda: 5)
     fields = {"fsdp_rss_per_byte": 1.5, "fsdp_step_s": 0.02, "tp_rss_ratio": 1.5}
     monkeypatch.setattr(cal, "sharded_probes", lambda *a, **k: (dict(fields), links))
     monkeypatch.setattr(cal, "slack_probe", lambda *a, **k: {"rss_ratio": 1.25})

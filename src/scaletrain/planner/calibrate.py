@@ -104,14 +104,28 @@ def _fit(points: list[tuple[float, float]]) -> Link:
     return Link(bus_bw=largest_bytes / max(largest_s - latency, 1e-12), latency_s=latency)
 
 
+def first_use_worker() -> int:
+    """One spawned rank: the resident bytes its first FSDP2 steps add (reference.py)."""
+    torch.set_num_threads(1)
+    with gloo_group():
+        return first_use_bytes()
+
+
+def measure_first_use() -> int:
+    """FSDP2's first use on 2 ranks spawned as a run's are (torch imported afresh): a forked
+    rank shares what the fork server loaded, and a run's rank loads it after its baseline.
+    The largest rank's; a fixed cost per process, the same on 4 ranks (BENCHMARKS.md)."""
+    return max(launch(2, first_use_worker, start_method="spawn").values())
+
+
 def collective_worker(sizes: tuple[int, ...]) -> dict:
-    """One rank (started by the elastic agent): FSDP2's first use, while the rank is fresh,
-    then each collective at each size and the three smallest again."""
+    """One rank (started by the elastic agent): each collective at each size and the three
+    smallest again."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     with gloo_group():
-        out = {"fsdp_rss": first_use_bytes(), "all_reduce": [], "all_gather": []}
+        out = {"all_reduce": [], "all_gather": []}
         world = dist.get_world_size()
         for nbytes in (*sizes, *sorted(sizes)[:3]):
             x = torch.ones(nbytes // 4)
@@ -131,22 +145,16 @@ def collective_worker(sizes: tuple[int, ...]) -> dict:
 
 def measure_link(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, dict]:
     """`world` ranks' link on gloo, the slower of all-reduce's and all-gather's fits in each
-    term (reduce-scatter is all-gather's twin), with FSDP2's first use (the largest rank's);
-    and the raw timings."""
-    ranks = launch(world, collective_worker, sizes)
-    got = ranks[0]
+    term (reduce-scatter is all-gather's twin); and rank 0's raw timings."""
+    got = launch(world, collective_worker, sizes)[0]
     fits = [_fit(got["all_reduce"]), _fit(got["all_gather"])]
-    link = Link(
-        bus_bw=min(f.bus_bw for f in fits),
-        latency_s=max(f.latency_s for f in fits),
-        fsdp_rss=max(r["fsdp_rss"] for r in ranks.values()),
-    )
+    link = Link(bus_bw=min(f.bus_bw for f in fits), latency_s=max(f.latency_s for f in fits))
     return link, got
 
 
-def launch(world: int, fn, *args) -> dict:
+def launch(world: int, fn, *args, start_method: str = "forkserver") -> dict:
     """`fn(*args)` on `world` ranks started by torch's elastic agent, forked from the
-    preloaded server; rank -> its result."""
+    preloaded server (or spawned); rank -> its result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # loopback only, as a single-node `scaletrain train` (launch.LOOPBACK_ENV): a file-backed
@@ -166,7 +174,7 @@ def launch(world: int, fn, *args) -> dict:
             local_addr="127.0.0.1",
             max_restarts=0,
             monitor_interval=0.1,
-            start_method="forkserver",
+            start_method=start_method,
         )
         return elastic_launch(config, fn)(*args)
 
@@ -221,12 +229,14 @@ def calibrate(
     )
     intra = {}
     with phase("collectives"):
+        first_use = measure_first_use()
+        say(f"FSDP2's first use: {first_use / 2**20:.1f} MiB a rank")
         for world in worlds:
-            intra[world], _ = measure_link(world)
+            link, _ = measure_link(world)
+            intra[world] = dataclasses.replace(link, fsdp_rss=first_use)
             say(
-                f"gloo on {world} ranks: bus bandwidth {intra[world].bus_bw / 1e9:.2f} GB/s, "
-                f"latency {intra[world].latency_s * 1e6:.0f} us; FSDP2's first use "
-                f"{intra[world].fsdp_rss / 2**20:.1f} MiB a rank"
+                f"gloo on {world} ranks: bus bandwidth {link.bus_bw / 1e9:.2f} GB/s, "
+                f"latency {link.latency_s * 1e6:.0f} us"
             )
     profile = Profile(
         name=name,

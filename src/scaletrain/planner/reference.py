@@ -47,13 +47,16 @@ STEP_WAIT_S = 600.0  # a reference rank that keeps the others waiting longer has
 # steps after which a probe's resident peak has stopped rising: GPT tiny's under DDP, FSDP2
 # and DTensor are within 5% of their 160-step peaks by then (BENCHMARKS.md, the planner)
 SETTLE_STEPS = 60
-TIMED_STEPS = 24  # a probe that only times steps: 3 windows of 6 after the warm-up one
+TIMED_STEPS = 32  # a probe that only times steps: 3 windows of 8 after the warm-up one
 WINDOWS = 4  # a probe logs its steps in 4 windows; the first warms up
 KINDS = ("fsdp", "tp")
 SHARDED_DIM = {"fsdp": "dp_shard", "tp": "tp"}  # the mesh dimension of each kind's groups
 # a fit's points: a rank's examples a step in 1, 2 and 4 micro-batches (1, 2 and 4 times the
-# calls); a call count looked at more than once is taken at its fastest look
+# calls): on 2 ranks three points, so that one look's noise moves the fit by its share only;
+# on more ranks than cores the two far ends (their steps are slower: the time goes to longer
+# looks rather than a third)
 LOOKS = (1, 2, 4)
+WIDE_LOOKS = (1, 4)
 
 
 def model_label(model: dict) -> str:
@@ -250,9 +253,9 @@ def sharded_probes(
     profile's fields and each world size's link fields.
 
     On 2 ranks: a probe of `steps` steps (settled) gives `fsdp_rss_per_byte` or
-    `tp_rss_ratio` and the first look at 1 micro-batch; timed probes the other LOOKS. Each
-    call count's fastest excess over the planner's step without sharding costs is fitted
-    to `{kind}_step_s` + calls x `{kind}_call_s`. On each larger world: the same fit in
+    `tp_rss_ratio` and the first look at 1 micro-batch; timed probes the other LOOKS. The
+    looks' excess over the planner's step without sharding costs is fitted to
+    `{kind}_step_s` + calls x `{kind}_call_s`. On each larger world: the same fit in
     groups of 2 (`{kind}_pair_step_s`, `{kind}_pair_call_s`), and over the whole world its
     cost per call beside the 2-rank cost per step (`{kind}_call_s` of that world's link).
     A probe the model cannot run, or whose rank dies, fits nothing; calibrate goes on.
@@ -262,10 +265,11 @@ def sharded_probes(
     defaults = {f.name: f.default for f in dataclasses.fields(type(profile))}
     fields: dict[str, float] = {}
     links: dict[int, dict[str, float]] = {w: {} for w in worlds}
-    looks_at = tuple(a for a in LOOKS if a <= _micro_batch(data))
 
     def fit(parallel, world, plan, kind, first=None):
-        """(step_s, call_s, the line that says the looks) from LOOKS' probes, or None."""
+        """(step_s, call_s, the line that says the looks) from LOOKS' probes (WIDE_LOOKS on
+        more than 2 ranks), or None."""
+        looks_at = [a for a in (LOOKS if world == 2 else WIDE_LOOKS) if a <= _micro_batch(data)]
         runs = [first] if first else []
         for a in looks_at[1:] if first else looks_at:
             runs.append(_probe(data, parallel, world, timed_steps, launch, plan, say, a))
