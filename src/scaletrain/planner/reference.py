@@ -45,7 +45,7 @@ GPT_TINY = {
 }
 STEP_WAIT_S = 600.0  # a reference rank that keeps the others waiting longer has failed
 # steps after which a probe's resident peak has stopped rising: GPT tiny's under DDP, FSDP2
-# and DTensor are within 5% of their 160-step peaks by then (BENCHMARKS.md, the planner)
+# and DTensor are within 5% of their 160-step peaks by then (BENCHMARKS.md, calibrate)
 SETTLE_STEPS = 60
 TIMED_STEPS = 32  # a probe that only times steps: 3 windows of 8 after the warm-up one
 WINDOWS = 4  # a probe logs its steps in 4 windows; the first warms up

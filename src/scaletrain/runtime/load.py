@@ -48,8 +48,8 @@ def cpu_ticks(stat: str, cpus: Collection[int]) -> tuple[int, int]:
 
     Busy is user + nice + system (guest time is inside user and nice). irq and softirq are
     left out: 2 gloo ranks all-reducing over loopback spend about NOISY_CORES in softirq
-    (BENCHMARKS.md, "Foreign load"), which a kernel built with IRQ_TIME_ACCOUNTING charges to
-    no process, so our own collectives would read as foreign. Under tick accounting the
+    (BENCHMARKS.md, "the planner's calibrate"), which a kernel built with
+    IRQ_TIME_ACCOUNTING charges to no process, so our own collectives would read as foreign. Under tick accounting the
     interrupted process is charged too, and leaving them out only undercounts others by it.
     """
     busy = steal = 0
