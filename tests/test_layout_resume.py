@@ -63,12 +63,15 @@ WEIGHT_TOL = 1e-4
 TIMEOUT = 240.0  # per run in a job; 4 ranks on 2 busy cores take ~40 s for 2 steps
 
 SHARDED = ["parallel.dp_shard=2"]
+# The bit-for-bit pair in fp64: two runs each time their attention kernel and precision at
+# start (fp32 or bf16, math or flash), and agree exactly only where there is no choice
+EXACT = [*SHARDED, "precision.mode=fp64"]
 # name -> (layout before, ranks before, layout after, ranks after)
 CHANGES = {
     "fsdp2xtp2-to-1": (["parallel.dp_shard=2", "parallel.tp=2"], 4, [], 1),
     "pp2-to-fsdp2": (["parallel.pp=2", "parallel.pp_schedule=1f1b"], 2, SHARDED, 2),
     "ddp2-to-pp2": (["parallel.dp=2"], 2, ["parallel.pp=2"], 2),
-    "sharded-resumed": (SHARDED, 2, SHARDED, 2),
+    "sharded-resumed": (EXACT, 2, EXACT, 2),
 }
 
 
@@ -103,7 +106,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             if n == world
         }
         if world == 2:
-            cases["sharded-uninterrupted"] = Case.of(CONFIG, *SHARDED)
+            cases["sharded-uninterrupted"] = Case.of(CONFIG, *EXACT)
         run_job(cases, world_size=world, root=runs.root, timeout=TIMEOUT, keep=True)
     for name, (_, _, after, _) in CHANGES.items():
         run_dir = runs[name]
@@ -119,7 +122,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     run_dir = runs["sharded-resumed"]
     before = file_tree(run_dir)
     try:
-        check_resumable(run_dir, load_config(config, ["parallel.tp=2", "optim.lr=0.002"]))
+        changed = ["parallel.tp=2", "optim.lr=0.002", "precision.mode=fp64"]
+        check_resumable(run_dir, load_config(config, changed))
         message = ""
     except ConfigError as e:
         message = str(e)
