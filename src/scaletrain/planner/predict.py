@@ -153,14 +153,16 @@ class Prediction:
     mfu: float | None
     comm_calls: dict[str, int] = field(default_factory=dict)  # collective calls per step
     calls_by_dim: dict[str, int] = field(default_factory=dict)  # the same by mesh dimension
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    optim_s: float = 0.0
-    ops: float = 0.0  # forward ops a step runs on this rank (each runs backward too)
-    written: float = 0.0  # bytes those forward ops write
-    bubble: float = 0.0
     notes: list[str] = field(default_factory=list)
     terms: Terms | None = None
+
+    # the terms' figures a caller reads most, by their old names (the terms hold them)
+    compute_s = property(lambda self: self.terms.compute_s)
+    comm_s = property(lambda self: self.terms.comm_s)
+    optim_s = property(lambda self: self.terms.optimizer_s)
+    ops = property(lambda self: self.terms.ops)  # forward ops a step runs (each runs backward)
+    written = property(lambda self: self.terms.written)  # bytes those forward ops write
+    bubble = property(lambda self: self.terms.bubble)
 
     def as_json(self) -> dict:
         keys = ("layout", "fits", "memory_bytes", "comm_bytes", "step_time_s", "mfu")
@@ -249,12 +251,6 @@ def predict(
         mfu=model_flops / (terms.step_s * peak * lay.world_size) if peak else None,
         comm_calls=comm_calls,
         calls_by_dim=calls_by_dim,
-        compute_s=terms.compute_s,
-        comm_s=terms.comm_s,
-        optim_s=terms.optimizer_s,
-        ops=terms.ops,
-        written=terms.written,
-        bubble=terms.bubble,
         terms=terms,
     )
 
