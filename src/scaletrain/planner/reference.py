@@ -47,7 +47,9 @@ STEP_WAIT_S = 600.0  # a reference rank that keeps the others waiting longer has
 # steps after which a probe's resident peak has stopped rising: GPT tiny's under DDP, FSDP2
 # and DTensor are within 5% of their 160-step peaks by then (BENCHMARKS.md, calibrate)
 SETTLE_STEPS = 60
-TIMED_STEPS = 32  # a probe that only times steps: 3 windows of 8 after the warm-up one
+# a probe that only times steps: 3 windows of 8 after the warm-up one (24 steps left the
+# per-step costs to noise, 40 took calibrate past 2 minutes: BENCHMARKS.md, calibrate)
+TIMED_STEPS = 32
 WINDOWS = 4  # a probe logs its steps in 4 windows; the first warms up
 KINDS = ("fsdp", "tp")
 SHARDED_DIM = {"fsdp": "dp_shard", "tp": "tp"}  # the mesh dimension of each kind's groups
