@@ -45,7 +45,6 @@ def _every_field_set() -> Profile:
         matmul_efficiency=0.8,
         foreign_cores=0.4,
         steal_cores=0.1,
-        calibrated_on="gpt tiny",
         source="a test",
     )
 
@@ -72,11 +71,13 @@ def test_a_profile_with_every_field_set_round_trips(tmp_path: Path) -> None:
 
 
 def test_a_profile_with_retired_keys_still_loads(tmp_path: Path) -> None:
-    """rss_fixed (always 0) and reference_round_s (calibrate's paces) are no longer fields;
-    a profile written before still loads, the keys skipped."""
+    """rss_fixed (always 0), reference_round_s (calibrate's paces) and calibrated_on (the
+    model a profile was refined on) are no longer fields; a profile written before still
+    loads, the keys skipped."""
     profile = _every_field_set()
     path = tmp_path / "p.toml"
-    path.write_text("rss_fixed = 0.0\nreference_round_s = 1.5\n" + profile_toml(profile))
+    old = 'rss_fixed = 0.0\nreference_round_s = 1.5\ncalibrated_on = "gpt size=tiny"\n'
+    path.write_text(old + profile_toml(profile))
     assert load_profile(str(path)) == profile
 
 

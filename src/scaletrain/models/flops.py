@@ -1,20 +1,7 @@
-"""FLOPs of one training step: the one counter that the metrics' MFU and the planner read.
-
-Matrix products only (mm, bmm, convolutions, attention), as every published MFU counts;
-element-wise work is not counted. Three counts that agree where they overlap
-(tests/test_planner.py):
-
-- `transformer_flops`: the closed form for a decoder transformer, from its shape. Forward,
-  per token, 2 x the weights of every linear layer, plus 4 x T x (heads x head_dim) per
-  layer for the full T x T scores and their weighted sum; backward twice the forward. It is
-  Narayanan et al. 2021's 72 B s l h^2 (1 + s/6h + V/12lh), exact for the built-in GPT and
-  Hugging Face Llama (grouped-query attention and gated MLP included).
-- `layer_flops`: the built-in MLP and CNN, layer by layer, without a dispatch mode (a trace
-  imports torch._dynamo, a cost every run's MFU would pay at start).
-- `traced_flops`: torch's FlopCounterMode over a meta copy, for any other model.
-
-Activation checkpointing adds one forward of each recomputed block: hardware FLOPs (what
-the step time pays), not model FLOPs (what MFU counts, as Megatron and torchtitan do).
+"""FLOPs of one training step, the one counter that the metrics' MFU and the planner read:
+matrix products only (mm, bmm, convolutions, attention), as every published MFU counts.
+Three counts agree where they overlap (tests/test_planner.py): a transformer's closed form,
+the built-in MLP and CNN layer by layer, and torch's FlopCounterMode for any other model.
 """
 
 from __future__ import annotations
@@ -41,19 +28,16 @@ def transformer_shape(model: nn.Module) -> TransformerShape | None:
     None for any other model."""
     from scaletrain.models.gpt import GPT
 
+    config = getattr(model, "config", None)
     if isinstance(model, GPT):
         blocks = list(model.blocks.children())
         width = blocks[0].attn.q.out_features
+    elif config is not None and hasattr(getattr(model, "model", None), "layers"):
+        blocks = list(model.model.layers)
+        heads = config.num_attention_heads
+        width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
     else:
-        config = getattr(model, "config", None)
-        base = getattr(model, "model", None)
-        if config is None or base is None or not hasattr(base, "layers"):
-            return None
-        blocks = list(base.layers)
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
-        width = config.num_attention_heads * head_dim
+        return None
     in_blocks = sum(_linear_weights(b) for b in blocks)
     if not blocks or in_blocks % len(blocks):
         return None  # blocks of different widths: trace instead
@@ -72,13 +56,14 @@ def _linear_weights(module: nn.Module) -> int:
 def transformer_flops(
     shape: TransformerShape, *, batch: int, seq: int, recomputed_blocks: int = 0
 ) -> int:
-    """FLOPs of one forward and backward over `batch` sequences of `seq` tokens.
-
-    recomputed_blocks: blocks that activation checkpointing runs forward a second time
-        (0 for model FLOPs, as MFU counts them).
-    """
+    """FLOPs of one forward and backward over `batch` sequences of `seq` tokens: forward, per
+    token, 2 x the weights of every linear layer plus 4 x T x attention_width per block (the
+    T x T scores and their weighted sum); backward twice the forward. Narayanan et al.
+    2021's 72 B s l h^2 (1 + s/6h + V/12lh), exact for the built-in GPT and HF Llama.
+    `recomputed_blocks` run forward again under activation checkpointing: hardware FLOPs
+    (what the step pays), where 0 gives model FLOPs (what MFU counts, as Megatron does)."""
     tokens = batch * seq
-    block = 2 * tokens * shape.block_weights + 4 * batch * seq * seq * shape.attention_width
+    block = 2 * tokens * shape.block_weights + 4 * tokens * seq * shape.attention_width
     forward = shape.layers * block + 2 * tokens * shape.other_weights
     return 3 * forward + recomputed_blocks * block
 
@@ -110,9 +95,10 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def layer_flops(model: nn.Module, inputs: torch.Tensor) -> int:
     """FLOPs of one forward and backward of a model whose only products are `nn.Linear` and
-    `nn.Conv2d` (the built-in MLP and CNN), from each layer's output shape: forward 2 x
-    outputs x inputs per output; backward the weight's gradient, and the input's unless it
-    needs none (the raw data), as autograd and FlopCounterMode count them."""
+    `nn.Conv2d` (the built-in MLP and CNN), from each layer's output shape, with no dispatch
+    mode (a trace imports torch._dynamo, which every run's MFU would pay at start): forward
+    2 x outputs x inputs per output; backward the weight's gradient, and the input's unless
+    it needs none (the raw data), as FlopCounterMode counts them."""
     total = 0
 
     def count(module, args, out) -> None:
@@ -124,21 +110,16 @@ def layer_flops(model: nn.Module, inputs: torch.Tensor) -> int:
             forward = 2 * out.numel() * module.in_channels // module.groups * kh * kw
         total += forward * (2 + bool(args[0].requires_grad))
 
-    # on the CPU, uninitialised: a meta convolution's kernel would import torch._dynamo
+    # a copy on the CPU, uninitialised: a meta convolution's kernel would import torch._dynamo
     twin = meta_copy(model).to_empty(device="cpu")
-    layers = [m for m in twin.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-    handles = [m.register_forward_hook(count) for m in layers]
-    try:
-        twin(torch.zeros(inputs.shape, dtype=next(twin.parameters()).dtype))
-    finally:
-        for h in handles:
-            h.remove()
+    for layer in twin.modules():
+        if isinstance(layer, (nn.Linear, nn.Conv2d)):
+            layer.register_forward_hook(count)
+    twin(torch.zeros(inputs.shape, dtype=next(twin.parameters()).dtype))
     return total
 
 
-def train_flops(
-    model: nn.Module, inputs: torch.Tensor, *, recomputed_blocks: int = 0, **extras
-) -> int:
+def train_flops(model: nn.Module, inputs: torch.Tensor, **extras: torch.Tensor) -> int:
     """FLOPs of one forward and backward of `model` on `inputs` (B, ...): the closed form
     for a transformer it knows, layer by layer for the built-in MLP and CNN, else traced."""
     from scaletrain.models.cnn import CNN
@@ -147,7 +128,7 @@ def train_flops(
     shape = transformer_shape(model)
     if shape is not None and inputs.dim() == 2:
         batch, seq = inputs.shape
-        return transformer_flops(shape, batch=batch, seq=seq, recomputed_blocks=recomputed_blocks)
+        return transformer_flops(shape, batch=batch, seq=seq)
     if isinstance(model, (MLP, CNN)) and not extras:
         return layer_flops(model, inputs)
     return traced_flops(model, inputs, **extras)

@@ -28,8 +28,8 @@ def plan_layouts(
     *,
     world_size: int,
     profile: Profile,
-    dataset,
-    model,
+    dataset=None,
+    model=None,
     ranks_per_node: int | None = None,
     budget_bytes: int | None = None,
     only_configured: bool = False,
@@ -39,15 +39,15 @@ def plan_layouts(
     then the others, smallest peak first. The configured layout's notes say `configured`.
 
     Args:
-        dataset: the training data (its task sizes the model; one example is traced).
-        model: the bare model on meta (the candidates read its spec).
+        dataset, model: the data and the bare model on meta (default: build_for_plan's).
         ranks_per_node: the launch's ranks on one node (default: Profile.ranks_per_node).
         budget_bytes: memory per rank (default: hardware.rank_budget's for those ranks).
         only_configured: predict the configured layout alone (`scaletrain train`'s check),
             raising the launcher's UserError where it would refuse it.
-        code: the user's own model, data and loss (the Python API's), which every layout
-            is built from as the run builds it.
+        code: the Python API's own model, data and loss, which every layout is built from.
     """
+    if dataset is None or model is None:
+        dataset, model = build_for_plan(config, code)
     config = resolve_auto_precision(config, profile)
     per_node = ranks_per_node or profile.ranks_per_node(world_size)
     if budget_bytes is None:
@@ -93,13 +93,10 @@ def predict_configured(
     config: Config, *, world_size: int, profile: Profile, ranks_per_node: int | None = None
 ) -> Prediction:
     """The prediction for `config`'s own layout on `world_size` ranks."""
-    dataset, model = build_for_plan(config)
     (pred,) = plan_layouts(
         config,
         world_size=world_size,
         profile=profile,
-        dataset=dataset,
-        model=model,
         ranks_per_node=ranks_per_node,
         only_configured=True,
     )

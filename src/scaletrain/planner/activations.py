@@ -1,12 +1,7 @@
-"""Activation memory of one micro-batch, measured by tracing it: no formula to drift.
-
-The model goes through the layout's own tensor parallelism and activation checkpointing
-(held.parallelized), is materialised as fake tensors (FakeTensorMode: shapes, no memory)
-and runs forward once. Every tensor autograd saves for backward is counted once by its
-storage. A checkpointed block's input is counted at the block's entry, and under "op" so
-are the outputs its policy keeps: torch's checkpoint holds both where no saved-tensor hook
-sees them. FSDP does not change a rank's activations; a pipeline stage keeps its own
-blocks' share, which the caller scales.
+"""Activation memory, ops and bytes written of one micro-batch, measured by running its
+forward on fake tensors through the layout's own tensor parallelism and activation
+checkpointing (held.parallelized): no formula to drift. FSDP does not change a rank's
+activations; the caller scales a pipeline stage's share.
 """
 
 from __future__ import annotations
@@ -86,8 +81,9 @@ def traced_activations(
     config: Config, *, dataset, examples: int, tp: int, code: UserCode = NO_CODE
 ) -> Activations:
     """Activations of a micro-batch of `examples` under tensor parallelism `tp` and the
-    config's activation checkpointing and precision; `code`: the user's own model and loss
-    (the Python API's), built in place of the config's names."""
+    config's activation checkpointing and precision; `code`: the user's own model and loss.
+    Each tensor autograd saves is counted once by its storage; so are a checkpointed block's
+    input and, under "op", the outputs its policy keeps, which no saved-tensor hook sees."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -106,7 +102,8 @@ def traced_activations(
     def at_entry(module, args, kwargs) -> None:
         tensors = [a for a in args if torch.is_tensor(a)]
         entries.extend(_local(a).untyped_storage().nbytes() for a in tensors)
-        first_call.extend([] if first_call else [(args, kwargs)])
+        if not first_call:
+            first_call.append((args, kwargs))
         counter.inside += 1
         counter.policy = OpPolicy() if counter.keeps_ops else None
 

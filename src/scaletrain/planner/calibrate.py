@@ -1,23 +1,13 @@
 """`scaletrain calibrate`: measure this machine and write its hardware profile.
 
-- Matmul FLOP/s per dtype on one thread (at the model's own shapes with a config, else
-  1024^3) and memory bandwidth (a large copy). A CPU profile keeps the per-core rate and
-  the core count: a rank of N on C cores gets max(1, C // N) threads, and shares the cores
-  when N > C.
-- Per world size, on ranks started by torch's elastic agent: all-reduce and all-gather on
-  the backend at 4 KiB, 16 KiB, 64 KiB and 64 MiB, the three small ones looked at again
-  after the large one, fitted to t = latency + bytes on the wire / bus bandwidth (`_fit`);
-  and, first in those fresh ranks, the resident bytes FSDP2's first use adds.
-- The model's own steps (reference.py): the costs beyond the matmuls, the heap's slack and
-  FSDP2's and DTensor's costs per step and per call.
-
-Every launch forks its ranks from one server that has imported torch and the trainer once
-(multiprocessing's forkserver): a rank starts in a fraction of a second, fresh (its own
-heap, as a run's), where a spawned one re-imports torch. Throughout, calibrate watches the
-machine's foreign load (runtime/load.py: CPU time of processes outside its own tree). A
-profile timed beside another job is too slow for every layout, so calibrate waits for a
-quiet machine, says which phase ran busy, and records the load in the profile (or, with
-`--busy refuse`, writes none); `scaletrain plan` warns when the machine is busier than that.
+Matmul FLOP/s per dtype on one thread and memory bandwidth; per world size, gloo's
+all-reduce and all-gather fitted to latency + bytes / bus bandwidth (`_fit`) and FSDP2's
+first use; then the built-in GPT tiny's own steps (reference.py). Ranks are started by
+torch's elastic agent, forked from one server that has imported torch and the trainer once
+(multiprocessing's forkserver): fresh, as a run's, in a fraction of a second where a spawned
+rank re-imports torch. A profile timed beside another job predicts every layout too slow, so
+calibrate watches the machine's foreign load (runtime/load.py), waits for quiet, says which
+phase ran busy and records the load in the profile (`--busy refuse`: writes none).
 """
 
 from __future__ import annotations
@@ -39,7 +29,6 @@ from scaletrain.planner.reference import (
     GPT_TINY,
     first_use_bytes,
     gloo_group,
-    model_label,
     sharded_probes,
     slack_probe,
     step_costs,
@@ -49,7 +38,6 @@ from scaletrain.runtime.load import Load, Meter, foreign_load, wait_quiet
 
 SIZES = (4096, 16384, 65536, 2**26)  # `_fit` reads the three smallest and the largest
 DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-BUSY = ("wait", "warn", "refuse")
 QUIET_WAIT_S = 60.0  # how long `--busy wait` waits for the machine to go quiet
 # what every rank imports: loaded once in the fork server, not once per rank
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch._dynamo", "scaletrain.training.trainer"]
@@ -60,6 +48,7 @@ class BusyMachine(UserError):
 
 
 def _median_seconds(fn, *, reps: int, budget_s: float = 1.0) -> float:
+    """`fn`'s median time over `reps` calls (3 at least, fewer once past `budget_s`)."""
     fn()  # warm-up
     times = []
     start = time.perf_counter()
@@ -91,10 +80,9 @@ def memory_bandwidth() -> float:
 
 def _fit(points: list[tuple[float, float]]) -> Link:
     """t = latency + bytes / bw from (bytes on the wire, seconds), each size at its fastest
-    look: the latency is the fastest of the three smallest messages, the bandwidth the
-    largest's rate beyond it. (A least-squares line over 4 KiB..64 MiB is all large
-    messages and puts the intercept anywhere, below zero included; gloo's small messages
-    sometimes sit in a slow mode for a whole look, hence the second look.)"""
+    look (gloo's small messages sometimes sit in a slow mode for a whole look): the latency
+    the fastest of the three smallest, the bandwidth the largest's rate beyond it. A
+    least-squares line over these sizes puts the intercept anywhere, below zero included."""
     fastest: dict[float, float] = {}
     for nbytes, t in points:
         fastest[nbytes] = min(t, fastest.get(nbytes, t))
@@ -105,22 +93,20 @@ def _fit(points: list[tuple[float, float]]) -> Link:
 
 
 def first_use_worker() -> int:
-    """One spawned rank: the resident bytes its first FSDP2 steps add (reference.py)."""
     torch.set_num_threads(1)
     with gloo_group():
         return first_use_bytes()
 
 
 def measure_first_use() -> int:
-    """FSDP2's first use on 2 ranks spawned as a run's are (torch imported afresh): a forked
-    rank shares what the fork server loaded, and a run's rank loads it after its baseline.
-    The largest rank's; a fixed cost per process, the same on 4 ranks (BENCHMARKS.md)."""
+    """FSDP2's first use (reference.first_use_bytes), the largest rank's of 2 spawned as a
+    run's are: a forked rank shares what the fork server loaded, a run's loads it after its
+    baseline. A fixed cost per process, the same on 4 ranks (BENCHMARKS.md)."""
     return max(launch(2, first_use_worker, start_method="spawn").values())
 
 
 def collective_worker(sizes: tuple[int, ...]) -> dict:
-    """One rank (started by the elastic agent): each collective at each size and the three
-    smallest again."""
+    """One rank: each collective at each size, then the three smallest again."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -144,8 +130,8 @@ def collective_worker(sizes: tuple[int, ...]) -> dict:
 
 
 def measure_link(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, dict]:
-    """`world` ranks' link on gloo, the slower of all-reduce's and all-gather's fits in each
-    term (reduce-scatter is all-gather's twin); and rank 0's raw timings."""
+    """`world` ranks' gloo link, each term the slower of all-reduce's and all-gather's fits
+    (reduce-scatter is all-gather's twin); and rank 0's timings."""
     got = launch(world, collective_worker, sizes)[0]
     fits = [_fit(got["all_reduce"]), _fit(got["all_gather"])]
     link = Link(bus_bw=min(f.bus_bw for f in fits), latency_s=max(f.latency_s for f in fits))
@@ -157,8 +143,8 @@ def launch(world: int, fn, *args, start_method: str = "forkserver") -> dict:
     preloaded server (or spawned); rank -> its result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # loopback only, as a single-node `scaletrain train` (launch.LOOPBACK_ENV): a file-backed
-    # rendezvous, rank 0's group store on 127.0.0.1 (gloo_group), gloo on `lo`
+    # loopback only, as a single-node `scaletrain train`: a file-backed rendezvous, rank 0's
+    # group store on 127.0.0.1 (gloo_group), gloo on `lo`
     for key, value in {**SUBPROCESS_ENV, **LOOPBACK_ENV}.items():
         os.environ.setdefault(key, value)
     multiprocessing.set_forkserver_preload(PRELOAD)
@@ -179,25 +165,10 @@ def launch(world: int, fn, *args, start_method: str = "forkserver") -> dict:
         return elastic_launch(config, fn)(*args)
 
 
-def calibrate(
-    *,
-    worlds: list[int],
-    shapes: list[tuple[int, int, int]] | None,
-    reference: dict | None = None,
-    name: str,
-    busy: str = "wait",
-    say=print,
-) -> Profile:
-    """Measure this machine (module docstring) and return its profile.
-
-    Args:
-        shapes: the model's matmul shapes (m, k, n); None: 1024^3.
-        reference: the config (as a dict) whose model's steps fit the costs beyond the
-            matmuls (reference.py); None: the built-in GPT tiny.
-        busy: what to do on a machine busy with other work: "wait" (up to QUIET_WAIT_S,
-            then go on and say so), "warn" (go on and say so) or "refuse" (BusyMachine,
-            before measuring or after, and no profile).
-    """
+def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) -> Profile:
+    """Measure this machine (module docstring) and return its profile. `busy`, what to do on
+    a machine busy with other work: "wait" (up to QUIET_WAIT_S, then go on and say so),
+    "warn" (go on and say so) or "refuse" (BusyMachine before or after measuring)."""
     loads = [_quiet_enough(busy, say)]
 
     @contextlib.contextmanager
@@ -210,9 +181,8 @@ def calibrate(
             say(f"{what}: {meter.load.describe()}; its figures are slower than this machine's")
 
     torch.set_num_threads(1)
-    shapes = shapes or [(1024, 1024, 1024)]
     with phase("matmuls and memory"):
-        flops = {key: matmul_rate(dtype, shapes) for key, dtype in DTYPE_OF.items()}
+        flops = {key: matmul_rate(dtype, [(1024, 1024, 1024)]) for key, dtype in DTYPE_OF.items()}
         bw = memory_bandwidth()
     say(", ".join(f"matmul {k}: {v / 1e9:.1f} GFLOP/s per core" for k, v in flops.items()))
     say(f"memory bandwidth: {bw / 1e9:.1f} GB/s")
@@ -221,7 +191,7 @@ def calibrate(
         # side by side as the busiest world's ranks run them: on the cores they keep busy
         concurrent = min(cores, max(worlds))
         costs = step_costs(
-            reference, flops=flops, memory_bw=bw, concurrent=concurrent, launch=launch, say=say
+            GPT_TINY, flops=flops, memory_bw=bw, concurrent=concurrent, launch=launch, say=say
         )
     say(
         f"beyond the matmuls: {costs['op_s'] * 1e6:.1f} us per op, "
@@ -247,21 +217,20 @@ def calibrate(
         devices_per_node=max(worlds),
         cores=cores,
         **costs,
-        calibrated_on=model_label((reference or GPT_TINY)["model"]),
         source=f"scaletrain calibrate on {cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
     )
     with phase("the heap's slack"):
-        profile = dataclasses.replace(
-            profile, **slack_probe(reference, launch=launch, profile=profile, say=say)
-        )
+        slack = slack_probe(GPT_TINY, launch=launch, profile=profile, say=say)
+        profile = dataclasses.replace(profile, **slack)
     with phase("sharded steps"):
         fields, links = sharded_probes(
-            reference, launch=launch, profile=profile, worlds=tuple(intra), say=say
+            GPT_TINY, launch=launch, profile=profile, worlds=tuple(intra), say=say
         )
-    profile = dataclasses.replace(profile, intra=_with_probed(intra, links), **fields)
     worst = max(loads, key=lambda load: load.foreign_cores)
     profile = dataclasses.replace(
         profile,
+        intra=_with_probed(intra, links),
+        **fields,
         foreign_cores=round(worst.foreign_cores, 3),
         steal_cores=round(max(load.steal_cores for load in loads), 3),
     )
@@ -274,14 +243,12 @@ def calibrate(
 
 def _with_probed(intra: dict[int, Link], links: dict[int, dict[str, float]]) -> dict[int, Link]:
     """Each world's link with the probes' costs per call; where no probe ran over a whole
-    world (a model whose heads do not split that far), its call costs at least the pair's."""
+    world (a model whose heads do not split that far), its call costs the pair's."""
     out = {}
     for world, link in intra.items():
-        probed = dict(links.get(world, {}))
-        for kind in ("fsdp", "tp"):
-            pair = probed.get(f"{kind}_pair_call_s", 0.0)
-            probed.setdefault(f"{kind}_call_s", pair)
-        out[world] = dataclasses.replace(link, **probed)
+        probed = links.get(world, {})
+        pairs = {f"{k}_call_s": probed.get(f"{k}_pair_call_s", 0.0) for k in ("fsdp", "tp")}
+        out[world] = dataclasses.replace(link, **(pairs | probed))
     return out
 
 

@@ -1,12 +1,7 @@
-"""What one rank holds, to the byte, without building anything real: parameters, gradients
-and optimizer state of any layout, from the layout's own code.
-
-The model is built on meta as the trainer builds it and put through the trainer's own
-`parallelize` inside torch's FakeProcessGroup, where DeviceMesh, DTensor and `fully_shard`
-do everything but communicate: each DTensor has the local shape this rank would hold. The
-trainer's optimizer is stepped once on zero gradients so that its state exists. The bytes
-are counted by the metrics' own functions, so a prediction and a run's logged bytes come
-from one function on the same tensors (tests hold them equal for every layout).
+"""What one rank holds, to the byte: parameters, gradients and optimizer state of any
+layout, from the trainer's own code on meta inside torch's FakeProcessGroup (DeviceMesh,
+DTensor and `fully_shard` do all but communicate), counted by the metrics' own functions:
+a prediction and a run's logged bytes are one function of the same tensors.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.precision import make_precision
 from scaletrain.records.memory import held_bytes, local_bytes
 from scaletrain.training.assemble import NO_CODE, UserCode, build_net, build_objective
-from scaletrain.training.optim import build_optimizer
+from scaletrain.training.optim import from_section
 
 
 @dataclass(frozen=True)
@@ -105,28 +100,15 @@ def parallelized(
 def held_on_rank(
     config: Config, derived: Derived, *, dataset, rank: int = 0, code: UserCode = NO_CODE
 ) -> Held:
-    """The bytes rank `rank` holds under `derived`'s layout (see the module docstring).
-
-    Args:
-        config: the run's config (model, precision, optimizer, [parallel] keys).
-        derived: `launch.resolve.resolve(config, world_size=...)`.
-        dataset: the training data (its task sizes the model), built once by the caller.
-    """
+    """The bytes rank `rank` holds under `derived`'s layout, the optimizer stepped once on
+    zero gradients so that its state exists; `dataset` sizes the model."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     with parallelized(
         config, derived.layout, dataset=dataset, rank=rank, pipeline=derived.pipeline, code=code
     ) as (par, _, _):
-        o = config.optim
-        optimizer = build_optimizer(  # foreach: its state is the fused kernel's, shape for shape
-            par.model,
-            name=o.name,
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=o.betas,
-            momentum=o.momentum,
-            impl="foreach",
-        )
+        # foreach: its state is the fused kernel's, shape for shape
+        optimizer, _ = from_section(par.model, config.optim, total_steps=1, impl="foreach")
         trained = [p for p in par.model.parameters() if p.requires_grad]
         for p in trained:
             p.grad = torch.zeros_like(p)

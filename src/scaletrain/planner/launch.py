@@ -26,16 +26,9 @@ def pick_layout(
     """`--plan`: the overrides of the fastest layout predicted to fit, and its prediction."""
     profile = _profile()
     budget, _ = rank_budget(profile, ranks_per_node=ranks_per_node)
-    dataset, model = build_for_plan(config, code)
+    # plan_layouts' memory per rank is this budget too (hardware.rank_budget)
     preds = plan_layouts(
-        config,
-        world_size=world_size,
-        profile=profile,
-        dataset=dataset,
-        model=model,
-        ranks_per_node=ranks_per_node,
-        budget_bytes=budget,
-        code=code,
+        config, world_size=world_size, profile=profile, ranks_per_node=ranks_per_node, code=code
     )
     if not preds or not preds[0].fits:
         smallest = min((p.memory_bytes["peak"] for p in preds), default=0)
@@ -51,12 +44,8 @@ def pick_layout(
 def check_fits(
     config: Config, *, world_size: int, ranks_per_node: int, code: UserCode = NO_CODE
 ) -> None:
-    """Refuse the configured layout when its predicted peak exceeds a rank's memory
-    (module docstring: which models are planned).
-
-    Raises:
-        ConfigError: naming the predicted peak, its parts and the budget.
-    """
+    """Raise ConfigError, naming the predicted peak, its parts and the budget, when the
+    configured layout's peak exceeds a rank's memory (module docstring: which models)."""
     if not (config.model.name == "hf" or ":" in config.model.name or code.model is not None):
         return
     profile = _profile(required=False)
@@ -96,6 +85,7 @@ def check_fits(
 
 
 def _profile(required: bool = True) -> Profile | None:
+    """This launch's hardware profile (hardware.default_profile)."""
     profile = default_profile("cuda" if torch.cuda.is_available() else "cpu")
     if profile is None and required:
         raise ConfigError(

@@ -1,11 +1,6 @@
-"""Every layout of one world size that the launcher would accept.
-
-A candidate overrides the [parallel] keys and train.micro_batch: the degrees (pp x
-dp_replicate x dp_shard x tp = the world), under pp the schedule, the micro-batch (the
-configured one and the per-rank batch over 1, 2 and 4), activation checkpointing where the
-model declares blocks and, under FSDP, ZeRO-3 or ZeRO-2 (reshard_after_forward). Each goes
-through the launcher's own checks (`resolve`, `check_model_fits` on the meta model): a
-layout refused before launch is not a candidate.
+"""Every layout of one world size that the launcher would accept: each candidate's
+[parallel] keys and micro-batch go through the launcher's own checks (`resolve`,
+`check_model_fits` on the meta model).
 """
 
 from __future__ import annotations
@@ -55,22 +50,19 @@ def layout_overrides(config: Config, *, world_size: int) -> dict:
 def candidates(
     config: Config, *, world_size: int, model, only_configured: bool = False
 ) -> list[Candidate]:
-    """The accepted layouts of `world_size`, the configured one first when it is accepted.
-
-    Args:
-        model: the bare model on meta (its spec and blocks are read).
-        only_configured: the configured layout alone, and the launcher's error where it
-            would refuse it (never another layout in its place).
-    """
+    """The accepted layouts of `world_size`, the configured one first when it is accepted:
+    the degrees (pp x dp_replicate x dp_shard x tp = the world), under pp the schedule, the
+    micro-batch, activation checkpointing where `model` (bare, on meta) declares blocks and,
+    under FSDP, ZeRO-3 or ZeRO-2. `only_configured`: the configured layout alone, or the
+    launcher's error refusing it (never another layout in its place)."""
     spec = model_spec(model)
     base = config.model_dump(mode="json")
     configured = layout_overrides(config, world_size=world_size)
     if only_configured:
         return [_accepted(base, configured, world_size=world_size, model=model, spec=spec)]
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    wanted = [configured]
-    for degrees in itertools.product(divisors, repeat=4):
-        pp, rep, shard, tp = degrees
+    wanted = {tuple(sorted(configured.items())): configured}  # each layout once, in order
+    for pp, rep, shard, tp in itertools.product(divisors, repeat=4):
         if pp * rep * shard * tp != world_size:
             continue
         for schedule, mb, ac, zero3 in itertools.product(
@@ -79,18 +71,14 @@ def candidates(
             AC_MODES if spec.blocks else ("none",),
             (True, False) if shard > 1 else (None,),
         ):
-            keys = _keys(degrees, ac, mb)
+            keys = _keys((pp, rep, shard, tp), ac, mb)
             if schedule:
                 keys["parallel.pp_schedule"] = schedule
             if zero3 is not None:
                 keys["parallel.reshard_after_forward"] = zero3
-            wanted.append(keys)
-    seen, out = set(), []
-    for keys in wanted:
-        frozen = tuple(sorted(keys.items()))
-        if frozen in seen:
-            continue
-        seen.add(frozen)
+            wanted.setdefault(tuple(sorted(keys.items())), keys)
+    out = []
+    for keys in wanted.values():
         try:
             out.append(_accepted(base, keys, world_size=world_size, model=model, spec=spec))
         except UserError:
@@ -107,21 +95,17 @@ def toml_value(value) -> str:
 
 def _keys(degrees: tuple, ac: str, micro_batch: int) -> dict:
     names = ("parallel.pp", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp")
-    return {
-        **dict(zip(names, degrees)),
-        "parallel.activation_checkpointing": ac,
-        "train.micro_batch": micro_batch,
-    }
+    keys = dict(zip(names, degrees))
+    return {**keys, "parallel.activation_checkpointing": ac, "train.micro_batch": micro_batch}
 
 
 def _micro_batches(config: Config, dp: int) -> list[int]:
-    per_rank = config.train.global_batch // dp if config.train.global_batch % dp == 0 else 0
-    if not per_rank:
+    """The configured micro-batch and the per-rank batch over 1, 2 and 4, where they divide it."""
+    if config.train.global_batch % dp:
         return []
-    out = {b for b in (per_rank, per_rank // 2, per_rank // 4) if b and per_rank % b == 0}
-    if per_rank % config.train.micro_batch == 0 and config.train.micro_batch <= per_rank:
-        out.add(config.train.micro_batch)
-    return sorted(out, reverse=True)
+    per_rank = config.train.global_batch // dp
+    sizes = (per_rank, per_rank // 2, per_rank // 4, config.train.micro_batch)
+    return sorted({b for b in sizes if 0 < b <= per_rank and per_rank % b == 0}, reverse=True)
 
 
 def _accepted(base: dict, keys: dict, *, world_size: int, model, spec) -> Candidate:

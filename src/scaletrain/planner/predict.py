@@ -1,28 +1,8 @@
-"""One layout's predicted memory, communication and step time: the planner's cost model,
-from what was measured on meta (held.py, activations.py) and the hardware profile.
+"""One layout's predicted memory, communication and step time: the planner's cost model.
 
-Memory per rank, at a step's peak: the layout's params, grads and optimizer state
-(held.py); the traced activations of the micro-batches in flight (a pipeline stage: its
-blocks' share, for the chunks its schedule holds); the largest saved tensor once more (its
-gradient) and one checkpointed block while it recomputes; FSDP's gathered parameters (two
-units, running and prefetched; ZeRO-2 all of them until backward); and on a CPU what a
-process holds beyond its live tensors (`_runtime_bytes`).
-
-Communication per rank and step, ring algorithms, bytes on the wire: replicas all-reduce
-the gradients once; FSDP all-gathers the parameters per micro-batch (twice under ZeRO-3)
-and reduce-scatters the gradients; tensor parallelism moves each block's (B, T, C) stream
-twice forward and twice backward per chunk (all-gathers and reduce-scatters under sequence
-parallelism, else all-reduces); a pipeline sends each chunk's boundary both ways.
-
-Step time, a function of named terms (`Terms.step_s`): the matmuls (hardware FLOPs over the
-rate a real matmul reaches), each op's dispatch and the bytes it writes (calibrate's op_s
-and byte_s, fitted on a model's real steps) and the forward checkpointing runs again; each
-collective (alpha-beta on the link its group spans, per call FSDP2's or DTensor's measured
-cost where calibrate has one) and their cost once a step; less what hides behind compute
-(a GPU's FSDP and DDP collectives; gloo overlaps nothing); stretched by the pipeline's
-bubble (p - 1) / (v m); plus the optimizer's pass over memory. Where a CPU's ranks outnumber
-its cores they take turns, and a stage waiting in the bubble lends its core to the others.
-MFU = model FLOPs (no recomputation) / (step x peak x world).
+It reads what was measured on meta (held.py: a rank's bytes; activations.py: a chunk's
+traced activations, ops and bytes written) and the hardware profile. `_memory`,
+`_collectives` and `Terms` each say what they count.
 """
 
 from __future__ import annotations
@@ -40,16 +20,12 @@ from scaletrain.planner.held import Held
 from scaletrain.precision import matmul_dtype
 from scaletrain.runtime.hardware import Link, Profile
 
-# What re-running an op's forward costs of its whole cost (op_s and byte_s are fitted on
-# forward and backward together): the forward alone, about 2 of the 6 bytes of traffic
-# per byte written that a GPU's byte_s counts (runtime/hardware.py)
+# Re-running an op's forward, of its fitted forward-and-backward cost: about 2 of the 6
+# bytes of traffic per byte written that a GPU's byte_s counts (runtime/hardware.py)
 RECOMPUTED_SHARE = 1 / 3
-# The optimizer's memory traffic, in passes over params + grads + optimizer state. torch
-# 2.13's AdamW (optim/adam.py) per element of those 4 tensors: fused (optim.impl "auto" on
-# CPU and CUDA) is one kernel reading all 4 and writing 3, and the gradient norm reads the
-# grads once: 8 passes of 4, 2x (2.5x where clipping rescales the grads); foreach is 8
-# kernels (mul_, lerp_, mul_, addcmul_, sqrt, div_, add_, addcdiv_) of 20 passes, 21 with
-# the norm, 5.25x. 3 lies between the two, above the default's 2-2.5x
+# The optimizer's memory traffic in passes over params + grads + optimizer state: torch
+# 2.13's AdamW (optim/adam.py) fused with the grad norm makes 2x (2.5x clipping), foreach
+# 5.25x (8 kernels, 21 passes over 4 tensors); 3 lies between, above the default's 2-2.5x
 OPTIMIZER_PASSES = 3
 
 
@@ -79,8 +55,11 @@ class Collective:
 
 @dataclass(frozen=True)
 class Terms:
-    """A step's time on one rank, a function of named terms (`step_s`); `parts()` lists
-    the terms it adds up."""
+    """A step's time on one rank, a sum of named terms (`step_s`; `parts()` lists them): the
+    matmuls at the rate a real matmul reaches; each op's dispatch, the bytes it writes and
+    the forward checkpointing runs again; each collective and FSDP2's or DTensor's cost once
+    a step, less what hides behind compute; stretched by the pipeline's bubble; plus the
+    optimizer's passes over memory."""
 
     flops: float  # FLOP: hardware FLOPs, recomputation included
     rate: float  # FLOP/s: what a real matmul reaches of the profile's peak
@@ -176,8 +155,8 @@ class Prediction:
 def spans_nodes(lay, dim: str, per_node: int) -> bool:
     """Whether a group of mesh dimension `dim` (a pipeline's: two neighbouring stages) has
     ranks on two nodes of `per_node` devices. Ranks are row-major over (pp, dp_replicate,
-    dp_shard, tp) (parallel/layout.py), so a group's ranks are `inner` apart, where `inner`
-    is the product of the degrees after its own, and it spans inner x size ranks."""
+    dp_shard, tp) (parallel/layout.py): a group spans the product of the degrees after its
+    own x its size."""
     order = ("pp", "dp_replicate", "dp_shard", "tp")
     inner = math.prod(getattr(lay, d) for d in order[order.index(dim) + 1 :])
     size = 2 if dim == "pp" else getattr(lay, dim)
@@ -204,24 +183,19 @@ def predict(
     ranks_per_node: int,
     budget_bytes: int,
 ) -> Prediction:
-    """The prediction for one accepted layout (module docstring).
-
-    Args:
-        held: rank 0's bytes under this layout; acts: one chunk's traced activations
-            (a micro-batch, or under pp one chunk of it) under this layout's tp and AC.
-        model: the bare model on meta (its shape and FLOPs); example: one example's inputs.
-        ranks_per_node: the launch's ranks on one node (a CPU's share its cores; a group
-            wider than a node spans nodes).
-        budget_bytes: memory per rank to fit in (hardware.rank_budget).
-    """
+    """The prediction for one accepted layout: `held` is rank 0's bytes under it, `acts` one
+    chunk's traced activations (a micro-batch, or under pp a chunk of it), `model` the bare
+    model on meta, `example` one example's inputs, `budget_bytes` the memory per rank
+    (hardware.rank_budget)."""
     lay = derived.layout
-    per_node = min(lay.world_size, ranks_per_node)
+    per_node = min(lay.world_size, ranks_per_node)  # a CPU's ranks share its cores
     dtype = compute_dtype(config, profile)
     width = 2 if dtype in ("bf16", "fp16") else (8 if dtype == "fp64" else 4)
     shape, seq = transformer_shape(model), example.shape[-1] if example.dim() >= 1 else 1
     hw = train_flops(model, example.unsqueeze(0))  # one example's, no recomputation
     # the costs calibrate measured among the world's ranks (none in a profile without links)
     link = profile.link(lay.world_size) if profile.intra else Link(bus_bw=1.0, latency_s=0.0)
+    peak = profile.peak(dtype, ranks_per_node=per_node)
 
     memory = _memory(config, derived, held, acts, width=width, profile=profile, link=link)
     collectives = _collectives(
@@ -229,40 +203,35 @@ def predict(
         per_node=per_node,
     )  # fmt: skip
     terms = _terms(
-        config, derived, held, acts, collectives, hw=hw, shape=shape, seq=seq, dtype=dtype,
+        config, derived, held, acts, collectives, hw=hw, shape=shape, seq=seq, peak=peak,
         profile=profile, link=link, per_node=per_node,
     )  # fmt: skip
 
-    comm = dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter", "send_recv"), 0.0)
-    comm_calls = dict.fromkeys(comm, 0)
-    calls_by_dim: dict[str, int] = {}
-    for c in collectives:
-        comm[c.name] += c.nbytes
-        comm_calls[c.name] += c.calls
-        calls_by_dim[c.dim] = calls_by_dim.get(c.dim, 0) + c.calls
-    peak = profile.peak(dtype, ranks_per_node=per_node)
-    model_flops = hw * config.train.global_batch
+    names = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+    dims = dict.fromkeys(c.dim for c in collectives)
+    model_flops = hw * config.train.global_batch  # MFU counts no recomputation
     return Prediction(
         layout=layout_keys,
         fits=memory["peak"] <= budget_bytes,
         memory_bytes=memory,
-        comm_bytes={k: int(v) for k, v in comm.items()},
+        comm_bytes={n: int(sum(c.nbytes for c in collectives if c.name == n)) for n in names},
         step_time_s=terms.step_s,
         mfu=model_flops / (terms.step_s * peak * lay.world_size) if peak else None,
-        comm_calls=comm_calls,
-        calls_by_dim=calls_by_dim,
+        comm_calls={n: sum(c.calls for c in collectives if c.name == n) for n in names},
+        calls_by_dim={d: sum(c.calls for c in collectives if c.dim == d) for d in dims},
         terms=terms,
     )
 
 
 def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, int]:
-    """Rank 0's bytes at the peak of a step, by part (module docstring)."""
+    """Rank 0's bytes at a step's peak, by part: the params, grads and optimizer state it
+    holds; the activations of the chunks in flight (a pipeline stage: its blocks' share);
+    the largest saved tensor once more (its gradient) and one checkpointed block while it
+    recomputes; FSDP's gathered parameters (two units, running and prefetched; under ZeRO-2
+    all of them until backward); and a CPU process's memory beyond its live tensors."""
     lay, pipe = derived.layout, derived.pipeline
-    if pipe is None:
-        in_flight = 1
-    elif pipe.schedule == "gpipe":
-        in_flight = pipe.microbatches
-    else:  # 1F1B and its kin: stage 0 holds a chunk for every stage (virtual ones too)
+    in_flight = pipe.microbatches if pipe else 1  # GPipe holds every chunk
+    if pipe and pipe.schedule != "gpipe":  # 1F1B and kin: stage 0 a chunk per (virtual) stage
         in_flight = min(pipe.microbatches, lay.pp * pipe.stages_per_rank)
     share = 1.0 / lay.pp  # a stage's part of the blocks
     activations = int(acts.saved * share * in_flight)
@@ -274,7 +243,15 @@ def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, i
         gathered += 0 if config.parallel.reshard_after_forward else unsharded
         gathered = gathered * width // _param_width(config)
     live = held.grads + held.optim + activations + transient + gathered  # a step's, over params
-    runtime = _runtime_bytes(profile, lay, link, live=live, stage_params=unsharded * lay.tp)
+    # a CPU's resident bytes beyond the live tensors (0 on a GPU profile): the largest, not the
+    # sum, of the claims on one free heap that the next step reuses: the allocator's slack;
+    # FSDP2's once settled, fixed and per byte of the stage's whole parameters (the holes its
+    # gathered buffers leave); DTensor's slack
+    sharded = max(
+        link.fsdp_rss + profile.fsdp_rss_per_byte * (unsharded * lay.tp) if lay.dp_shard > 1 else 0,
+        (profile.tp_rss_ratio - 1.0) * live if lay.tp > 1 else 0,
+    )
+    runtime = int(max((profile.rss_ratio - 1.0) * live, sharded))
     return {
         "params": held.params,
         "grads": held.grads,
@@ -286,27 +263,15 @@ def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, i
     }
 
 
-def _runtime_bytes(profile: Profile, lay, first_use: Link, *, live: int, stage_params: int) -> int:
-    """A CPU process's resident memory beyond its live tensors (0 on a GPU profile): the
-    largest of the claims on one free heap, whose blocks the next step's activations and
-    gathered buffers reuse, so they do not add up:
-    - the allocator's slack on what a step adds, (rss_ratio - 1) x the live bytes;
-    - under FSDP2, what it holds once a rank's steps have settled: a fixed part (the code
-      and state it loads) and a part per byte of the stage's whole parameters (the holes
-      its gathered buffers leave in the heap);
-    - under tensor parallelism, DTensor's slack, (tp_rss_ratio - 1) x the live bytes (in
-      proportion to what a step adds, no fixed part: reference._settled_rss)."""
-    sharded = max(
-        first_use.fsdp_rss + profile.fsdp_rss_per_byte * stage_params if lay.dp_shard > 1 else 0,
-        (profile.tp_rss_ratio - 1.0) * live if lay.tp > 1 else 0,
-    )
-    return int(max((profile.rss_ratio - 1.0) * live, sharded))
-
-
 def _collectives(
     config, derived, held, *, shape, seq, width, profile, link, per_node
 ) -> list[Collective]:
-    """The step's collectives on rank 0, by mesh dimension (module docstring)."""
+    """Rank 0's collectives of a step, ring algorithms, bytes on the wire: replicas
+    all-reduce the gradients once; FSDP all-gathers the parameters per micro-batch (twice
+    under ZeRO-3) and reduce-scatters the gradients; tensor parallelism moves each block's
+    (B, T, C) stream twice forward and twice backward per chunk (all-gathers and
+    reduce-scatters under sequence parallelism, else all-reduces); a pipeline sends each
+    chunk's boundary both ways."""
     lay, pipe, p = derived.layout, derived.pipeline, config.parallel
     accum, chunks = derived.accumulation, pipe.microbatches if pipe else 1
     out: list[Collective] = []
@@ -322,7 +287,7 @@ def _collectives(
         add("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * held.grads, 1, overlaps=True)
     if lay.dp_shard > 1:
         s, units = lay.dp_shard, max(1, held.units)
-        call_s, _ = _sharded_costs(profile, link, "fsdp", group=s, world=lay.world_size)
+        call_s, _ = _sharded_costs(profile, link, lay, "fsdp")
         gathers = 2 if p.reshard_after_forward else 1  # ZeRO-3 gathers again for backward
         unsharded = held.params * s  # the stage's parameters
         in_compute = unsharded * width / _param_width(config)  # gathered in the compute dtype
@@ -332,10 +297,9 @@ def _collectives(
         add("reduce_scatter", "dp_shard", s, nbytes, units * accum, overlaps=True, call_s=call_s)
     if lay.tp > 1 and shape is not None:
         t = lay.tp
-        # the (B, T, C) stream of a chunk
         stream = config.train.micro_batch * seq * shape.attention_width * width / chunks
         calls = 4 * (shape.layers // lay.pp) * accum * chunks  # per block: 2 forward, 2 backward
-        call_s, _ = _sharded_costs(profile, link, "tp", group=t, world=lay.world_size)
+        call_s, _ = _sharded_costs(profile, link, lay, "tp")
         if p.sequence_parallel:
             nbytes = calls * (t - 1) / t * stream
             add("all_gather", "tp", t, nbytes, calls, overlaps=False, call_s=call_s)
@@ -352,9 +316,9 @@ def _collectives(
 
 
 def _terms(
-    config, derived, held, acts, collectives, *, hw, shape, seq, dtype, profile, link, per_node
+    config, derived, held, acts, collectives, *, hw, shape, seq, peak, profile, link, per_node
 ) -> Terms:
-    """The step's terms on rank 0 and their sum (module docstring)."""
+    """Rank 0's step, term by term (`Terms`)."""
     lay, pipe = derived.layout, derived.pipeline
     chunk_steps = derived.accumulation * (pipe.microbatches if pipe else 1)
     share = 1.0 / lay.pp  # a stage's part of the blocks, and of their ops and bytes
@@ -366,23 +330,17 @@ def _terms(
         hw -= transformer_flops(shape, batch=1, seq=seq)
     flops = hw * derived.examples_per_rank / (lay.tp * lay.pp)
     flops += chunk_steps * share * acts.again_flops  # under "op", the products it recomputes
-    rate = profile.peak(dtype, ranks_per_node=per_node) or profile.peak(
-        "fp32", ranks_per_node=per_node
-    )
-    rate *= profile.matmul_efficiency
+    rate = (peak or profile.peak("fp32", ranks_per_node=per_node)) * profile.matmul_efficiency
     # beyond the matmuls: each op's dispatch and the bytes it writes, longer where the
     # node's ranks take turns on its cores
     turns = profile.slowdown(per_node)
     ops, written = chunk_steps * share * acts.ops, chunk_steps * share * acts.written
     again = acts.again_ops * profile.op_s + acts.again_written * profile.byte_s
-    # FSDP2's and DTensor's cost once a step, the stage's share; a layout with both pays the
-    # larger once (its parameters are DTensors once). Not longer for the turns: calibrate
-    # measured it with them
-    _, fsdp_step = _sharded_costs(profile, link, "fsdp", group=lay.dp_shard, world=lay.world_size)
-    _, tp_step = _sharded_costs(profile, link, "tp", group=lay.tp, world=lay.world_size)
-    sharded_step_s = share * max(
-        fsdp_step if lay.dp_shard > 1 else 0.0, tp_step if lay.tp > 1 else 0.0
-    )
+    # FSDP2's and DTensor's cost once a step, the stage's share: the larger once where a
+    # layout has both (its parameters are DTensors once); calibrate measured it with the turns
+    _, fsdp_step = _sharded_costs(profile, link, lay, "fsdp")
+    _, tp_step = _sharded_costs(profile, link, lay, "tp")
+    sharded_step_s = share * max(fsdp_step, tp_step)
     bubble = (lay.pp - 1) / (pipe.stages_per_rank * pipe.microbatches) if lay.pp > 1 else 0.0
     optimizer_s = OPTIMIZER_PASSES * (held.params + held.grads + held.optim) / profile.memory_bw
     return Terms(
@@ -403,17 +361,21 @@ def _terms(
     )
 
 
-def _sharded_costs(profile: Profile, link: Link, kind: str, *, group: int, world: int):
-    """(s per call, s per step) of FSDP2 ("fsdp") or DTensor ("tp") in a group of `group`
-    among `world` ranks. Where the group is smaller than the world and calibrate measured
-    groups of 2, the pair's own (fitted together on this world's ranks); else the whole
-    world's per call (0: the link's latency) and calibrate's on 2 ranks per step."""
+def _sharded_costs(profile: Profile, link: Link, lay, kind: str) -> tuple[float, float]:
+    """(s per call, s per step) of FSDP2 ("fsdp") or DTensor ("tp") under `lay`, (0, 0)
+    without it: a group smaller than the world pays the pair costs calibrate fitted on
+    groups of 2, where it did; else the world's per call (0: the link's latency) and per step."""
     if kind == "fsdp":
-        costs = link.fsdp_call_s, profile.fsdp_step_s, link.fsdp_pair_call_s, link.fsdp_pair_step_s
+        group = lay.dp_shard
+        pair = link.fsdp_pair_call_s, link.fsdp_pair_step_s
+        whole = link.fsdp_call_s, profile.fsdp_step_s
     else:
-        costs = link.tp_call_s, profile.tp_step_s, link.tp_pair_call_s, link.tp_pair_step_s
-    call, step, pair_call, pair_step = costs
-    return (pair_call, pair_step) if group < world and pair_call else (call, step)
+        group = lay.tp
+        pair = link.tp_pair_call_s, link.tp_pair_step_s
+        whole = link.tp_call_s, profile.tp_step_s
+    if group == 1:
+        return 0.0, 0.0
+    return pair if group < lay.world_size and pair[0] else whole
 
 
 def _param_width(config: Config) -> int:

@@ -1,28 +1,12 @@
 """What `scaletrain calibrate` learns from a model's real training steps.
 
-A small model on a CPU spends most of a step outside its matmuls: each op's dispatch and
-autograd bookkeeping, element-wise work bound by memory, and under FSDP2 or DTensor the
-Python around each collective. A process also holds more resident memory than its live
-tensors (the heap keeps freed blocks). No kernel benchmark shows either, so calibrate
-trains one model for real (the built-in GPT tiny, or `calibrate CONFIG`'s own), each run
-in fresh ranks started by torch's elastic agent, and the planner predicts every other model
-and layout from what it fits: the profiling cost model of layout searchers such as
-Galvatron and Alpa.
-
-- `step_costs`: the model on one thread at four micro-batches, a step at each in turn (a
-  slow minute falls on every micro-batch alike), in as many ranks side by side as the
-  busiest world keeps cores busy, each step begun together (a barrier, not timed). Each
-  step less its matmuls and optimizer pass is fitted to ops x op_s + bytes written x byte_s
-  (`_nonneg_fit`, least squares, neither below 0).
-- `slack_probe`: the trainer on 2 ranks under DDP until its resident peak settles: resident
-  bytes per live byte (`rss_ratio`, the heap's slack).
-- `sharded_probes`: the trainer under dp_shard = 2 and tp = 2, settled: what FSDP2 holds per
-  byte of parameters and DTensor per live byte (their gathered copies leave holes in the
-  heap). Timed at 1, 2 and 4 micro-batches a step (1, 2 and 4 times the calls), each step's
-  excess over the planner's plain prediction is fitted to a cost per step plus one per call.
-  On each larger world the same in groups of 2 (with more ranks than cores a call waits on
-  fewer peers) and over the whole world.
-- `first_use_worker`: the resident bytes a process adds the first time it runs FSDP2.
+On a CPU a small model's step is mostly outside its matmuls (op dispatch and autograd,
+memory-bound element-wise work, FSDP2's and DTensor's Python around each collective), and a
+process holds more than its live tensors (the heap keeps freed blocks). No kernel benchmark
+shows either, so calibrate trains a model for real, in fresh ranks, and the planner predicts
+every other model and layout from what it fits (the profiling cost model of layout searchers
+such as Galvatron and Alpa): `step_costs` (`op_s`, `byte_s`), `slack_probe` (`rss_ratio`),
+`sharded_probes` (FSDP2's and DTensor's slack and costs) and `first_use_bytes`.
 """
 
 from __future__ import annotations
@@ -53,35 +37,26 @@ TIMED_STEPS = 32
 WINDOWS = 4  # a probe logs its steps in 4 windows; the first warms up
 KINDS = ("fsdp", "tp")
 SHARDED_DIM = {"fsdp": "dp_shard", "tp": "tp"}  # the mesh dimension of each kind's groups
-# a fit's points: a rank's examples a step in 1, 2 and 4 micro-batches (1, 2 and 4 times the
-# calls): on 2 ranks three points, so that one look's noise moves the fit by its share only;
-# on more ranks than cores the two far ends (their steps are slower: the time goes to longer
-# looks rather than a third)
+# a fit's points: a rank's examples in 1, 2 and 4 micro-batches a step (1, 2 and 4 times the
+# calls), three points on 2 ranks so that one look's noise moves the fit by its share only;
+# on more ranks than cores the two far ends (their steps are slower)
 LOOKS = (1, 2, 4)
 WIDE_LOOKS = (1, 4)
 
 
-def model_label(model: dict) -> str:
-    """A config's [model] section (as a dict) in one line: what a profile records it was
-    calibrated on and `scaletrain plan` compares."""
-    from scaletrain.config import BUILTIN_MODELS, ModelConfig
-
-    m = ModelConfig(**model)
-    parts = [m.name, f"size={m.size}" if m.name in BUILTIN_MODELS else ""]
-    parts += [f"hf_config={m.hf_config}" if m.hf_config else "", f"path={m.path}" if m.path else ""]
-    if m.kwargs:
-        parts.append("kwargs=" + json.dumps(m.kwargs, sort_keys=True, separators=(",", ":")))
-    return " ".join(p for p in parts if p)
-
-
 def reference_config(data: dict, micro_batch: int):
     """`data` (a config as a dict) as one process training micro-batches of `micro_batch`."""
+    return _config(data, {}, train={"micro_batch": micro_batch, "global_batch": micro_batch})
+
+
+def _config(data: dict, parallel: dict, *, train: dict, **sections):
+    """`data` (a config as a dict) under `parallel`, its [train] updated by `train` and its
+    `sections` replaced, validated."""
     from scaletrain.config import validate_config
 
     data = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
-    data["train"].update(micro_batch=micro_batch, global_batch=micro_batch)
-    data["parallel"] = {}  # the defaults: one process
-    return validate_config(data)
+    data.setdefault("train", {}).update(train)
+    return validate_config(data | sections | {"parallel": dict(parallel)})
 
 
 def _micro_batch(data: dict) -> int:
@@ -89,23 +64,23 @@ def _micro_batch(data: dict) -> int:
 
 
 def reference_batches(data: dict) -> tuple[int, ...]:
-    """The micro-batches to fit at: a quarter, half, once and twice the configured one (the
-    sizes a layout's chunks run at)."""
+    """A quarter, half, once and twice the configured micro-batch: the sizes a layout's
+    chunks run at."""
     mb = _micro_batch(data)
     return tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb, 2 * mb}))
 
 
 def reference_rank(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> dict:
-    """One rank of the reference (started by the elastic agent): `step_worker` in a gloo
-    group, which waits up to STEP_WAIT_S for the slowest rank's build and steps."""
+    """One rank of the reference: `step_worker` in a gloo group that waits up to STEP_WAIT_S
+    for the slowest rank's build and steps."""
     with gloo_group(timeout_s=STEP_WAIT_S):
         return step_worker(data, micro_batches, steps)
 
 
 def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> dict:
-    """The reference trained on one thread under the run's heap policy, `steps` rounds of
-    one step at each of `micro_batches` in turn; per micro-batch the median step after two
-    warm-up rounds. In a process group each step begins when every rank is ready."""
+    """The reference on one thread under the run's heap policy: `steps` rounds of one step
+    at each micro-batch in turn (a slow minute falls on each alike), each begun together in a
+    process group; per micro-batch the median step after two warm-up rounds."""
     import torch.distributed as dist
 
     from scaletrain.planner import build_for_plan
@@ -144,22 +119,15 @@ def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> 
 
 
 def step_costs(
-    data: dict | None,
-    *,
-    flops: dict[str, float],
-    memory_bw: float,
-    concurrent: int,
-    launch,
-    say=print,
+    data: dict, *, flops: dict[str, float], memory_bw: float, concurrent: int, launch, say=print
 ) -> dict[str, float]:
-    """op_s and byte_s fitted on the reference's steps in `concurrent` ranks side by side,
-    each micro-batch's slowest rank's median (a synchronous step waits for it). `data`: the
-    config as a dict (None: GPT tiny); `launch(n, fn, *args)` starts ranks and returns
-    rank -> result (calibrate.launch)."""
+    """`op_s` and `byte_s`: each step less its matmuls and optimizer pass, fitted to
+    ops x op_s + bytes written x byte_s (`_nonneg_fit`). The reference runs in `concurrent`
+    ranks side by side, as the busiest world keeps the cores busy; a micro-batch's step is its
+    slowest rank's (a synchronous step waits for it). `launch(n, fn, *args)`: rank -> result."""
     from scaletrain.planner import predict_configured
     from scaletrain.runtime.hardware import Profile
 
-    data = data or GPT_TINY
     # the planner's prediction with no per-op or per-byte cost: what the fit adds to
     bare = Profile(name="bare", flops=flops, memory_bytes=2**62, memory_bw=memory_bw, cores=1)
     batches = reference_batches(data)
@@ -167,8 +135,7 @@ def step_costs(
     rows = []
     for mb in batches:
         step_s = max(r["step_s"][mb] for r in ranks)
-        config = reference_config(data, mb)
-        pred = predict_configured(config, world_size=1, profile=bare)
+        pred = predict_configured(reference_config(data, mb), world_size=1, profile=bare)
         rows.append((pred.ops, pred.written, step_s - pred.step_time_s))
         say(f"reference step, micro-batch {mb}, {concurrent} at once: {step_s * 1e3:.1f} ms")
     op_s, byte_s = _nonneg_fit(rows)
@@ -183,30 +150,19 @@ def probe_parallel(kind: str, *, world: int, group: int) -> dict:
 
 
 def sharded_config(data: dict, parallel: dict, *, steps: int = SETTLE_STEPS, accumulation: int = 1):
-    """`data` (a config as a dict) trained under `parallel` for `steps` steps, each rank
-    taking the configured micro-batch's examples in `accumulation` micro-batches, logged in
-    WINDOWS windows, no checkpoint, 8 examples of evaluation at the end."""
-    from scaletrain.config import validate_config
-
-    mb = _micro_batch(data)
-    data = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
-    data.setdefault("train", {})
+    """`data` trained under `parallel` for `steps` steps, each rank taking the configured
+    micro-batch's examples in `accumulation` micro-batches, logged in WINDOWS windows, no
+    checkpoint, 8 examples of evaluation at the end."""
+    mb = _micro_batch(data) // accumulation
     replicas = parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1)
-    data["train"].update(
-        micro_batch=mb // accumulation,
-        global_batch=mb // accumulation * accumulation * replicas,
-        steps=steps,
-        eval_every=0,
-        eval_examples=8,
-    )
-    data["parallel"] = dict(parallel)
-    data["log"] = {"every": max(1, steps // WINDOWS), "quiet": True}
-    data["checkpoint"] = {"every": 0}
-    return validate_config(data)
+    train = {"micro_batch": mb, "global_batch": mb * accumulation * replicas, "steps": steps}
+    train |= {"eval_every": 0, "eval_examples": 8}
+    log = {"every": max(1, steps // WINDOWS), "quiet": True}
+    return _config(data, parallel, train=train, log=log, checkpoint={"every": 0})
 
 
 def sharded_worker(data: dict, parallel: dict, steps: int, accumulation: int, run_dir: str) -> None:
-    """One rank of a probe (started by the elastic agent): the trainer itself."""
+    """One rank of a probe: the trainer itself."""
     import torch.distributed as dist
 
     from scaletrain.training.trainer import train
@@ -220,29 +176,19 @@ def sharded_worker(data: dict, parallel: dict, steps: int, accumulation: int, ru
 
 
 def slack_probe(
-    data: dict | None, *, launch, profile, steps: int = SETTLE_STEPS, say=print
+    data: dict, *, launch, profile, steps: int = SETTLE_STEPS, say=print
 ) -> dict[str, float]:
-    """`rss_ratio`: the model trained on 2 ranks under DDP (no sharding costs of its own) for
-    `steps` steps; its settled peak above baseline, plus the gradients DDP's buckets put in
-    the baseline at set-up, over the planner's live bytes. Nothing where it is refused."""
-    data = data or GPT_TINY
+    """`rss_ratio`: the model on 2 ranks under DDP for `steps` steps (`_settled_rss`);
+    nothing where the probe fails."""
     bare = dataclasses.replace(_without_sharding_costs(profile), rss_ratio=1.0)
     settled = _probe(data, {"dp_replicate": 2}, 2, steps, launch, bare, say)
     if settled is None:
         return {}
-    pred, train = settled
-    peak, live = _settled_peak(pred, train)
-    ratio = max(1.0, (peak + pred.memory_bytes["grads"]) / live)
-    say(
-        f"DDP on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
-        f"{(live - pred.memory_bytes['grads']) / 2**20:.1f} MiB of live tensors beyond it "
-        f"predicted: resident memory {ratio:.2f} x the live tensors"
-    )
-    return {"rss_ratio": ratio}
+    return {"rss_ratio": _settled_rss("ddp", *settled, profile=profile, steps=steps, say=say)}
 
 
 def sharded_probes(
-    data: dict | None,
+    data: dict,
     *,
     launch,
     profile,
@@ -251,92 +197,64 @@ def sharded_probes(
     timed_steps: int = TIMED_STEPS,
     say=print,
 ) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
-    """What the model's own sharded steps show (module docstring), per kind (fsdp, tp): the
-    profile's fields and each world size's link fields.
-
-    On 2 ranks: a probe of `steps` steps (settled) gives `fsdp_rss_per_byte` or
-    `tp_rss_ratio` and the first look at 1 micro-batch; timed probes the other LOOKS. The
-    looks' excess over the planner's step without sharding costs is fitted to
-    `{kind}_step_s` + calls x `{kind}_call_s`. On each larger world: the same fit in
-    groups of 2 (`{kind}_pair_step_s`, `{kind}_pair_call_s`), and over the whole world its
-    cost per call beside the 2-rank cost per step (`{kind}_call_s` of that world's link).
-    A probe the model cannot run, or whose rank dies, fits nothing; calibrate goes on.
-    `launch(world, fn, *args)` starts ranks; `profile`: this machine's so far."""
-    data = data or GPT_TINY
+    """FSDP2's and DTensor's costs on the model's own steps: the profile's fields and each
+    world's link fields. Per kind (fsdp, tp), on 2 ranks: a settled probe gives the heap's
+    slack (`_settled_rss`) and the first look; timed probes the other LOOKS, whose excess over
+    the planner's step is fitted to `{kind}_step_s` + calls x `{kind}_call_s`. On each larger
+    world: the same fit in groups of 2 (with more ranks than cores a call waits on fewer
+    peers: `{kind}_pair_step_s`, `{kind}_pair_call_s`), and over the whole world its cost per
+    call beside the 2-rank cost per step. A probe the model cannot run, or whose rank dies,
+    fits nothing. `profile`: this machine's so far."""
     bare = _without_sharding_costs(profile)
-    defaults = {f.name: f.default for f in dataclasses.fields(type(profile))}
+    defaults = {f.name: f.default for f in dataclasses.fields(profile)}
     fields: dict[str, float] = {}
-    links: dict[int, dict[str, float]] = {w: {} for w in worlds}
+    links: dict[int, dict[str, float]] = {world: {} for world in worlds}
 
-    def fit(parallel, world, plan, kind, first=None):
-        """(step_s, call_s, the line that says the looks) from LOOKS' probes (WIDE_LOOKS on
-        more than 2 ranks), or None."""
-        looks_at = [a for a in (LOOKS if world == 2 else WIDE_LOOKS) if a <= _micro_batch(data)]
-        runs = [first] if first else []
-        for a in looks_at[1:] if first else looks_at:
-            runs.append(_probe(data, parallel, world, timed_steps, launch, plan, say, a))
-        looks = [_excess(*run, kind) for run in runs if run]
-        if not looks or not looks[0][1]:  # no calls planned (no TP plan the planner sees)
-            return None
-        share = 1.0 / parallel.get("pp", 1)  # a pipeline stage pays its share of the step
-        step_s, call_s = _nonneg_fit([(share, calls, excess) for excess, calls in looks])
-        said = ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in looks)
-        return step_s, call_s, said
+    def probe(parallel, world, run_steps, accumulation=1, plan=bare):
+        return _probe(data, parallel, world, run_steps, launch, plan, say, accumulation)
+
+    def fit(kind, parallel, world, looks, *runs):
+        """`runs` and timed probes at `looks` (those the micro-batch allows), fitted."""
+        timed = [probe(parallel, world, timed_steps, a) for a in looks if a <= _micro_batch(data)]
+        label = f"{kind} on 2 ranks" if world == 2 else f"{kind} as {parallel} on {world} ranks"
+        return _fit_looks([*runs, *timed], kind, parallel=parallel, label=label, say=say)
 
     for kind in KINDS:
-        field = {"fsdp": "fsdp_rss_per_byte", "tp": "tp_rss_ratio"}[kind]
-        fields[field] = defaults[field]
+        rss_field = {"fsdp": "fsdp_rss_per_byte", "tp": "tp_rss_ratio"}[kind]
+        fields[rss_field] = defaults[rss_field]
         pair = probe_parallel(kind, world=2, group=2)
-        settled = _probe(data, pair, 2, steps, launch, bare, say)
+        settled = probe(pair, 2, steps)
         if settled is None:
             continue
-        pred, train = settled
-        peak, live = _settled_peak(pred, train)
-        stage = pred.memory_bytes["params"] * 2  # the one stage's whole parameters
-        fields[field], said = _settled_rss(kind, peak=peak, live=live, stage=stage, profile=profile)
-        say(
-            f"{kind} on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
-            f"{live / 2**20:.1f} MiB of live tensors predicted: {said}"
-        )
-        got = fit(pair, 2, bare, kind, first=settled)
-        if got is None:
+        fields[rss_field] = _settled_rss(kind, *settled, profile=profile, steps=steps, say=say)
+        fitted = fit(kind, pair, 2, LOOKS[1:], settled)
+        if fitted is None:
             continue
-        step_s, call_s, said = got
+        step_s, call_s = fitted
         fields[f"{kind}_step_s"], links.setdefault(2, {})[f"{kind}_call_s"] = step_s, call_s
-        say(
-            f"{kind} on 2 ranks: {said}; fitted: "
-            f"{step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call"
-        )
         for world in (w for w in worlds if w > 2):
-            pair = probe_parallel(kind, world=world, group=2)
-            got = fit(pair, world, bare, kind)
-            if got is not None:
-                pair_step, pair_call, said = got
-                links[world][f"{kind}_pair_step_s"] = pair_step
+            fitted = fit(kind, probe_parallel(kind, world=world, group=2), world, WIDE_LOOKS)
+            if fitted is not None:
+                links[world][f"{kind}_pair_step_s"] = fitted[0]
                 # 1e-12, not 0: a pair cost of 0 means none measured (predict)
-                links[world][f"{kind}_pair_call_s"] = max(pair_call, 1e-12)
-                say(
-                    f"{kind} as {pair} on {world} ranks: {said}; fitted: "
-                    f"{pair_step * 1e3:.1f} ms a step + {pair_call * 1e6:.0f} us a call"
-                )
+                links[world][f"{kind}_pair_call_s"] = max(fitted[1], 1e-12)
             # the whole world: its calls beside the 2-rank cost per step
-            stepped = dataclasses.replace(bare, **{f"{kind}_step_s": step_s})
             whole = probe_parallel(kind, world=world, group=world)
-            run = _probe(data, whole, world, timed_steps, launch, stepped, say)
+            stepped = dataclasses.replace(bare, **{f"{kind}_step_s": step_s})
+            run = probe(whole, world, timed_steps, plan=stepped)
             excess, calls = _excess(*run, kind) if run else (0.0, 0)
             if calls:
-                links[world][f"{kind}_call_s"] = max(0.0, excess / calls)
+                call_s = links[world][f"{kind}_call_s"] = max(0.0, excess / calls)
                 say(
                     f"{kind} as {whole} on {world} ranks: {excess * 1e3:.1f} ms beyond the "
-                    f"plan and its cost per step, {calls} calls: "
-                    f"{links[world][f'{kind}_call_s'] * 1e6:.0f} us a call"
+                    f"plan and its cost per step, {calls} calls: {call_s * 1e6:.0f} us a call"
                 )
     return fields, links
 
 
 def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
-    """The planner's prediction for one probe and its logged training windows; None where
-    the launcher's checks refuse the layout (no TP plan) or a rank died."""
+    """(the planner's prediction for one probe, its logged training windows); None where the
+    launcher's checks refuse the layout (no TP plan) or a rank died."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from scaletrain.errors import UserError
@@ -359,34 +277,54 @@ def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
     return pred, [r for r in rows if r.get("kind") == "train"]
 
 
-def _settled_rss(kind: str, *, peak: int, live: int, stage: int, profile) -> tuple[float, str]:
-    """What a settled 2-rank probe's peak above baseline says of the heap, and the line that
-    says it. FSDP2 (`fsdp_rss_per_byte`): beyond the live bytes and its first use, per byte
-    of the stage's whole parameters (the holes its gathered buffers leave). Tensor
-    parallelism (`tp_rss_ratio`): resident bytes per live byte, no fixed part (DTensor's
-    copies of the stream grow with the activations)."""
-    if kind == "tp":
-        ratio = max(1.0, peak / live)
-        return ratio, f"resident memory {ratio:.2f} x the live tensors"
-    per_byte = max(0.0, (peak - live - profile.link(2).fsdp_rss) / stage)
-    return per_byte, (
-        f"{per_byte:.2f} x the stage's {stage / 2**20:.1f} MiB of parameters beyond the "
-        "slack and first use"
-    )
-
-
-def _settled_peak(pred, train: list[dict]) -> tuple[int, int]:
-    """(the probe's largest logged peak above baseline; the planner's live bytes: its peak
-    less the parameters, which the baseline holds, and less the runtime terms, which the
-    probes measure)."""
+def _settled_rss(kind: str, pred, train: list[dict], *, profile, steps: int, say) -> float:
+    """What a settled 2-rank probe's largest peak above baseline says of the heap, beyond
+    the planner's live bytes (its peak less the parameters, which the baseline holds, and
+    the runtime terms, which the probes measure); and the line that says it.
+    - DDP (`rss_ratio`): resident bytes per live byte, the gradients DDP's buckets put in
+      the baseline at set-up counted in;
+    - FSDP2 (`fsdp_rss_per_byte`): beyond the live bytes and its first use, per byte of the
+      stage's whole parameters (the holes its gathered buffers leave);
+    - tensor parallelism (`tp_rss_ratio`): resident bytes per live byte, no fixed part
+      (DTensor's copies of the stream grow with the activations)."""
     memory = pred.memory_bytes
     peak = max(r["window_peak_above_baseline_bytes"] for r in train)
-    return peak, memory["peak"] - memory["params"] - memory["runtime"]
+    live = memory["peak"] - memory["params"] - memory["runtime"]
+    if kind == "fsdp":
+        stage = memory["params"] * 2  # the one stage's whole parameters
+        value = max(0.0, (peak - live - profile.link(2).fsdp_rss) / stage)
+        said = (
+            f"{value:.2f} x the stage's {stage / 2**20:.1f} MiB of parameters beyond the "
+            "slack and first use"
+        )
+    else:
+        grads = memory["grads"] if kind == "ddp" else 0  # in DDP's baseline since set-up
+        value = max(1.0, (peak + grads) / live)
+        live -= grads  # what a step adds above the baseline
+        said = f"resident memory {value:.2f} x the live tensors"
+    say(
+        f"{kind} on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
+        f"{live / 2**20:.1f} MiB of live tensors predicted: {said}"
+    )
+    return value
+
+
+def _fit_looks(runs: list, kind: str, *, parallel: dict, label: str, say):
+    """(cost per step, cost per call) fitted to the probes' excess over the plan, said; None
+    where none ran or no calls are planned."""
+    looks = [_excess(pred, train, kind) for pred, train in filter(None, runs)]
+    if not looks or not looks[0][1]:  # no calls planned (no TP plan the planner sees)
+        return None
+    share = 1.0 / parallel.get("pp", 1)  # a pipeline stage pays its share of the step
+    step_s, call_s = _nonneg_fit([(share, calls, excess) for excess, calls in looks])
+    said = ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in looks)
+    say(f"{label}: {said}; fitted: {step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call")
+    return step_s, call_s
 
 
 def _excess(pred, train: list[dict], kind: str) -> tuple[float, int]:
-    """(the median logged step after the first window, which warms up, less the planner's
-    step; the step's `kind` collective calls)."""
+    """(the median logged step after the warm-up window less the planner's step, the step's
+    `kind` collective calls)."""
     step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
     return step_s - pred.step_time_s, pred.calls_by_dim.get(SHARDED_DIM[kind], 0)
 
@@ -454,7 +392,7 @@ def first_use_bytes(*, units: int = 8, width: int = 64) -> int:
 
 @contextlib.contextmanager
 def gloo_group(timeout_s: float = 120.0) -> Iterator[None]:
-    """This rank's gloo group (the elastic agent's environment; its store on loopback, as a
+    """This rank's gloo group (the elastic agent's environment, its store on loopback as a
     run's), closed on the way out; a collective that waits `timeout_s` raises."""
     import torch.distributed as dist
 

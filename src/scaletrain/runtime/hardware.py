@@ -15,29 +15,27 @@ from __future__ import annotations
 
 import os
 import tomllib
-import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
 from scaletrain.errors import UserError
 
-DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp64")
 CALIBRATED = Path.home() / ".cache" / "scaletrain" / "hardware.toml"
 
 
-def quantity(default: Any = MISSING, *, unit: str, how: str, factory=None):
-    """A profile field declared once, with its unit and how it is set: loading and writing a
-    profile read these declarations, not lists of names."""
-    meta = {"unit": unit, "how": how}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+def quantity(default: Any = MISSING, *, unit: str, how: str, **kw: Any) -> Any:
+    """A profile field with its unit and how it is measured or set (its metadata)."""
+    return field(default=default, metadata={"unit": unit, "how": how}, **kw)
 
 
 @dataclass(frozen=True)
 class Link:
     """One collective's cost model: seconds = latency_s + bytes on the wire / bus_bw."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # a link's unknown key is an error
 
     bus_bw: float = quantity(
         unit="bytes/s", how="nccl-tests' busbw: calibrate's fit of collectives; a GPU's datasheet"
@@ -72,8 +70,8 @@ class Profile:
     memory_bw: float = quantity(unit="bytes/s", how="what a device streams: a 128 MiB copy timed")
     intra: dict[int, Link] = quantity(
         unit="world size -> Link",
-        factory=dict,
         how="within a node; an unlisted size: the one below",
+        default_factory=dict,
     )
     inter: Link | None = quantity(None, unit="Link", how="between nodes: a device's NIC share")
     devices_per_node: int = quantity(1, unit="devices", how="a GPU node's devices")
@@ -116,7 +114,6 @@ class Profile:
     steal_cores: float = quantity(
         0.0, unit="cores", how="the same for steal (another VM's time on this host)"
     )
-    calibrated_on: str = quantity("", unit="", how="CPU: the model calibrate fitted the costs on")
     source: str = quantity("", unit="", how="where the figures come from")
 
     def link(self, group_size: int, *, spans_nodes: bool = False) -> Link:
@@ -172,12 +169,11 @@ RATES = {  # fp64, fp32, tf32, bf16
     "nvl": (60e12, 60e12, 835e12 / 2, 1671e12 / 2),
     "pcie": (51e12, 51e12, 756e12 / 2, 1513e12 / 2),
 }
-# The best bf16 matmul rate measured on a part over its datasheet peak, for every dtype:
-# Stas Bekman's Maximum Achievable Matmul FLOPS (github.com/stas00/ml-engineering,
-# compute/accelerator/README.md, the v2 BF16 table: the mean of 100 iterations of the best
-# shape, torch 2.6-2.7), for the A100 SXM and H100 SXM; other parts take their SXM sibling's
-# (the same die; their datasheet peak counts their clocks). Step times use it; MFU stays
-# against the datasheet's peak, as torchtitan and Megatron-LM report it.
+# The best bf16 matmul rate measured over the datasheet peak, for every dtype (step times use
+# it; MFU stays against the peak, as torchtitan and Megatron-LM report it): Stas Bekman's
+# Maximum Achievable Matmul FLOPS (github.com/stas00/ml-engineering, compute/accelerator/
+# README.md, v2 BF16 table: mean of 100 iterations of the best shape, torch 2.6-2.7) for the
+# A100 and H100 SXM; other parts take their SXM sibling's (same die, clocks in the peak).
 A100_SHARE = 271.2e12 / 312e12  # A100 SXM: 86.9%, torch 2.6.0+cu126
 H100_SHARE = 794.5e12 / 989.5e12  # H100 SXM: 80.3%, torch 2.7.0+cu126
 
@@ -218,9 +214,7 @@ def _part(name, _device, sheet, column, rates, memory_gb, memory_bw, node, nvlin
         inter=Link(IB_HDR if a100 else IB_NDR, LATENCY_NODES),
         devices_per_node=8,
         overlap=True,
-        # element-wise work: a forward op's output written, then read and written again by
-        # the backward (about 6 bytes of traffic per byte written), at the HBM's bandwidth
-        byte_s=6 / memory_bw,
+        byte_s=6 / memory_bw,  # written, then read and written again by the backward
         matmul_efficiency=A100_SHARE if a100 else H100_SHARE,
         source=f"{sheet}, {column}",
     )
@@ -238,7 +232,8 @@ class ProfileError(UserError):
 
 
 def load_profile(name_or_path: str) -> Profile:
-    """A built-in by name (a key of BUILTIN, any case) or a profile TOML's path."""
+    """A built-in by name (a key of BUILTIN, any case) or a profile TOML's path. A profile's
+    unknown keys (another version's, as rss_fixed) are skipped; a link's are an error."""
     key = name_or_path.lower()
     if key in BUILTIN:
         return BUILTIN[key]
@@ -249,14 +244,14 @@ def load_profile(name_or_path: str) -> Profile:
             f"({', '.join(BUILTIN)}) nor a file; `scaletrain calibrate` writes one"
         )
     try:
-        data = tomllib.loads(path.read_text())
+        data = {"source": str(path), **tomllib.loads(path.read_text())}
+        profile = TypeAdapter(Profile).validate_python(data)
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"hardware profile {path} is not valid TOML ({e})") from None
-    try:
-        profile = _read(Profile, {"source": str(path), **data})
-    except (KeyError, TypeError, ValueError) as e:
+    except ValidationError as e:
+        wrong = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
         raise ProfileError(
-            f"hardware profile {path}: missing or wrong key ({e}); a profile another "
+            f"hardware profile {path}: missing or wrong key ({wrong}); a profile another "
             "version of `scaletrain calibrate` wrote: run it again"
         ) from None
     if not 0 < profile.matmul_efficiency <= 1:
@@ -270,40 +265,8 @@ def load_profile(name_or_path: str) -> Profile:
 def profile_toml(profile: Profile) -> str:
     import tomli_w
 
-    data = asdict(profile)
-    data["intra"] = {str(k): v for k, v in data["intra"].items()}
-    if data["inter"] is None:
-        del data["inter"]
-    return tomli_w.dumps(data)
-
-
-def _read(cls, data: dict[str, Any]):
-    """A Profile or Link from its TOML table, each field as its declared type; a profile's
-    unknown keys (another version's: rss_fixed, reference_round_s) are skipped, a link's are
-    an error. Raises KeyError, TypeError or ValueError for a missing or wrong value."""
-    hints = typing.get_type_hints(cls)
-    if cls is Link and set(data) - set(hints):
-        raise TypeError(f"unknown link keys {sorted(set(data) - set(hints))}")
-    return cls(
-        **{f.name: _typed(hints[f.name], data[f.name]) for f in fields(cls) if f.name in data}
-    )
-
-
-def _typed(kind, value: Any) -> Any:
-    """`value` as the declared type `kind` (float, int, bool, str, the dicts and links)."""
-    if kind in (float, int, str):
-        return kind(value)
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise TypeError(f"{value!r} is not true or false")
-        return value
-    if kind == dict[str, float]:
-        return {str(k): float(v) for k, v in value.items()}
-    if kind == dict[int, Link]:
-        return {int(k): _read(Link, v) for k, v in value.items()}
-    if kind == Link | None:
-        return _read(Link, value)
-    raise TypeError(f"no reader for {kind}")
+    # JSON mode writes intra's sizes as the strings TOML's keys are; no inter: no table
+    return tomli_w.dumps(TypeAdapter(Profile).dump_python(profile, mode="json", exclude_none=True))
 
 
 def default_profile(device_type: str) -> Profile | None:
@@ -335,10 +298,8 @@ def rank_budget(profile: Profile | None, *, ranks_per_node: int) -> tuple[int, s
     CPU the node's memory (the profile's, else this machine's) over the ranks it runs."""
     if profile is not None and not profile.cores:
         return profile.memory_bytes, f"{profile.name}'s memory"
-    if profile is not None:
-        total, where = profile.memory_bytes, f"{profile.name}'s memory"
-    else:
-        total, where = total_memory(), "this machine's memory"
+    total = profile.memory_bytes if profile else total_memory()
+    where = f"{profile.name}'s memory" if profile else "this machine's memory"
     return total // ranks_per_node, f"{where} over {ranks_per_node} rank(s)"
 
 
@@ -352,9 +313,8 @@ def cpu_name() -> str:
     """This CPU's model name (/proc/cpuinfo), or "this CPU" where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "this CPU"
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        return "this CPU"
