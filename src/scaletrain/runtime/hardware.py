@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import MISSING, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
@@ -26,95 +25,56 @@ from scaletrain.errors import UserError
 CALIBRATED = Path.home() / ".cache" / "scaletrain" / "hardware.toml"
 
 
-def quantity(default: Any = MISSING, *, unit: str, how: str, **kw: Any) -> Any:
-    """A profile field with its unit and how it is measured or set (its metadata)."""
-    return field(default=default, metadata={"unit": unit, "how": how}, **kw)
-
-
 @dataclass(frozen=True)
 class Link:
-    """One collective's cost model: seconds = latency_s + bytes on the wire / bus_bw."""
+    """One collective's cost model: seconds = latency_s + bytes on the wire / bus_bw. Each
+    field: its unit, then how it is measured (calibrate) or set (a GPU part)."""
 
     __pydantic_config__ = ConfigDict(extra="forbid")  # a link's unknown key is an error
 
-    bus_bw: float = quantity(
-        unit="bytes/s", how="nccl-tests' busbw: calibrate's fit of collectives; a GPU's datasheet"
-    )
-    latency_s: float = quantity(unit="s", how="a collective's time at no bytes")
-    fsdp_call_s: float = quantity(
-        0.0, unit="s per call", how="FSDP2's cost a call beyond its bytes, fitted; 0: latency_s"
-    )
-    tp_call_s: float = quantity(0.0, unit="s per call", how="the same for tensor parallelism")
-    fsdp_pair_call_s: float = quantity(
-        0.0, unit="s per call", how="fsdp_call_s in a group of 2 of this world; 0: the world's"
-    )
-    tp_pair_call_s: float = quantity(0.0, unit="s per call", how="the same for tensor parallelism")
-    fsdp_pair_step_s: float = quantity(
-        0.0, unit="s per step", how="FSDP2's cost once a step, fitted with the pair's calls"
-    )
-    tp_pair_step_s: float = quantity(0.0, unit="s per step", how="the same for tensor parallelism")
-    fsdp_rss: int = quantity(
-        0, unit="bytes", how="CPU: resident bytes a rank adds on its first FSDP2 steps; 0 on a GPU"
-    )
+    bus_bw: float  # bytes/s: nccl-tests' busbw; calibrate's fit of gloo collectives, a datasheet's
+    latency_s: float  # s: a collective's time at no bytes, fitted; a GPU's: NCCL's model
+    fsdp_call_s: float = 0.0  # s a call: FSDP2's cost beyond its bytes, fitted; 0: latency_s
+    tp_call_s: float = 0.0  # s a call: the same for DTensor (tensor parallelism)
+    fsdp_pair_call_s: float = 0.0  # s a call: fsdp_call_s in a group of 2 of this world
+    tp_pair_call_s: float = 0.0  # s a call: the same for DTensor; 0 (both): the world's
+    fsdp_pair_step_s: float = 0.0  # s a step: FSDP2's cost once a step, fitted with the pair's
+    tp_pair_step_s: float = 0.0  # s a step: the same for DTensor
+    fsdp_rss: int = 0  # bytes: what a CPU rank adds on its first FSDP2 steps, measured
 
 
 @dataclass(frozen=True)
 class Profile:
-    """What a device computes and moves per second; the costs planner/reference.py fits."""
+    """What a device computes and moves per second, and the costs planner/reference.py
+    fits. Each field: its unit, then how calibrate measures it or a GPU part sets it."""
 
-    name: str = quantity(unit="", how="this-machine (calibrate) or the built-in part's name")
-    flops: dict[str, float] = quantity(
-        unit="FLOP/s by dtype", how="matmul rate of a device or a CPU core (one thread, timed)"
-    )
-    memory_bytes: int = quantity(unit="bytes", how="per device: MemTotal, or the GPU's memory")
-    memory_bw: float = quantity(unit="bytes/s", how="what a device streams: a 128 MiB copy timed")
-    intra: dict[int, Link] = quantity(
-        unit="world size -> Link",
-        how="within a node; an unlisted size: the one below",
-        default_factory=dict,
-    )
-    inter: Link | None = quantity(None, unit="Link", how="between nodes: a device's NIC share")
-    devices_per_node: int = quantity(1, unit="devices", how="a GPU node's devices")
-    overlap: bool = quantity(False, unit="", how="collectives overlap compute (GPU streams)")
-    cores: int = quantity(0, unit="cores", how="CPU: the cores this process may use; 0: a GPU")
-    op_s: float = quantity(
-        0.0, unit="s per forward op", how="dispatch and autograd an op and its backward, fitted"
-    )
-    byte_s: float = quantity(
-        0.0,
-        unit="s per byte written",
-        how="per byte a forward's ops write, backward included, fitted with op_s; a GPU's: "
-        "6 bytes of traffic per byte written at its memory bandwidth",
-    )
-    rss_ratio: float = quantity(
-        1.0, unit="bytes per live byte", how="CPU: resident bytes per live tensor byte, under DDP"
-    )
-    fsdp_rss_per_byte: float = quantity(
-        0.0, unit="bytes per parameter byte", how="CPU: what a settled FSDP2 rank holds, fitted"
-    )
-    tp_rss_ratio: float = quantity(
-        1.0, unit="bytes per live byte", how="CPU: rss_ratio under tensor parallelism, settled"
-    )
-    fsdp_step_s: float = quantity(
-        0.0, unit="s per step", how="CPU: FSDP2's cost once a step beyond its calls, on 2 ranks"
-    )
-    tp_step_s: float = quantity(0.0, unit="s per step", how="the same for DTensor")
-    matmul_efficiency: float = quantity(
-        1.0,
-        unit="share",
-        how="of `flops` a matmul reaches, for step times (MFU stays against flops): a GPU's "
-        "Maximum Achievable Matmul FLOPS over its peak; 1 on a CPU",
-    )
-    foreign_cores: float = quantity(
-        0.0,
-        unit="cores",
-        how="calibrate: the most foreign load (runtime/load.py) seen while it measured; a "
-        "profile taken on a busy machine is marked by it",
-    )
-    steal_cores: float = quantity(
-        0.0, unit="cores", how="the same for steal (another VM's time on this host)"
-    )
-    source: str = quantity("", unit="", how="where the figures come from")
+    name: str  # "this-machine" (calibrate) or the built-in part's name
+    flops: dict[str, float]  # FLOP/s by dtype: a device's, or one CPU core's matmuls, timed
+    memory_bytes: int  # bytes a device: MemTotal, or the GPU's memory
+    memory_bw: float  # bytes/s a device streams: a 128 MiB copy, timed
+    intra: dict[int, Link] = field(default_factory=dict)  # world size -> Link within a node;
+    # an unlisted size takes the one below
+    inter: Link | None = None  # between nodes: a device's share of the node's NICs
+    devices_per_node: int = 1  # devices: a GPU node's
+    overlap: bool = False  # collectives overlap compute (GPU streams; gloo: no)
+    cores: int = 0  # cores this process may use (sched_getaffinity); 0: a GPU profile
+    op_s: float = 0.0  # s a forward op: dispatch and autograd of it and its backward, fitted
+    # s a byte a forward's ops write, backward included, fitted with op_s; a GPU's: 6 bytes
+    # of traffic per byte written at its memory bandwidth
+    byte_s: float = 0.0
+    rss_ratio: float = 1.0  # resident bytes per live tensor byte under DDP (CPU), settled
+    fsdp_rss_per_byte: float = 0.0  # resident bytes per parameter byte a settled FSDP2 rank adds
+    tp_rss_ratio: float = 1.0  # rss_ratio under tensor parallelism, settled
+    fsdp_step_s: float = 0.0  # s a step: FSDP2's cost once a step beyond its calls, 2 ranks
+    tp_step_s: float = 0.0  # s a step: the same for DTensor
+    # share of `flops` a matmul reaches, for step times (MFU stays against flops): a GPU's
+    # Maximum Achievable Matmul FLOPS over its peak; 1 on a CPU
+    matmul_efficiency: float = 1.0
+    # cores: the most foreign load (runtime/load.py) calibrate saw while it measured; above
+    # NOISY_CORES the profile is marked as taken on a busy machine
+    foreign_cores: float = 0.0
+    steal_cores: float = 0.0  # cores: the same for steal (another VM's time on this host)
+    source: str = ""  # where the figures come from
 
     def link(self, group_size: int, *, spans_nodes: bool = False) -> Link:
         if spans_nodes and self.inter is not None:
