@@ -72,12 +72,12 @@ def add_parsers(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
     from scaletrain.planner import plan_layouts
 
     config = load_config(args.config, args.overrides)
     world = args.world or given_world(config)
-    import torch
-
     device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU machine plans its part
     profile = load_profile(args.hardware) if args.hardware else default_profile(device)
     if profile is None:
