@@ -249,3 +249,69 @@ def test_eval_is_drawn_as_a_line_through_a_marker_per_evaluation(tmp_path: Path)
     assert list(line.get_ydata()) == pytest.approx([0.55, 0.6, 0.65, 0.7])
     assert line.get_linestyle() == "-" and line.get_linewidth() > 0  # a line, not lone dots
     assert line.get_marker() == "o"
+
+
+def test_time_left_counts_the_evaluations_to_come() -> None:
+    """The bar's time left is steps left x the step time + evaluations left x the
+    evaluation time; before a step time is known it is unknown, before the first
+    evaluation is timed the evaluations count nothing."""
+    from scaletrain.records.metrics import eta_s, evals_left
+
+    # train.steps = 100, an evaluation after steps 25, 50 and 75, and the final one.
+    assert [evals_left(s, total_steps=100, eval_every=25) for s in (0, 1, 25, 26, 75, 76)] == [
+        4,
+        4,
+        4,  # the bar stands at 25 before the evaluation at 25 runs
+        3,
+        2,
+        1,
+    ]
+    assert evals_left(100, total_steps=100, eval_every=25) == 1  # the final one
+    assert evals_left(3, total_steps=100, eval_every=0) == 1
+    assert eta_s(steps_left=10, step_time_s=0.5, evals_left=2, eval_time_s=3.0) == 11.0
+    assert eta_s(steps_left=10, step_time_s=0.5, evals_left=2, eval_time_s=None) == 5.0
+    assert eta_s(steps_left=10, step_time_s=None, evals_left=2, eval_time_s=3.0) is None
+
+
+def test_run_eta_leaves_the_evaluations_and_the_first_step_out_of_the_step_time() -> None:
+    """A clock the test moves: a 5 s warm-up step, then 1 s steps and a 4 s evaluation
+    after step 5 of 10. The step time stays 1 s across the evaluation (tqdm's rate would
+    count it as a 5 s step), and the time left is 4 x 1 s + the final evaluation's 4 s."""
+    import io
+
+    from scaletrain.records.metrics import BAR_FORMAT, RunEta, _Bar
+
+    now = [0.0]
+    eta = RunEta(total_steps=10, step=0, eval_every=5, clock=lambda: now[0])
+
+    def step(seconds: float) -> None:
+        now[0] += seconds
+        eta.stepped(1)
+
+    step(5.0)  # warm-up
+    assert eta.seconds_left() is None
+    for _ in range(4):
+        step(1.0)
+    assert eta.seconds_left() == 5 * 1.0  # no evaluation timed yet
+    now[0] += 4.0
+    eta.evaluated(4.0)
+    step(1.0)
+    assert eta.step == 6 and eta.seconds_left() == 4 * 1.0 + 1 * 4.0
+    bar = _Bar(eta, total=10, initial=6, file=io.StringIO(), bar_format=BAR_FORMAT)
+    assert "<00:08," in str(bar)
+    bar.close()
+
+
+def test_the_progress_bar_shows_the_run_eta(tmp_path: Path) -> None:
+    from scaletrain.records.metrics import RunEta
+
+    """The logger's bar reads RunEta's time left, not tqdm's own (still "?" here: the
+    bar has not moved)."""
+    m = _logger(tmp_path, quiet=False, total_steps=10)
+    now = [0.0]
+    m.eta = m._bar._eta = RunEta(total_steps=10, step=0, eval_every=0, clock=lambda: now[0])
+    for seconds in (5.0, 1.0):  # the warm-up step, then a 1 s step
+        now[0] += seconds
+        m.eta.stepped(1)
+    assert "<00:08," in str(m._bar)  # 8 steps x 1 s
+    m.close()

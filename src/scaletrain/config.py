@@ -293,7 +293,9 @@ class LogConfig(_Section):
     quiet: bool = False
     """No progress bar, only errors."""
     tensorboard: bool = False
-    """Also write TensorBoard event files to RUN_DIR/tensorboard."""
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (the same as "tensorboard" in log.trackers)."""
+    trackers: list[Literal["tensorboard", "mlflow", "wandb", "csv"]] = []
+    """Experiment trackers fed on rank 0 with metrics.jsonl's records, the config and the report: tensorboard, mlflow (RUN_DIR/mlruns or MLFLOW_TRACKING_URI), wandb (WANDB_MODE; offline without an API key), csv (RUN_DIR/metrics.csv)."""
 
 
 class Config(_Section):

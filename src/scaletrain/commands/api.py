@@ -99,6 +99,7 @@ def prepare_run(
         finished_run,
         resumed_precision,
     )
+    from scaletrain.records.trackers import check_installed, tracker_names
     from scaletrain.training.assemble import NO_CODE, brings_own_code, check_user_code
     from scaletrain.training.auto_precision import resolve_auto
 
@@ -108,6 +109,8 @@ def prepare_run(
             "run continue with a changed config); add --resume or drop it"
         )
     derived = resolve(config, world_size=spec.world_size, nproc_per_node=spec.nproc)
+    # log.trackers: a missing library would fail rank 0 only after the workers started
+    check_installed(tracker_names(config.log.trackers, tensorboard=config.log.tensorboard))
     if resume and (done := finished_run(run_dir, config)) is not None:
         return Prepared(derived=derived, run_dir=Path(run_dir), warnings=(), complete=done)
     if derived.ps is not None:

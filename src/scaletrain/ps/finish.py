@@ -141,6 +141,7 @@ def finish_ps_run(
         precision_mode=precision.mode,
         examples=metrics.examples - metrics.start_examples,  # by this run
         extra={"ps": ps},
+        logger=metrics.logger,
     )
     metrics.logger.message(
         f"scaletrain: parameter servers done: {server.version} updates on server 0, "

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed.rpc as rpc
 
-from scaletrain.config import Config, config_to_toml
+from scaletrain.config import Config, config_to_toml, flatten_config
 from scaletrain.launch.resolve import Derived
 from scaletrain.ps import endpoints
 from scaletrain.ps.finish import evaluate_gathered, finish_ps_run, server_versions
@@ -70,6 +70,8 @@ def run_server(config: Config, derived: Derived, *, index: int, run_dir: Path) -
         quiet=config.log.quiet,
         tensorboard=config.log.tensorboard,
         start_step=state.step,
+        trackers=config.log.trackers,
+        params=flatten_config(config.model_dump(mode="json")),
     )
     if resume_from is not None:
         logger.message(f"scaletrain: resumed from {resume_from} at step {state.step}")

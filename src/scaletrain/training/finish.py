@@ -27,6 +27,7 @@ from scaletrain.distill.student import student_weights
 from scaletrain.launch.resolve import Derived
 from scaletrain.launch.rundir import write_summary
 from scaletrain.parallel.compose import unwrap
+from scaletrain.records.metrics import MetricsLogger
 from scaletrain.runtime import honour_umask, written_atomically
 
 WRITTEN = "written"  # `weights` when save_split_weights has written model.safetensors
@@ -142,6 +143,7 @@ def finish_run(
     examples: int | None = None,
     tokens_per_example: int = 0,
     extra: dict | None = None,
+    logger: MetricsLogger | None = None,
 ) -> dict:
     """Rank 0 (server 0 under "ps") writes the final weights and the summary; returns it.
 
@@ -159,6 +161,8 @@ def finish_run(
         examples: examples trained on by this run (the parameter servers count them).
         tokens_per_example: tokens per example, for tokens_per_s (0: not a token model).
         extra: more sections of the summary (the parameter servers' "ps").
+        logger: rank 0's metrics sinks: the trackers that keep files get the report PNG
+            (drawn here for them), summary.json and config.toml.
     """
     write_weights(run_dir, model=model, weights=weights, config=config)
     if examples is None:
@@ -178,4 +182,15 @@ def finish_run(
         **(extra or {}),
     }
     write_summary(run_dir, summary)  # valid JSON: a NaN loss is written as null
+    if logger is not None:
+        logger.complete(_tracked_files(run_dir) if logger.takes_artifacts else ())
     return summary
+
+
+def _tracked_files(run_dir: Path) -> list[Path]:
+    """What the trackers keep of a finished run. The report is drawn here, on rank 0, for
+    them: the launcher draws it again after the workers end (`scaletrain train`)."""
+    from scaletrain.records.report import write_report
+
+    report = write_report([run_dir], out=run_dir / "report.png")
+    return [report, run_dir / "summary.json", run_dir / "config.toml"]

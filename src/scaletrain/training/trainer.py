@@ -23,7 +23,7 @@ import torch
 from scaletrain.checkpoint import TrainState
 from scaletrain.checkpoint import load as load_checkpoint
 from scaletrain.checkpoint.files import latest_valid
-from scaletrain.config import Config
+from scaletrain.config import Config, flatten_config
 from scaletrain.data.sources import Batch
 from scaletrain.distill.objective import take_terms
 from scaletrain.distill.teacher import describe_teacher
@@ -107,6 +107,9 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
         quiet=config.log.quiet,
         tensorboard=config.log.tensorboard,
         start_step=parts.state.step,
+        trackers=config.log.trackers,
+        params=flatten_config(config.model_dump(mode="json")),
+        eval_every=config.train.eval_every,
     )
     if resume_from is not None:
         logger.message(f"scaletrain: resumed from {resume_from} at step {parts.state.step}")
@@ -245,6 +248,7 @@ def _loop(
         steps_run=t.steps - run.first_step,
         precision_mode=state.precision.mode,
         tokens_per_example=state.tokens_per_example,
+        logger=logger,
     )
 
 
@@ -266,8 +270,9 @@ def _evaluate(
             loss_fn=parts.loss_fn,
             pipeline=parts.pipeline,
         )
-    logger.log_eval({"step": state.step, **record})
-    state.loop.eval_s += time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    logger.log_eval({"step": state.step, **record}, seconds=seconds)  # the bar's time left
+    state.loop.eval_s += seconds
     return record
 
 
