@@ -296,6 +296,20 @@ class LogConfig(_Section):
     """Also write TensorBoard event files to RUN_DIR/tensorboard (the same as "tensorboard" in log.trackers)."""
     trackers: list[Literal["tensorboard", "mlflow", "wandb", "csv"]] = []
     """Experiment trackers fed on rank 0 with metrics.jsonl's records, the config and the report: tensorboard, mlflow (RUN_DIR/mlruns or MLFLOW_TRACKING_URI), wandb (WANDB_MODE; offline without an API key), csv (RUN_DIR/metrics.csv)."""
+    profile_steps: list[int] = []
+    """[a, b]: a torch.profiler trace of train steps a..b (counted from 1, as train.steps and train.stop_after count) on every rank, to RUN_DIR/profile/rank-N/ (Chrome/Perfetto JSON that TensorBoard's profiler reads; the memory timeline on CUDA); [] = no profiling."""
+    oom_snapshot: bool = True
+    """CUDA: record the allocator's history from the start and, when a rank runs out of GPU memory, write its snapshot to RUN_DIR/memory/rank-N-oom.pickle (for pytorch.org/memory_viz); nothing on CPU."""
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _first_to_last(cls, value: list[int]) -> list[int]:
+        if value and (len(value) != 2 or not 1 <= value[0] <= value[1]):
+            raise ValueError(
+                "give [first, last] train steps with 1 <= first <= last (steps count from "
+                "1, e.g. log.profile_steps=[10, 12]), or [] for no profiling"
+            )
+        return value
 
 
 class Config(_Section):

@@ -21,6 +21,10 @@ Platform traps handled here (shared/PLATFORM-NOTES.md):
 What the user sees and what the logs keep (RUN_DIR/logs/rank-N.log, the console filter, the
 failure paragraph, the interrupt line) is launch/output.py's concern; `launch` wires it in.
 
+Hangs: a worker whose collective fails asks the launcher for the other workers' stacks
+before it exits (launch/hang.py, `HangWatch`); the failure paragraph then says where each
+rank was (`describe_hang`).
+
 Signals:
 - Ctrl-C / SIGTERM: torchrun's agent forwards the signal to the workers (SIGTERM: they save
   a checkpoint at the end of the step, see training/signals.py) and waits up to
@@ -40,13 +44,16 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import UserError
+from scaletrain.launch.hang import HangWatch, describe_hang
 from scaletrain.launch.output import ConsoleEcho, agent_log, describe_child_failure, run_dir_logs
 from scaletrain.runtime import LAUNCHER_PID_ENV, MERGE_STREAMS_ENV
+from scaletrain.runtime.hang import HANG_WATCH_ENV, enable_flight_recorder
 
 SUBPROCESS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", MERGE_STREAMS_ENV: "1"}
 # A single-node run listens on loopback only. torchrun's c10d rendezvous keeps its state in a
@@ -248,7 +255,10 @@ def launch(
     from torch.distributed.run import config_from_args, elastic_launch, get_args_parser
 
     log_dir = Path(run_dir) / "logs"
+    started = time.time()  # a hang report reads only this launch's flight records
     os.environ.update(SUBPROCESS_ENV)
+    os.environ[HANG_WATCH_ENV] = str(log_dir)  # where a worker asks for its peers' stacks
+    enable_flight_recorder()
     if spec.local_only:
         for key, value in LOOPBACK_ENV.items():
             os.environ.setdefault(key, value)
@@ -265,6 +275,7 @@ def launch(
     )
     config.logs_specs = logs  # torchrun's hook for naming the log files
     failure, signum = None, None
+    watch = HangWatch(log_dir)
     try:
         agent_log_path = None if debug else log_dir / "launcher.log"
         with _signals_raise(SignalException), agent_log(agent_log_path):
@@ -276,6 +287,8 @@ def launch(
     except KeyboardInterrupt:  # Ctrl-C before the agent installed its handler
         signum = signal.SIGINT
     finally:
+        watch.stop()
+        os.environ.pop(HANG_WATCH_ENV, None)
         if echo is not None:
             echo.stop()
         shutil.rmtree(rdzv_dir, ignore_errors=True)
@@ -287,7 +300,8 @@ def launch(
     if signum is not None:
         raise Interrupted(signum)
     if failure is not None:
-        print(describe_child_failure(failure, logs=logs.paths), file=sys.stderr)
+        hang = describe_hang(log_dir, logs.paths, since=started)
+        print(describe_child_failure(failure, logs=logs.paths, hang=hang), file=sys.stderr)
         return 1
     return 0
 

@@ -16,9 +16,10 @@ output goes. The rule: the files keep everything, the console shows what a user 
   that says what happened; they stay in the logs. torchrun's --tee copies a stream
   unchanged, which is why the console is fed by reading the file back instead.
 - The end. A failed run ends with one paragraph (`describe_child_failure`): each failed
-  rank, how it ended, its own error line (`last_error_line`) and the path of its log. A
-  run stopped by a signal ends with one line (`describe_interrupt`): the step, the last
-  checkpoint and how to continue.
+  rank, how it ended, its own error line (`last_error_line`) and the path of its log; after
+  a failed collective, where each rank was (launch/hang.py). A run stopped by a signal
+  ends with one line (`describe_interrupt`): the step, the last checkpoint and how to
+  continue.
 - `--debug` turns all of this off: every rank's output and the agent's log records reach
   the console unfiltered (torchrun's --tee), and the files are still written.
 
@@ -146,7 +147,11 @@ _NOISE = re.compile(
     | \s*frame\ \#\d+:                  # a C++ stack frame
     | \s*<omitting\ python\ frames>
     | Exception\ raised\ from[ ]  # the space is part of the pattern
-    | \#\ scaletrain\ worker:           # the first line of every rank's log
+    | \#\ scaletrain\ (?:worker|hang\ report):  # a rank log's first line; hang-report notes
+    | (?:Current\ thread|Thread)\ .*\(most\ recent\ call\ first\):  # faulthandler's stacks
+    | Stack\ \(most\ recent\ call\ first\):
+    | \ \ File\ ".*",\ line\ \d+\ in\     # a frame of one (a traceback's says "line N, in")
+    | \ \ <no\ Python\ frame>
     | scaletrain:\ error:               # quoted by the launcher's failure paragraph instead
     )""",
     re.X,
@@ -304,7 +309,7 @@ def _read_new(stream) -> str:
 # --------------------------------------------------------------------------- what went wrong
 
 
-def describe_child_failure(error, *, logs: dict[int, Path] | None = None) -> str:
+def describe_child_failure(error, *, logs: dict[int, Path] | None = None, hang: str = "") -> str:
     """One paragraph: every failed rank, how it ended, its own error line, its log file.
 
     Ranks the agent stopped (SIGTERM) because another rank failed first are said to be so.
@@ -312,6 +317,7 @@ def describe_child_failure(error, *, logs: dict[int, Path] | None = None) -> str
     Args:
         error: torch's ChildFailedError.
         logs: global rank -> that rank's log file.
+        hang: a sentence on where each rank was (launch/hang.describe_hang), appended.
     """
     logs = logs or {}
     failures = list(error.failures.items())  # in the order the agent saw them fail
@@ -334,7 +340,12 @@ def describe_child_failure(error, *, logs: dict[int, Path] | None = None) -> str
         parts.append(
             f"rank {rank} (pid {failure.pid}, local rank {failure.local_rank}) {what}{where}"
         )
-    return "scaletrain: error: the run failed: " + "; ".join(parts) + "."
+    return (
+        "scaletrain: error: the run failed: "
+        + "; ".join(parts)
+        + "."
+        + (f" {hang}" if hang else "")
+    )
 
 
 def _signal_name(signum: int) -> str:

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from scaletrain.runtime import hang
+
 # Set by the launcher (launch/agent.py) for its workers, read by them in prepare_worker_process.
 LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # a worker dies when this process does
 MERGE_STREAMS_ENV = "SCALETRAIN_MERGE_STREAMS"  # "1": a worker points stdout at its stderr log
@@ -78,6 +80,7 @@ def init_distributed(penv: ProcessEnv, *, backend: str, timeout_s: float) -> tor
     else:
         device = torch.device("cpu")
     if penv.world_size > 1 and not dist.is_initialized():
+        hang.enable_flight_recorder()  # read when the group starts: its record of collectives
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
@@ -163,6 +166,8 @@ def prepare_worker_process() -> None:
     - The launcher redirects this process's stderr into RUN_DIR/logs/rank-N.log (torchrun's
       --redirects); stdout is pointed at the same file, so the log holds the rank's whole
       output in the order it was written, and starts with one line saying who wrote it.
+    - SIGUSR1 dumps this rank's Python stacks into that log, then its Flight Recorder record
+      (runtime/hang.py): what a hang report is made of.
     """
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if launcher and sys.platform.startswith("linux"):
@@ -191,6 +196,7 @@ def prepare_worker_process() -> None:
             file=sys.stderr,
             flush=True,
         )
+    hang.install()  # after the streams are merged: the stacks go into the rank's log
 
 
 @contextlib.contextmanager
@@ -368,11 +374,17 @@ def exit_worker(code: int) -> None:
 @contextlib.contextmanager
 def collective_guard(operation: str, *, step: int) -> Iterator[None]:
     """Turn a failed or timed-out collective inside the block into a CollectiveFailure
-    whose message names the operation, the step and the ranks that did not arrive."""
+    whose message names the operation, the step and the ranks that did not arrive.
+
+    First the hang report's part of this rank (runtime/hang.py): its stack and Flight
+    Recorder record into the logs, and, under scaletrain's launcher, the other ranks' too,
+    before any rank is stopped.
+    """
     try:
         yield
     except Exception as e:
         if is_collective_error(e):
+            hang.on_collective_failure(e, operation=operation, step=step)
             # Chained, not hidden: the message says what failed, __cause__ keeps what gloo said.
             message = describe_collective_failure(e, operation=operation, step=step)
             raise CollectiveFailure(message) from e

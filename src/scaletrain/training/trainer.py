@@ -34,10 +34,12 @@ from scaletrain.parallel.comm_hooks import keyed_by_bucket, rebuild_buckets
 from scaletrain.precision import Precision
 from scaletrain.records.memory import WindowPeak
 from scaletrain.records.metrics import MetricsLogger
+from scaletrain.records.profiling import OomSnapshot, StepProfiler, step_profiler
 from scaletrain.runtime import (
     ProcessEnv,
     broadcast_object,
     collective_guard,
+    hang,
     init_distributed,
     read_env,
     seed_everything,
@@ -83,6 +85,7 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
     startup = Startup(enabled=penv.is_main and not config.log.quiet)
     startup.say(f"{penv.world_size} process(es) up, {derived.threads} thread(s) each")
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(config.name))))
+    hang.arm(run_dir / "logs", rank=penv.rank)  # where a hang report's flight record goes
     # A finished run (plain torchrun pointed at its directory again): say so, touch nothing.
     done = broadcast_object(finished_run(run_dir, config) if penv.is_main else None)
     if done is not None:
@@ -93,7 +96,11 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
     if penv.is_main and resume_from is None:
         write_config(run_dir, config)
     seed_everything(config.train.seed)
-    parts = build(config, derived, penv, device=device, run_dir=run_dir, code=code, startup=startup)
+    oom = OomSnapshot.arm(config.log.oom_snapshot, device=device, run_dir=run_dir, rank=penv.rank)
+    with oom:
+        parts = build(
+            config, derived, penv, device=device, run_dir=run_dir, code=code, startup=startup
+        )
     if resume_from is not None:
         load_checkpoint(Path(resume_from), parts.state)
         if keyed_by_bucket(parts.comm.hook_state):
@@ -123,10 +130,22 @@ def train(config: Config, *, run_dir: Path | None, code: UserCode = NO_CODE) -> 
         f"ready: step {parts.state.step + 1} of {config.train.steps} starting (the "
         "first is slower: warm-up)"
     )
+    profiler = step_profiler(
+        config.log.profile_steps,
+        run_dir=run_dir,
+        rank=penv.rank,
+        device=device,
+        total_steps=config.train.steps,
+        report=logger.message,
+    )
     try:
-        summary = _loop(config, derived, penv, parts, logger=logger, run_dir=run_dir)
+        with oom:
+            summary = _loop(
+                config, derived, penv, parts, logger=logger, run_dir=run_dir, profiler=profiler
+            )
         return None if summary is None else {**summary, "run_dir": str(run_dir)}
     finally:
+        profiler.close()  # the run stopped inside log.profile_steps: keep what it recorded
         parts.checkpointer.close()
         logger.close()
 
@@ -164,6 +183,7 @@ def _loop(
     *,
     logger: MetricsLogger,
     run_dir: Path,
+    profiler: StepProfiler,
 ) -> dict | None:
     """Run steps state.step .. train.steps, then the final evaluation; None on a planned stop."""
     t, state = config.train, parts.state
@@ -177,7 +197,11 @@ def _loop(
     for step in range(state.step, t.steps):
         micro, indices = _fetch(parts, indices, step=step, total_steps=t.steps)
         step_started = time.perf_counter()
-        with collective_guard("gradient all-reduce (DDP backward)", step=step):
+        # log.profile_steps: steps count from 1 (a no-op context outside the range)
+        with (
+            collective_guard("gradient all-reduce (DDP backward)", step=step),
+            profiler.step(step + 1),
+        ):
             result = train_step(
                 state.model,
                 micro,
