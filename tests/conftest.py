@@ -98,6 +98,8 @@ FILE_SECONDS = {
     "test_ps_config.py": 20,
     "test_api.py": 30,
     "test_layout_resume.py": 25,
+    "test_hang_report.py": 40,
+    "test_profiling.py": 15,
     "test_accumulation.py": 20,
     "test_fsdp_memory.py": 15,
     "test_user_model_parity.py": 20,

@@ -122,6 +122,76 @@ def test_rank_held_in_sleep_is_named_with_the_all_reduce_and_the_line(tmp_path: 
     assert not list(logs.glob(".hang-*")), list(logs.iterdir())
 
 
+# A model whose ranks both wait in their second training forward until the test says "go":
+# no rank is in a collective, so none times out; only the launcher's progress watch sees it.
+STALLED = """
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class Stalled(nn.Module):
+    def __init__(self, features, classes):
+        super().__init__()
+        self.fc = nn.Linear(features, classes)
+        self.forwards = 0
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.forwards += 1
+            if self.forwards == 2:
+                while not Path("go").exists():
+                    time.sleep(0.05)  # WAITING
+        return self.fc(x.flatten(1))
+
+
+def build(task):
+    features = 1
+    for size in task.input_shape:
+        features *= size
+    return Stalled(features, task.num_classes)
+"""
+WAIT_LINE = next(i for i, line in enumerate(STALLED.splitlines(), 1) if "# WAITING" in line)
+
+
+@pytest.mark.slow
+def test_no_step_for_the_timeout_dumps_every_rank_and_the_run_goes_on(tmp_path: Path) -> None:
+    (tmp_path / "stalled.py").write_text(STALLED)
+    config = tmp_path / "cfg.toml"
+    config.write_text(
+        config_toml(
+            "stall",
+            model={"name": "stalled:build"},
+            train={"steps": 4, "global_batch": 16, "micro_batch": 8},
+            log={"every": 1, "quiet": True},
+        )
+    )
+    run_dir = tmp_path / "run"
+    argv = ["train", str(config), "--nproc", "2", "--run-dir", str(run_dir)]
+    launcher = start_cli([*argv, f"parallel.timeout_s={TIMEOUT_S}"], cwd=tmp_path)
+    logs = [run_dir / "logs" / f"rank-{rank}.log" for rank in (0, 1)]
+
+    def both_dumped() -> bool:  # each rank's log has the stack the launcher asked for
+        return all(log.exists() and "on request (SIGUSR1)" in log.read_text() for log in logs)
+
+    try:
+        wait_until(both_dumped, launcher=launcher, what="both ranks' stacks", timeout=120)
+        (tmp_path / "go").touch()
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err[-3000:]
+    warning = [line for line in err.splitlines() if "no rank has finished a step" in line]
+    assert len(warning) == 1, err[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}:" in warning[0], warning[0]
+    assert warning[0].count(f"stalled.py:{WAIT_LINE} in forward") == 2, warning[0]
+    assert "most recent call first" not in err, err[-3000:]
+
+
 # ----------------------------------------------------------------------------- no group
 
 FAULTHANDLER_DUMP = """\

@@ -349,6 +349,7 @@ def _launch(config: Config, spec: LaunchSpec, prepared: Prepared, *, code, debug
             threads=prepared.derived.threads,
             run_dir=prepared.run_dir,
             debug=debug,
+            stall_s=config.parallel.timeout_s,
         )
     finally:
         os.unlink(f.name)

@@ -119,6 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 threads=prepared.derived.threads,
                 run_dir=run_dir,
                 debug=args.debug,
+                stall_s=config.parallel.timeout_s,
             )
     except Interrupted as e:  # Ctrl-C, or a scheduler's SIGTERM: the workers are gone
         print(describe_interrupt(run_dir, signum=e.signum), file=sys.stderr)

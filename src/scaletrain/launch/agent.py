@@ -236,7 +236,13 @@ class Interrupted(Exception):
 
 
 def launch(
-    spec: LaunchSpec, worker_args: list[str], *, threads: int, run_dir: Path, debug: bool = False
+    spec: LaunchSpec,
+    worker_args: list[str],
+    *,
+    threads: int,
+    run_dir: Path,
+    debug: bool = False,
+    stall_s: float | None = None,
 ) -> int:
     """Run the workers through the elastic agent; return 0, or 1 with the failure described.
 
@@ -246,6 +252,8 @@ def launch(
         threads: torch/OpenMP threads per worker (the workers set torch's; this sets OpenMP's).
         run_dir: the run directory; each rank's output goes to run_dir/logs/rank-N.log.
         debug: show every rank's output and torchrun's own log on the console, unfiltered.
+        stall_s: parallel.timeout_s: when no rank finishes a step for this long, dump every
+            rank's stack and say where each was (launch/hang.py); the run goes on.
 
     Raises:
         Interrupted: a signal stopped the run (after the workers have exited).
@@ -275,7 +283,7 @@ def launch(
     )
     config.logs_specs = logs  # torchrun's hook for naming the log files
     failure, signum = None, None
-    watch = HangWatch(log_dir)
+    watch = HangWatch(log_dir, stall_s=stall_s, logs=lambda: logs.paths)
     try:
         agent_log_path = None if debug else log_dir / "launcher.log"
         with _signals_raise(SignalException), agent_log(agent_log_path):

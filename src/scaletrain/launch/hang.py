@@ -16,9 +16,12 @@ Workers on other nodes are their own launcher's: each waiting rank times out in 
 collective and reports through its node's launcher; a rank stuck alone on another node is
 stopped without a stack.
 
-Not watched: a run where no rank waits in a collective (every rank stuck in its own loop or
-lock) never times out. Telling that from a long first compile, evaluation or checkpoint
-write would take a heartbeat from each of them; `kill -USR1 PID` dumps any rank by hand.
+A run where no rank waits in a collective (every rank stuck in its own loop or lock) never
+times out. With `stall_s` (parallel.timeout_s), `HangWatch` also watches progress: each rank
+touches a file after every step (runtime/hang.beat); once some rank has, and then none has
+for stall_s, it dumps every worker's stack and flight record the same way and prints one
+warning saying where each rank was. It stops nothing (a long evaluation or checkpoint write
+looks the same) and warns once per stall. `kill -USR1 PID` dumps any rank by hand.
 
 `describe_hang` reads what the ranks left (RUN_DIR/logs/flight-rank-N.json and the last
 stack dump in each rank's log) into one sentence: each rank's last collective and the
@@ -34,13 +37,14 @@ import json
 import os
 import re
 import signal
+import sys
 import sysconfig
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.runtime.hang import flight_record_path, request_path
+from scaletrain.runtime.hang import flight_record_path, progress_path, request_path
 
 PEER_WAIT_S = 3.0  # per request: how long the signalled workers get to write their records
 
@@ -51,11 +55,23 @@ class HangWatch:
     Args:
         log_dir: the run's logs directory (the workers' HANG_WATCH_ENV).
         wait_s: how long signalled workers get to write their flight records.
+        stall_s: warn, with every rank's stack, when no rank has finished a step for this
+            long (None: not watched).
+        logs: global rank -> its log, for the stall warning (the launcher's LogsSpecs).
     """
 
-    def __init__(self, log_dir: Path, *, wait_s: float = PEER_WAIT_S) -> None:
-        self.log_dir, self.wait_s = Path(log_dir), wait_s
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        wait_s: float = PEER_WAIT_S,
+        stall_s: float | None = None,
+        logs=None,
+    ) -> None:
+        self.log_dir, self.wait_s, self.stall_s, self.logs = Path(log_dir), wait_s, stall_s, logs
         self._signalled: set[int] = set()  # pids: each worker dumps once
+        self._stalled_at: float | None = None  # the last progress a stall was reported at
+        self._started = time.time()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scaletrain-hang", daemon=True)
         self._thread.start()
@@ -73,6 +89,27 @@ class HangWatch:
             with contextlib.suppress(OSError):
                 for request in sorted(self.log_dir.glob(".hang-rank-*.request")):
                     self._answer(request)
+                if self.stall_s is not None:
+                    self._watch_progress()
+
+    def _watch_progress(self) -> None:
+        """Warn once per stall: some rank finished a step, then none did for stall_s."""
+        beats = [progress_path(self.log_dir, rank) for rank in worker_pids()]
+        last = max((b.stat().st_mtime for b in beats if b.exists()), default=None)
+        if last is None or last < self._started or last == self._stalled_at:
+            return  # no step yet in this launch (a build, a first compile), or said already
+        if time.time() - last < self.stall_s:
+            return
+        self._stalled_at = last
+        self._signal(worker_pids(), once=False)
+        where = describe_hang(self.log_dir, self.logs() if self.logs else {}, since=self._started)
+        where = where or "Each rank's stack is in its log."
+        print(
+            f"scaletrain: warning: no rank has finished a step for {self.stall_s:.0f} s "
+            f"(parallel.timeout_s); the run goes on. {where}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _answer(self, request: Path) -> None:
         asking = request.name.removeprefix(".hang-rank-").removesuffix(".request")
@@ -82,14 +119,22 @@ class HangWatch:
         workers = worker_pids()
         if int(asking) in workers:
             self._signalled.add(workers[int(asking)])  # it has dumped its own
+        self._signal(workers, once=True)
+        with contextlib.suppress(OSError):
+            os.replace(request, request_path(self.log_dir, int(asking), done=True))
+
+    def _signal(self, workers: dict[int, int], *, once: bool) -> None:
+        """SIGUSR1 to each worker that handles it (`once`: not one signalled before), then
+        wait until each has written its flight record, exited, or wait_s has passed."""
         waiting = {}  # rank -> (pid, its flight record's stamp before the signal)
         for rank, pid in workers.items():
-            if pid in self._signalled or not _handles(pid, signal.SIGUSR1):
+            if (once and pid in self._signalled) or not _handles(pid, signal.SIGUSR1):
                 continue  # done already, or not yet at prepare_worker_process: SIGUSR1 kills
             waiting[rank] = (pid, _stamp(flight_record_path(self.log_dir, rank)))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
-            self._signalled.add(pid)
+            if once:
+                self._signalled.add(pid)
         deadline = time.monotonic() + self.wait_s
         while waiting and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -98,8 +143,6 @@ class HangWatch:
                 for rank, (pid, stamp) in waiting.items()
                 if _alive(pid) and _stamp(flight_record_path(self.log_dir, rank)) == stamp
             }
-        with contextlib.suppress(OSError):
-            os.replace(request, request_path(self.log_dir, int(asking), done=True))
 
 
 def worker_pids(parent: int | None = None) -> dict[int, int]:

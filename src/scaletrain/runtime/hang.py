@@ -55,6 +55,19 @@ def request_path(watch_dir: Path, rank: int, *, done: bool = False) -> Path:
     return Path(watch_dir) / f".hang-rank-{rank}.{'done' if done else 'request'}"
 
 
+def progress_path(log_dir: Path, rank: int) -> Path:
+    """The file a rank touches after each step: the launcher's sign of progress."""
+    return Path(log_dir) / f".progress-rank-{rank}"
+
+
+def beat() -> None:
+    """Mark that this rank finished a step (the launcher dumps the stacks of a run in which
+    no rank has for parallel.timeout_s). A file's mtime: no collective, no message."""
+    if _Armed.log_dir is not None:
+        with contextlib.suppress(OSError):
+            progress_path(_Armed.log_dir, _Armed.rank).touch()
+
+
 class _Armed:
     log_dir: Path | None = None  # where the flight record goes; None until the run dir is known
     rank: int = 0

@@ -222,6 +222,7 @@ def _loop(
                 f"{time.perf_counter() - step_started:.1f} s (compiling; later steps reuse it)"
             )
         state.step = step + 1
+        hang.beat()  # the launcher's sign of progress (launch/hang.py: no step for timeout_s)
         _count_bad_steps(state, result, run, config=config)
         log_window(
             state,
