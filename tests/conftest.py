@@ -109,6 +109,7 @@ FILE_SECONDS = {
     "test_pipeline.py": 10,
     "test_distill_terms_parity.py": 35,
     "test_ps_threads.py": 45,
+    "test_optim_parity.py": 25,
 }
 
 

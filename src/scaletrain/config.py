@@ -20,6 +20,7 @@ Design notes:
 from __future__ import annotations
 
 import difflib
+import functools
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -111,27 +112,66 @@ class DataConfig(_Section):
         return _name_or_import_path(value, DATA_SOURCES)
 
 
+# torch.optim's optimizers that the train step cannot drive, and why (training/optim.py).
+REFUSED_OPTIMIZERS = {
+    "lbfgs": "its step needs a closure that evaluates the loss again several times, and the "
+    "train step calls step() once after its backward",
+    "sparseadam": "it takes only sparse gradients (nn.Embedding(sparse=True)), and the models "
+    "and parallel layouts here produce dense ones",
+}
+
+
+@functools.cache
+def optimizer_names() -> tuple[str, ...]:
+    """Every optimizer class torch.optim ships, by its lowercase name (adamw, muon, ...),
+    read from the installed torch; REFUSED_OPTIMIZERS among them."""
+    import torch.optim
+
+    return tuple(
+        sorted(
+            name.lower()
+            for name, obj in vars(torch.optim).items()
+            if isinstance(obj, type)
+            and issubclass(obj, torch.optim.Optimizer)
+            and obj is not torch.optim.Optimizer
+        )
+    )
+
+
 class OptimConfig(_Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    """Optimizer: adamw or sgd (with momentum)."""
+    name: str = "adamw"
+    """Optimizer: any torch.optim ships, by its lowercase name (adamw, adam, sgd, nadam, radam, adamax, adagrad, adadelta, rmsprop, asgd, rprop, adafactor, muon: Muon on the hidden layers' matrices, AdamW on the rest), or 'package.module:Class', your torch.optim.Optimizer subclass."""
     lr: float = Field(1e-3, gt=0.0, le=10.0)
     """Peak learning rate, reached after warmup."""
     weight_decay: float = Field(0.0, ge=0.0)
-    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    """Weight decay, for every optimizer that takes one: decoupled (adamw, muon) or an L2 penalty (sgd, adam and most others)."""
     betas: Annotated[tuple[Beta, Beta], Field(strict=False)] = (0.9, 0.999)
-    """AdamW betas."""
+    """Moment decay rates, for every optimizer that takes betas (the Adam family)."""
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    """SGD momentum."""
+    """Momentum, for every optimizer that takes one (sgd, rmsprop, muon)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup from 0 to lr over this many optimizer steps."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """LR after warmup: cosine decay to min_lr_ratio * lr at the last step, or constant."""
+    schedule: Literal["constant", "cosine", "linear", "wsd"] = "cosine"
+    """LR after warmup: constant; cosine or linear decay to min_lr_ratio * lr at the last step; wsd (warmup-stable-decay): constant, then a linear decay to min_lr_ratio * lr over the last decay_fraction of the steps."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    """Final LR as a fraction of the peak, for the cosine schedule."""
+    """Final LR as a fraction of the peak, for the cosine, linear and wsd schedules."""
     grad_clip: float = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     impl: Literal["auto", "fused", "foreach"] = "auto"
     """Optimizer kernels: fused (one kernel per step), foreach (multi-tensor), auto = fused where the device supports it."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments for the optimizer's constructor beyond lr, weight_decay, betas and momentum (which are passed wherever the constructor takes them), e.g. {eps = 1e-6} or, for muon, {ns_steps = 5}."""
+    decay_fraction: float = Field(0.2, gt=0.0, le=1.0)
+    """schedule = wsd: the fraction of train.steps at the end over which the LR decays."""
+
+    @field_validator("name")
+    @classmethod
+    def _torch_or_import_path(cls, value: str) -> str:
+        if value in REFUSED_OPTIMIZERS:
+            raise ValueError(f"torch.optim's {value} cannot be used: {REFUSED_OPTIMIZERS[value]}")
+        return _name_or_import_path(
+            value, tuple(n for n in optimizer_names() if n not in REFUSED_OPTIMIZERS)
+        )
 
 
 class TrainConfig(_Section):

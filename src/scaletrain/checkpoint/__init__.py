@@ -118,7 +118,16 @@ class _Optimizer:
         return get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
 
     def load_state_dict(self, state: dict) -> None:
+        # The kernels are this run's choice, not the checkpoint's (training/optim.py picks
+        # them for the layout): a DDP run's fused Adagrad or SGD loaded as fused under FSDP
+        # would meet DTensors, which those fused kernels have no rule for.
+        kernels = [
+            {k: group[k] for k in ("fused", "foreach") if k in group}
+            for group in self.optimizer.param_groups
+        ]
         set_optimizer_state_dict(self.model, self.optimizer, state, options=_FLAT)
+        for group, own in zip(self.optimizer.param_groups, kernels, strict=True):
+            group.update(own)
 
 
 @dataclass

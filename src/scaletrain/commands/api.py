@@ -102,6 +102,7 @@ def prepare_run(
     from scaletrain.records.trackers import check_installed, tracker_names
     from scaletrain.training.assemble import NO_CODE, brings_own_code, check_user_code
     from scaletrain.training.auto_precision import resolve_auto
+    from scaletrain.training.optim import check_optimizer
 
     if allow_config_change and not resume:
         raise ConfigError(
@@ -124,6 +125,7 @@ def prepare_run(
             "interface the nodes reach each other on (e.g. ps.interface=eth0)"
         )
     preflight_data(config)
+    check_optimizer(config.optim)  # its class imports; optim.kwargs and optim.impl fit it
     code = code or NO_CODE
     if brings_own_code(config, code) and not spec.in_process:
         # Workers would each fail the same way: build it once here, before they start.

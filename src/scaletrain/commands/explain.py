@@ -100,7 +100,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "threads per process": d.threads,
         "backend": d.backend,
         "precision": precision,
-        "optimizer kernels": _optimizer_kernels(config.optim.impl, device),
+        "optimizer kernels": _optimizer_kernels(config.optim, device),
         "CPU heap policy": _heap_policy(config.train.allocator, device),
         "torch.compile": "on (inductor, before DDP)"
         if config.train.compile
@@ -251,16 +251,16 @@ def _placement_table(d):
     return table
 
 
-def _optimizer_kernels(impl: str, device: str) -> str:
-    """What optim.impl resolves to on this device, and why (for explain)."""
+def _optimizer_kernels(optim, device: str) -> str:
+    """What optim.impl resolves to for this optimizer on this device (for explain)."""
     import torch
 
-    from scaletrain.training.optim import resolve_impl
+    from scaletrain.training.optim import chosen_kernels
 
     probe = [torch.zeros(1, device=device)] if device == "cpu" else []
-    if impl != "auto" or not probe:
-        return impl
-    return f"auto -> {resolve_impl(impl, probe)}"
+    if optim.impl != "auto" or not probe:
+        return optim.impl
+    return f"auto -> {chosen_kernels(optim, probe)}"
 
 
 def _heap_policy(mode: str, device: str) -> str:

@@ -100,7 +100,13 @@ def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> 
     model = precision.convert_module(model)
     o = config.optim
     optimizer = build_optimizer(
-        model, name=o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, momentum=o.momentum
+        model,
+        name=o.name,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=o.betas,
+        momentum=o.momentum,
+        kwargs=o.kwargs,
     )
     batches = {mb: dataset.get(torch.arange(mb) % len(dataset)) for mb in micro_batches}
     times: dict[int, list[float]] = {mb: [] for mb in micro_batches}

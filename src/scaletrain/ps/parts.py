@@ -63,6 +63,7 @@ class ServerPart:
     precision: Precision
     loss_fn: LossFn
     params: dict[str, torch.nn.Parameter]  # its partition, at the workers' initial values
+    hidden: frozenset[str] | None = None  # muon: the matrices Muon takes (training/optimizers.py)
 
 
 def server_part(config: Config, derived: Derived, *, index: int, startup: Startup) -> ServerPart:
@@ -73,6 +74,7 @@ def server_part(config: Config, derived: Derived, *, index: int, startup: Startu
     from scaletrain.models.init import init_plan, initial_values, is_meta
     from scaletrain.precision import make_precision
     from scaletrain.training.assemble import build_loss
+    from scaletrain.training.optimizers import hidden_matrices
 
     eval_ds = eval_data(config)
     startup.say(
@@ -107,6 +109,7 @@ def server_part(config: Config, derived: Derived, *, index: int, startup: Startu
         precision=precision,
         loss_fn=build_loss(config, eval_ds),
         params=params,
+        hidden=frozenset(hidden_matrices(model)) if config.optim.name == "muon" else None,
     )
 
 

@@ -23,6 +23,7 @@ from scaletrain.ps.supervisor import (
     FINISHED_MARKER,
 )
 from scaletrain.ps.worker import server_name
+from scaletrain.training.optim import describe_optimizer
 from scaletrain.training.progress import Startup
 
 
@@ -44,7 +45,8 @@ def run_server(config: Config, derived: Derived, *, index: int, run_dir: Path) -
     eval_ds, precision, loss_fn, params = part.eval_ds, part.precision, part.loss_fn, part.params
     shard = shard_module(params)
     per_step = 1 if ps.mode == "sync" else shape.workers  # gradients per global step
-    optimizer, scheduler = _optimizer(config, shard, per_step=per_step)
+    optimizer, scheduler = _optimizer(config, shard, per_step=per_step, hidden=part.hidden)
+    startup.say(describe_optimizer(optimizer))
     progress = ServerProgress()
     state = TrainState(shard, optimizer, scheduler, precision, loop=progress)
     resume_from = broadcast_object(_latest_checkpoint(run_dir) if main else None)
@@ -177,12 +179,14 @@ def run_server(config: Config, derived: Derived, *, index: int, run_dir: Path) -
         _mark_finished(run_dir, server)
 
 
-def _optimizer(config: Config, shard: torch.nn.Module, *, per_step: int):
+def _optimizer(config: Config, shard: torch.nn.Module, *, per_step: int, hidden=None):
     """The shard's optimizer and LR schedule; the schedule counts gradients (`per_step` of
-    them make a global step)."""
+    them make a global step); `hidden`: muon's matrices, chosen on the whole model."""
     from scaletrain.training.optim import from_section
 
-    return from_section(shard, config.optim, total_steps=config.train.steps, per_step=per_step)
+    return from_section(
+        shard, config.optim, total_steps=config.train.steps, per_step=per_step, hidden=hidden
+    )
 
 
 def _restore(

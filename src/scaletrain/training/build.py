@@ -50,7 +50,12 @@ from scaletrain.training.assemble import (
     measure_attention,
     tensor_bytes,
 )
-from scaletrain.training.optim import from_section
+from scaletrain.training.optim import (
+    describe_optimizer,
+    from_section,
+    hidden_matrices,
+    layout_impl,
+)
 from scaletrain.training.progress import (
     CommCounter,
     RunProgress,
@@ -172,6 +177,8 @@ def build(
     if not on_meta and meta and layout.splits_gradients and penv.is_main:
         print(f"scaletrain: warning: {_built_whole(student, config)}", file=sys.stderr)
     spec = model_spec(model)
+    # muon: its matrices chosen on the whole bare model, so that every pipeline stage agrees
+    hidden = hidden_matrices(model) if config.optim.name == "muon" else None
     try:
         check_model_fits(
             model,
@@ -238,15 +245,15 @@ def build(
     if check_code and shards_checked and par.pipeline is None:
         _check_user_code(par.model, **user_check)
         _reshard(par.model)  # the check's no-grad forward leaves FSDP's last block gathered
-    o = config.optim
-    # A fused kernel takes the fp16 scaler's found-inf flag as a plain tensor, which it
-    # cannot mix with DTensor parameters, and fused SGD has no DTensor sharding rule at all
-    # (torch 2.13): sharded fp16, and sharded SGD, run the foreach kernels.
-    sharded_unfusable = precision.scaler is not None or o.name == "sgd"
-    impl = "foreach" if sharded_unfusable and layout.splits_gradients else o.impl
-    optimizer, scheduler = from_section(
-        model, config.optim, total_steps=config.train.steps, impl=impl
+    impl = layout_impl(
+        config.optim,
+        splits_gradients=layout.splits_gradients,
+        loss_scaled=precision.scaler is not None,
     )
+    optimizer, scheduler = from_section(
+        model, config.optim, total_steps=config.train.steps, impl=impl, hidden=hidden
+    )
+    startup.say(describe_optimizer(optimizer))
     c = config.checkpoint
     checkpointer = Checkpointer(
         run_dir / "checkpoints",
