@@ -109,7 +109,8 @@ FILE_SECONDS = {
     "test_pipeline.py": 10,
     "test_distill_terms_parity.py": 35,
     "test_ps_threads.py": 45,
-    "test_optim_parity.py": 25,
+    "test_optim_parity.py": 120,
+    "test_diloco_parity.py": 60,
 }
 
 

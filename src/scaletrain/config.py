@@ -1,7 +1,7 @@
 """The typed run configuration: defaults < TOML file < `section.key=value` overrides.
 
 The schema and nothing else: one pydantic section per concern (model, data, optim, train,
-parallel, ps, distill, precision, checkpoint, log), loading, overrides and the field
+parallel, ps, distill, precision, checkpoint, log, diloco), loading, overrides and the field
 descriptions `scaletrain explain` prints. Validation here is per field: an unknown key (with
 a did-you-mean), a wrong type or a value out of range becomes one `ConfigError` whose message
 names the key, the value given and what is allowed. The CLI prints it and exits with status
@@ -209,8 +209,8 @@ class TrainConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    strategy: Literal["collective", "ps"] = "collective"
-    """collective: every rank steps together (DDP, FSDP, TP, PP over torch.distributed); ps: asynchronous parameter servers (the [ps] section; ranks 0..ps.servers-1 serve, the rest are workers)."""
+    strategy: Literal["collective", "ps", "diloco"] = "collective"
+    """collective: every rank steps together (DDP, FSDP, TP, PP over torch.distributed); ps: asynchronous parameter servers (the [ps] section; ranks 0..ps.servers-1 serve, the rest are workers); diloco: islands (parallel.dp_replicate) train apart and average their progress every diloco.sync_every steps (the [diloco] section)."""
     dp_replicate: int = Field(-1, ge=-1)
     """Data-parallel replicas holding whole parameters (DDP; with dp_shard > 1 the replicate dimension of HSDP); -1 = what the other degrees leave over."""
     dp: int = Field(-1, ge=-1)
@@ -270,6 +270,27 @@ class PSConfig(_Section):
     """A worker not heard from (gradients or heartbeats) for this long is declared dead; the run goes on without it and refuses its late messages."""
     interface: str = "lo"
     """Network interface that servers and workers listen on (TensorPipe's TP_SOCKET_IFNAME): lo = loopback, one machine; on several machines the one their hosts reach each other on (e.g. eth0)."""
+
+
+class DiLoCoConfig(_Section):
+    sync_every: int = Field(50, ge=1)
+    """parallel.strategy = 'diloco': inner steps between two syncs of the islands (H; the paper's runs use 500 over ~88k steps, 50 keeps tens of outer steps in runs of a few thousand)."""
+    outer_lr: float = Field(0.7, gt=0.0, le=10.0)
+    """Learning rate of the outer SGD step applied to the islands' averaged pseudo-gradient."""
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Momentum of the outer SGD step (0: plain SGD)."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer step (needs diloco.outer_momentum > 0)."""
+    fragments: int = Field(1, ge=1)
+    """Streaming DiLoCo: the model's blocks in this many fragments, each synced every sync_every steps, staggered by sync_every / fragments (1: the whole model at once)."""
+    overlap_steps: int = Field(0, ge=0)
+    """Streaming DiLoCo: inner steps a fragment's exchange overlaps before its outer update is applied (tau; 0: applied at once)."""
+    overlap_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """overlap_steps > 0: weight of the local parameters when the outer update is merged in (0: the outer result alone)."""
+    quantize: Literal["none", "bf16", "fp16", "int8", "int4"] = "none"
+    """Format of the exchanged pseudo-gradients: none (all-reduced in the master dtype), bf16 or fp16 (cast), int8 or int4 (per-block absmax scales, two int4 codes a byte)."""
+    quantize_block: int = Field(128, ge=2, le=1 << 20)
+    """int8 / int4: elements per fp32 scale (even)."""
 
 
 class DistillConfig(_Section):
@@ -365,6 +386,7 @@ class Config(_Section):
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    diloco: DiLoCoConfig = DiLoCoConfig()
 
 
 # --------------------------------------------------------------------------- loading

@@ -16,6 +16,10 @@ in place:
                  for torch's PowerSGD its numpy RNG and compression statistics
     loop.rankR   rank R's loop state (the trainer's RunProgress): the bad-step streak, the
                  last logged loss, the open metrics window, the comm counter's position
+    diloco       under parallel.strategy = 'diloco' (parallel/diloco.py): the inner-step
+                 position, the anchors and outer momentum (sharded like the parameters),
+                 each island's counts since each fragment synced, the outer updates due;
+                 diloco_sent.rankR: the bytes rank R has sent to the other islands
 plus `config.toml` (the resolved config) and `manifest.json` (SHA-256 of every file).
 
 Per-rank pieces differ between ranks (error feedback and a window's loss sum are local), so
@@ -28,6 +32,10 @@ On disk (checkpoint/files.py): DCP writes into `.tmp-step-N/`, which rank 0 rena
 leaves a half checkpoint that looks complete. Loading goes through that module's safe
 reader and planner: no pickled code runs, and the model and optimizer must fit exactly.
 This module decides what goes in and drives DCP; that one owns the directories.
+
+DiLoCo's islands hold different parameters and inner optimizer states between syncs, so
+under it `model` and `optim` are saved per island (`model.islandK.<name>`); within an island
+they reshard as any layout's do, and a resume needs as many islands as were saved.
 
 Resharding: DDP replicas hold the same model and optimizer, so a checkpoint written by 2
 ranks loads into 1 or 4; each rank takes its own RNG entry when it exists (else keeps its
@@ -236,6 +244,21 @@ class _PerRank:
 
 
 @dataclass
+class _Island:
+    """A piece that differs between DiLoCo's islands, saved as `island{K}`: the islands'
+    keys differ, so DCP keeps each (it keeps one copy of a key every rank saves alike)."""
+
+    piece: Stateful
+    island: int
+
+    def state_dict(self) -> dict:
+        return {f"island{self.island}": self.piece.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.piece.load_state_dict(state[f"island{self.island}"])
+
+
+@dataclass
 class TrainState:
     """Everything the loop needs to continue: the pieces a checkpoint holds.
 
@@ -254,12 +277,16 @@ class TrainState:
     hook: Stateful | None = None
     loop: Stateful | None = None
     tokens_per_example: int = 0  # text: input tokens per example, for tokens_seen (not saved)
+    diloco: object | None = None  # parallel.diloco.DiLoCo under parallel.strategy = 'diloco'
 
     def pieces(self) -> dict[str, Stateful]:
         """The Statefuls a checkpoint holds, by key (see the module docstring)."""
+        model, optim = _Model(self.model), _Optimizer(self.model, self.optimizer)
+        if self.diloco is not None:  # the islands' own weights and inner optimizers
+            model, optim = _Island(model, self.diloco.island), _Island(optim, self.diloco.island)
         pieces = {
-            "model": _Model(self.model),
-            "optim": _Optimizer(self.model, self.optimizer),
+            "model": model,
+            "optim": optim,
             "scheduler": _Schedule(self.scheduler),
             "precision": self.precision,
             "progress": _Progress(self),
@@ -269,6 +296,9 @@ class TrainState:
             pieces["hook"] = _PerRank(self.hook, any_world=False)
         if self.loop is not None:
             pieces["loop"] = _PerRank(self.loop, any_world=False)
+        if self.diloco is not None:
+            pieces["diloco"] = self.diloco
+            pieces["diloco_sent"] = _PerRank(self.diloco.sent, any_world=False)
         return pieces
 
 
@@ -393,6 +423,7 @@ def load(checkpoint: Path, state: TrainState) -> None:
             optimizer (a changed model or optimizer), with the reason.
     """
     metadata = SafeFileSystemReader(checkpoint).read_metadata()
+    _check_islands(checkpoint, metadata, state)
     same_world = _saved_world_size(metadata) == _world_size()
     pieces = state.pieces()
     for name, piece in list(pieces.items()):
@@ -424,6 +455,27 @@ def _first_failure(error: BaseException) -> BaseException:
     if isinstance(error, CheckpointException) and error.failures:
         return next(iter(error.failures.values()))[0]
     return error
+
+
+def _check_islands(checkpoint: Path, metadata: Metadata, state: TrainState) -> None:
+    """A DiLoCo checkpoint resumes as DiLoCo with as many islands, and only so."""
+    saved = {
+        key.split(".")[1] for key in metadata.state_dict_metadata if key.startswith("model.island")
+    }
+    islands = state.diloco.islands if state.diloco is not None else 0
+    if len(saved) == islands:
+        return
+    if not saved:
+        raise CheckpointError(
+            f"{checkpoint} was not written under parallel.strategy = 'diloco'; it resumes "
+            "under the strategy it was written with"
+        )
+    raise CheckpointError(
+        f"{checkpoint} holds {len(saved)} DiLoCo islands' weights; this run has "
+        + (f"{islands} (parallel.dp_replicate)" if islands else "no islands (the strategy)")
+        + f": resume with parallel.strategy='diloco' and parallel.dp_replicate={len(saved)} "
+        "(the layout inside each island may change)"
+    )
 
 
 def _saved_world_size(metadata: Metadata) -> int:

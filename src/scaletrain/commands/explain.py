@@ -92,6 +92,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         ),
         **_pipeline_rows(config, d),
         **_ps_rows(config, d),
+        **_diloco_rows(config, d),
         **distill_explain_rows(config),
         "global batch": config.train.global_batch,
         "micro-batch": config.train.micro_batch,
@@ -192,6 +193,29 @@ def _ps_rows(config: Config, d) -> dict[str, str]:
         "worker lease": f"{ps.worker_timeout_s:g} s (heartbeats every "
         f"{ps.worker_timeout_s / 4:g} s)",
         "listens on": f"interface {ps.interface!r} only",
+    }
+
+
+def _diloco_rows(config: Config, d) -> dict[str, str]:
+    """The islands under parallel.strategy = 'diloco', and what crosses between them."""
+    if config.parallel.strategy != "diloco":
+        return {}
+    dl, layout = config.diloco, d.layout
+    inside = {k: v for k, v in layout.sizes.items() if k != "dp_replicate"}
+    island = " x ".join(f"{k}={v}" for k, v in inside.items()) or "1 rank"
+    stream = (
+        f", {dl.fragments} fragments staggered by {dl.sync_every // dl.fragments} steps"
+        + (f", each overlapping {dl.overlap_steps} step(s)" if dl.overlap_steps else "")
+        if dl.fragments > 1
+        else ""
+    )
+    return {
+        "strategy": f"DiLoCo: {layout.dp_replicate} island(s) of {island}",
+        "islands meet": (
+            f"every {dl.sync_every} steps{stream}: pseudo-gradients ({dl.quantize}) "
+            f"averaged over dp_replicate, outer SGD lr {dl.outer_lr} momentum "
+            f"{dl.outer_momentum}{' (Nesterov)' if dl.nesterov else ''}"
+        ),
     }
 
 

@@ -7,6 +7,7 @@ which sit beside what they protect:
 
     parallel/layout.py    layout_of: the degrees against the world size (LayoutError)
     parallel/checks.py    check_collective, pipeline_shape (check_schedule), ps_layout
+    parallel/diloco.py    check_diloco: [diloco] keys against the layout
     distill/checks.py     check_distill_config: [distill] keys, teacher and cache
     here                  rules that span sections: model vs data source, batch
                           divisibility, the planned stop, torch.compile's needs, [ps]
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from scaletrain.config import BUILTIN_MODELS, TEXT_SOURCES, Config, PSConfig
+from scaletrain.config import BUILTIN_MODELS, TEXT_SOURCES, Config, DiLoCoConfig, PSConfig
 from scaletrain.distill.checks import check_distill_config
 from scaletrain.errors import ConfigError
 from scaletrain.parallel.checks import (
@@ -31,6 +32,7 @@ from scaletrain.parallel.checks import (
     pipeline_shape,
     ps_layout,
 )
+from scaletrain.parallel.diloco import check_diloco
 from scaletrain.parallel.layout import ParallelLayout, layout_of
 from scaletrain.precision import detect_hardware, slow_precision_warning
 from scaletrain.user_code import is_import_path
@@ -74,6 +76,7 @@ def resolve(config: Config, *, world_size: int, nproc_per_node: int | None = Non
             f"e.g. train.global_batch={max(per_step, t.global_batch // per_step * per_step)}"
         )
     pipe = _check_collective(config, layout) if ps is None else None
+    _check_diloco(config, layout)
     _check_model_and_data(config)
     check_distill_config(config, layout)
     _check_sources(config)
@@ -157,6 +160,7 @@ def _check_collective(config: Config, layout: ParallelLayout) -> PipelineShape |
         optim_impl=config.optim.impl,
         sequence_parallel=pc.sequence_parallel,
         seq_len=config.data.seq_len if gpt else None,
+        islands=pc.strategy == "diloco",
     )
     n_blocks = None
     if gpt and layout.pp > 1:  # the built-in GPT's depth is known before it is built
@@ -171,6 +175,28 @@ def _check_collective(config: Config, layout: ParallelLayout) -> PipelineShape |
         micro_batch=config.train.micro_batch,
         n_blocks=n_blocks,
     )
+
+
+def _check_diloco(config: Config, layout: ParallelLayout) -> None:
+    """[diloco] is read only by its strategy, and checked against the layout there."""
+    if config.parallel.strategy == "diloco":
+        check_diloco(
+            config.diloco,
+            island_splits=layout.world_size > layout.dp_replicate,
+            comm_hook=config.parallel.comm_hook,
+            precision=config.precision.mode,
+        )
+        return
+    default = DiLoCoConfig()
+    changed = sorted(
+        k for k in DiLoCoConfig.model_fields if getattr(config.diloco, k) != getattr(default, k)
+    )
+    if changed:
+        raise ConfigError(
+            f"diloco.{changed[0]} is only read with parallel.strategy = 'diloco' "
+            f"(parallel.strategy is {config.parallel.strategy!r}); set "
+            "parallel.strategy='diloco' or remove the [diloco] keys"
+        )
 
 
 def _check_ps_keys_unused(config: Config) -> None:
@@ -285,6 +311,11 @@ def _warnings(
         slow := slow_precision_warning(config.precision.mode, detect_hardware("cpu"))
     ):  # bf16 without avx512_bf16/AMX
         out.append(slow)
+    if config.parallel.strategy == "diloco" and layout.dp_replicate == 1:
+        out.append(
+            "parallel.strategy = 'diloco' with one island (parallel.dp_replicate = 1): "
+            "nothing is exchanged; each sync is the outer step on this island's progress alone"
+        )
     if config.parallel.comm_hook != "none" and layout.dp == 1:
         out.append(f"parallel.comm_hook = {config.parallel.comm_hook!r} has no effect with dp = 1")
     if nproc_per_node * threads > cores:

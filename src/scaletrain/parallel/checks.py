@@ -32,6 +32,7 @@ def check_collective(
     optim_impl: str,
     sequence_parallel: bool,
     seq_len: int | None,
+    islands: bool = False,
 ) -> None:
     """Refuse combinations of the collective techniques that cannot work.
 
@@ -41,8 +42,11 @@ def check_collective(
         compile: train.compile; precision: precision.mode; optim_impl: optim.impl.
         seq_len: data.seq_len when the model splits positions under sequence parallelism
             (the built-in GPT), else None.
+        islands: parallel.strategy = 'diloco': dp_replicate is islands, not DDP replicas
+            (any layout runs inside each; parallel/diloco.py checks its own keys).
     """
-    if layout.dp_replicate > 1 and layout.dp_shard == 1 and (layout.tp > 1 or layout.pp > 1):
+    ddp = layout.dp_replicate > 1 and layout.dp_shard == 1 and not islands
+    if ddp and (layout.tp > 1 or layout.pp > 1):
         raise ConfigError(
             f"parallel.dp_replicate = {layout.dp_replicate} with tp = {layout.tp} and pp = "
             f"{layout.pp}: DDP replicates whole models and does not compose with tensor or "

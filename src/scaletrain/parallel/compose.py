@@ -6,6 +6,10 @@ Order (written down once, here, in `parallelize`):
     activation checkpointing -> FSDP -> materialise (a meta-built model) -> torch.compile ->
     DDP (only without sharding) -> DDP comm hook -> pipeline schedule
 
+Under parallel.strategy = "diloco" the dp_replicate dimension holds islands that train
+apart: FSDP shards over dp_shard alone and no DDP wraps the model; the islands' exchange
+(parallel/diloco.py) is built by the caller on what this returns.
+
 - The pipeline split comes first: every later technique applies to a stage, the part of
   the model this rank holds, not to the whole model.
 - Tensor parallelism before FSDP: FSDP then shards the DTensors TP made along the data-
@@ -64,6 +68,7 @@ class ParallelKeys(Protocol):
     (config.ParallelConfig, which this room does not import); nothing copies it field by
     field. The pipeline's keys come resolved, with their defaults, as a `PipelineShape`."""
 
+    strategy: str  # "diloco": dp_replicate is islands that sync apart from the step
     bucket_cap_mb: float
     gradient_as_bucket_view: bool
     comm_hook: str
@@ -179,6 +184,7 @@ def parallelize(
             shapes; no DDP wrapper and no schedule, which hold no parameters.
     """
     plan = init_plan(model) if is_meta(model) else None  # read off the bare, unsplit model
+    islands = parallel.strategy == "diloco"  # no gradient sync over dp_replicate
     if plan is None and not shapes_only:
         model = model.to(device)
     mesh = layout.build_mesh(device.type)
@@ -206,8 +212,10 @@ def parallelize(
             apply_activation_checkpointing(
                 part, blocks_path=spec.blocks, mode=parallel.activation_checkpointing
             )
-        if layout.dp_shard > 1:  # 4. FSDP, per stage
-            dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
+        if layout.dp_shard > 1:  # 4. FSDP, per stage (HSDP over dp_replicate, but not
+            # across DiLoCo's islands: they exchange apart from the step, parallel/diloco.py)
+            hsdp = layout.dp_replicate > 1 and not islands
+            dims = ("dp_replicate", "dp_shard") if hsdp else ("dp_shard",)
             apply_fsdp(
                 part,
                 mesh[dims],
@@ -232,7 +240,7 @@ def parallelize(
     if compile:
         owner.compile()  # in place: the same module and parameter names, a compiled forward
     out = Parallelized(model=owner, mesh=mesh, weights_read=weights_read)
-    if layout.dp_replicate > 1 and layout.dp_shard == 1:  # 6. DDP (nothing else is on)
+    if layout.dp_replicate > 1 and layout.dp_shard == 1 and not islands:  # 6. DDP (nothing else)
         out.model = apply_ddp(
             owner,
             device=device,

@@ -28,6 +28,7 @@ from scaletrain.loss import LossFn
 from scaletrain.models.init import is_meta
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.compose import check_model_fits, parallelize
+from scaletrain.parallel.diloco import DiLoCo, apply_diloco, assign_fragments, island_groups
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.precision import Precision, make_precision
@@ -82,6 +83,8 @@ class Parts:
     pipeline: Pipeline | None = None  # under pp > 1: the schedule over this rank's stages
     pp_group: object | None = None  # under pp > 1: the pipeline's process group
     dp_group: object | None = None  # the data-parallel peers' group (ragged counts sum over it)
+    dp_size: int = 1  # data-parallel ranks the step normalises over (under DiLoCo: an island's)
+    diloco: DiLoCo | None = None  # parallel.strategy = 'diloco': the exchange between islands
     teacher: object | None = None  # under [distill] with an online teacher: distill.teacher.Teacher
     heap: str = "system"  # the CPU heap policy applied (runtime/allocator.py)
 
@@ -89,6 +92,14 @@ class Parts:
     def reports_loss(self) -> bool:
         """This rank's summed loss counts in the logged loss (one per data-parallel share)."""
         return self.layout.reports_loss(self.rank)
+
+    @property
+    def island_count(self) -> bool | None:
+        """Under DiLoCo, whether this rank adds its island's count to a record's sum (one
+        rank per island does); None without islands (counts are global)."""
+        if self.diloco is None:
+            return None
+        return self.reports_loss and self.layout.coords(self.rank)["dp_shard"] == 0
 
 
 def build(
@@ -215,6 +226,9 @@ def build(
         world_size=layout.world_size,
         device_type=device.type,
     )
+    islands = config.parallel.strategy == "diloco"
+    if islands:  # Streaming DiLoCo's fragments, by the bare model's names and blocks
+        fragment_of = assign_fragments(model, blocks=spec.blocks, fragments=config.diloco.fragments)
     par = parallelize(
         model,
         spec=spec,
@@ -262,7 +276,22 @@ def build(
         config_toml=config_to_toml(config),
         every=c.every,
     )
-    comm = CommCounter(model, hook_state, ddp=isinstance(model, DistributedDataParallel))
+    # DiLoCo: the step normalises over the island's own data-parallel ranks; the islands
+    # meet every diloco.sync_every steps (parallel/diloco.py).
+    dp_group, diloco = layout.dp_group(par.mesh), None
+    if islands:
+        dp_group, across = island_groups(layout, par.mesh)
+        diloco = apply_diloco(
+            model,
+            config.diloco,
+            fragment_of=fragment_of,
+            group=across,
+            island=layout.coords(penv.rank)["dp_replicate"],
+            islands=layout.dp_replicate,
+        )
+    comm = CommCounter(
+        model, hook_state, ddp=isinstance(model, DistributedDataParallel), sent_by=diloco
+    )
     # The loop's streak and window: a checkpoint loads into this RunProgress, the loop runs on it.
     state = TrainState(
         model,
@@ -272,6 +301,7 @@ def build(
         hook=hook_state,
         loop=RunProgress(first_step=0, comm=comm, flops=flops),
         tokens_per_example=train_ds.spec.input_shape[0] if train_ds.spec.kind == "lm" else 0,
+        diloco=diloco,
     )
     return Parts(
         state=state,
@@ -286,7 +316,9 @@ def build(
         rank=penv.rank,
         pipeline=par.pipeline,
         pp_group=par.pipeline.stages[0].group if par.pipeline else None,
-        dp_group=layout.dp_group(par.mesh),
+        dp_group=dp_group,
+        dp_size=layout.dp_shard if islands else layout.dp,
+        diloco=diloco,
         teacher=kd.teacher if kd is not None else None,
         heap=heap,
     )

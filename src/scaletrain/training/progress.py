@@ -12,7 +12,8 @@ The trainer's loop asks this module *what to say*, never keeps the arithmetic it
   loss, the open window, the comm counter's position). It is a DCP Stateful in the
   checkpoint (`TrainState.loop`), so a resumed run stops, logs and reports as the
   uninterrupted one would.
-- `CommCounter` counts the bytes each rank hands to DDP's gradient all-reduce.
+- `CommCounter` counts the bytes each rank hands to DDP's gradient all-reduce, or to
+  DiLoCo's exchange between islands.
 """
 
 from __future__ import annotations
@@ -82,13 +83,15 @@ class CommCounter:
     """Bytes each rank hands to DDP's gradient all-reduce per step.
 
     With a comm hook, the hook counts the tensors it sends; without one, DDP all-reduces
-    every gradient once per step in its own dtype, which is the parameters' size. Other
-    layouts (FSDP's gathers and reduce-scatters, TP's all-reduces, PP's sends) are not
-    counted here: 0.
+    every gradient once per step in its own dtype, which is the parameters' size. Under
+    DiLoCo (`sent_by`) the exchange between islands counts what it hands to its
+    collectives, averaged over the window's steps. Other layouts (FSDP's gathers and
+    reduce-scatters, TP's all-reduces, PP's sends) are not counted here: 0.
     """
 
-    def __init__(self, model: torch.nn.Module, hook_state, *, ddp: bool) -> None:
+    def __init__(self, model: torch.nn.Module, hook_state, *, ddp: bool, sent_by=None) -> None:
         self.hook_state = hook_state
+        self.sent_by = sent_by  # DiLoCo: anything with a running `bytes_sent`
         self.plain = (
             0
             if not ddp
@@ -97,9 +100,10 @@ class CommCounter:
         self.seen = 0
 
     def per_step(self, steps: int) -> float:
-        if self.hook_state is None:
+        source = self.hook_state if self.hook_state is not None else self.sent_by
+        if source is None:
             return float(self.plain)
-        sent, self.seen = self.hook_state.bytes_sent - self.seen, self.hook_state.bytes_sent
+        sent, self.seen = source.bytes_sent - self.seen, source.bytes_sent
         return sent / max(steps, 1)
 
 
@@ -201,6 +205,7 @@ def log_window(
     compiled: bool,
     dp: int,
     terms: dict[str, float] | None = None,
+    island_count: bool | None = None,
 ) -> None:
     """Add the step to the window; every `every` steps (and at the last) write one record
     and start a new window.
@@ -216,6 +221,9 @@ def log_window(
         dp: the data-parallel degree (examples per record are global).
         terms: this step's summed parts of the loss on this rank (under [distill]: the
             hard loss and each distillation term), reduced and normalised like the loss.
+        island_count: under DiLoCo a step's count is its island's: True on the one rank
+            per island that adds it to the record's sum, False on the others; None: the
+            count is global already.
     """
     window = run.window
     # Tensor-parallel peers hold the same loss and a pipeline's other stages none: one rank
@@ -238,6 +246,7 @@ def log_window(
             state.precision,
             skipped=state.skipped_steps,
             dp=dp,
+            island_count=island_count,
         )
     record["comm_bytes_per_step"] = run.comm.per_step(window.steps) if run.comm else 0.0
     if run.flops is not None:
@@ -265,21 +274,28 @@ def train_record(
     *,
     skipped: int,
     dp: int,
+    island_count: bool | None = None,
 ) -> dict:
-    """One metrics record for the window that ends at `step` (0-based)."""
+    """One metrics record for the window that ends at `step` (0-based); `island_count` as
+    in `log_window`."""
     # One all-reduce per record: the window's summed loss (and its terms, under [distill])
-    # over every rank. Counts are global.
+    # over every rank. Counts are global, but for DiLoCo's islands' (one rank of each adds
+    # its island's to the same sum).
     names = sorted(window.terms)
+    counted = [float(window.count) if island_count else 0.0] if island_count is not None else []
     sums = all_reduce_sum(
-        torch.tensor([window.loss_sum, *(window.terms[n] for n in names)], dtype=torch.float64)
+        torch.tensor(
+            [window.loss_sum, *(window.terms[n] for n in names), *counted], dtype=torch.float64
+        )
     )
     loss_sum = sums[0]
+    count = max(float(sums[-1]) if counted else window.count, 1)
     elapsed = time.perf_counter() - window.start
     examples = sum(len(mb.targets) for mb in micro) * dp * window.steps
     tokens = sum(mb.tokens for mb in micro) * dp * window.steps
     record = {
         "step": step + 1,
-        "loss": float(loss_sum.item()) / max(window.count, 1),
+        "loss": float(loss_sum.item()) / count,
         "lr": optimizer.param_groups[0]["lr"],
         "grad_norm": result.grad_norm,
         "examples": examples,
@@ -290,7 +306,7 @@ def train_record(
         "peak_mem_bytes": lifetime_peak_bytes(),
         "skipped_steps": skipped,
     }
-    record.update({n: float(sums[1 + i]) / max(window.count, 1) for i, n in enumerate(names)})
+    record.update({n: float(sums[1 + i]) / count for i, n in enumerate(names)})
     if precision.loss_scale is not None:
         record["loss_scale"] = precision.loss_scale
     return record

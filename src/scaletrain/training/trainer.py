@@ -7,7 +7,8 @@ Flow per run:
     precision cast -> [user code: checked on the bare model] -> the layout checked against
     the model -> parallelize (pipeline split, TP, activation checkpointing, FSDP or DDP:
     parallel/compose.py) -> optimizer, schedule -> loop:
-        sampler gives this rank's micro-batches -> train_step -> bad-step check ->
+        sampler gives this rank's micro-batches -> train_step -> [DiLoCo: the islands'
+        exchange and outer step every diloco.sync_every steps] -> bad-step check ->
         metrics every log.every (one all-reduce) -> eval every train.eval_every
     -> final eval -> model.safetensors, summary.json (rank 0)
 """
@@ -209,7 +210,7 @@ def _loop(
                 scheduler=state.scheduler,
                 precision=state.precision,
                 grad_clip=config.optim.grad_clip,
-                dp_size=derived.layout.dp,
+                dp_size=parts.dp_size,
                 ragged_counts=parts.train_ds.spec.ragged,
                 loss_fn=parts.loss_fn,
                 pipeline=parts.pipeline,
@@ -221,6 +222,9 @@ def _loop(
                 f"scaletrain: torch.compile: the first step took "
                 f"{time.perf_counter() - step_started:.1f} s (compiling; later steps reuse it)"
             )
+        if parts.diloco is not None:  # DiLoCo: every sync_every steps the islands meet
+            with collective_guard("DiLoCo exchange between islands", step=step):
+                parts.diloco.step(result.count, last=step + 1 == t.steps)
         state.step = step + 1
         hang.beat()  # the launcher's sign of progress (launch/hang.py: no step for timeout_s)
         _count_bad_steps(state, result, run, config=config)
@@ -236,6 +240,7 @@ def _loop(
             total_steps=t.steps,
             compiled=config.train.compile,
             dp=derived.layout.dp,
+            island_count=parts.island_count,
         )
         if _checkpoint_or_stop(state, parts, logger=logger, config=config, run_dir=run_dir):
             return None
