@@ -25,9 +25,12 @@ from harness import config_toml, start_cli, wait_until
 
 TIMEOUT_S = 5
 
-# A user's model (model.name = "sleepy:build") whose rank 1 sleeps in its second training
-# forward: rank 0 then waits in DDP's gradient all-reduce of that step.
-SLEEPY = """
+
+def user_model(forward_body: str) -> str:
+    """A user's model module (model.name = "<module>:build"): a Linear classifier whose
+    training forward first runs `forward_body` (indented 12 spaces, inside
+    `if torch.is_grad_enabled():`, with self.forwards counting those forwards)."""
+    return f"""
 import os
 import time
 from pathlib import Path
@@ -36,18 +39,16 @@ import torch
 from torch import nn
 
 
-class Sleepy(nn.Module):
+class Model(nn.Module):
     def __init__(self, features, classes):
         super().__init__()
         self.fc = nn.Linear(features, classes)
         self.forwards = 0
 
     def forward(self, x):
-        if torch.is_grad_enabled() and os.environ.get("RANK") == "1":
+        if torch.is_grad_enabled():
             self.forwards += 1
-            if self.forwards == 2:
-                Path("held").touch()  # the test's clock starts here
-                time.sleep(600)  # HELD
+{forward_body}
         return self.fc(x.flatten(1))
 
 
@@ -55,8 +56,17 @@ def build(task):
     features = 1
     for size in task.input_shape:
         features *= size
-    return Sleepy(features, task.num_classes)
+    return Model(features, task.num_classes)
 """
+
+
+# model.name = "sleepy:build": rank 1 sleeps in its second training forward, so rank 0
+# waits in DDP's gradient all-reduce of that step.
+SLEEPY = user_model(
+    """            if self.forwards == 2 and os.environ.get("RANK") == "1":
+                Path("held").touch()  # the test's clock starts here
+                time.sleep(600)  # HELD"""
+)
 SLEEP_LINE = next(i for i, line in enumerate(SLEEPY.splitlines(), 1) if "# HELD" in line)
 
 
@@ -122,38 +132,13 @@ def test_rank_held_in_sleep_is_named_with_the_all_reduce_and_the_line(tmp_path: 
     assert not list(logs.glob(".hang-*")), list(logs.iterdir())
 
 
-# A model whose ranks both wait in their second training forward until the test says "go":
-# no rank is in a collective, so none times out; only the launcher's progress watch sees it.
-STALLED = """
-import os
-import time
-from pathlib import Path
-
-import torch
-from torch import nn
-
-
-class Stalled(nn.Module):
-    def __init__(self, features, classes):
-        super().__init__()
-        self.fc = nn.Linear(features, classes)
-        self.forwards = 0
-
-    def forward(self, x):
-        if torch.is_grad_enabled():
-            self.forwards += 1
-            if self.forwards == 2:
-                while not Path("go").exists():
-                    time.sleep(0.05)  # WAITING
-        return self.fc(x.flatten(1))
-
-
-def build(task):
-    features = 1
-    for size in task.input_shape:
-        features *= size
-    return Stalled(features, task.num_classes)
-"""
+# model.name = "stalled:build": both ranks wait in their second training forward until the
+# test says "go": no rank is in a collective, so none times out; only the launcher's
+# progress watch sees it.
+STALLED = user_model(
+    """            while self.forwards == 2 and not Path("go").exists():
+                time.sleep(0.05)  # WAITING"""
+)
 WAIT_LINE = next(i for i, line in enumerate(STALLED.splitlines(), 1) if "# WAITING" in line)
 
 

@@ -87,7 +87,7 @@ def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> 
     from scaletrain.precision import make_precision
     from scaletrain.runtime.allocator import configure_allocator
     from scaletrain.training.assemble import build_net, build_objective, tensor_bytes
-    from scaletrain.training.optim import build_optimizer
+    from scaletrain.training.optim import from_section
     from scaletrain.training.step import forward
 
     torch.set_num_threads(1)
@@ -98,16 +98,7 @@ def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> 
     configure_allocator(config.train.allocator, device_type="cpu", model_bytes=tensor_bytes(net))
     model, loss_fn, _ = build_objective(config, net, dataset, precision=precision)
     model = precision.convert_module(model)
-    o = config.optim
-    optimizer = build_optimizer(
-        model,
-        name=o.name,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=o.betas,
-        momentum=o.momentum,
-        kwargs=o.kwargs,
-    )
+    optimizer, _ = from_section(model, config.optim, total_steps=1)  # as the run builds it
     batches = {mb: dataset.get(torch.arange(mb) % len(dataset)) for mb in micro_batches}
     times: dict[int, list[float]] = {mb: [] for mb in micro_batches}
     for _ in range(steps):
