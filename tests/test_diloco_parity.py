@@ -205,11 +205,14 @@ def test_ragged_islands_count_different_tokens(runs: dict) -> None:
 
 
 def test_comm_bytes_per_exchange(runs: dict) -> None:
-    """H = 1 exchanges every step: DDP's bytes (the whole fp64 gradient) plus the 8-byte
-    weight. Streaming int4 at H = 4 sends far less per step (its final sync included)."""
+    """H = 1 exchanges every step: on packed data DDP's bytes (the whole fp64 gradient), on
+    ragged data those plus the 8-byte weight of each island's token count. Streaming int4 at
+    H = 4 sends far less per step (its final sync included)."""
+    for kind, weight in (("packed", 0), ("ragged", 8)):
+        ddp = [r["comm_bytes_per_step"] for r in records(runs[f"ddp-{kind}"])]
+        islands = [r["comm_bytes_per_step"] for r in records(runs[f"islands-dp-{kind}"])]
+        assert ddp[0] > 0 and islands == [b + weight for b in ddp], kind
     ddp = [r["comm_bytes_per_step"] for r in records(runs["ddp-packed"])]
-    islands = [r["comm_bytes_per_step"] for r in records(runs["islands-dp-packed"])]
-    assert ddp[0] > 0 and islands == [b + 8 for b in ddp]
     streaming = sum(r["comm_bytes_per_step"] for r in records(runs["streaming"]))
     assert 0 < streaming < ddp[0] * STREAM_STEPS / 4 / 8, (streaming, ddp[0])
 

@@ -22,8 +22,9 @@ inner optimizer's state is kept, as in the paper.
   step. With `overlap_steps` tau > 0 its exchange runs in the background
   (`async_op=True`). The outer update lands tau steps later, mixed into the parameters
   trained meanwhile: local x alpha + global x (1 - alpha).
-- Quantized exchange (`quantize`): "none" all-reduces the weighted pseudo-gradient (the
-  weight rides as one more element) in the parameters' dtype, fp32 at least. bf16, fp16,
+- Quantized exchange (`quantize`): "none" all-reduces the weighted pseudo-gradient (on
+  ragged data the weight rides as one more element; on packed data the counts are equal
+  and it sends the pseudo-gradient alone) in the parameters' dtype, fp32 at least. bf16, fp16,
   int8 and int4 are all-gathered and summed in fp32 (or the wider master dtype) on every
   rank instead. A sum of codes with different scales means nothing, and a bf16 ring
   all-reduce would round once per hop, its error growing with the islands; the price is
@@ -225,10 +226,14 @@ class DiLoCo:
         group,
         island: int,
         islands: int,
+        equal_counts: bool = False,
     ) -> None:
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.keys, self.group, self.island, self.islands = keys, group, island, islands
+        # packed data: every island trains the same count a step, so the weights are equal
+        # and need not travel (the mean is the weighted mean); ragged data sends them
+        self.equal_counts = equal_counts
         self.members = [
             [i for i, n in enumerate(self.names) if fragment_of[n] == f]
             for f in range(keys.fragments)
@@ -292,7 +297,8 @@ class DiLoCo:
         elif fmt == "none":
             buffer = flat
             if self.islands > 1:
-                buffer = torch.cat([flat * weight, flat.new_tensor([weight])])
+                if not self.equal_counts:
+                    buffer = torch.cat([flat * weight, flat.new_tensor([weight])])
                 work = dist.all_reduce(buffer, group=self.group, async_op=True)
                 self.bytes_sent += buffer.numel() * buffer.element_size()
         else:
@@ -329,6 +335,8 @@ class DiLoCo:
         if fmt == "none":
             if self.islands == 1:
                 return buffer
+            if self.equal_counts:
+                return buffer / self.islands
             total = buffer[-1]
             return buffer[:-1] / (total if total > 0 else 1.0)
         dtype = torch.promote_types(self.anchors[0].dtype, torch.float32)
@@ -425,6 +433,7 @@ def apply_diloco(
     group,
     island: int,
     islands: int,
+    equal_counts: bool = False,
 ) -> DiLoCo:
     """DiLoCo over `model`'s trainable parameters (as parallelized: shards, stages).
 
@@ -434,6 +443,16 @@ def apply_diloco(
         fragment_of: {plain parameter name: fragment} (`assign_fragments` on the bare model).
         group: the process group across islands (`island_groups`; None with one island).
         island: this rank's island (its dp_replicate coordinate); islands: how many.
+        equal_counts: every island trains the same count a step (packed data): the
+            unquantized exchange sends no weight and takes the plain mean.
     """
     named = [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    return DiLoCo(named, keys, fragment_of=fragment_of, group=group, island=island, islands=islands)
+    return DiLoCo(
+        named,
+        keys,
+        fragment_of=fragment_of,
+        group=group,
+        island=island,
+        islands=islands,
+        equal_counts=equal_counts,
+    )

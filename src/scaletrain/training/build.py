@@ -288,6 +288,7 @@ def build(
             group=across,
             island=layout.coords(penv.rank)["dp_replicate"],
             islands=layout.dp_replicate,
+            equal_counts=not train_ds.spec.ragged,
         )
     comm = CommCounter(
         model, hook_state, ddp=isinstance(model, DistributedDataParallel), sent_by=diloco
