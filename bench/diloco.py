@@ -271,12 +271,16 @@ def verdicts(results: list[Result], *, sync_every: int) -> list[str]:
         return []
     ddp, dl = by["ddp"], by["diloco"]
     time_x = dl.train_s / ddp.train_s
-    bytes_x = dl.bytes_per_step / ddp.bytes_per_step
+    # the exchange's own bytes (comm_bytes_per_step, as logged); the link's total also
+    # carries the rendezvous, the metrics' and the evaluation's traffic
+    bytes_x = dl.logged_bytes_per_step / ddp.logged_bytes_per_step
+    link_x = dl.bytes_per_step / ddp.bytes_per_step
     loss_x = abs(dl.eval_loss / ddp.eval_loss - 1)
     mark = lambda ok: "ok" if ok else "NOT MET"  # noqa: E731
     return [
         f"diloco train time / ddp's: {time_x:.3f} (goal <= 0.4) {mark(time_x <= 0.4)}",
-        f"diloco link bytes per step / ddp's: {bytes_x:.4f} (goal <= 1/H = {1 / sync_every:.4f}) "
+        f"diloco logged bytes per step / ddp's: 1/{1 / bytes_x:.2f} (goal <= 1/H = "
+        f"1/{sync_every}; over the link, all traffic: 1/{1 / link_x:.2f}) "
         f"{mark(bytes_x <= 1 / sync_every)}",
         f"diloco eval loss vs ddp's: {100 * loss_x:.2f}% apart (goal within 3%) {mark(loss_x <= 0.03)}",
     ]

@@ -21,10 +21,14 @@ def _result(name: str, **numbers: float) -> diloco.Result:
     return diloco.Result(name, **{"steps": 100, "wall_s": 1.0, **numbers})
 
 
+def sent(per_step: float) -> dict[str, float]:
+    return {"logged_bytes_per_step": per_step}
+
+
 def test_table_gives_each_contender_its_ratios_to_ddp() -> None:
     results = [
-        _result("ddp", train_s=100.0, link_bytes=1_000_000_000, eval_loss=2.0),
-        _result("diloco", train_s=40.0, link_bytes=20_000_000, eval_loss=2.04),
+        _result("ddp", train_s=100.0, link_bytes=1_000_000_000, eval_loss=2.0, **sent(1e6)),
+        _result("diloco", train_s=40.0, link_bytes=20_000_000, eval_loss=2.04, **sent(2e4)),
         diloco.Result("streaming", error="exit codes [1, 1]"),
     ]
     rows = {row[0]: row for row in diloco.ratio_rows(results)}
@@ -38,10 +42,14 @@ def test_table_gives_each_contender_its_ratios_to_ddp() -> None:
     assert lines[0].split()[:3] == ["contender", "train", "s"] and len(lines) == 4
     assert diloco.verdicts(results, sync_every=50) == [
         "diloco train time / ddp's: 0.400 (goal <= 0.4) ok",
-        "diloco link bytes per step / ddp's: 0.0200 (goal <= 1/H = 0.0200) ok",
+        "diloco logged bytes per step / ddp's: 1/50.00 (goal <= 1/H = 1/50; over the link, "
+        "all traffic: 1/50.00) ok",
         "diloco eval loss vs ddp's: 2.00% apart (goal within 3%) ok",
     ]
-    slow = [results[0], _result("diloco", train_s=50.0, link_bytes=30_000_000, eval_loss=2.1)]
+    slow = [
+        results[0],
+        _result("diloco", train_s=50.0, link_bytes=30_000_000, eval_loss=2.1, **sent(30_000)),
+    ]
     assert all(v.endswith("NOT MET") for v in diloco.verdicts(slow, sync_every=50))
 
 
