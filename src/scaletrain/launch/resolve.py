@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from scaletrain.config import BUILTIN_MODELS, TEXT_SOURCES, Config, DiLoCoConfig, PSConfig
+from scaletrain.config import BUILTIN_MODELS, TEXT_SOURCES, Config
 from scaletrain.distill.checks import check_distill_config
 from scaletrain.errors import ConfigError
 from scaletrain.parallel.checks import (
@@ -145,7 +145,7 @@ def _layout(config: Config, *, world_size: int) -> tuple[ParallelLayout, PSShape
         pp=pc.pp,
         world_size=world_size,
     )
-    _check_ps_keys_unused(config)
+    _check_keys_unused(config, "ps")
     return layout, None
 
 
@@ -187,30 +187,23 @@ def _check_diloco(config: Config, layout: ParallelLayout) -> None:
             precision=config.precision.mode,
         )
         return
-    default = DiLoCoConfig()
+    _check_keys_unused(config, "diloco")
+
+
+def _check_keys_unused(config: Config, section: str) -> None:
+    """[ps] and [diloco] are read only by the strategy of the same name: a key changed
+    under another strategy is a mistake. Compared with the defaults, not "given": a stored
+    config.toml writes every key."""
+    values = getattr(config, section)
+    default = type(values)()
     changed = sorted(
-        k for k in DiLoCoConfig.model_fields if getattr(config.diloco, k) != getattr(default, k)
+        k for k in type(values).model_fields if getattr(values, k) != getattr(default, k)
     )
     if changed:
         raise ConfigError(
-            f"diloco.{changed[0]} is only read with parallel.strategy = 'diloco' "
+            f"{section}.{changed[0]} is only read with parallel.strategy = '{section}' "
             f"(parallel.strategy is {config.parallel.strategy!r}); set "
-            "parallel.strategy='diloco' or remove the [diloco] keys"
-        )
-
-
-def _check_ps_keys_unused(config: Config) -> None:
-    """[ps] is read only by the parameter-server strategy."""
-    # Compared with the defaults, not "given": a stored config.toml writes every key.
-    default = PSConfig()
-    changed = sorted(
-        k for k in PSConfig.model_fields if getattr(config.ps, k) != getattr(default, k)
-    )
-    if changed:
-        raise ConfigError(
-            f"ps.{changed[0]} is only read with parallel.strategy = 'ps' "
-            f"(parallel.strategy is 'collective'); set parallel.strategy='ps' or "
-            f"remove the [ps] keys"
+            f"parallel.strategy='{section}' or remove the [{section}] keys"
         )
 
 
