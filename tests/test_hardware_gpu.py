@@ -124,7 +124,7 @@ def test_the_plan_counts_fp32_at_the_plain_rate_and_at_tf32s_where_it_is_on():
         (pred,) = plan_layouts(
             config, world_size=1, profile=a100, dataset=dataset, model=model, only_configured=True
         )
-        return pred.compute_s, pred.mfu * pred.step_time_s
+        return pred.terms.compute_s, pred.mfu * pred.step_time_s
 
     (plain, plain_mfu), (tf32, tf32_mfu) = compute_s(mode="fp32"), compute_s(mode="fp32", tf32=True)
     assert plain == pytest.approx(tf32 * 156 / 19.5, rel=1e-9)

@@ -32,18 +32,11 @@ BUSIER_CORES = 0.5
 
 
 def add_parsers(sub) -> None:
-    plan = sub.add_parser(
-        "plan",
-        help="predict every layout's memory and step time per rank, best first (launches nothing)",
-    )
+    plan = sub.add_parser("plan", help="predict every layout's memory and step time per rank")
     plan.add_argument("config", type=Path, metavar="CONFIG.toml")
     plan.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
     plan.add_argument("--world", type=int, help="world size (default: the config's degrees')")
-    plan.add_argument(
-        "--nproc",
-        type=int,
-        help="ranks per node, as train --nproc (default: the world on a CPU, a GPU node's devices)",
-    )
+    plan.add_argument("--nproc", type=int, help="ranks per node, as train --nproc")
     plan.add_argument(
         "--hardware",
         metavar="NAME|profile.toml",
@@ -51,23 +44,16 @@ def add_parsers(sub) -> None:
         f"this GPU's part, else {CALIBRATED})",
     )
     plan.add_argument("--json", action="store_true", help="print the predictions as JSON")
-    plan.add_argument(
-        "--all", action="store_true", dest="show_all", help="every layout, not the best 15"
-    )
+    plan.add_argument("--all", action="store_true", dest="show_all", help="not only the best 15")
     plan.add_argument("--why", type=int, metavar="N", help="row N's step time, term by term")
     cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile")
-    cal.add_argument(
-        "--world", default="2,4", help="world sizes to time collectives at (default 2,4)"
-    )
-    cal.add_argument(
-        "--out", type=Path, default=CALIBRATED, help=f"profile to write (default {CALIBRATED})"
-    )
+    cal.add_argument("--world", default="2,4", help="world sizes to measure (default 2,4)")
+    cal.add_argument("--out", type=Path, default=CALIBRATED, help=f"default {CALIBRATED}")
     cal.add_argument(
         "--busy",
         choices=("wait", "warn", "refuse"),
         default="wait",
-        help="on a busy machine: wait for quiet (a minute, then warn), warn, or refuse; the "
-        "profile records the load (default wait)",
+        help="on a busy machine: wait for quiet (a minute, then warn), warn, or refuse",
     )
 
 
@@ -101,7 +87,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([p.as_json() for p in preds], indent=1))
         return 0
-    rows = preds if args.show_all else _shown(preds)
+    # without --all the best 15, and the configured layout wherever it is
+    rows = preds if args.show_all else [*preds[:15], *(p for p in preds[15:] if "configured" in p.notes)]  # fmt: skip
     if args.why is not None and not 1 <= args.why <= len(rows):
         raise ConfigError(f"--why {args.why}: a row of the table, from 1 to {len(rows)}")
     budget, where = rank_budget(profile, ranks_per_node=per_node)
@@ -131,11 +118,6 @@ def busier_than_calibrated(profile: Profile, now) -> str | None:
             f"{profile.name!r} was calibrated: the steps predicted are a quiet machine's"
         )
     return None
-
-
-def _shown(preds):
-    """The table's rows without --all: the best 15, and the configured layout wherever it is."""
-    return preds[:15] + [p for p in preds[15:] if "configured" in p.notes]
 
 
 def describe_layout(layout: dict) -> str:
@@ -181,11 +163,9 @@ def explain(number: int, pred) -> str:
     return "\n".join(lines)
 
 
-def _figures(x: float, digits: int = 4) -> str:
-    """`x` to `digits` significant figures, without an exponent (0.1380, 12.35, -1235)."""
-    if x == 0 or not math.isfinite(x):
-        return f"{x:g}"
-    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+def _figures(x: float) -> str:
+    """`x` to 4 significant figures, without an exponent (0.1380, 12.35, -1235)."""
+    decimals = max(0, 3 - math.floor(math.log10(abs(x)))) if x and math.isfinite(x) else 0
     return f"{x:.{decimals}f}"
 
 

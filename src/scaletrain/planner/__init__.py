@@ -35,17 +35,11 @@ def plan_layouts(
     only_configured: bool = False,
     code: UserCode = NO_CODE,
 ) -> list[Prediction]:
-    """Predictions for the accepted layouts of `world_size`: those that fit, fastest first;
-    then the others, smallest peak first. The configured layout's notes say `configured`.
-
-    Args:
-        dataset, model: the data and the bare model on meta (default: build_for_plan's).
-        ranks_per_node: the launch's ranks on one node (default: Profile.ranks_per_node).
-        budget_bytes: memory per rank (default: hardware.rank_budget's for those ranks).
-        only_configured: predict the configured layout alone (`scaletrain train`'s check),
-            raising the launcher's UserError where it would refuse it.
-        code: the Python API's own model, data and loss, which every layout is built from.
-    """
+    """Predictions for the accepted layouts of `world_size`: those that fit, fastest first,
+    then the others, smallest peak first; the configured layout's notes say `configured`.
+    `only_configured`: that layout alone, or the launcher's UserError refusing it. Defaults:
+    `build_for_plan`'s data and meta model, `Profile.ranks_per_node`, `rank_budget`'s bytes;
+    `code`: the Python API's own model, data and loss."""
     if dataset is None or model is None:
         dataset, model = build_for_plan(config, code)
     config = resolve_auto_precision(config, profile)
@@ -104,9 +98,8 @@ def predict_configured(
 
 
 def resolve_auto_precision(config: Config, profile: Profile) -> Config:
-    """`config` with precision.mode "auto" decided as a run on `profile`'s hardware would
-    decide it: bf16-mixed on a GPU profile (every built-in is Ampere or later); on a CPU
-    profile, calibrated here, this CPU's answer."""
+    """`config` with precision.mode "auto" decided as a run on `profile`'s hardware would:
+    a GPU profile's part (every built-in is Ampere or later), else this CPU."""
     from scaletrain.precision import Hardware, decide_auto, detect_hardware
 
     if config.precision.mode != "auto":

@@ -1,13 +1,11 @@
 """`scaletrain calibrate`: measure this machine and write its hardware profile.
 
-Matmul FLOP/s per dtype on one thread and memory bandwidth; per world size, gloo's
-all-reduce and all-gather fitted to latency + bytes / bus bandwidth (`_fit`) and FSDP2's
-first use; then the built-in GPT tiny's own steps (reference.py). Ranks are started by
-torch's elastic agent, forked from one server that has imported torch and the trainer once
-(multiprocessing's forkserver): fresh, as a run's, in a fraction of a second where a spawned
-rank re-imports torch. A profile timed beside another job predicts every layout too slow, so
-calibrate watches the machine's foreign load (runtime/load.py), waits for quiet, says which
-phase ran busy and records the load in the profile (`--busy refuse`: writes none).
+Matmul FLOP/s per dtype on one thread, memory bandwidth, gloo's collectives per world size
+(latency + bytes / bus bandwidth), FSDP2's first use, then GPT tiny's own steps
+(reference.py). Ranks are started by torch's elastic agent, forked from one server that
+imported torch and the trainer once: fresh, as a run's, in a fraction of a second. A profile
+timed beside another job predicts every layout too slow, so calibrate watches the machine's
+foreign load (runtime/load.py), waits for quiet, says which phase ran busy and records it.
 """
 
 from __future__ import annotations
@@ -81,8 +79,8 @@ def memory_bandwidth() -> float:
 def _fit(points: list[tuple[float, float]]) -> Link:
     """t = latency + bytes / bw from (bytes on the wire, seconds), each size at its fastest
     look (gloo's small messages sometimes sit in a slow mode for a whole look): the latency
-    the fastest of the three smallest, the bandwidth the largest's rate beyond it. A
-    least-squares line over these sizes puts the intercept anywhere, below zero included."""
+    the fastest of the three smallest, the bandwidth the largest's rate beyond it (a line
+    fitted through them can put the latency below zero)."""
     fastest: dict[float, float] = {}
     for nbytes, t in points:
         fastest[nbytes] = min(t, fastest.get(nbytes, t))
@@ -99,9 +97,8 @@ def first_use_worker() -> int:
 
 
 def measure_first_use() -> int:
-    """FSDP2's first use (reference.first_use_bytes), the largest rank's of 2 spawned as a
-    run's are: a forked rank shares what the fork server loaded, a run's loads it after its
-    baseline. A fixed cost per process, the same on 4 ranks (BENCHMARKS.md)."""
+    """FSDP2's first use (reference.first_use_bytes), the largest of 2 ranks spawned as a
+    run's are (a forked rank shares what the fork server loaded)."""
     return max(launch(2, first_use_worker, start_method="spawn").values())
 
 
@@ -227,9 +224,12 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
             GPT_TINY, launch=launch, profile=profile, worlds=tuple(intra), say=say
         )
     worst = max(loads, key=lambda load: load.foreign_cores)
+    for world, probed in links.items():  # a world no probe spanned whole: the pair's per call
+        pairs = {f"{k}_call_s": probed.get(f"{k}_pair_call_s", 0.0) for k in ("fsdp", "tp")}
+        intra[world] = dataclasses.replace(intra[world], **(pairs | probed))
     profile = dataclasses.replace(
         profile,
-        intra=_with_probed(intra, links),
+        intra=intra,
         **fields,
         foreign_cores=round(worst.foreign_cores, 3),
         steal_cores=round(max(load.steal_cores for load in loads), 3),
@@ -239,17 +239,6 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
     if worst.noisy:
         say(f"warning: {_busy_paragraph(worst, during=True)}")
     return profile
-
-
-def _with_probed(intra: dict[int, Link], links: dict[int, dict[str, float]]) -> dict[int, Link]:
-    """Each world's link with the probes' costs per call; where no probe ran over a whole
-    world (a model whose heads do not split that far), its call costs the pair's."""
-    out = {}
-    for world, link in intra.items():
-        probed = links.get(world, {})
-        pairs = {f"{k}_call_s": probed.get(f"{k}_pair_call_s", 0.0) for k in ("fsdp", "tp")}
-        out[world] = dataclasses.replace(link, **(pairs | probed))
-    return out
 
 
 def _quiet_enough(busy: str, say) -> Load:

@@ -9,12 +9,13 @@ a tenth of a rank's memory or more: the built-ins' launches pay nothing for it.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError
 from scaletrain.planner import build_for_plan, plan_layouts
-from scaletrain.planner.layouts import toml_value
 from scaletrain.planner.predict import Prediction
 from scaletrain.runtime.hardware import BUILTIN, Link, Profile, default_profile, rank_budget
 from scaletrain.training.assemble import NO_CODE, UserCode
@@ -37,7 +38,7 @@ def pick_layout(
             f"{_size(budget)} per rank (the smallest peak is {_size(smallest)}); add ranks, "
             "or train a smaller model"
         )
-    items = [f"{k}={toml_value(v)}" for k, v in preds[0].layout.items()]
+    items = [f"{k}={json.dumps(v)}" for k, v in preds[0].layout.items()]  # TOML's values
     return ["parallel.dp=-1", *items], preds[0]
 
 
@@ -53,27 +54,14 @@ def check_fits(
     dataset, model = build_for_plan(config, code)
     if 16 * sum(p.numel() for p in model.parameters()) < budget / 10:
         return
-    # without a profile only the memory is asked: a stand-in's times mean nothing
-    profile = profile or Profile(
-        name="uncalibrated",
-        flops={"fp32": 1e11},
-        memory_bytes=budget,
-        memory_bw=1e10,
-        intra={1: Link(1e9, 1e-4)},  # any link: the collectives' costs need one
-    )
-    preds = plan_layouts(
-        config,
-        world_size=world_size,
-        profile=profile,
-        dataset=dataset,
-        model=model,
-        ranks_per_node=ranks_per_node,
-        budget_bytes=budget,
-        only_configured=True,
-        code=code,
-    )
-    if preds and not preds[0].fits:
-        m = preds[0].memory_bytes
+    # without a profile only the memory is asked: a stand-in's times (and link) mean nothing
+    profile = profile or Profile("uncalibrated", {"fp32": 1e11}, budget, 1e10, {1: Link(1e9, 1e-4)})
+    (pred,) = plan_layouts(
+        config, world_size=world_size, profile=profile, dataset=dataset, model=model,
+        ranks_per_node=ranks_per_node, budget_bytes=budget, only_configured=True, code=code,
+    )  # fmt: skip
+    if not pred.fits:
+        m = pred.memory_bytes
         raise ConfigError(
             f"this layout is predicted to need {_size(m['peak'])} per rank (parameters "
             f"{_size(m['params'])}, gradients {_size(m['grads'])}, optimizer "
@@ -85,7 +73,6 @@ def check_fits(
 
 
 def _profile(required: bool = True) -> Profile | None:
-    """This launch's hardware profile (hardware.default_profile)."""
     profile = default_profile("cuda" if torch.cuda.is_available() else "cpu")
     if profile is None and required:
         raise ConfigError(

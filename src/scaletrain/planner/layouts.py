@@ -1,11 +1,10 @@
-"""Every layout of one world size that the launcher would accept: each candidate's
-[parallel] keys and micro-batch go through the launcher's own checks (`resolve`,
-`check_model_fits` on the meta model).
-"""
+"""Every layout of one world size that the launcher would accept: each candidate's keys go
+through the launcher's own checks (`resolve`, `check_model_fits` on the meta model)."""
 
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 
 from scaletrain.config import Config, apply_overrides, validate_config
@@ -86,13 +85,6 @@ def candidates(
     return out
 
 
-def toml_value(value) -> str:
-    """`value` as a dotted override's right-hand side writes it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return f'"{value}"' if isinstance(value, str) else str(value)
-
-
 def _keys(degrees: tuple, ac: str, micro_batch: int) -> dict:
     names = ("parallel.pp", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp")
     keys = dict(zip(names, degrees))
@@ -111,7 +103,7 @@ def _micro_batches(config: Config, dp: int) -> list[int]:
 def _accepted(base: dict, keys: dict, *, world_size: int, model, spec) -> Candidate:
     """`keys` applied to `base` as the launcher would take them, or its UserError."""
     extra = {"parallel.dp": -1, "parallel.pp_microbatches": 0, "parallel.pp_stages_per_rank": 0}
-    items = [f"{k}={toml_value(v)}" for k, v in {**extra, **keys}.items()]
+    items = [f"{k}={json.dumps(v)}" for k, v in {**extra, **keys}.items()]  # TOML's values
     config = validate_config(apply_overrides(base, items))
     derived = resolve(config, world_size=world_size)
     check_model_fits(

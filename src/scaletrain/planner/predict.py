@@ -1,9 +1,5 @@
-"""One layout's predicted memory, communication and step time: the planner's cost model.
-
-It reads what was measured on meta (held.py: a rank's bytes; activations.py: a chunk's
-traced activations, ops and bytes written) and the hardware profile. `_memory`,
-`_collectives` and `Terms` each say what they count.
-"""
+"""One layout's predicted memory, communication and step time: the planner's cost model,
+from what was measured on meta (held.py, activations.py) and the hardware profile."""
 
 from __future__ import annotations
 
@@ -124,50 +120,32 @@ class Terms:
 
 @dataclass
 class Prediction:
-    layout: dict
+    layout: dict  # the layout's overrides: dotted key -> value
     fits: bool
-    memory_bytes: dict[str, int]
-    comm_bytes: dict[str, float]
+    memory_bytes: dict[str, int]  # rank 0's at the step's peak, by part (`_memory`)
+    comm_bytes: dict[str, float]  # on the wire a step, by collective
     step_time_s: float
     mfu: float | None
+    terms: Terms
     comm_calls: dict[str, int] = field(default_factory=dict)  # collective calls per step
     calls_by_dim: dict[str, int] = field(default_factory=dict)  # the same by mesh dimension
     notes: list[str] = field(default_factory=list)
-    terms: Terms | None = None
-
-    # the terms' figures a caller reads most, by their old names (the terms hold them)
-    compute_s = property(lambda self: self.terms.compute_s)
-    comm_s = property(lambda self: self.terms.comm_s)
-    optim_s = property(lambda self: self.terms.optimizer_s)
-    ops = property(lambda self: self.terms.ops)  # forward ops a step runs (each runs backward)
-    written = property(lambda self: self.terms.written)  # bytes those forward ops write
-    bubble = property(lambda self: self.terms.bubble)
 
     def as_json(self) -> dict:
         keys = ("layout", "fits", "memory_bytes", "comm_bytes", "step_time_s", "mfu")
-        out = {k: getattr(self, k) for k in (*keys, "compute_s", "comm_s", "optim_s", "bubble")}
-        if self.terms:
-            parts = {name: s for name, s, _ in self.terms.parts()}
-            out["terms"] = {**asdict(self.terms), "parts": parts}
-        return out
+        parts = {name: s for name, s, _ in self.terms.parts()}
+        return {k: getattr(self, k) for k in keys} | {
+            "terms": {**asdict(self.terms), "parts": parts}
+        }
 
 
 def spans_nodes(lay, dim: str, per_node: int) -> bool:
     """Whether a group of mesh dimension `dim` (a pipeline's: two neighbouring stages) has
     ranks on two nodes of `per_node` devices. Ranks are row-major over (pp, dp_replicate,
-    dp_shard, tp) (parallel/layout.py): a group spans the product of the degrees after its
-    own x its size."""
+    dp_shard, tp) (parallel/layout.py): a group spans the degrees after its own x its size."""
     order = ("pp", "dp_replicate", "dp_shard", "tp")
     inner = math.prod(getattr(lay, d) for d in order[order.index(dim) + 1 :])
-    size = 2 if dim == "pp" else getattr(lay, dim)
-    return inner * size > per_node
-
-
-def compute_dtype(config: Config, profile: Profile) -> str:
-    """The profile's key for the rate the config's matmuls run at: precision.tf32 puts fp32
-    on TF32 tensor cores where the profile has them (a CPU's has none)."""
-    tf32 = config.precision.tf32 and "tf32" in profile.flops
-    return matmul_dtype(config.precision.mode, tf32=tf32)
+    return inner * (2 if dim == "pp" else getattr(lay, dim)) > per_node
 
 
 def predict(
@@ -189,7 +167,10 @@ def predict(
     (hardware.rank_budget)."""
     lay = derived.layout
     per_node = min(lay.world_size, ranks_per_node)  # a CPU's ranks share its cores
-    dtype = compute_dtype(config, profile)
+    # precision.tf32 puts fp32 matmuls on TF32 tensor cores where the profile has them
+    dtype = matmul_dtype(
+        config.precision.mode, tf32=config.precision.tf32 and "tf32" in profile.flops
+    )
     width = 2 if dtype in ("bf16", "fp16") else (8 if dtype == "fp64" else 4)
     shape, seq = transformer_shape(model), example.shape[-1] if example.dim() >= 1 else 1
     hw = train_flops(model, example.unsqueeze(0))  # one example's, no recomputation

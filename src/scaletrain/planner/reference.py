@@ -1,12 +1,11 @@
 """What `scaletrain calibrate` learns from a model's real training steps.
 
-On a CPU a small model's step is mostly outside its matmuls (op dispatch and autograd,
-memory-bound element-wise work, FSDP2's and DTensor's Python around each collective), and a
-process holds more than its live tensors (the heap keeps freed blocks). No kernel benchmark
-shows either, so calibrate trains a model for real, in fresh ranks, and the planner predicts
-every other model and layout from what it fits (the profiling cost model of layout searchers
-such as Galvatron and Alpa): `step_costs` (`op_s`, `byte_s`), `slack_probe` (`rss_ratio`),
-`sharded_probes` (FSDP2's and DTensor's slack and costs) and `first_use_bytes`.
+A CPU's small-model step is mostly outside its matmuls (dispatch and autograd, memory-bound
+element-wise work, FSDP2's and DTensor's Python around each collective), and a process holds
+more than its live tensors. No kernel benchmark shows either, so calibrate trains a model in
+fresh ranks and fits what the planner lacks (the profiling cost model of Galvatron and Alpa):
+`step_costs` (op_s, byte_s), `slack_probe` (rss_ratio), `sharded_probes` (FSDP2's and
+DTensor's slack and costs) and `first_use_bytes`.
 """
 
 from __future__ import annotations
@@ -44,14 +43,8 @@ LOOKS = (1, 2, 4)
 WIDE_LOOKS = (1, 4)
 
 
-def reference_config(data: dict, micro_batch: int):
-    """`data` (a config as a dict) as one process training micro-batches of `micro_batch`."""
-    return _config(data, {}, train={"micro_batch": micro_batch, "global_batch": micro_batch})
-
-
 def _config(data: dict, parallel: dict, *, train: dict, **sections):
-    """`data` (a config as a dict) under `parallel`, its [train] updated by `train` and its
-    `sections` replaced, validated."""
+    """`data` (a config as a dict) under `parallel`, [train] updated, `sections` replaced."""
     from scaletrain.config import validate_config
 
     data = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
@@ -59,27 +52,30 @@ def _config(data: dict, parallel: dict, *, train: dict, **sections):
     return validate_config(data | sections | {"parallel": dict(parallel)})
 
 
+def reference_config(data: dict, micro_batch: int):
+    """`data` as one process training micro-batches of `micro_batch`."""
+    return _config(data, {}, train={"micro_batch": micro_batch, "global_batch": micro_batch})
+
+
 def _micro_batch(data: dict) -> int:
     return int(data.get("train", {}).get("micro_batch", 16))
 
 
 def reference_batches(data: dict) -> tuple[int, ...]:
-    """A quarter, half, once and twice the configured micro-batch: the sizes a layout's
-    chunks run at."""
+    """A quarter, half, once and twice the configured micro-batch: a layout's chunk sizes."""
     mb = _micro_batch(data)
     return tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb, 2 * mb}))
 
 
 def reference_rank(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> dict:
-    """One rank of the reference: `step_worker` in a gloo group that waits up to STEP_WAIT_S
-    for the slowest rank's build and steps."""
+    """`step_worker` in a gloo group that waits STEP_WAIT_S for the slowest rank."""
     with gloo_group(timeout_s=STEP_WAIT_S):
         return step_worker(data, micro_batches, steps)
 
 
 def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> dict:
-    """The reference on one thread under the run's heap policy: `steps` rounds of one step
-    at each micro-batch in turn (a slow minute falls on each alike), each begun together in a
+    """The reference on one thread under the run's heap policy: `steps` rounds of a step at
+    each micro-batch in turn (a slow minute falls on each alike), each begun together in a
     process group; per micro-batch the median step after two warm-up rounds."""
     import torch.distributed as dist
 
@@ -118,14 +114,13 @@ def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> 
 def step_costs(
     data: dict, *, flops: dict[str, float], memory_bw: float, concurrent: int, launch, say=print
 ) -> dict[str, float]:
-    """`op_s` and `byte_s`: each step less its matmuls and optimizer pass, fitted to
-    ops x op_s + bytes written x byte_s (`_nonneg_fit`). The reference runs in `concurrent`
-    ranks side by side, as the busiest world keeps the cores busy; a micro-batch's step is its
-    slowest rank's (a synchronous step waits for it). `launch(n, fn, *args)`: rank -> result."""
+    """`op_s` and `byte_s`: each reference step less the planner's with neither cost, fitted
+    to ops x op_s + bytes written x byte_s. The reference runs in `concurrent` ranks side by
+    side, as the busiest world keeps the cores busy; a step is its slowest rank's (a
+    synchronous step waits for it). `launch(n, fn, *args)`: rank -> result."""
     from scaletrain.planner import predict_configured
     from scaletrain.runtime.hardware import Profile
 
-    # the planner's prediction with no per-op or per-byte cost: what the fit adds to
     bare = Profile(name="bare", flops=flops, memory_bytes=2**62, memory_bw=memory_bw, cores=1)
     batches = reference_batches(data)
     ranks = launch(concurrent, reference_rank, data, batches).values()
@@ -133,15 +128,15 @@ def step_costs(
     for mb in batches:
         step_s = max(r["step_s"][mb] for r in ranks)
         pred = predict_configured(reference_config(data, mb), world_size=1, profile=bare)
-        rows.append((pred.ops, pred.written, step_s - pred.step_time_s))
+        rows.append((pred.terms.ops, pred.terms.written, step_s - pred.step_time_s))
         say(f"reference step, micro-batch {mb}, {concurrent} at once: {step_s * 1e3:.1f} ms")
     op_s, byte_s = _nonneg_fit(rows)
     return {"op_s": op_s, "byte_s": byte_s}
 
 
 def probe_parallel(kind: str, *, world: int, group: int) -> dict:
-    """A probe's [parallel] keys: `kind`'s groups of `group` ranks, the rest of the world's
-    ranks FSDP's replicas (HSDP) or tensor parallelism's pipeline stages."""
+    """A probe's [parallel] keys: `kind`'s groups of `group` ranks, the rest of the world
+    FSDP's replicas (HSDP) or tensor parallelism's pipeline stages."""
     rest = {"fsdp": "dp_replicate", "tp": "pp"}[kind]
     return {SHARDED_DIM[kind]: group, **({rest: world // group} if world > group else {})}
 
@@ -149,7 +144,7 @@ def probe_parallel(kind: str, *, world: int, group: int) -> dict:
 def sharded_config(data: dict, parallel: dict, *, steps: int = SETTLE_STEPS, accumulation: int = 1):
     """`data` trained under `parallel` for `steps` steps, each rank taking the configured
     micro-batch's examples in `accumulation` micro-batches, logged in WINDOWS windows, no
-    checkpoint, 8 examples of evaluation at the end."""
+    checkpoint, 8 examples of evaluation."""
     mb = _micro_batch(data) // accumulation
     replicas = parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1)
     train = {"micro_batch": mb, "global_batch": mb * accumulation * replicas, "steps": steps}
@@ -164,19 +159,16 @@ def sharded_worker(data: dict, parallel: dict, steps: int, accumulation: int, ru
 
     from scaletrain.training.trainer import train
 
-    config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
     try:
+        config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
         train(config, run_dir=Path(run_dir))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def slack_probe(
-    data: dict, *, launch, profile, steps: int = SETTLE_STEPS, say=print
-) -> dict[str, float]:
-    """`rss_ratio`: the model on 2 ranks under DDP for `steps` steps (`_settled_rss`);
-    nothing where the probe fails."""
+def slack_probe(data: dict, *, launch, profile, steps: int = SETTLE_STEPS, say=print) -> dict:
+    """`rss_ratio`: the model on 2 ranks under DDP for `steps` steps; {} where it fails."""
     bare = dataclasses.replace(_without_sharding_costs(profile), rss_ratio=1.0)
     settled = _probe(data, {"dp_replicate": 2}, 2, steps, launch, bare, say)
     if settled is None:
@@ -195,13 +187,12 @@ def sharded_probes(
     say=print,
 ) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
     """FSDP2's and DTensor's costs on the model's own steps: the profile's fields and each
-    world's link fields. Per kind (fsdp, tp), on 2 ranks: a settled probe gives the heap's
-    slack (`_settled_rss`) and the first look; timed probes the other LOOKS, whose excess over
-    the planner's step is fitted to `{kind}_step_s` + calls x `{kind}_call_s`. On each larger
-    world: the same fit in groups of 2 (with more ranks than cores a call waits on fewer
-    peers: `{kind}_pair_step_s`, `{kind}_pair_call_s`), and over the whole world its cost per
-    call beside the 2-rank cost per step. A probe the model cannot run, or whose rank dies,
-    fits nothing. `profile`: this machine's so far."""
+    world's link fields. Per kind, on 2 ranks: a settled probe gives the heap's slack and the
+    first look; timed probes the other LOOKS; their excess over the planner's step is fitted
+    to `{kind}_step_s` + calls x `{kind}_call_s`. On each larger world the same fit in groups
+    of 2 (`{kind}_pair_*`: with more ranks than cores a call waits on fewer peers), and over
+    the whole world its cost per call beside the 2-rank cost per step. A probe the model
+    cannot run, or whose rank dies, fits nothing. `profile`: this machine's so far."""
     bare = _without_sharding_costs(profile)
     defaults = {f.name: f.default for f in dataclasses.fields(profile)}
     fields: dict[str, float] = {}
@@ -211,7 +202,6 @@ def sharded_probes(
         return _probe(data, parallel, world, run_steps, launch, plan, say, accumulation)
 
     def fit(kind, parallel, world, looks, *runs):
-        """`runs` and timed probes at `looks` (those the micro-batch allows), fitted."""
         timed = [probe(parallel, world, timed_steps, a) for a in looks if a <= _micro_batch(data)]
         label = f"{kind} on 2 ranks" if world == 2 else f"{kind} as {parallel} on {world} ranks"
         return _fit_looks([*runs, *timed], kind, parallel=parallel, label=label, say=say)
@@ -231,11 +221,9 @@ def sharded_probes(
         fields[f"{kind}_step_s"], links.setdefault(2, {})[f"{kind}_call_s"] = step_s, call_s
         for world in (w for w in worlds if w > 2):
             fitted = fit(kind, probe_parallel(kind, world=world, group=2), world, WIDE_LOOKS)
-            if fitted is not None:
+            if fitted is not None:  # a pair cost of 0 means none measured: 1e-12 at least
                 links[world][f"{kind}_pair_step_s"] = fitted[0]
-                # 1e-12, not 0: a pair cost of 0 means none measured (predict)
                 links[world][f"{kind}_pair_call_s"] = max(fitted[1], 1e-12)
-            # the whole world: its calls beside the 2-rank cost per step
             whole = probe_parallel(kind, world=world, group=world)
             stepped = dataclasses.replace(bare, **{f"{kind}_step_s": step_s})
             run = probe(whole, world, timed_steps, plan=stepped)
@@ -251,7 +239,7 @@ def sharded_probes(
 
 def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
     """(the planner's prediction for one probe, its logged training windows); None where the
-    launcher's checks refuse the layout (no TP plan) or a rank died."""
+    launcher's checks refuse the layout or a rank died."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from scaletrain.errors import UserError
@@ -275,27 +263,21 @@ def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
 
 
 def _settled_rss(kind: str, pred, train: list[dict], *, profile, steps: int, say) -> float:
-    """What a settled 2-rank probe's largest peak above baseline says of the heap, beyond
-    the planner's live bytes (its peak less the parameters, which the baseline holds, and
-    the runtime terms, which the probes measure); and the line that says it.
-    - DDP (`rss_ratio`): resident bytes per live byte, the gradients DDP's buckets put in
-      the baseline at set-up counted in;
-    - FSDP2 (`fsdp_rss_per_byte`): beyond the live bytes and its first use, per byte of the
-      stage's whole parameters (the holes its gathered buffers leave);
-    - tensor parallelism (`tp_rss_ratio`): resident bytes per live byte, no fixed part
-      (DTensor's copies of the stream grow with the activations)."""
+    """What a settled 2-rank probe's largest peak above baseline says of the heap beyond the
+    planner's live bytes (its peak less the parameters, in the baseline, and the runtime
+    terms, which the probes measure): under DDP and tensor parallelism resident bytes per
+    live byte (DDP's gradients, in its baseline since set-up, counted in); under FSDP2 the
+    bytes beyond the live ones and its first use per byte of the stage's whole parameters
+    (the holes its gathered buffers leave)."""
     memory = pred.memory_bytes
     peak = max(r["window_peak_above_baseline_bytes"] for r in train)
     live = memory["peak"] - memory["params"] - memory["runtime"]
     if kind == "fsdp":
         stage = memory["params"] * 2  # the one stage's whole parameters
         value = max(0.0, (peak - live - profile.link(2).fsdp_rss) / stage)
-        said = (
-            f"{value:.2f} x the stage's {stage / 2**20:.1f} MiB of parameters beyond the "
-            "slack and first use"
-        )
+        said = f"{value:.2f} x the stage's {stage / 2**20:.1f} MiB of parameters beyond the slack and first use"  # fmt: skip
     else:
-        grads = memory["grads"] if kind == "ddp" else 0  # in DDP's baseline since set-up
+        grads = memory["grads"] if kind == "ddp" else 0
         value = max(1.0, (peak + grads) / live)
         live -= grads  # what a step adds above the baseline
         said = f"resident memory {value:.2f} x the live tensors"
@@ -308,9 +290,9 @@ def _settled_rss(kind: str, pred, train: list[dict], *, profile, steps: int, say
 
 def _fit_looks(runs: list, kind: str, *, parallel: dict, label: str, say):
     """(cost per step, cost per call) fitted to the probes' excess over the plan, said; None
-    where none ran or no calls are planned."""
+    where none ran or no calls are planned (no TP plan the planner sees)."""
     looks = [_excess(pred, train, kind) for pred, train in filter(None, runs)]
-    if not looks or not looks[0][1]:  # no calls planned (no TP plan the planner sees)
+    if not looks or not looks[0][1]:
         return None
     share = 1.0 / parallel.get("pp", 1)  # a pipeline stage pays its share of the step
     step_s, call_s = _nonneg_fit([(share, calls, excess) for excess, calls in looks])
@@ -320,43 +302,26 @@ def _fit_looks(runs: list, kind: str, *, parallel: dict, label: str, say):
 
 
 def _excess(pred, train: list[dict], kind: str) -> tuple[float, int]:
-    """(the median logged step after the warm-up window less the planner's step, the step's
-    `kind` collective calls)."""
+    """(the median logged step after the warm-up window less the planner's, its calls)."""
     step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
     return step_s - pred.step_time_s, pred.calls_by_dim.get(SHARDED_DIM[kind], 0)
 
 
 def _without_sharding_costs(profile):
-    """`profile` with no FSDP2 or DTensor cost per step or per call (1e-12 a call: 0 means
-    the link's latency): what the probes' excess is over."""
-    per_call = {"fsdp_call_s", "tp_call_s", "fsdp_pair_call_s", "tp_pair_call_s"}
-    none = {name: 1e-12 for name in per_call} | {"fsdp_pair_step_s": 0.0, "tp_pair_step_s": 0.0}
+    """`profile` without FSDP2's or DTensor's costs (1e-12 a call: 0 means the latency)."""
+    none = {f"{k}_{c}_s": 1e-12 for k in KINDS for c in ("call", "pair_call")}
+    none |= {f"{k}_pair_step_s": 0.0 for k in KINDS}
     intra = {w: dataclasses.replace(link, **none) for w, link in profile.intra.items()}
     return dataclasses.replace(profile, intra=intra, fsdp_step_s=0.0, tp_step_s=0.0)
 
 
 def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """(p, q), neither below 0, with x p + y q closest to t over `points` (x, y, t) by least
-    squares: the free solution where both come out non-negative, else the better of p alone
-    and q alone, q where they tie (one point: all of it per call)."""
-    sxx = sum(x * x for x, _, _ in points)
-    syy = sum(y * y for _, y, _ in points)
-    sxy = sum(x * y for x, y, _ in points)
-    sxt = sum(x * t for x, _, t in points)
-    syt = sum(y * t for _, y, t in points)
-    det = sxx * syy - sxy * sxy
-    if det:
-        p, q = (sxt * syy - syt * sxy) / det, (sxx * syt - sxy * sxt) / det
-        if p >= 0 and q >= 0:
-            return p, q
+    """(p, q), neither below 0, with x p + y q closest to t over `points` (x, y, t): scipy's
+    non-negative least squares (one point: all of it on the larger term)."""
+    from scipy.optimize import nnls
 
-    def residual(p: float, q: float) -> float:
-        return sum((x * p + y * q - t) ** 2 for x, y, t in points)
-
-    p_only = (max(0.0, sxt / sxx) if sxx else 0.0, 0.0)
-    q_only = (0.0, max(0.0, syt / syy) if syy else 0.0)
-    tie = 1e-12 * sum(t * t for _, _, t in points)  # rounding, not a better fit
-    return p_only if residual(*p_only) < residual(*q_only) - tie else q_only
+    (p, q), _ = nnls([(x, y) for x, y, _ in points], [t for *_, t in points])
+    return float(p), float(q)
 
 
 def first_use_bytes(*, units: int = 8, width: int = 64) -> int:

@@ -1,7 +1,7 @@
 """Hardware profiles: what a device computes and moves per second, for the planner's step
 time and every run's MFU.
 
-A profile (a TOML table `scaletrain calibrate` writes, or a GPU part below) holds matmul
+A profile (a TOML table `scaletrain calibrate` writes, or a GPU part of parts.toml) holds matmul
 FLOP/s per dtype, memory and its bandwidth, and the collectives' bus bandwidth and latency
 per world size. MFU divides a run's model FLOPs by the peak of its compute dtype: on a CPU
 what calibrate measured, on a GPU the part's dense datasheet figure (torchtitan's, Megatron's).
@@ -16,9 +16,11 @@ from __future__ import annotations
 import os
 import tomllib
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from scaletrain.errors import UserError
 
@@ -69,7 +71,7 @@ class Profile:
     tp_step_s: float = 0.0  # s a step: the same for DTensor
     # share of `flops` a matmul reaches, for step times (MFU stays against flops): a GPU's
     # Maximum Achievable Matmul FLOPS over its peak; 1 on a CPU
-    matmul_efficiency: float = 1.0
+    matmul_efficiency: Annotated[float, Field(gt=0, le=1)] = 1.0
     # cores: the most foreign load (runtime/load.py) calibrate saw while it measured; above
     # NOISY_CORES the profile is marked as taken on a busy machine
     foreign_cores: float = 0.0
@@ -102,88 +104,36 @@ class Profile:
         return max(1.0, ranks_per_node / self.cores) if self.cores else 1.0
 
 
-# ------------------------------------------------------------------------ the GPU parts
-# Bus bandwidth per GPU is one direction's: half the datasheet's bidirectional figure.
-NVLINK_600 = 300e9  # A100 SXM4 NVLink 3, and the H100 NVL's NVLink bridge: 600 GB/s
-NVLINK_900 = 450e9  # H100 / H200 SXM NVLink 4, and the H200 NVL's bridge: 900 GB/s
-PCIE_GEN4 = 32e9  # PCIe Gen4 x16: 64 GB/s (A100 datasheet)
-PCIE_GEN5 = 64e9  # PCIe Gen5 x16: 128 GB/s (H100, H200 datasheets)
-IB_HDR = 25e9  # one 200 Gb/s HDR NIC per GPU (a DGX A100's), bytes/s
-IB_NDR = 50e9  # one 400 Gb/s NDR NIC per GPU (a DGX H100's)
-# Latencies: estimates, not measurements, of the order of NCCL's own model (NVIDIA/nccl
-# src/graph/tuning.cc: an LL all-reduce takes 6.6 us plus 0.6 a step over NVLink, 1.0 over
-# PCIe, 5.0 a tree's network hop: 7.8-8.6 us on 2 GPUs, 15 on 8, 25 on 2 nodes of 8).
-LATENCY_2, LATENCY_MORE, LATENCY_NODES = 10e-6, 15e-6, 20e-6
-
-# Datasheet rates, dense, FLOP/s: fp64 the FP64 Tensor Core figure (a float64 matmul's),
-# fp32 the plain FP32 one (an fp32 matmul's unless precision.tf32 allows the TF32 cores), tf32
-# and bf16 (fp16 the same) the tensor cores'. The H100 and H200 datasheets give FP32 equal to
-# FP64 Tensor Core, and TF32 and BF16 with sparsity, halved here; the A100's are dense.
-A100 = "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web)"
-H100_PCIE = "NVIDIA H100 Tensor Core GPU datasheet (2022 edition: H100 SXM and H100 PCIe)"
-H100_NVL = "NVIDIA H100 Tensor Core GPU datasheet (2023 edition: H100 SXM and H100 NVL)"
-H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024: H200 SXM and H200 NVL)"
-RATES = {  # fp64, fp32, tf32, bf16
-    "a100": (19.5e12, 19.5e12, 156e12, 312e12),
-    "sxm": (67e12, 67e12, 989e12 / 2, 1979e12 / 2),
-    "nvl": (60e12, 60e12, 835e12 / 2, 1671e12 / 2),
-    "pcie": (51e12, 51e12, 756e12 / 2, 1513e12 / 2),
-}
-# The best bf16 matmul rate measured over the datasheet peak, for every dtype (step times use
-# it; MFU stays against the peak, as torchtitan and Megatron-LM report it): Stas Bekman's
-# Maximum Achievable Matmul FLOPS (github.com/stas00/ml-engineering, compute/accelerator/
-# README.md, v2 BF16 table: mean of 100 iterations of the best shape, torch 2.6-2.7) for the
-# A100 and H100 SXM; other parts take their SXM sibling's (same die, clocks in the peak).
-A100_SHARE = 271.2e12 / 312e12  # A100 SXM: 86.9%, torch 2.6.0+cu126
-H100_SHARE = 794.5e12 / 989.5e12  # H100 SXM: 80.3%, torch 2.7.0+cu126
-
-# A part a row: name; torch.cuda.get_device_name(), matched whole ("NVIDIA H100 NVL"
-# contains "H100" and is another part); datasheet and column; RATES; memory in the sheet's
-# "GB", which are GiB (an A100 80GB reports 81920 MiB; a known device's own replaces it);
-# the column's GPU Memory Bandwidth; a node's 8 GPUs: "nvswitch" (all on NVLink), "pcie"
-# (cards, an optional bridge not counted), "pairs" (NVLink-bridged pairs meeting over PCIe;
-# the H200 NVL's 4-way bridge planned as the 2-way one); the NVLink's bus bandwidth.
-# fmt: off
-PART_ROWS = (
-    ("a100-sxm4-40gb", "NVIDIA A100-SXM4-40GB", A100, "A100 40GB SXM", "a100", 40, 1.555e12, "nvswitch", NVLINK_600),
-    ("a100-sxm4-80gb", "NVIDIA A100-SXM4-80GB", A100, "A100 80GB SXM", "a100", 80, 2.039e12, "nvswitch", NVLINK_600),
-    ("a100-pcie-40gb", "NVIDIA A100-PCIE-40GB", A100, "A100 40GB PCIe", "a100", 40, 1.555e12, "pcie", None),
-    ("a100-pcie-80gb", "NVIDIA A100 80GB PCIe", A100, "A100 80GB PCIe", "a100", 80, 1.935e12, "pcie", None),
-    ("h100-sxm", "NVIDIA H100 80GB HBM3", H100_NVL, "H100 SXM", "sxm", 80, 3.35e12, "nvswitch", NVLINK_900),
-    ("h100-pcie", "NVIDIA H100 PCIe", H100_PCIE, "H100 PCIe", "pcie", 80, 2.0e12, "pcie", None),
-    ("h100-nvl", "NVIDIA H100 NVL", H100_NVL, "H100 NVL", "nvl", 94, 3.9e12, "pairs", NVLINK_600),
-    ("h200-sxm", "NVIDIA H200", H200, "H200 SXM", "sxm", 141, 4.8e12, "nvswitch", NVLINK_900),
-    ("h200-nvl", "NVIDIA H200 NVL", H200, "H200 NVL", "nvl", 141, 4.8e12, "pairs", NVLINK_900),
-)
-# fmt: on
+def _parts() -> tuple[dict[str, Profile], dict[str, str], dict[str, str]]:
+    """The built-in GPU profiles, by name, from parts.toml (each figure's source beside it);
+    the part of each CUDA device name; and the old names' parts."""
+    table = tomllib.loads(resources.files(__package__).joinpath("parts.toml").read_text())
+    links, latency = table["links"], table["latency"]
+    parts = {}
+    for name, row in table["parts"].items():
+        a100 = row["rates"] == "a100"
+        pcie = links["pcie4" if a100 else "pcie5"]
+        near = pcie if row["node"] == "pcie" else links[row["nvlink"]]
+        wide = {3: Link(pcie, latency["node"])} if row["node"] == "pairs" else {8: Link(near, latency["node"])}  # fmt: skip
+        rates, achieved = table["rates"][row["rates"]], table["achieved"]["a100" if a100 else "hopper"]  # fmt: skip
+        parts[name] = Profile(
+            name=name,
+            flops={**rates, "fp16": rates["bf16"]},
+            memory_bytes=int(row["memory_gb"] * 2**30),
+            memory_bw=row["memory_bw"],
+            intra={2: Link(near, latency["pair"])} | wide,
+            inter=Link(links["hdr" if a100 else "ndr"], latency["nodes"]),
+            devices_per_node=8,
+            overlap=True,
+            byte_s=6 / row["memory_bw"],  # written, then read and written again by the backward
+            matmul_efficiency=achieved["bf16"] / achieved["peak"],
+            source=f"{table['sheets'][row['sheet']]}, {row['column']}",
+        )
+    devices = {row["device"]: name for name, row in table["parts"].items()}
+    return parts, devices, table["aliases"]
 
 
-def _part(name, _device, sheet, column, rates, memory_gb, memory_bw, node, nvlink) -> Profile:
-    """A part's profile from its row: A100s on PCIe Gen4 and HDR InfiniBand, Hoppers on Gen5, NDR."""
-    fp64, fp32, tf32, bf16 = RATES[rates]
-    a100 = rates == "a100"
-    pcie = PCIE_GEN4 if a100 else PCIE_GEN5
-    near = pcie if node == "pcie" else nvlink
-    return Profile(
-        name=name,
-        flops={"fp64": fp64, "fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16},
-        memory_bytes=int(memory_gb * 2**30),
-        memory_bw=memory_bw,
-        intra={2: Link(near, LATENCY_2)}
-        | ({3: Link(pcie, LATENCY_MORE)} if node == "pairs" else {8: Link(near, LATENCY_MORE)}),
-        inter=Link(IB_HDR if a100 else IB_NDR, LATENCY_NODES),
-        devices_per_node=8,
-        overlap=True,
-        byte_s=6 / memory_bw,  # written, then read and written again by the backward
-        matmul_efficiency=A100_SHARE if a100 else H100_SHARE,
-        source=f"{sheet}, {column}",
-    )
-
-
-PARTS = {row[0]: _part(*row) for row in PART_ROWS}
-DEVICE_NAMES = {device: name for name, device, *_ in PART_ROWS}
-# the names `--hardware` took before the parts were told apart: the SXM parts they meant
-ALIASES = {"a100": "a100-sxm4-80gb", "h100": "h100-sxm", "h200": "h200-sxm"}
+PARTS, DEVICE_NAMES, ALIASES = _parts()
 BUILTIN = {**PARTS, **{alias: PARTS[part] for alias, part in ALIASES.items()}}
 
 
@@ -214,11 +164,6 @@ def load_profile(name_or_path: str) -> Profile:
             f"hardware profile {path}: missing or wrong key ({wrong}); a profile another "
             "version of `scaletrain calibrate` wrote: run it again"
         ) from None
-    if not 0 < profile.matmul_efficiency <= 1:
-        raise ProfileError(
-            f"hardware profile {path}: matmul_efficiency = {profile.matmul_efficiency} is the "
-            "share of the peak a matmul reaches: more than 0, at most 1"
-        )
     return profile
 
 
@@ -264,9 +209,7 @@ def rank_budget(profile: Profile | None, *, ranks_per_node: int) -> tuple[int, s
 
 
 def total_memory() -> int:
-    """This machine's memory in bytes (/proc/meminfo's MemTotal)."""
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # bytes: MemTotal
 
 
 def cpu_name() -> str:
