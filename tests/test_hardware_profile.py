@@ -39,8 +39,6 @@ def _every_field_set() -> Profile:
         op_s=6e-6,
         byte_s=3e-10,
         rss_ratio=1.4,
-        fsdp_rss_per_byte=0.3,
-        tp_rss_ratio=1.2,
         fsdp_step_s=0.01,
         tp_step_s=0.02,
         matmul_efficiency=0.8,

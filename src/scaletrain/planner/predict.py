@@ -217,22 +217,17 @@ def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, i
     share = 1.0 / lay.pp  # a stage's part of the blocks
     activations = int(acts.saved * share * in_flight)
     transient = acts.largest + acts.recompute
-    unsharded = held.params * lay.dp_shard  # rank 0's stage, whole again
     gathered = 0
     if lay.dp_shard > 1:
         gathered = 2 * held.largest_unit
-        gathered += 0 if config.parallel.reshard_after_forward else unsharded
+        # ZeRO-2: rank 0's stage whole again
+        gathered += 0 if config.parallel.reshard_after_forward else held.params * lay.dp_shard
         gathered = gathered * width // _param_width(config)
     live = held.grads + held.optim + activations + transient + gathered  # a step's, over params
-    # a CPU's resident bytes beyond the live tensors (0 on a GPU profile): the largest, not the
-    # sum, of the claims on one free heap that the next step reuses: the allocator's slack;
-    # FSDP2's once settled, fixed and per byte of the stage's whole parameters (the holes its
-    # gathered buffers leave); DTensor's slack
-    sharded = max(
-        link.fsdp_rss + profile.fsdp_rss_per_byte * (unsharded * lay.tp) if lay.dp_shard > 1 else 0,
-        (profile.tp_rss_ratio - 1.0) * live if lay.tp > 1 else 0,
-    )
-    runtime = int(max((profile.rss_ratio - 1.0) * live, sharded))
+    # a CPU's resident bytes beyond the live tensors (0 on a GPU profile): the larger, not the
+    # sum, of two claims on one free heap: the allocator's slack, and FSDP2's first use
+    first_use = link.fsdp_rss if lay.dp_shard > 1 else 0
+    runtime = int(max((profile.rss_ratio - 1.0) * live, first_use))
     return {
         "params": held.params,
         "grads": held.grads,

@@ -27,8 +27,8 @@ GPT_TINY = {
     "train": {"seed": 0, "micro_batch": 16},
 }
 STEP_WAIT_S = 600.0  # a reference rank that keeps the others waiting longer has failed
-# steps after which a probe's resident peak has stopped rising: GPT tiny's under DDP, FSDP2
-# and DTensor are within 5% of their 160-step peaks by then (BENCHMARKS.md, calibrate)
+# steps after which the slack probe's resident peak has stopped rising: GPT tiny's under DDP
+# is within 5% of its 160-step peak by then (BENCHMARKS.md, calibrate)
 SETTLE_STEPS = 60
 # a probe that only times steps: 3 windows of 8 after the warm-up one (24 steps left the
 # per-step costs to noise, 40 took calibrate past 2 minutes: BENCHMARKS.md, calibrate)
@@ -168,12 +168,23 @@ def sharded_worker(data: dict, parallel: dict, steps: int, accumulation: int, ru
 
 
 def slack_probe(data: dict, *, launch, profile, steps: int = SETTLE_STEPS, say=print) -> dict:
-    """`rss_ratio`: the model on 2 ranks under DDP for `steps` steps; {} where it fails."""
+    """`rss_ratio`: the model on 2 ranks under DDP for `steps` steps, its largest peak above
+    baseline per live byte the planner predicts (its peak less the parameters, which the
+    baseline holds, as do DDP's gradients, in its buckets since set-up); {} where it fails."""
     bare = dataclasses.replace(_without_sharding_costs(profile), rss_ratio=1.0)
     settled = _probe(data, {"dp_replicate": 2}, 2, steps, launch, bare, say)
     if settled is None:
         return {}
-    return {"rss_ratio": _settled_rss("ddp", *settled, profile=profile, steps=steps, say=say)}
+    memory, train = settled[0].memory_bytes, settled[1]
+    peak = max(r["window_peak_above_baseline_bytes"] for r in train)
+    live = memory["peak"] - memory["params"]
+    value = max(1.0, (peak + memory["grads"]) / live)
+    say(
+        f"ddp on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
+        f"{(live - memory['grads']) / 2**20:.1f} MiB of live tensors predicted: "
+        f"resident memory {value:.2f} x the live tensors"
+    )
+    return {"rss_ratio": value}
 
 
 def sharded_probes(
@@ -182,39 +193,30 @@ def sharded_probes(
     launch,
     profile,
     worlds: tuple[int, ...] = (2,),
-    steps: int = SETTLE_STEPS,
     timed_steps: int = TIMED_STEPS,
     say=print,
 ) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
     """FSDP2's and DTensor's costs on the model's own steps: the profile's fields and each
-    world's link fields. Per kind, on 2 ranks: a settled probe gives the heap's slack and the
-    first look; timed probes the other LOOKS; their excess over the planner's step is fitted
-    to `{kind}_step_s` + calls x `{kind}_call_s`. On each larger world the same fit in groups
+    world's link fields. Per kind, on 2 ranks: probes at LOOKS, whose excess over the
+    planner's step is fitted to `{kind}_step_s` + calls x `{kind}_call_s`. On each larger
+    world the same fit in groups
     of 2 (`{kind}_pair_*`: with more ranks than cores a call waits on fewer peers), and over
     the whole world its cost per call beside the 2-rank cost per step. A probe the model
     cannot run, or whose rank dies, fits nothing. `profile`: this machine's so far."""
     bare = _without_sharding_costs(profile)
-    defaults = {f.name: f.default for f in dataclasses.fields(profile)}
     fields: dict[str, float] = {}
     links: dict[int, dict[str, float]] = {world: {} for world in worlds}
 
     def probe(parallel, world, run_steps, accumulation=1, plan=bare):
         return _probe(data, parallel, world, run_steps, launch, plan, say, accumulation)
 
-    def fit(kind, parallel, world, looks, *runs):
-        timed = [probe(parallel, world, timed_steps, a) for a in looks if a <= _micro_batch(data)]
+    def fit(kind, parallel, world, looks):
+        runs = [probe(parallel, world, timed_steps, a) for a in looks if a <= _micro_batch(data)]
         label = f"{kind} on 2 ranks" if world == 2 else f"{kind} as {parallel} on {world} ranks"
-        return _fit_looks([*runs, *timed], kind, parallel=parallel, label=label, say=say)
+        return _fit_looks(runs, kind, parallel=parallel, label=label, say=say)
 
     for kind in KINDS:
-        rss_field = {"fsdp": "fsdp_rss_per_byte", "tp": "tp_rss_ratio"}[kind]
-        fields[rss_field] = defaults[rss_field]
-        pair = probe_parallel(kind, world=2, group=2)
-        settled = probe(pair, 2, steps)
-        if settled is None:
-            continue
-        fields[rss_field] = _settled_rss(kind, *settled, profile=profile, steps=steps, say=say)
-        fitted = fit(kind, pair, 2, LOOKS[1:], settled)
+        fitted = fit(kind, probe_parallel(kind, world=2, group=2), 2, LOOKS)
         if fitted is None:
             continue
         step_s, call_s = fitted
@@ -260,32 +262,6 @@ def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
             return None
         rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     return pred, [r for r in rows if r.get("kind") == "train"]
-
-
-def _settled_rss(kind: str, pred, train: list[dict], *, profile, steps: int, say) -> float:
-    """What a settled 2-rank probe's largest peak above baseline says of the heap beyond the
-    planner's live bytes (its peak less the parameters, in the baseline, and the runtime
-    terms, which the probes measure): under DDP and tensor parallelism resident bytes per
-    live byte (DDP's gradients, in its baseline since set-up, counted in); under FSDP2 the
-    bytes beyond the live ones and its first use per byte of the stage's whole parameters
-    (the holes its gathered buffers leave)."""
-    memory = pred.memory_bytes
-    peak = max(r["window_peak_above_baseline_bytes"] for r in train)
-    live = memory["peak"] - memory["params"] - memory["runtime"]
-    if kind == "fsdp":
-        stage = memory["params"] * 2  # the one stage's whole parameters
-        value = max(0.0, (peak - live - profile.link(2).fsdp_rss) / stage)
-        said = f"{value:.2f} x the stage's {stage / 2**20:.1f} MiB of parameters beyond the slack and first use"  # fmt: skip
-    else:
-        grads = memory["grads"] if kind == "ddp" else 0
-        value = max(1.0, (peak + grads) / live)
-        live -= grads  # what a step adds above the baseline
-        said = f"resident memory {value:.2f} x the live tensors"
-    say(
-        f"{kind} on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
-        f"{live / 2**20:.1f} MiB of live tensors predicted: {said}"
-    )
-    return value
 
 
 def _fit_looks(runs: list, kind: str, *, parallel: dict, label: str, say):

@@ -64,9 +64,7 @@ class Profile:
     # s a byte a forward's ops write, backward included, fitted with op_s; a GPU's: 6 bytes
     # of traffic per byte written at its memory bandwidth
     byte_s: float = 0.0
-    rss_ratio: float = 1.0  # resident bytes per live tensor byte under DDP (CPU), settled
-    fsdp_rss_per_byte: float = 0.0  # resident bytes per parameter byte a settled FSDP2 rank adds
-    tp_rss_ratio: float = 1.0  # rss_ratio under tensor parallelism, settled
+    rss_ratio: float = 1.0  # resident bytes per live tensor byte (CPU): DDP's, settled
     fsdp_step_s: float = 0.0  # s a step: FSDP2's cost once a step beyond its calls, 2 ranks
     tp_step_s: float = 0.0  # s a step: the same for DTensor
     # share of `flops` a matmul reaches, for step times (MFU stays against flops): a GPU's
