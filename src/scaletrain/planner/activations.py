@@ -1,8 +1,6 @@
-"""Activation memory, ops and bytes written of one micro-batch, measured by running its
-forward on fake tensors through the layout's own tensor parallelism and activation
-checkpointing (held.parallelized): no formula to drift. FSDP does not change a rank's
-activations; the caller scales a pipeline stage's share.
-"""
+"""Activation memory, ops and bytes written of one micro-batch: its forward run on fake
+tensors through the layout's own tensor parallelism and activation checkpointing
+(held.parallelized), no formula to drift. The caller scales a pipeline stage's share."""
 
 from __future__ import annotations
 
@@ -34,10 +32,9 @@ class Activations:
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts the ops that run and the bytes they write to new storage (a view writes
-    nothing; a DTensor its local shard, though this mode sees its global shape). While
-    `inside` a checkpointed block: the ops backward runs again and their bytes, or under
-    "op" the bytes of what the block's `policy` keeps instead (a fresh one each call)."""
+    """Counts the ops that run and the bytes they write to new storage (a DTensor: its local
+    shard). Inside a checkpointed block: the ops backward runs again and their bytes, or
+    the bytes of what an "op" block's `policy` keeps (a fresh policy each call)."""
 
     def __init__(self, *, keeps_ops: bool) -> None:
         super().__init__()
@@ -54,8 +51,8 @@ class _OpCounter(TorchDispatchMode):
         self.written += nbytes
         if self.inside and self.policy is not None and self.policy.keeps(func):
             self.kept += nbytes
-        elif self.inside and fresh:  # run again in backward (a view is not: selective
-            # checkpoint hands back what it keeps as detached aliases)
+        elif self.inside and fresh:  # run again in backward (not a view: selective
+            # checkpointing hands back what it keeps as detached aliases)
             self.again_ops += 1
             self.again_written += nbytes
         return out
@@ -81,9 +78,9 @@ def traced_activations(
     config: Config, *, dataset, examples: int, tp: int, code: UserCode = NO_CODE
 ) -> Activations:
     """Activations of a micro-batch of `examples` under tensor parallelism `tp` and the
-    config's activation checkpointing and precision; `code`: the user's own model and loss.
-    Each tensor autograd saves is counted once by its storage; so are a checkpointed block's
-    input and, under "op", the outputs its policy keeps, which no saved-tensor hook sees."""
+    config's checkpointing and precision. Each tensor autograd saves counts once by its
+    storage; so do a checkpointed block's input and, under "op", the outputs its policy
+    keeps, which no saved-tensor hook sees."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -152,9 +149,8 @@ def traced_activations(
 
 def _again_flops(run_block) -> int:
     """The FLOPs of the matmuls one "op" block runs again in backward: those its policy does
-    not keep, up to the last op that saves a tensor for backward, where torch's
-    recomputation stops early. `run_block` runs the block plainly; FLOPs by torch's own
-    formulas, at a DTensor's local shapes."""
+    not keep, up to the last op that saves a tensor (torch's recomputation stops there), by
+    torch's own formulas at a DTensor's local shapes. `run_block` runs the block plainly."""
     from torch.utils.flop_counter import flop_registry
 
     policy = OpPolicy()

@@ -1,8 +1,6 @@
 """What one rank holds, to the byte: parameters, gradients and optimizer state of any
-layout, from the trainer's own code on meta inside torch's FakeProcessGroup (DeviceMesh,
-DTensor and `fully_shard` do all but communicate), counted by the metrics' own functions:
-a prediction and a run's logged bytes are one function of the same tensors.
-"""
+layout, from the trainer's own code on meta in torch's FakeProcessGroup, counted by the
+metrics' own functions: a prediction and a run's logged bytes are one function."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ class Held:
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
-    """A process group of `world_size` in which this process is `rank` and nothing is sent
-    (torch's FakeProcessGroup). Only where no real group is open: the launcher, a test."""
+    """A process group of `world_size` where this process is `rank` and nothing is sent."""
     import torch.testing._internal.distributed.fake_pg as fake_pg  # registers "fake"
 
     if dist.is_initialized():
@@ -68,8 +65,7 @@ def parallelized(
     code: UserCode = NO_CODE,
 ) -> Iterator[tuple]:
     """Yields (Parallelized, precision, loss_fn): the run's model built on meta as the
-    trainer builds it (`build_net`, the distillation wrapper, the precision's cast), through
-    `layout`'s own `parallelize`, inside a fake process group of its world as `rank`."""
+    trainer builds it, through `layout`'s own `parallelize`, in a fake process group."""
     precision = make_precision(
         config.precision.mode, device_type="cpu", sharded=layout.splits_gradients
     )
@@ -101,7 +97,7 @@ def held_on_rank(
     config: Config, derived: Derived, *, dataset, rank: int = 0, code: UserCode = NO_CODE
 ) -> Held:
     """The bytes rank `rank` holds under `derived`'s layout, the optimizer stepped once on
-    zero gradients so that its state exists; `dataset` sizes the model."""
+    zero gradients so that its state exists."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     with parallelized(
@@ -122,15 +118,13 @@ def held_on_rank(
             optim=held["optim_state_bytes"],
             largest_unit=largest,
             units=units,
-            # "op" keeps every other matmul's output: the trace counts the FLOPs of those it
-            # runs again (Activations.again_flops)
+            # under "op" the trace counts what runs again (Activations.again_flops)
             recomputed_blocks=0 if config.parallel.activation_checkpointing == "op" else wrapped,
         )
 
 
 def _fsdp_units(model: nn.Module) -> tuple[int, int]:
-    """The FSDP units, and the whole (unsharded) bytes of the largest one's own parameters:
-    what one all-gather materialises (0 without FSDP)."""
+    """The FSDP units, and the largest one's own parameters' whole bytes (one all-gather's)."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]

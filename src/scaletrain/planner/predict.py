@@ -51,11 +51,8 @@ class Collective:
 
 @dataclass(frozen=True)
 class Terms:
-    """A step's time on one rank, a sum of named terms (`step_s`; `parts()` lists them): the
-    matmuls at the rate a real matmul reaches; each op's dispatch, the bytes it writes and
-    the forward checkpointing runs again; each collective and FSDP2's or DTensor's cost once
-    a step, less what hides behind compute; stretched by the pipeline's bubble; plus the
-    optimizer's passes over memory."""
+    """A step's time on one rank: compute, communication less what hides behind compute,
+    stretched by the bubble, plus the optimizer (`step_s`; `parts()` lists each term)."""
 
     flops: float  # FLOP: hardware FLOPs, recomputation included
     rate: float  # FLOP/s: what a real matmul reaches of the profile's peak
@@ -81,8 +78,7 @@ class Terms:
         return sum(c.seconds for c in self.collectives) + self.sharded_step_s
 
     @property
-    def hidden_s(self) -> float:
-        """What of the collectives that overlap hides behind compute: at most all of it."""
+    def hidden_s(self) -> float:  # what of the overlapping collectives hides behind compute
         overlapped = sum(c.seconds for c in self.collectives if c.overlaps)
         return min(overlapped, self.compute_s) if self.overlap else 0.0
 
@@ -92,9 +88,9 @@ class Terms:
 
     @property
     def stretched_s(self) -> float:
-        """The busy time stretched by the bubble. Where ranks take turns on the cores, a
-        stage waiting in the bubble lends its core to the others: the longer of the shared
-        cores' work and the critical path (a rank's own work at a whole core, stretched)."""
+        """The busy time stretched by the bubble; where ranks take turns on the cores, a stage
+        in the bubble lends its core: the longer of the shared cores' work and the critical
+        path (a rank's own work at a whole core, stretched)."""
         return max(self.busy_s, self.busy_s / self.turns * (1 + self.bubble))
 
     @property
@@ -161,10 +157,8 @@ def predict(
     ranks_per_node: int,
     budget_bytes: int,
 ) -> Prediction:
-    """The prediction for one accepted layout: `held` is rank 0's bytes under it, `acts` one
-    chunk's traced activations (a micro-batch, or under pp a chunk of it), `model` the bare
-    model on meta, `example` one example's inputs, `budget_bytes` the memory per rank
-    (hardware.rank_budget)."""
+    """One accepted layout's prediction: `held` rank 0's bytes, `acts` one chunk's traced
+    activations, `model` the bare model on meta, `example` one example's inputs."""
     lay = derived.layout
     per_node = min(lay.world_size, ranks_per_node)  # a CPU's ranks share its cores
     # precision.tf32 puts fp32 matmuls on TF32 tensor cores where the profile has them
@@ -205,11 +199,10 @@ def predict(
 
 
 def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, int]:
-    """Rank 0's bytes at a step's peak, by part: the params, grads and optimizer state it
-    holds; the activations of the chunks in flight (a pipeline stage: its blocks' share);
-    the largest saved tensor once more (its gradient) and one checkpointed block while it
-    recomputes; FSDP's gathered parameters (two units, running and prefetched; under ZeRO-2
-    all of them until backward); and a CPU process's memory beyond its live tensors."""
+    """Rank 0's bytes at a step's peak, by part: what it holds; the activations of the chunks
+    in flight (a stage: its blocks' share), the largest saved tensor again (its gradient)
+    and one checkpointed block recomputing; FSDP's gathered parameters (two units, running
+    and prefetched; under ZeRO-2 all until backward); a CPU process's bytes beyond these."""
     lay, pipe = derived.layout, derived.pipeline
     in_flight = pipe.microbatches if pipe else 1  # GPipe holds every chunk
     if pipe and pipe.schedule != "gpipe":  # 1F1B and kin: stage 0 a chunk per (virtual) stage
@@ -242,12 +235,10 @@ def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, i
 def _collectives(
     config, derived, held, *, shape, seq, width, profile, link, per_node
 ) -> list[Collective]:
-    """Rank 0's collectives of a step, ring algorithms, bytes on the wire: replicas
-    all-reduce the gradients once; FSDP all-gathers the parameters per micro-batch (twice
-    under ZeRO-3) and reduce-scatters the gradients; tensor parallelism moves each block's
-    (B, T, C) stream twice forward and twice backward per chunk (all-gathers and
-    reduce-scatters under sequence parallelism, else all-reduces); a pipeline sends each
-    chunk's boundary both ways."""
+    """Rank 0's collectives of a step, ring algorithms' bytes on the wire: replicas all-reduce
+    the gradients; FSDP all-gathers the parameters per micro-batch (twice under ZeRO-3) and
+    reduce-scatters the gradients; tensor parallelism moves each block's (B, T, C) stream
+    twice each way per chunk; a pipeline sends each chunk's boundary both ways."""
     lay, pipe, p = derived.layout, derived.pipeline, config.parallel
     accum, chunks = derived.accumulation, pipe.microbatches if pipe else 1
     out: list[Collective] = []
@@ -338,9 +329,9 @@ def _terms(
 
 
 def _sharded_costs(profile: Profile, link: Link, lay, kind: str) -> tuple[float, float]:
-    """(s per call, s per step) of FSDP2 ("fsdp") or DTensor ("tp") under `lay`, (0, 0)
-    without it: a group smaller than the world pays the pair costs calibrate fitted on
-    groups of 2, where it did; else the world's per call (0: the link's latency) and per step."""
+    """(s per call, s per step) of FSDP2 ("fsdp") or DTensor ("tp") under `lay`: a group
+    smaller than the world pays calibrate's pair costs where it fitted them, else the
+    world's per call (0: the link's latency) and the 2-rank one per step."""
     if kind == "fsdp":
         group = lay.dp_shard
         pair = link.fsdp_pair_call_s, link.fsdp_pair_step_s
