@@ -5,7 +5,7 @@ element-wise work, FSDP2's and DTensor's Python around each collective), and a p
 more than its live tensors. No kernel benchmark shows either, so calibrate trains a model in
 fresh ranks and fits what the planner lacks (the profiling cost model of Galvatron and Alpa):
 `step_costs` (op_s, byte_s), `slack_probe` (rss_ratio), `sharded_probes` (FSDP2's and
-DTensor's slack and costs) and `first_use_bytes`.
+DTensor's costs) and `first_use_bytes`.
 """
 
 from __future__ import annotations

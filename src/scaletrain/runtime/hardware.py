@@ -112,14 +112,17 @@ def _parts() -> tuple[dict[str, Profile], dict[str, str], dict[str, str]]:
         a100 = row["rates"] == "a100"
         pcie = links["pcie4" if a100 else "pcie5"]
         near = pcie if row["node"] == "pcie" else links[row["nvlink"]]
-        wide = {3: Link(pcie, latency["node"])} if row["node"] == "pairs" else {8: Link(near, latency["node"])}  # fmt: skip
-        rates, achieved = table["rates"][row["rates"]], table["achieved"]["a100" if a100 else "hopper"]  # fmt: skip
+        intra = {2: Link(near, latency["pair"]), 8: Link(near, latency["node"])}
+        if row["node"] == "pairs":  # NVLink-bridged pairs: a larger group meets over PCIe
+            intra = {2: Link(near, latency["pair"]), 3: Link(pcie, latency["node"])}
+        rates = table["rates"][row["rates"]]
+        achieved = table["achieved"]["a100" if a100 else "hopper"]
         parts[name] = Profile(
             name=name,
             flops={**rates, "fp16": rates["bf16"]},
             memory_bytes=int(row["memory_gb"] * 2**30),
             memory_bw=row["memory_bw"],
-            intra={2: Link(near, latency["pair"])} | wide,
+            intra=intra,
             inter=Link(links["hdr" if a100 else "ndr"], latency["nodes"]),
             devices_per_node=8,
             overlap=True,
