@@ -72,3 +72,23 @@ def test_the_precision_policy_runs_attention_on_the_chosen_kernel(backend: str) 
         assert torch.backends.cuda.flash_sdp_enabled() == (backend == "FLASH_ATTENTION")
         assert F.scaled_dot_product_attention(q, q, q).dtype == torch.bfloat16
     assert torch.backends.cuda.flash_sdp_enabled()  # torch's own choice outside
+
+
+@pytest.mark.parametrize("backend", ["MATH", "FLASH_ATTENTION"])
+def test_checkpointing_recomputes_attention_on_the_kernel_its_forward_ran(backend: str) -> None:
+    """Activation checkpointing runs a block's forward again inside backward: there the
+    chosen kernel must hold too. Backward ran outside the forward context, so a run whose
+    measurement chose MATH recomputed with torch's default (flash) and stopped with
+    CheckpointError (HF Llama, ZeRO-3, full checkpointing, bench/plan.py)."""
+    from scaletrain.parallel.checkpointing import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = build_model("gpt", size="tiny", task=TaskSpec("lm", (16,), 64))
+    apply_activation_checkpointing(model, blocks_path="blocks", mode="full")
+    precision = make_precision("fp32", device_type="cpu")
+    precision.attention = backend
+    ids = torch.randint(0, 64, (2, 16))
+    with precision.forward_context():
+        loss = model(ids).float().logsumexp(-1).sum()
+    precision.backward(loss)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

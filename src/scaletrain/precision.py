@@ -190,8 +190,10 @@ class Precision:
             self.scaler.scale(torch.zeros((), device=device))
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward through the (scaled, in fp16-mixed) loss."""
-        self.scale(loss).backward()
+        """Backward through the (scaled, in fp16-mixed) loss, on the forward's attention
+        kernel: activation checkpointing runs the forward again inside it."""
+        with attention_context(self.attention):
+            self.scale(loss).backward()
 
     def fsdp_policy(self):
         """FSDP2's MixedPrecisionPolicy for this mode: under bf16-mixed the all-gathered

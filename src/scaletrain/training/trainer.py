@@ -46,6 +46,7 @@ from scaletrain.runtime import (
     seed_everything,
     set_threads,
 )
+from scaletrain.runtime.attention import attention_context
 from scaletrain.training import signals
 from scaletrain.training.assemble import (
     NO_CODE,
@@ -161,7 +162,8 @@ def _rebuild_buckets(parts: Parts) -> None:
     def forward_backward() -> None:
         with state.precision.forward_context():
             loss, _ = parts.loss_fn(forward(state.model, batch, state.precision), batch)
-        loss.backward()
+        with attention_context(state.precision.attention):  # checkpointing recomputes in it
+            loss.backward()
 
     rebuild_buckets(
         state.model, parts.comm.hook_state, forward_backward=forward_backward, device=parts.device
