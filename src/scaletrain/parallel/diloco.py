@@ -212,9 +212,10 @@ class _Exchange:
 class DiLoCo:
     """The anchors, the outer optimizer and the exchange schedule of one rank.
 
-    Built by `apply_diloco`; the loop calls `step` after every inner optimizer step. A DCP
-    Stateful (`state_dict` / `load_state_dict`) identical on every island; `sent` is the
-    per-rank part (bytes this rank handed to the exchange's collectives).
+    Built by training/build.py over the trainable parameters, by `plain_name`; the loop
+    calls `step` after every inner optimizer step. A DCP Stateful (`state_dict` /
+    `load_state_dict`) identical on every island; `sent` is the per-rank part (bytes this
+    rank handed to the exchange's collectives).
     """
 
     def __init__(
@@ -423,36 +424,3 @@ def island_groups(layout, mesh) -> tuple[object | None, object | None]:
     inner = mesh["dp_shard"].get_group() if layout.dp_shard > 1 else None
     across = mesh["dp_replicate"].get_group() if layout.dp_replicate > 1 else None
     return inner, across
-
-
-def apply_diloco(
-    model: nn.Module,
-    keys: DiLoCoKeys,
-    *,
-    fragment_of: dict[str, int],
-    group,
-    island: int,
-    islands: int,
-    equal_counts: bool = False,
-) -> DiLoCo:
-    """DiLoCo over `model`'s trainable parameters (as parallelized: shards, stages).
-
-    Args:
-        model: what the inner optimizer trains on this rank.
-        keys: the frozen [diloco] section.
-        fragment_of: {plain parameter name: fragment} (`assign_fragments` on the bare model).
-        group: the process group across islands (`island_groups`; None with one island).
-        island: this rank's island (its dp_replicate coordinate); islands: how many.
-        equal_counts: every island trains the same count a step (packed data): the
-            unquantized exchange sends no weight and takes the plain mean.
-    """
-    named = [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    return DiLoCo(
-        named,
-        keys,
-        fragment_of=fragment_of,
-        group=group,
-        island=island,
-        islands=islands,
-        equal_counts=equal_counts,
-    )

@@ -28,7 +28,7 @@ from scaletrain.loss import LossFn
 from scaletrain.models.init import is_meta
 from scaletrain.models.protocol import model_spec
 from scaletrain.parallel.compose import check_model_fits, parallelize
-from scaletrain.parallel.diloco import DiLoCo, apply_diloco, assign_fragments, island_groups
+from scaletrain.parallel.diloco import DiLoCo, assign_fragments, island_groups, plain_name
 from scaletrain.parallel.layout import ParallelLayout
 from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.precision import Precision, make_precision
@@ -281,8 +281,9 @@ def build(
     dp_group, diloco = layout.dp_group(par.mesh), None
     if islands:
         dp_group, across = island_groups(layout, par.mesh)
-        diloco = apply_diloco(
-            model,
+        trained = [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        diloco = DiLoCo(
+            trained,
             config.diloco,
             fragment_of=fragment_of,
             group=across,
