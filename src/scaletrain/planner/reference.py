@@ -278,8 +278,8 @@ def _fit_looks(runs: list, kind: str, *, parallel: dict, label: str, say):
 
 
 def _excess(pred, train: list[dict], kind: str) -> tuple[float, int]:
-    """(the median logged step of the run's second half less the planner's, its calls): a
-    fresh rank's first ~15 steps run ~20% slow while its heap grows (BENCHMARKS.md)."""
+    """(the median logged step of the run's second half less the planner's, its calls): the
+    first half holds a fresh rank's warm-up, its heap still growing (BENCHMARKS.md)."""
     step_s = statistics.median(r["step_time_s"] for r in train[len(train) // 2 :])
     return step_s - pred.step_time_s, pred.calls_by_dim.get(SHARDED_DIM[kind], 0)
 
