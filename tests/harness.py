@@ -385,16 +385,16 @@ def records(run_dir: Path, kind: str = "train") -> list[dict]:
 
 
 def assert_planner_bytes_match(run_dir: Path, *, world_size: int) -> None:
-    """The planner's bytes (planner/held.py) for the run's stored config and world equal the
+    """The planner's bytes (planner/trace.py) for the run's stored config and world equal the
     param_bytes, grad_bytes and optim_state_bytes its rank 0 logged, to the byte."""
     from scaletrain.config import load_config
     from scaletrain.launch.resolve import resolve
-    from scaletrain.planner.held import held_on_rank
+    from scaletrain.planner.trace import held_on_rank
     from scaletrain.training.assemble import build_data
 
     config = load_config(run_dir / "config.toml")
     derived = resolve(config, world_size=world_size)
-    held = held_on_rank(config, derived, dataset=build_data(config, split="train"), rank=0)
+    held = held_on_rank(config, derived, dataset=build_data(config, split="train"))
     logged = records(run_dir)[-1]
     predicted = {
         "param_bytes": held.params,

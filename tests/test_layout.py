@@ -282,7 +282,7 @@ def test_hsdp_dp_group_is_the_flattened_pair_of_a_real_mesh_and_warns_nothing(ra
 
     import torch.distributed as dist
 
-    from scaletrain.planner.held import fake_world
+    from scaletrain.planner.trace import fake_world
 
     layout = ParallelLayout(dp_replicate=2, dp_shard=2, tp=2).resolve(8)
     with fake_world(8, rank):

@@ -380,12 +380,12 @@ def test_resume_under_another_layout_matches_the_reference(
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["adafactor", "muon"])
 def test_the_planner_predicts_the_bytes_held(job: dict, name: str, layout: str) -> None:
-    """planner/held.py (the model on meta in a fake process group) predicts rank 0's
+    """planner/trace.py (the model on meta in a fake process group) predicts rank 0's
     parameter and optimizer-state bytes to the byte: Muon's momentum sharded, Adafactor's
     factored moments whole."""
     from scaletrain.config import load_config
     from scaletrain.launch.resolve import resolve
-    from scaletrain.planner.held import held_on_rank
+    from scaletrain.planner.trace import held_on_rank
     from scaletrain.training.assemble import build_data
 
     config = load_config(
@@ -403,7 +403,7 @@ def test_the_planner_predicts_the_bytes_held(job: dict, name: str, layout: str) 
         ],
     )
     dataset = build_data(config, split="train")
-    held = held_on_rank(config, resolve(config, world_size=2), dataset=dataset, rank=0)
+    held = held_on_rank(config, resolve(config, world_size=2), dataset=dataset)
     logged = job[f"{name}-{layout}"]["held"]
     assert (held.params, held.optim) == (logged["param_bytes"], logged["optim_state_bytes"])
 

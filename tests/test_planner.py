@@ -419,8 +419,8 @@ def test_the_reference_steps_run_side_by_side_as_ranks_each_begun_together(monke
     import torch.distributed as dist
 
     from scaletrain.planner.calibrate import launch
-    from scaletrain.planner.held import fake_world
     from scaletrain.planner.reference import reference_rank, step_worker
+    from scaletrain.planner.trace import fake_world
 
     got = launch(2, reference_rank, RAW, (2,), 3)
     assert sorted(got) == [0, 1] and all(r["step_s"][2] > 0 for r in got.values())
@@ -597,7 +597,7 @@ def test_an_hf_decoder_under_full_checkpointing_is_traced_with_its_keyword_input
     the hidden states alone)."""
     from scaletrain.config import load_config
     from scaletrain.planner import build_for_plan
-    from scaletrain.planner.activations import traced_activations
+    from scaletrain.planner.trace import traced_activations
 
     config = load_config(
         ROOT / "configs" / "hf-llama.toml", ["parallel.activation_checkpointing=full"]
@@ -645,7 +645,7 @@ def test_planning_leaves_the_process_excepthook_as_it_found_it():
     tracebacks."""
     import sys
 
-    from scaletrain.planner.held import fake_world
+    from scaletrain.planner.trace import fake_world
 
     hook = sys.excepthook
     with fake_world(2, 0):
@@ -778,7 +778,7 @@ def test_a_probe_with_accumulation_takes_the_same_examples_in_twice_the_calls():
     assert (twice.train.micro_batch, twice.train.global_batch) == (2, 8)
     profile = _cpu_profile()
     calls = [predict_configured(c, world_size=2, profile=profile) for c in (once, twice)]
-    assert calls[1].calls_by_dim["dp_shard"] == 2 * calls[0].calls_by_dim["dp_shard"] == 18
+    assert calls[1].calls(dim="dp_shard") == 2 * calls[0].calls(dim="dp_shard") == 18
 
 
 def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call():
@@ -799,11 +799,8 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
         kind = "tp" if "tp" in parallel else "fsdp"
         config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
         pred = predict_configured(config, world_size=world, profile=bare)
-        step_s = (
-            pred.step_time_s
-            + per_step
-            + per_call * pred.calls_by_dim[{"fsdp": "dp_shard", "tp": "tp"}[kind]]
-        )
+        calls = pred.calls(dim={"fsdp": "dp_shard", "tp": "tp"}[kind])
+        step_s = pred.step_time_s + per_step + per_call * calls
         # the first half warms up (its steps slow): the second half's median is step_s
         times = (100.0, 3 * step_s, 0.9 * step_s, 1.1 * step_s)
         rows = [
@@ -815,9 +812,7 @@ def test_calibrate_splits_the_sharded_excess_into_a_cost_per_step_and_per_call()
     fields, links = _quiet_probes(launch, profile, timed_steps=40)
     for kind, calls in (("fsdp", 9), ("tp", 16)):
         config = sharded_config(RAW, probe_parallel(kind, world=2, group=2), steps=40)
-        assert (
-            sum(predict_configured(config, world_size=2, profile=bare).comm_calls.values()) == calls
-        )
+        assert predict_configured(config, world_size=2, profile=bare).calls() == calls
         assert fields[f"{kind}_step_s"] == pytest.approx(per_step, rel=1e-6)
         assert links[2][f"{kind}_call_s"] == pytest.approx(per_call, rel=1e-6)
 
@@ -841,7 +836,7 @@ def test_calibrate_fits_each_sharded_cost_to_three_call_counts_by_least_squares(
         kind = "tp" if "tp" in parallel else "fsdp"
         config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
         pred = predict_configured(config, world_size=world, profile=bare)
-        calls = pred.calls_by_dim[SHARDED_DIM[kind]]
+        calls = pred.calls(dim=SHARDED_DIM[kind])
         beyond = per_step + per_call * calls + off[accumulation]
         excess[kind][accumulation] = (calls, beyond)
         rows = [
@@ -907,7 +902,7 @@ def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and
         launched.append((world, parallel, accumulation))
         config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
         pred = predict_configured(config, world_size=world, profile=bare)
-        calls = pred.calls_by_dim[SHARDED_DIM[kind]]
+        calls = pred.calls(dim=SHARDED_DIM[kind])
         stage = 1 / parallel.get("pp", 1)  # a pipeline stage's share of the cost per step
         step_s = pred.step_time_s + per_step[world, group] * stage + cost[world, group] * calls
         rows = [{"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": step_s}] * 3
@@ -927,7 +922,7 @@ def test_calibrate_fits_groups_of_2_on_larger_worlds_their_own_cost_per_step_and
         assert links[4][f"{kind}_pair_step_s"] == pytest.approx(0.1, rel=1e-6)
         assert links[4][f"{kind}_pair_call_s"] == pytest.approx(0.03, rel=1e-6)
     assert links[4]["fsdp_call_s"] == pytest.approx(0.05, rel=1e-6)
-    assert "tp_call_s" not in links[4]  # tp over all 4: calibrate takes the pair's
+    assert links[4]["tp_call_s"] == links[4]["tp_pair_call_s"]  # no tp over all 4: the pair's
 
 
 def test_a_probe_whose_rank_dies_fits_nothing_and_calibrate_goes_on():
@@ -992,9 +987,9 @@ def test_the_planner_charges_a_group_smaller_than_the_world_its_pair_cost_and_th
         ({"pp": 2, "tp": 2}, 0.0, 0.04, 0.08),
     ):
         pred, bare = planned(parallel, profile), planned(parallel, free)
-        calls = pred.calls_by_dim
-        extra = fsdp * calls.get("dp_shard", 0) + tp * calls.get("tp", 0)
-        expected_calls = 1e-12 * (calls.get("dp_shard", 0) + calls.get("tp", 0))
+        shard, tensor = pred.calls(dim="dp_shard"), pred.calls(dim="tp")
+        extra = fsdp * shard + tp * tensor
+        expected_calls = 1e-12 * (shard + tensor)
         assert pred.terms.comm_s - bare.terms.comm_s == pytest.approx(
             extra - expected_calls, rel=1e-9
         )
@@ -1013,7 +1008,7 @@ def _stubbed_calibrate(monkeypatch, links, *, load=None):
     from scaletrain.runtime.load import Load
 
     load = load or Load(foreign_cores=0.0, steal_cores=0.0, wall_s=1.0)
-    monkeypatch.setattr(cal, "matmul_rate", lambda dtype, shapes: 1e10)
+    monkeypatch.setattr(cal, "matmul_rate", lambda dtype: 1e10)
     monkeypatch.setattr(cal, "memory_bandwidth", lambda: 1e10)
     monkeypatch.setattr(cal, "step_costs", lambda *a, **k: {"op_s": 0.0, "byte_s": 0.0})
     monkeypatch.setattr(cal.os, "sched_getaffinity", lambda pid: {0, 1})
@@ -1040,10 +1035,11 @@ def _stubbed_calibrate(monkeypatch, links, *, load=None):
 
 
 def test_calibrate_puts_each_probed_cost_per_call_on_its_own_link(monkeypatch):
-    """calibrate puts each probed cost on the link of the world size it was measured on;
-    where no probe ran over a whole world (tp over 4 ranks: GPT tiny's 2 heads do not split
-    4 ways) the world's call costs what a pair's did."""
-    links = {2: {"fsdp_call_s": 7e-3, "tp_call_s": 8e-3}, 4: {"fsdp_call_s": 9e-3}}
+    """calibrate puts each probed cost on the link of the world size it was measured on."""
+    links = {
+        2: {"fsdp_call_s": 7e-3, "tp_call_s": 8e-3},
+        4: {"fsdp_call_s": 9e-3, "tp_call_s": 5e-3},
+    }
     links[4] |= {"fsdp_pair_call_s": 6e-3, "tp_pair_call_s": 5e-3}
     cal = _stubbed_calibrate(monkeypatch, links)
     said = []
@@ -1172,7 +1168,7 @@ def test_op_checkpointing_is_traced_with_the_matmul_outputs_its_policy_keeps():
     and log-sum-exp, on top of what full checkpointing keeps."""
     from scaletrain.config import validate_config
     from scaletrain.planner import build_for_plan
-    from scaletrain.planner.activations import traced_activations
+    from scaletrain.planner.trace import traced_activations
 
     def traced(mode):
         config = validate_config({**RAW, "parallel": {"activation_checkpointing": mode}})
@@ -1207,7 +1203,7 @@ def test_op_checkpointings_matmuls_run_again_are_flop_counter_modes(model):
     from scaletrain.models.protocol import model_spec
     from scaletrain.parallel.checkpointing import apply_activation_checkpointing
     from scaletrain.planner import build_for_plan
-    from scaletrain.planner.activations import traced_activations
+    from scaletrain.planner.trace import traced_activations
 
     raw = {**RAW, "parallel": {"activation_checkpointing": "op"}}
     if model == "llama":
@@ -1240,7 +1236,7 @@ def test_checkpointing_counts_what_backward_runs_again():
     whose bytes are exactly what "op" saves beyond "full"."""
     from scaletrain.config import validate_config
     from scaletrain.planner import build_for_plan
-    from scaletrain.planner.activations import traced_activations
+    from scaletrain.planner.trace import traced_activations
 
     def traced(mode):
         config = validate_config({**RAW, "parallel": {"activation_checkpointing": mode}})
@@ -1332,8 +1328,7 @@ def test_the_trace_counts_the_bytes_an_op_writes_to_new_storage_by_its_local_sha
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from scaletrain.planner.activations import _OpCounter
-    from scaletrain.planner.held import fake_world
+    from scaletrain.planner.trace import _OpCounter, fake_world
 
     counter = _OpCounter(keeps_ops=False)
     x = torch.ones(64, 32)
@@ -1394,8 +1389,8 @@ def test_tensor_parallel_collectives_are_called_per_pipeline_chunk():
     two, four = planned(2), planned(4)
     blocks, micro_batches = 2 // 2, 8 // 4  # the tiny GPT's 2 blocks over 2 stages; 8 / 4
     for pred, chunks in ((two, 2), (four, 4)):
-        assert pred.comm_calls["all_gather"] == pred.comm_calls["reduce_scatter"]
-        assert pred.comm_calls["all_gather"] == 4 * blocks * micro_batches * chunks
+        assert pred.calls(name="all_gather") == pred.calls(name="reduce_scatter")
+        assert pred.calls(name="all_gather") == 4 * blocks * micro_batches * chunks
     assert two.comm_bytes["all_gather"] == four.comm_bytes["all_gather"]
 
 
@@ -1431,7 +1426,7 @@ def test_calibrate_fits_no_cost_per_call_to_a_probe_with_no_calls_planned(monkey
 
     def planned(config, *, world_size, profile):
         memory = {"peak": 2 * 10**6, "params": 10**6, "runtime": 0}
-        return types.SimpleNamespace(memory_bytes=memory, calls_by_dim={}, step_time_s=0.5)
+        return types.SimpleNamespace(memory_bytes=memory, calls=lambda dim: 0, step_time_s=0.5)
 
     monkeypatch.setattr(scaletrain.planner, "predict_configured", planned)
 
@@ -1539,7 +1534,7 @@ def test_plan_and_train_plan_give_a_rank_the_same_share_of_a_cpus_memory(
 
     from scaletrain.cli import main
     from scaletrain.errors import ConfigError
-    from scaletrain.planner.launch import pick_layout
+    from scaletrain.planner import pick_layout
     from scaletrain.runtime.hardware import profile_toml
 
     smallest = min(p.memory_bytes["peak"] for p in _cpu_plan(2, devices_per_node=2))

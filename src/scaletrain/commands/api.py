@@ -86,7 +86,7 @@ def prepare_run(
         resume: continue the run in run_dir from its newest valid checkpoint.
         allow_config_change: with resume, accept keys that change the run (warned).
         code: the API's callables (`UserCode`), or None.
-        plan_check: refuse a layout the planner predicts not to fit (planner/launch.py).
+        plan_check: refuse a layout the planner predicts not to fit (planner.check_fits).
 
     Raises:
         ConfigError, UserCodeError: a mistake, before anything starts.
@@ -132,7 +132,7 @@ def prepare_run(
         check_user_code(config, code)
     check_layout_fits(config, derived, code)  # tp, pp, activation checkpointing vs the model
     if plan_check and derived.ps is None:  # a model that can outgrow a rank: will it fit?
-        from scaletrain.planner.launch import check_fits
+        from scaletrain.planner import check_fits
 
         check_fits(config, world_size=spec.world_size, ranks_per_node=spec.nproc, code=code)
     # precision.mode = "auto": measured here, once, for every worker (training/auto_precision.py)

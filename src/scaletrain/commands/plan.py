@@ -24,10 +24,9 @@ from scaletrain.runtime.hardware import (
 from scaletrain.runtime.load import Meter
 
 BUILTINS = ", ".join(BUILTIN)
-MIN_LOOK_S = 0.3
-# half a core more than at calibrate: on the smallest machine this project runs on (2
-# cores), a quarter of it, so a layout using every core steps ~25% slower than planned,
-# beyond the 15% the planner's median row is held to
+MIN_LOOK_S = 0.3  # a shorter plan cannot judge the load: /proc/stat counts 10 ms ticks
+# half a core busier than at calibrate: a quarter of the smallest machine (2 cores), whose
+# layouts then step ~25% slower than planned, past the 15% held for the median row
 BUSIER_CORES = 0.5
 
 
@@ -37,24 +36,17 @@ def add_parsers(sub) -> None:
     plan.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
     plan.add_argument("--world", type=int, help="world size (default: the config's degrees')")
     plan.add_argument("--nproc", type=int, help="ranks per node, as train --nproc")
-    plan.add_argument(
-        "--hardware",
-        metavar="NAME|profile.toml",
-        help=f"a built-in ({BUILTINS}) or a profile file (default: SCALETRAIN_HARDWARE, "
-        f"this GPU's part, else {CALIBRATED})",
-    )
+    default = f"SCALETRAIN_HARDWARE, this GPU's part, else {CALIBRATED}"
+    help = f"a built-in ({BUILTINS}) or a profile file (default: {default})"
+    plan.add_argument("--hardware", metavar="NAME|profile.toml", help=help)
     plan.add_argument("--json", action="store_true", help="print the predictions as JSON")
     plan.add_argument("--all", action="store_true", dest="show_all", help="not only the best 15")
     plan.add_argument("--why", type=int, metavar="N", help="row N's step time, term by term")
     cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile")
     cal.add_argument("--world", default="2,4", help="world sizes to measure (default 2,4)")
     cal.add_argument("--out", type=Path, default=CALIBRATED, help=f"default {CALIBRATED}")
-    cal.add_argument(
-        "--busy",
-        choices=("wait", "warn", "refuse"),
-        default="wait",
-        help="on a busy machine: wait for quiet (a minute, then warn), warn, or refuse",
-    )
+    busy = "on a busy machine: wait for quiet (a minute, then warn), warn, or refuse"
+    cal.add_argument("--busy", choices=("wait", "warn", "refuse"), default="wait", help=busy)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -78,12 +70,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         preds = plan_layouts(config, world_size=world, profile=profile, ranks_per_node=per_node)
     if not preds:
         raise ConfigError(f"no layout of {world} ranks is accepted for this config")
-    # a CPU profile's times hold on a machine as quiet as at calibrate (a plan shorter than
-    # MIN_LOOK_S is too short to judge the load by: /proc/stat counts in 10 ms ticks)
-    if profile.cores and meter.load.wall_s >= MIN_LOOK_S:
-        busy = busier_than_calibrated(profile, meter.load)
-        if busy:
-            print(f"scaletrain: warning: {busy}", file=sys.stderr)
+    # a CPU profile's times hold on a machine as quiet as at calibrate
+    busy = busier_than_calibrated(profile, meter.load) if profile.cores else None
+    if busy:
+        print(f"scaletrain: warning: {busy}", file=sys.stderr)
     if args.json:
         print(json.dumps([p.as_json() for p in preds], indent=1))
         return 0
@@ -101,9 +91,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def busier_than_calibrated(profile: Profile, now) -> str | None:
-    """Why the predicted steps may be too fast or too slow for this moment, or None: the
-    profile was taken on a busy machine, or the machine is busier now (`now`: a
-    runtime.load.Load over the plan) than then."""
+    """Why the steps predicted may not hold now, or None: the profile was taken on a busy
+    machine, or the machine is busier now (`now`: a runtime.load.Load) than then."""
     from scaletrain.runtime.load import NOISY_CORES
 
     if profile.foreign_cores > NOISY_CORES:
@@ -112,7 +101,7 @@ def busier_than_calibrated(profile: Profile, now) -> str | None:
             "were busy outside it: every step it predicts is too slow; run `scaletrain "
             "calibrate` again on a quiet machine"
         )
-    if now.foreign_cores - profile.foreign_cores > BUSIER_CORES:
+    if now.wall_s >= MIN_LOOK_S and now.foreign_cores - profile.foreign_cores > BUSIER_CORES:
         return (
             f"this machine is busier now ({now.describe()}) than when profile "
             f"{profile.name!r} was calibrated: the steps predicted are a quiet machine's"
@@ -155,7 +144,7 @@ def format_table(preds) -> str:
 
 
 def explain(number: int, pred) -> str:
-    """Row `number`'s step time on one rank, term by term (predict.Terms), and their sum."""
+    """Row `number`'s step on one rank, term by term (predict.Terms), and their sum."""
     lines = [f"#{number}  {describe_layout(pred.layout)}: the step on one rank, term by term"]
     for name, seconds, how in pred.terms.parts():
         lines.append(f"  {name:<24} {_figures(seconds * 1e3):>9} ms  {how}")
@@ -175,9 +164,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     try:
         worlds = sorted({int(w) for w in str(args.world).split(",")})
     except ValueError:
-        raise ConfigError(
-            f"--world {args.world!r}: a comma-separated list of world sizes, e.g. 2,4"
-        ) from None
+        raise ConfigError(f"--world {args.world!r}: world sizes, comma-separated: 2,4") from None
     start = time.perf_counter()
 
     def say(line: str) -> None:

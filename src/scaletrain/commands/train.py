@@ -65,7 +65,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec = launch_spec(args, config)
     if args.plan:  # the planner's pick: its overrides go to the workers with the user's
         from scaletrain.commands.plan import describe_layout
-        from scaletrain.planner.launch import pick_layout
+        from scaletrain.planner import pick_layout
 
         picked, pred = pick_layout(config, world_size=spec.world_size, ranks_per_node=spec.nproc)
         args.overrides = [*args.overrides, *picked]

@@ -1,8 +1,7 @@
-"""FLOPs of one training step, the one counter that the metrics' MFU and the planner read:
-matrix products only (mm, bmm, convolutions, attention), as every published MFU counts.
-Three counts agree where they overlap (tests/test_planner.py): a transformer's closed form,
-the built-in MLP and CNN layer by layer, and torch's FlopCounterMode for any other model.
-"""
+"""FLOPs of one training step, the counter MFU and the planner read: matrix products only
+(mm, bmm, convolutions, attention), as published MFU counts them. A transformer's closed form,
+the built-in MLP and CNN layer by layer, and torch's FlopCounterMode for any other model
+agree where they overlap (tests/test_planner.py)."""
 
 from __future__ import annotations
 
@@ -56,12 +55,10 @@ def _linear_weights(module: nn.Module) -> int:
 def transformer_flops(
     shape: TransformerShape, *, batch: int, seq: int, recomputed_blocks: int = 0
 ) -> int:
-    """FLOPs of one forward and backward over `batch` sequences of `seq` tokens: forward, per
-    token, 2 x the weights of every linear layer plus 4 x T x attention_width per block (the
-    T x T scores and their weighted sum); backward twice the forward. Narayanan et al.
-    2021's 72 B s l h^2 (1 + s/6h + V/12lh), exact for the built-in GPT and HF Llama.
-    `recomputed_blocks` run forward again under activation checkpointing: hardware FLOPs
-    (what the step pays), where 0 gives model FLOPs (what MFU counts, as Megatron does)."""
+    """FLOPs of a forward and backward over `batch` sequences of `seq` tokens: forward, per
+    token, 2 x every linear layer's weights plus 4 x T x attention_width a block (scores and
+    their weighted sum), backward twice that (Narayanan et al. 2021's 72 B s l h^2 (1 + s/6h
+    + V/12lh)). `recomputed_blocks` run forward again: hardware FLOPs; 0: model FLOPs (MFU)."""
     tokens = batch * seq
     block = 2 * tokens * shape.block_weights + 4 * tokens * seq * shape.attention_width
     forward = shape.layers * block + 2 * tokens * shape.other_weights
@@ -69,8 +66,7 @@ def transformer_flops(
 
 
 def traced_flops(model: nn.Module, inputs: torch.Tensor, **extras: torch.Tensor) -> int:
-    """FLOPs of one forward and backward of `model` on `inputs`, counted by torch's
-    FlopCounterMode on a meta copy (shapes only; the caller's model is left untouched)."""
+    """FLOPs of a forward and backward of `model` on `inputs`: FlopCounterMode on a meta copy."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = meta_copy(model)  # even a meta model: backward would leave .grad on the caller's
@@ -94,11 +90,10 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 def layer_flops(model: nn.Module, inputs: torch.Tensor) -> int:
-    """FLOPs of one forward and backward of a model whose only products are `nn.Linear` and
-    `nn.Conv2d` (the built-in MLP and CNN), from each layer's output shape, with no dispatch
-    mode (a trace imports torch._dynamo, which every run's MFU would pay at start): forward
-    2 x outputs x inputs per output; backward the weight's gradient, and the input's unless
-    it needs none (the raw data), as FlopCounterMode counts them."""
+    """FLOPs of a forward and backward of a model whose only products are `nn.Linear` and
+    `nn.Conv2d` (the built-in MLP and CNN) from each layer's output shape, without the trace
+    that would import torch._dynamo at every run's start: forward 2 x outputs x inputs per
+    output, backward the weight's gradient and the input's unless it needs none."""
     total = 0
 
     def count(module, args, out) -> None:
@@ -120,8 +115,8 @@ def layer_flops(model: nn.Module, inputs: torch.Tensor) -> int:
 
 
 def train_flops(model: nn.Module, inputs: torch.Tensor, **extras: torch.Tensor) -> int:
-    """FLOPs of one forward and backward of `model` on `inputs` (B, ...): the closed form
-    for a transformer it knows, layer by layer for the built-in MLP and CNN, else traced."""
+    """FLOPs of a forward and backward of `model` on `inputs` (B, ...): the closed form for a
+    transformer it knows, layer by layer for the built-in MLP and CNN, else traced."""
     from scaletrain.models.cnn import CNN
     from scaletrain.models.mlp import MLP
 

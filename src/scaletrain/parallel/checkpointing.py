@@ -52,7 +52,7 @@ class OpPolicy:
     """Which outputs one call of an "op" block keeps: attention's and reduce-scatters'
     always, a matrix product's when it is the block's 1st, 3rd, 5th, ... torch asks in the
     forward only (its recomputation replays the forward's answers by op and invocation),
-    so one count serves. The planner's trace asks the same object (planner/activations.py)."""
+    so one count serves. The planner's trace asks the same object (planner/trace.py)."""
 
     def __init__(self) -> None:
         self.matmuls = 0  # the block call's matrix products so far

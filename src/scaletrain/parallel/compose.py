@@ -179,7 +179,7 @@ def parallelize(
         loss_fn: (output, batch) -> (sum, count); the pipeline's last stage computes it.
         compile: torch.compile the module in place (DDP path only; refused with sharding).
         init_seed: train.seed, from which a meta-built model's modules are initialised.
-        shapes_only: the planner's pass (planner/held.py, under a fake process group): a
+        shapes_only: the planner's pass (planner/trace.py, under a fake process group): a
             meta model goes through steps 1-4 and stays on meta, each rank's shards as
             shapes; no DDP wrapper and no schedule, which hold no parameters.
     """

@@ -1,12 +1,8 @@
-"""`scaletrain calibrate`: measure this machine and write its hardware profile.
-
-Matmul FLOP/s per dtype on one thread, memory bandwidth, gloo's collectives per world size
-(latency + bytes / bus bandwidth), FSDP2's first use, then GPT tiny's own steps
-(reference.py). Ranks are started by torch's elastic agent, forked from one server that
-imported torch and the trainer once: fresh, as a run's, in a fraction of a second. A profile
-timed beside another job predicts every layout too slow, so calibrate watches the machine's
-foreign load (runtime/load.py), waits for quiet, says which phase ran busy and records it.
-"""
+"""`scaletrain calibrate`: matmul FLOP/s per dtype on one thread, memory bandwidth, gloo's
+collectives per world size (latency + bytes / bus bandwidth), FSDP2's first use, then GPT
+tiny's own steps (reference.py), in ranks torch's elastic agent forks from one server that
+imported torch once. A profile timed beside another job predicts every layout too slow, so
+calibrate watches the machine's foreign load (runtime/load.py) and records it."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -59,14 +56,10 @@ def _median_seconds(fn, *, reps: int, budget_s: float = 1.0) -> float:
     return statistics.median(times)
 
 
-def matmul_rate(dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> float:
-    """FLOP/s of one thread over `shapes` (m, k, n), the total FLOPs over the total time."""
-    flops = seconds = 0.0
-    for m, k, n in shapes:
-        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-        seconds += _median_seconds(lambda a=a, b=b: a @ b, reps=20, budget_s=0.5)
-        flops += 2 * m * k * n
-    return flops / seconds
+def matmul_rate(dtype: torch.dtype, n: int = 1024) -> float:
+    """FLOP/s of one thread on an n x n x n matmul."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _median_seconds(lambda: a @ b, reps=20, budget_s=0.5)
 
 
 def memory_bandwidth() -> float:
@@ -77,10 +70,9 @@ def memory_bandwidth() -> float:
 
 
 def _fit(points: list[tuple[float, float]]) -> Link:
-    """t = latency + bytes / bw from (bytes on the wire, seconds), each size at its fastest
-    look (gloo's small messages sometimes sit in a slow mode for a whole look): the latency
-    the fastest of the three smallest, the bandwidth the largest's rate beyond it (a line
-    fitted through them can put the latency below zero)."""
+    """t = latency + bytes / bw over (bytes on the wire, seconds), each size at its fastest:
+    the latency the three smallest's, the bandwidth the largest's beyond it (a line fitted
+    through them can put the latency below zero)."""
     fastest: dict[float, float] = {}
     for nbytes, t in points:
         fastest[nbytes] = min(t, fastest.get(nbytes, t))
@@ -97,13 +89,13 @@ def first_use_worker() -> int:
 
 
 def measure_first_use() -> int:
-    """FSDP2's first use (reference.first_use_bytes), the largest of 2 ranks spawned as a
-    run's are (a forked rank shares what the fork server loaded)."""
+    """FSDP2's first use on 2 ranks spawned as a run's (a forked one shares the server's)."""
     return max(launch(2, first_use_worker, start_method="spawn").values())
 
 
 def collective_worker(sizes: tuple[int, ...]) -> dict:
-    """One rank: each collective at each size, then the three smallest again."""
+    """One rank: each collective at each size, then the three smallest again, the same count
+    of calls on every rank (a time budget could pair one's all-reduce with another's gather)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -112,23 +104,18 @@ def collective_worker(sizes: tuple[int, ...]) -> dict:
         world = dist.get_world_size()
         for nbytes in (*sizes, *sorted(sizes)[:3]):
             x = torch.ones(nbytes // 4)
-            gathered = torch.empty(x.numel() * world)
-            # the same count on every rank (a time budget would let ranks stop apart and
-            # pair one rank's all-reduce with another's all-gather: a hang)
+            g = torch.empty(x.numel() * world)  # gathered
             reps = 15 if nbytes < 2**22 else 4
-            t_ar = _median_seconds(lambda x=x: dist.all_reduce(x), reps=reps, budget_s=1e9)
-            t_ag = _median_seconds(
-                lambda x=x, g=gathered: dist.all_gather_single(g, x), reps=reps, budget_s=1e9
-            )
-            # bytes each rank puts on the wire in a ring
+            t_ar = _median_seconds(partial(dist.all_reduce, x), reps=reps, budget_s=1e9)
+            t_ag = _median_seconds(partial(dist.all_gather_single, g, x), reps=reps, budget_s=1e9)
             out["all_reduce"].append((2 * (world - 1) / world * nbytes, t_ar))
             out["all_gather"].append(((world - 1) * nbytes, t_ag))
         return out
 
 
 def measure_link(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, dict]:
-    """`world` ranks' gloo link, each term the slower of all-reduce's and all-gather's fits
-    (reduce-scatter is all-gather's twin); and rank 0's timings."""
+    """`world` ranks' gloo link, each term the worse of all-reduce's and all-gather's fits
+    (reduce-scatter is all-gather's twin), and rank 0's timings."""
     got = launch(world, collective_worker, sizes)[0]
     fits = [_fit(got["all_reduce"]), _fit(got["all_gather"])]
     link = Link(bus_bw=min(f.bus_bw for f in fits), latency_s=max(f.latency_s for f in fits))
@@ -136,12 +123,10 @@ def measure_link(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, d
 
 
 def launch(world: int, fn, *args, start_method: str = "forkserver") -> dict:
-    """`fn(*args)` on `world` ranks started by torch's elastic agent, forked from the
-    preloaded server (or spawned); rank -> its result."""
+    """`fn(*args)` on `world` ranks of torch's elastic agent, forked from the preloaded
+    server (or spawned), on loopback as a one-node run: rank -> its result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # loopback only, as a single-node `scaletrain train`: a file-backed rendezvous, rank 0's
-    # group store on 127.0.0.1 (gloo_group), gloo on `lo`
     for key, value in {**SUBPROCESS_ENV, **LOOPBACK_ENV}.items():
         os.environ.setdefault(key, value)
     multiprocessing.set_forkserver_preload(PRELOAD)
@@ -163,14 +148,17 @@ def launch(world: int, fn, *args, start_method: str = "forkserver") -> dict:
 
 
 def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) -> Profile:
-    """Measure this machine (module docstring) and return its profile. `busy`, what to do on
-    a machine busy with other work: "wait" (up to QUIET_WAIT_S, then go on and say so),
-    "warn" (go on and say so) or "refuse" (BusyMachine before or after measuring)."""
-    loads = [_quiet_enough(busy, say)]
+    """This machine's profile. `busy`, on a machine busy with other work: "wait" (up to
+    QUIET_WAIT_S, then warn), "warn", or "refuse" (BusyMachine before or after measuring)."""
+    load = foreign_load(1.0)
+    if load.noisy and busy == "wait":
+        say(f"{load.describe()}: waiting up to {QUIET_WAIT_S:.0f} s for the machine to go quiet")
+        load = wait_quiet(limit_s=QUIET_WAIT_S)
+    _judge(load, busy=busy, when="before calibrate began", say=say)
+    loads = [load]
 
     @contextlib.contextmanager
     def phase(what: str):
-        """Meter one phase, and say how busy the machine was beside it if it was."""
         with Meter() as meter:
             yield
         loads.append(meter.load)
@@ -179,14 +167,13 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
 
     torch.set_num_threads(1)
     with phase("matmuls and memory"):
-        flops = {key: matmul_rate(dtype, [(1024, 1024, 1024)]) for key, dtype in DTYPE_OF.items()}
+        flops = {key: matmul_rate(dtype) for key, dtype in DTYPE_OF.items()}
         bw = memory_bandwidth()
     say(", ".join(f"matmul {k}: {v / 1e9:.1f} GFLOP/s per core" for k, v in flops.items()))
     say(f"memory bandwidth: {bw / 1e9:.1f} GB/s")
     cores = len(os.sched_getaffinity(0))
     with phase("reference steps"):
-        # side by side as the busiest world's ranks run them: on the cores they keep busy
-        concurrent = min(cores, max(worlds))
+        concurrent = min(cores, max(worlds))  # as the busiest world keeps the cores busy
         costs = step_costs(
             GPT_TINY, flops=flops, memory_bw=bw, concurrent=concurrent, launch=launch, say=say
         )
@@ -224,9 +211,9 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
             GPT_TINY, launch=launch, profile=profile, worlds=tuple(intra), say=say
         )
     worst = max(loads, key=lambda load: load.foreign_cores)
-    for world, probed in links.items():  # a world no probe spanned whole: the pair's per call
-        pairs = {f"{k}_call_s": probed.get(f"{k}_pair_call_s", 0.0) for k in ("fsdp", "tp")}
-        intra[world] = dataclasses.replace(intra[world], **(pairs | probed))
+    intra = {
+        world: dataclasses.replace(link, **links.get(world, {})) for world, link in intra.items()
+    }
     profile = dataclasses.replace(
         profile,
         intra=intra,
@@ -234,34 +221,20 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
         foreign_cores=round(worst.foreign_cores, 3),
         steal_cores=round(max(load.steal_cores for load in loads), 3),
     )
-    if worst.noisy and busy == "refuse":
-        raise BusyMachine(_busy_paragraph(worst, during=True))
-    if worst.noisy:
-        say(f"warning: {_busy_paragraph(worst, during=True)}")
+    _judge(worst, busy=busy, when="while calibrate measured", say=say)
     return profile
 
 
-def _quiet_enough(busy: str, say) -> Load:
-    """The machine's foreign load before measuring, waited out under "wait"."""
-    load = foreign_load(1.0)
+def _judge(load: Load, *, busy: str, when: str, say) -> None:
+    """Refuse a busy machine's figures under --busy refuse; else say that they are slow."""
     if not load.noisy:
-        return load
-    if busy == "refuse":
-        raise BusyMachine(_busy_paragraph(load, during=False))
-    if busy == "wait":
-        say(f"{load.describe()}: waiting up to {QUIET_WAIT_S:.0f} s for the machine to go quiet")
-        load = wait_quiet(limit_s=QUIET_WAIT_S)
-        if not load.noisy:
-            return load
-    say(f"warning: {_busy_paragraph(load, during=False)}")
-    return load
-
-
-def _busy_paragraph(load: Load, *, during: bool) -> str:
-    when = "while calibrate measured" if during else "before calibrate began"
-    return (
+        return
+    paragraph = (
         f"{load.describe()} {when}. A profile taken beside another job predicts every layout "
         "too slow; the profile records the load (foreign_cores) and `scaletrain plan` "
         "repeats this warning. Stop the other work and run `scaletrain calibrate` again "
         "(--busy wait|warn|refuse chooses what calibrate does on a busy machine)."
     )
+    if busy == "refuse":
+        raise BusyMachine(paragraph)
+    say(f"warning: {paragraph}")

@@ -35,8 +35,7 @@ def layout_overrides(config: Config, *, world_size: int) -> dict:
     keys = _keys(degrees, p.activation_checkpointing, config.train.micro_batch)
     if degrees[0] > 1:
         keys["parallel.pp_schedule"] = p.pp_schedule
-        # chunks and stages per rank only where configured (0: the launcher's default,
-        # which every other candidate takes)
+        # chunks and stages per rank only where configured (0: every candidate's default)
         if p.pp_microbatches:
             keys["parallel.pp_microbatches"] = p.pp_microbatches
         if p.pp_stages_per_rank:
@@ -49,11 +48,10 @@ def layout_overrides(config: Config, *, world_size: int) -> dict:
 def candidates(
     config: Config, *, world_size: int, model, only_configured: bool = False
 ) -> list[Candidate]:
-    """The accepted layouts of `world_size`, the configured one first when it is accepted:
-    the degrees (pp x dp_replicate x dp_shard x tp = the world), under pp the schedule, the
-    micro-batch, activation checkpointing where `model` (bare, on meta) declares blocks and,
-    under FSDP, ZeRO-3 or ZeRO-2. `only_configured`: the configured layout alone, or the
-    launcher's error refusing it (never another layout in its place)."""
+    """The accepted layouts of `world_size`, the configured one first where accepted: the
+    degrees, under pp the schedule, the micro-batch, activation checkpointing where `model`
+    (bare, on meta) declares blocks, under FSDP ZeRO-3 or 2. `only_configured`: the
+    configured layout alone, or the launcher's error refusing it."""
     spec = model_spec(model)
     base = config.model_dump(mode="json")
     configured = layout_overrides(config, world_size=world_size)

@@ -1,5 +1,5 @@
 """One layout's predicted memory, communication and step time: the planner's cost model,
-from what was measured on meta (held.py, activations.py) and the hardware profile."""
+from the meta traces (trace.py) and the hardware profile."""
 
 from __future__ import annotations
 
@@ -9,19 +9,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from scaletrain.config import Config
-from scaletrain.launch.resolve import Derived
 from scaletrain.models.flops import train_flops, transformer_flops, transformer_shape
-from scaletrain.planner.activations import Activations
-from scaletrain.planner.held import Held
+from scaletrain.planner.layouts import Candidate
+from scaletrain.planner.trace import Activations, Held
 from scaletrain.precision import matmul_dtype
 from scaletrain.runtime.hardware import Link, Profile
 
-# Re-running an op's forward, of its fitted forward-and-backward cost: about 2 of the 6
-# bytes of traffic per byte written that a GPU's byte_s counts (runtime/hardware.py)
+# An op's forward run again, of its forward-and-backward cost: 2 of the 6 bytes of traffic
+# per byte written that a GPU's byte_s counts (runtime/hardware.py)
 RECOMPUTED_SHARE = 1 / 3
-# The optimizer's memory traffic in passes over params + grads + optimizer state: torch
-# 2.13's AdamW (optim/adam.py) fused with the grad norm makes 2x (2.5x clipping), foreach
-# 5.25x (8 kernels, 21 passes over 4 tensors); 3 lies between, above the default's 2-2.5x
+# The optimizer's passes over params + grads + state: torch 2.13's AdamW fused with the grad
+# norm makes 2 (2.5 clipping), foreach 5.25 (8 kernels over 4 tensors; optim/adam.py)
 OPTIMIZER_PASSES = 3
 
 
@@ -89,8 +87,7 @@ class Terms:
     @property
     def stretched_s(self) -> float:
         """The busy time stretched by the bubble; where ranks take turns on the cores, a stage
-        in the bubble lends its core: the longer of the shared cores' work and the critical
-        path (a rank's own work at a whole core, stretched)."""
+        in the bubble lends its core: the shared cores' work or the stretched critical path."""
         return max(self.busy_s, self.busy_s / self.turns * (1 + self.bubble))
 
     @property
@@ -123,9 +120,12 @@ class Prediction:
     step_time_s: float
     mfu: float | None
     terms: Terms
-    comm_calls: dict[str, int] = field(default_factory=dict)  # collective calls per step
-    calls_by_dim: dict[str, int] = field(default_factory=dict)  # the same by mesh dimension
     notes: list[str] = field(default_factory=list)
+
+    def calls(self, *, name: str | None = None, dim: str | None = None) -> int:
+        """Collective calls a step, of one name (all_gather) or on one mesh dimension."""
+        on = [c for c in self.terms.collectives if name in (None, c.name) and dim in (None, c.dim)]
+        return sum(c.calls for c in on)
 
     def as_json(self) -> dict:
         keys = ("layout", "fits", "memory_bytes", "comm_bytes", "step_time_s", "mfu")
@@ -136,19 +136,16 @@ class Prediction:
 
 
 def spans_nodes(lay, dim: str, per_node: int) -> bool:
-    """Whether a group of mesh dimension `dim` (a pipeline's: two neighbouring stages) has
-    ranks on two nodes of `per_node` devices. Ranks are row-major over (pp, dp_replicate,
-    dp_shard, tp) (parallel/layout.py): a group spans the degrees after its own x its size."""
+    """Whether a group of mesh dimension `dim` (a pipeline's: two neighbouring stages) spans
+    nodes of `per_node` devices: ranks are row-major over (pp, dp_replicate, dp_shard, tp)."""
     order = ("pp", "dp_replicate", "dp_shard", "tp")
     inner = math.prod(getattr(lay, d) for d in order[order.index(dim) + 1 :])
     return inner * (2 if dim == "pp" else getattr(lay, dim)) > per_node
 
 
 def predict(
-    config: Config,
-    derived: Derived,
+    cand: Candidate,
     *,
-    layout_keys: dict,
     held: Held,
     acts: Activations,
     model: torch.nn.Module,
@@ -159,6 +156,7 @@ def predict(
 ) -> Prediction:
     """One accepted layout's prediction: `held` rank 0's bytes, `acts` one chunk's traced
     activations, `model` the bare model on meta, `example` one example's inputs."""
+    config, derived = cand.config, cand.derived
     lay = derived.layout
     per_node = min(lay.world_size, ranks_per_node)  # a CPU's ranks share its cores
     # precision.tf32 puts fp32 matmuls on TF32 tensor cores where the profile has them
@@ -183,26 +181,23 @@ def predict(
     )  # fmt: skip
 
     names = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-    dims = dict.fromkeys(c.dim for c in collectives)
     model_flops = hw * config.train.global_batch  # MFU counts no recomputation
     return Prediction(
-        layout=layout_keys,
+        layout=cand.overrides,
         fits=memory["peak"] <= budget_bytes,
         memory_bytes=memory,
         comm_bytes={n: int(sum(c.nbytes for c in collectives if c.name == n)) for n in names},
         step_time_s=terms.step_s,
         mfu=model_flops / (terms.step_s * peak * lay.world_size) if peak else None,
-        comm_calls={n: sum(c.calls for c in collectives if c.name == n) for n in names},
-        calls_by_dim={d: sum(c.calls for c in collectives if c.dim == d) for d in dims},
         terms=terms,
     )
 
 
 def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, int]:
     """Rank 0's bytes at a step's peak, by part: what it holds; the activations of the chunks
-    in flight (a stage: its blocks' share), the largest saved tensor again (its gradient)
-    and one checkpointed block recomputing; FSDP's gathered parameters (two units, running
-    and prefetched; under ZeRO-2 all until backward); a CPU process's bytes beyond these."""
+    in flight (a stage's share), the largest saved tensor again (its gradient) and one block
+    recomputing; FSDP's gathered units (running and prefetched; ZeRO-2: all until backward);
+    a CPU process's bytes beyond these."""
     lay, pipe = derived.layout, derived.pipeline
     in_flight = pipe.microbatches if pipe else 1  # GPipe holds every chunk
     if pipe and pipe.schedule != "gpipe":  # 1F1B and kin: stage 0 a chunk per (virtual) stage
@@ -217,8 +212,8 @@ def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, i
         gathered += 0 if config.parallel.reshard_after_forward else held.params * lay.dp_shard
         gathered = gathered * width // _param_width(config)
     live = held.grads + held.optim + activations + transient + gathered  # a step's, over params
-    # a CPU's resident bytes beyond the live tensors (0 on a GPU profile): the larger, not the
-    # sum, of two claims on one free heap: the allocator's slack, and FSDP2's first use
+    # a CPU's resident bytes beyond these (0 on a GPU): the larger of two claims on one free
+    # heap, the allocator's slack and FSDP2's first use
     first_use = link.fsdp_rss if lay.dp_shard > 1 else 0
     runtime = int(max((profile.rss_ratio - 1.0) * live, first_use))
     return {
@@ -237,8 +232,8 @@ def _collectives(
 ) -> list[Collective]:
     """Rank 0's collectives of a step, ring algorithms' bytes on the wire: replicas all-reduce
     the gradients; FSDP all-gathers the parameters per micro-batch (twice under ZeRO-3) and
-    reduce-scatters the gradients; tensor parallelism moves each block's (B, T, C) stream
-    twice each way per chunk; a pipeline sends each chunk's boundary both ways."""
+    reduce-scatters the gradients; TP moves each block's (B, T, C) stream twice each way;
+    a pipeline sends each chunk's boundary both ways."""
     lay, pipe, p = derived.layout, derived.pipeline, config.parallel
     accum, chunks = derived.accumulation, pipe.microbatches if pipe else 1
     out: list[Collective] = []
@@ -289,8 +284,7 @@ def _terms(
     lay, pipe = derived.layout, derived.pipeline
     chunk_steps = derived.accumulation * (pipe.microbatches if pipe else 1)
     share = 1.0 / lay.pp  # a stage's part of the blocks, and of their ops and bytes
-    # matmuls: hardware FLOPs, with the forward checkpointing runs again, at what a real
-    # matmul reaches of the peak
+    # matmuls: hardware FLOPs (what checkpointing runs again too) at what a matmul reaches
     recomputed = held.recomputed_blocks * lay.pp
     if shape is not None and recomputed:
         hw += transformer_flops(shape, batch=1, seq=seq, recomputed_blocks=recomputed)
@@ -298,13 +292,12 @@ def _terms(
     flops = hw * derived.examples_per_rank / (lay.tp * lay.pp)
     flops += chunk_steps * share * acts.again_flops  # under "op", the products it recomputes
     rate = (peak or profile.peak("fp32", ranks_per_node=per_node)) * profile.matmul_efficiency
-    # beyond the matmuls: each op's dispatch and the bytes it writes, longer where the
-    # node's ranks take turns on its cores
+    # beyond the matmuls: each op's dispatch and bytes written, longer where ranks take turns
     turns = profile.slowdown(per_node)
     ops, written = chunk_steps * share * acts.ops, chunk_steps * share * acts.written
     again = acts.again_ops * profile.op_s + acts.again_written * profile.byte_s
-    # FSDP2's and DTensor's cost once a step, the stage's share: the larger once where a
-    # layout has both (its parameters are DTensors once); calibrate measured it with the turns
+    # FSDP2's or DTensor's cost once a step, the stage's share (both: the larger, the
+    # parameters are DTensors once); calibrate measured it with the turns
     _, fsdp_step = _sharded_costs(profile, link, lay, "fsdp")
     _, tp_step = _sharded_costs(profile, link, lay, "tp")
     sharded_step_s = share * max(fsdp_step, tp_step)
@@ -330,15 +323,13 @@ def _terms(
 
 def _sharded_costs(profile: Profile, link: Link, lay, kind: str) -> tuple[float, float]:
     """(s per call, s per step) of FSDP2 ("fsdp") or DTensor ("tp") under `lay`: a group
-    smaller than the world pays calibrate's pair costs where it fitted them, else the
+    smaller than the world pays the pair's costs where calibrate fitted them, else the
     world's per call (0: the link's latency) and the 2-rank one per step."""
     if kind == "fsdp":
-        group = lay.dp_shard
-        pair = link.fsdp_pair_call_s, link.fsdp_pair_step_s
+        group, pair = lay.dp_shard, (link.fsdp_pair_call_s, link.fsdp_pair_step_s)
         whole = link.fsdp_call_s, profile.fsdp_step_s
     else:
-        group = lay.tp
-        pair = link.tp_pair_call_s, link.tp_pair_step_s
+        group, pair = lay.tp, (link.tp_pair_call_s, link.tp_pair_step_s)
         whole = link.tp_call_s, profile.tp_step_s
     if group == 1:
         return 0.0, 0.0

@@ -1,12 +1,8 @@
-"""What `scaletrain calibrate` learns from a model's real training steps.
-
-A CPU's small-model step is mostly outside its matmuls (dispatch and autograd, memory-bound
-element-wise work, FSDP2's and DTensor's Python around each collective), and a process holds
-more than its live tensors. No kernel benchmark shows either, so calibrate trains a model in
-fresh ranks and fits what the planner lacks (the profiling cost model of Galvatron and Alpa):
-`step_costs` (op_s, byte_s), `slack_probe` (rss_ratio), `sharded_probes` (FSDP2's and
-DTensor's costs) and `first_use_bytes`.
-"""
+"""What `scaletrain calibrate` learns from a model's own training steps. A CPU's small-model
+step is mostly outside its matmuls (dispatch, autograd, element-wise work, FSDP2's and
+DTensor's Python around each collective) and a process holds more than its live tensors: no
+kernel benchmark shows these, so calibrate trains a model in fresh ranks and fits what the
+planner lacks, as the profiling cost models of Galvatron and Alpa do."""
 
 from __future__ import annotations
 
@@ -26,21 +22,15 @@ GPT_TINY = {
     "data": {"source": "wikitext", "seq_len": 128},
     "train": {"seed": 0, "micro_batch": 16},
 }
-STEP_WAIT_S = 600.0  # a reference rank that keeps the others waiting longer has failed
-# steps after which the slack probe's resident peak has stopped rising: GPT tiny's under DDP
-# is within 5% of its 160-step peak by then (BENCHMARKS.md, calibrate)
-SETTLE_STEPS = 60
-# a probe that only times steps: 3 windows of 8 after the warm-up one (24 steps left the
-# per-step costs to noise, 40 took calibrate past 2 minutes: BENCHMARKS.md, calibrate)
-TIMED_STEPS = 32
-WINDOWS = 4  # a probe logs its steps in 4 windows; the first two warm up
+STEP_WAIT_S = 600.0  # a rank that keeps its peers waiting longer has failed
+SETTLE_STEPS = 60  # the slack probe's resident peak has stopped rising (BENCHMARKS.md)
+TIMED_STEPS = 32  # a timed probe's steps, logged in WINDOWS windows (BENCHMARKS.md: why 32)
+WINDOWS = 4
 KINDS = ("fsdp", "tp")
 SHARDED_DIM = {"fsdp": "dp_shard", "tp": "tp"}  # the mesh dimension of each kind's groups
-# a fit's points: a rank's examples in 1, 2 and 4 micro-batches a step (1, 2 and 4 times the
-# calls), three points on 2 ranks so that one look's noise moves the fit by its share only;
-# on more ranks than cores the two far ends (their steps are slower)
-LOOKS = (1, 2, 4)
-WIDE_LOOKS = (1, 4)
+# a fit's points: a rank's examples in 1, 2 and 4 micro-batches (1, 2, 4 x the calls); with
+# more ranks than cores the two ends only (each of their steps is slower)
+LOOKS, WIDE_LOOKS = (1, 2, 4), (1, 4)
 
 
 def _config(data: dict, parallel: dict, *, train: dict, **sections):
@@ -68,15 +58,14 @@ def reference_batches(data: dict) -> tuple[int, ...]:
 
 
 def reference_rank(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> dict:
-    """`step_worker` in a gloo group that waits STEP_WAIT_S for the slowest rank."""
     with gloo_group(timeout_s=STEP_WAIT_S):
         return step_worker(data, micro_batches, steps)
 
 
 def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> dict:
-    """The reference on one thread under the run's heap policy: `steps` rounds of a step at
-    each micro-batch in turn (a slow minute falls on each alike), each begun together in a
-    process group; per micro-batch the median step after two warm-up rounds."""
+    """The reference on one thread: `steps` rounds of a step at each micro-batch in turn (a
+    slow minute falls on each alike), begun together in a process group; per micro-batch
+    the median step after two warm-up rounds."""
     import torch.distributed as dist
 
     from scaletrain.planner import build_for_plan
@@ -115,9 +104,8 @@ def step_costs(
     data: dict, *, flops: dict[str, float], memory_bw: float, concurrent: int, launch, say=print
 ) -> dict[str, float]:
     """`op_s` and `byte_s`: each reference step less the planner's with neither cost, fitted
-    to ops x op_s + bytes written x byte_s. The reference runs in `concurrent` ranks side by
-    side, as the busiest world keeps the cores busy; a step is its slowest rank's (a
-    synchronous step waits for it). `launch(n, fn, *args)`: rank -> result."""
+    to ops x op_s + bytes written x byte_s. `concurrent` ranks run it side by side, as the
+    busiest world keeps the cores busy; a step is the slowest rank's."""
     from scaletrain.planner import predict_configured
     from scaletrain.runtime.hardware import Profile
 
@@ -142,9 +130,8 @@ def probe_parallel(kind: str, *, world: int, group: int) -> dict:
 
 
 def sharded_config(data: dict, parallel: dict, *, steps: int = SETTLE_STEPS, accumulation: int = 1):
-    """`data` trained under `parallel` for `steps` steps, each rank taking the configured
-    micro-batch's examples in `accumulation` micro-batches, logged in WINDOWS windows, no
-    checkpoint, 8 examples of evaluation."""
+    """`data` trained under `parallel` for `steps` steps, each rank's micro-batch split in
+    `accumulation`, logged in WINDOWS windows, without checkpoints or much evaluation."""
     mb = _micro_batch(data) // accumulation
     replicas = parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1)
     train = {"micro_batch": mb, "global_batch": mb * accumulation * replicas, "steps": steps}
@@ -155,22 +142,19 @@ def sharded_config(data: dict, parallel: dict, *, steps: int = SETTLE_STEPS, acc
 
 def sharded_worker(data: dict, parallel: dict, steps: int, accumulation: int, run_dir: str) -> None:
     """One rank of a probe: the trainer itself."""
-    import torch.distributed as dist
-
     from scaletrain.training.trainer import train
 
-    try:
-        config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
-        train(config, run_dir=Path(run_dir))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with gloo_group(timeout_s=STEP_WAIT_S):
+        train(
+            sharded_config(data, parallel, steps=steps, accumulation=accumulation),
+            run_dir=Path(run_dir),
+        )
 
 
 def slack_probe(data: dict, *, launch, profile, steps: int = SETTLE_STEPS, say=print) -> dict:
-    """`rss_ratio`: the model on 2 ranks under DDP for `steps` steps, its largest peak above
-    baseline per live byte the planner predicts (its peak less the parameters, which the
-    baseline holds, as do DDP's gradients, in its buckets since set-up); {} where it fails."""
+    """`rss_ratio`: the model on 2 ranks under DDP, its largest peak above baseline per live
+    byte predicted (the baseline holds the parameters and DDP's gradient buckets); {} where
+    it fails."""
     bare = dataclasses.replace(_without_sharding_costs(profile), rss_ratio=1.0)
     settled = _probe(data, {"dp_replicate": 2}, 2, steps, launch, bare, say)
     if settled is None:
@@ -188,60 +172,55 @@ def slack_probe(data: dict, *, launch, profile, steps: int = SETTLE_STEPS, say=p
 
 
 def sharded_probes(
-    data: dict,
-    *,
-    launch,
-    profile,
-    worlds: tuple[int, ...] = (2,),
-    timed_steps: int = TIMED_STEPS,
-    say=print,
+    data: dict, *, launch, profile, worlds=(2,), timed_steps: int = TIMED_STEPS, say=print
 ) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
-    """FSDP2's and DTensor's costs on the model's own steps: the profile's fields and each
-    world's link fields. Per kind, on 2 ranks: probes at LOOKS, whose excess over the
-    planner's step is fitted to `{kind}_step_s` + calls x `{kind}_call_s`. On each larger
-    world the same fit in groups
-    of 2 (`{kind}_pair_*`: with more ranks than cores a call waits on fewer peers), and over
-    the whole world its cost per call beside the 2-rank cost per step. A probe the model
-    cannot run, or whose rank dies, fits nothing. `profile`: this machine's so far."""
+    """FSDP2's and DTensor's costs: the profile's fields and each world's link fields. Per
+    kind, on 2 ranks, probes at LOOKS whose excess over the planner's step is fitted to
+    `{kind}_step_s` + calls x `{kind}_call_s`; on a larger world the same fit in groups of 2
+    (`{kind}_pair_*`: with more ranks than cores a call waits on fewer peers) and a probe of
+    the whole world for its cost per call (else the pair's). A probe that cannot run fits
+    nothing."""
     bare = _without_sharding_costs(profile)
     fields: dict[str, float] = {}
-    links: dict[int, dict[str, float]] = {world: {} for world in worlds}
+    links: dict[int, dict[str, float]] = {world: {} for world in (2, *worlds)}
 
-    def probe(parallel, world, run_steps, accumulation=1, plan=bare):
-        return _probe(data, parallel, world, run_steps, launch, plan, say, accumulation)
+    def probe(parallel, world, accumulation=1):
+        return _probe(data, parallel, world, timed_steps, launch, bare, say, accumulation)
 
-    def fit(kind, parallel, world, looks):
-        runs = [probe(parallel, world, timed_steps, a) for a in looks if a <= _micro_batch(data)]
+    def fit(kind, world, looks):
+        parallel = probe_parallel(kind, world=world, group=2)
         label = f"{kind} on 2 ranks" if world == 2 else f"{kind} as {parallel} on {world} ranks"
+        runs = [probe(parallel, world, a) for a in looks if a <= _micro_batch(data)]
         return _fit_looks(runs, kind, parallel=parallel, label=label, say=say)
 
     for kind in KINDS:
-        fitted = fit(kind, probe_parallel(kind, world=2, group=2), 2, LOOKS)
+        fitted = fit(kind, 2, LOOKS)
         if fitted is None:
             continue
         step_s, call_s = fitted
-        fields[f"{kind}_step_s"], links.setdefault(2, {})[f"{kind}_call_s"] = step_s, call_s
+        fields[f"{kind}_step_s"], links[2][f"{kind}_call_s"] = step_s, call_s
         for world in (w for w in worlds if w > 2):
-            fitted = fit(kind, probe_parallel(kind, world=world, group=2), world, WIDE_LOOKS)
+            link = links[world]
+            fitted = fit(kind, world, WIDE_LOOKS)
             if fitted is not None:  # a pair cost of 0 means none measured: 1e-12 at least
-                links[world][f"{kind}_pair_step_s"] = fitted[0]
-                links[world][f"{kind}_pair_call_s"] = max(fitted[1], 1e-12)
+                link[f"{kind}_pair_step_s"] = fitted[0]
+                link[f"{kind}_pair_call_s"] = max(fitted[1], 1e-12)
             whole = probe_parallel(kind, world=world, group=world)
-            stepped = dataclasses.replace(bare, **{f"{kind}_step_s": step_s})
-            run = probe(whole, world, timed_steps, plan=stepped)
+            run = probe(whole, world)
             excess, calls = _excess(*run, kind) if run else (0.0, 0)
-            if calls:
-                call_s = links[world][f"{kind}_call_s"] = max(0.0, excess / calls)
+            link[f"{kind}_call_s"] = link.get(f"{kind}_pair_call_s", 0.0)
+            if calls:  # beyond the 2-rank cost per step
+                link[f"{kind}_call_s"] = max(0.0, (excess - step_s) / calls)
                 say(
-                    f"{kind} as {whole} on {world} ranks: {excess * 1e3:.1f} ms beyond the "
-                    f"plan and its cost per step, {calls} calls: {call_s * 1e6:.0f} us a call"
+                    f"{kind} as {whole} on {world} ranks: {excess * 1e3:.1f} ms beyond the plan, "
+                    f"{calls} calls: {link[f'{kind}_call_s'] * 1e6:.0f} us a call"
                 )
     return fields, links
 
 
 def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
-    """(the planner's prediction for one probe, its logged training windows); None where the
-    launcher's checks refuse the layout or a rank died."""
+    """(the planner's prediction for one probe, its logged train rows); None where the
+    launcher refuses the layout or a rank died."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from scaletrain.errors import UserError
@@ -265,8 +244,8 @@ def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
 
 
 def _fit_looks(runs: list, kind: str, *, parallel: dict, label: str, say):
-    """(cost per step, cost per call) fitted to the probes' excess over the plan, said; None
-    where none ran or no calls are planned (no TP plan the planner sees)."""
+    """(cost per step, cost per call) fitted to the probes' excess over the plan; None where
+    none ran or none has calls (a model without a TP plan)."""
     looks = [_excess(pred, train, kind) for pred, train in filter(None, runs)]
     if not looks or not looks[0][1]:
         return None
@@ -278,10 +257,10 @@ def _fit_looks(runs: list, kind: str, *, parallel: dict, label: str, say):
 
 
 def _excess(pred, train: list[dict], kind: str) -> tuple[float, int]:
-    """(the median logged step of the run's second half less the planner's, its calls): the
-    first half holds a fresh rank's warm-up, its heap still growing (BENCHMARKS.md)."""
+    """(the run's median step less the planner's, its calls), over the second half: the
+    first holds a fresh rank's warm-up, its heap still growing (BENCHMARKS.md)."""
     step_s = statistics.median(r["step_time_s"] for r in train[len(train) // 2 :])
-    return step_s - pred.step_time_s, pred.calls_by_dim.get(SHARDED_DIM[kind], 0)
+    return step_s - pred.step_time_s, pred.calls(dim=SHARDED_DIM[kind])
 
 
 def _without_sharding_costs(profile):
@@ -293,8 +272,7 @@ def _without_sharding_costs(profile):
 
 
 def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """(p, q), neither below 0, with x p + y q closest to t over `points` (x, y, t): scipy's
-    non-negative least squares (one point: all of it on the larger term)."""
+    """(p, q) >= 0 with x p + y q closest to t over `points` (x, y, t): scipy's NNLS."""
     from scipy.optimize import nnls
 
     (p, q), _ = nnls([(x, y) for x, y, _ in points], [t for *_, t in points])
@@ -302,9 +280,8 @@ def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]
 
 
 def first_use_bytes(*, units: int = 8, width: int = 64) -> int:
-    """In a fresh rank of an open gloo group: the resident rise of its first FSDP2 steps on a
-    Linear stack, after plain steps and a collective warmed the rest (autograd, kernels,
-    gloo): the code and state FSDP2 loads on first use, a fixed cost per process."""
+    """A fresh rank's resident rise over its first FSDP2 steps on a Linear stack, after plain
+    steps and a collective warmed the rest: what FSDP2 loads on first use, once a process."""
     import torch.distributed as dist
     import torch.distributed.fsdp  # noqa: F401 imported before the baseline, as a run does
     from torch.distributed.device_mesh import init_device_mesh
@@ -331,8 +308,7 @@ def first_use_bytes(*, units: int = 8, width: int = 64) -> int:
 
 @contextlib.contextmanager
 def gloo_group(timeout_s: float = 120.0) -> Iterator[None]:
-    """This rank's gloo group (the elastic agent's environment, its store on loopback as a
-    run's), closed on the way out; a collective that waits `timeout_s` raises."""
+    """This rank's gloo group, as a run's, closed on the way out."""
     import torch.distributed as dist
 
     from scaletrain.runtime import init_distributed, read_env

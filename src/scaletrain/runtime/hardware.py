@@ -1,15 +1,8 @@
-"""Hardware profiles: what a device computes and moves per second, for the planner's step
-time and every run's MFU.
-
-A profile (a TOML table `scaletrain calibrate` writes, or a GPU part of parts.toml) holds matmul
-FLOP/s per dtype, memory and its bandwidth, and the collectives' bus bandwidth and latency
-per world size. MFU divides a run's model FLOPs by the peak of its compute dtype: on a CPU
-what calibrate measured, on a GPU the part's dense datasheet figure (torchtitan's, Megatron's).
-
-Which profile a run uses: `SCALETRAIN_HARDWARE` (a built-in name or a path), else the
-built-in of the CUDA device's part (its name matched whole, its memory the device's), else
-on a CPU this machine's calibrated profile (CALIBRATED), else none (MFU is logged as null).
-"""
+"""Hardware profiles: what a device computes and moves per second, for the planner and every
+run's MFU (model FLOPs over the compute dtype's peak: on a CPU what `scaletrain calibrate`
+measured, on a GPU the part's dense datasheet figure in parts.toml, as torchtitan's). A run's
+profile: `SCALETRAIN_HARDWARE` (a built-in name or a path), else the CUDA device's part, else
+on a CPU this machine's calibrated one (CALIBRATED), else none (MFU is logged as null)."""
 
 from __future__ import annotations
 
@@ -29,8 +22,8 @@ CALIBRATED = Path.home() / ".cache" / "scaletrain" / "hardware.toml"
 
 @dataclass(frozen=True)
 class Link:
-    """One collective's cost model: seconds = latency_s + bytes on the wire / bus_bw. Each
-    field: its unit, then how it is measured (calibrate) or set (a GPU part)."""
+    """A collective's cost: latency_s + bytes on the wire / bus_bw. Each field: its unit, then
+    how calibrate measures it or a GPU part sets it."""
 
     __pydantic_config__ = ConfigDict(extra="forbid")  # a link's unknown key is an error
 
@@ -47,32 +40,26 @@ class Link:
 
 @dataclass(frozen=True)
 class Profile:
-    """What a device computes and moves per second, and the costs planner/reference.py
-    fits. Each field: its unit, then how calibrate measures it or a GPU part sets it."""
+    """A device's rates and the costs planner/reference.py fits. Each field: its unit, then
+    how calibrate measures it or a GPU part sets it."""
 
     name: str  # "this-machine" (calibrate) or the built-in part's name
     flops: dict[str, float]  # FLOP/s by dtype: a device's, or one CPU core's matmuls, timed
     memory_bytes: int  # bytes a device: MemTotal, or the GPU's memory
     memory_bw: float  # bytes/s a device streams: a 128 MiB copy, timed
-    intra: dict[int, Link] = field(default_factory=dict)  # world size -> Link within a node;
-    # an unlisted size takes the one below
+    intra: dict[int, Link] = field(default_factory=dict)  # world size (or the one below) -> Link
     inter: Link | None = None  # between nodes: a device's share of the node's NICs
     devices_per_node: int = 1  # devices: a GPU node's
     overlap: bool = False  # collectives overlap compute (GPU streams; gloo: no)
     cores: int = 0  # cores this process may use (sched_getaffinity); 0: a GPU profile
     op_s: float = 0.0  # s a forward op: dispatch and autograd of it and its backward, fitted
-    # s a byte a forward's ops write, backward included, fitted with op_s; a GPU's: 6 bytes
-    # of traffic per byte written at its memory bandwidth
-    byte_s: float = 0.0
+    byte_s: float = 0.0  # s a byte a forward writes, fitted with op_s; a GPU: 6 bytes of traffic
     rss_ratio: float = 1.0  # resident bytes per live tensor byte (CPU): DDP's, settled
     fsdp_step_s: float = 0.0  # s a step: FSDP2's cost once a step beyond its calls, 2 ranks
     tp_step_s: float = 0.0  # s a step: the same for DTensor
-    # share of `flops` a matmul reaches, for step times (MFU stays against flops): a GPU's
-    # Maximum Achievable Matmul FLOPS over its peak; 1 on a CPU
+    # share of `flops` a matmul reaches (MFU stays against flops): a GPU's achievable/peak
     matmul_efficiency: Annotated[float, Field(gt=0, le=1)] = 1.0
-    # cores: the most foreign load (runtime/load.py) calibrate saw while it measured; above
-    # NOISY_CORES the profile is marked as taken on a busy machine
-    foreign_cores: float = 0.0
+    foreign_cores: float = 0.0  # cores: the most foreign load calibrate saw (runtime/load.py)
     steal_cores: float = 0.0  # cores: the same for steal (another VM's time on this host)
     source: str = ""  # where the figures come from
 
@@ -103,8 +90,8 @@ class Profile:
 
 
 def _parts() -> tuple[dict[str, Profile], dict[str, str], dict[str, str]]:
-    """The built-in GPU profiles, by name, from parts.toml (each figure's source beside it);
-    the part of each CUDA device name; and the old names' parts."""
+    """The built-in GPU profiles by name (parts.toml: each figure's source beside it), the part
+    of each CUDA device name, and the old names' parts."""
     table = tomllib.loads(resources.files(__package__).joinpath("parts.toml").read_text())
     links, latency = table["links"], table["latency"]
     parts = {}
@@ -143,8 +130,8 @@ class ProfileError(UserError):
 
 
 def load_profile(name_or_path: str) -> Profile:
-    """A built-in by name (a key of BUILTIN, any case) or a profile TOML's path. A profile's
-    unknown keys (another version's, as rss_fixed) are skipped; a link's are an error."""
+    """A built-in by name (any case) or a profile TOML's path; its unknown keys (another
+    version's) are skipped, a link's are an error."""
     key = name_or_path.lower()
     if key in BUILTIN:
         return BUILTIN[key]
@@ -171,7 +158,7 @@ def load_profile(name_or_path: str) -> Profile:
 def profile_toml(profile: Profile) -> str:
     import tomli_w
 
-    # JSON mode writes intra's sizes as the strings TOML's keys are; no inter: no table
+    # JSON mode: intra's sizes as the strings TOML's keys are; no inter, no table
     return tomli_w.dumps(TypeAdapter(Profile).dump_python(profile, mode="json", exclude_none=True))
 
 
@@ -186,8 +173,8 @@ def default_profile(device_type: str) -> Profile | None:
 
 
 def device_profile(index: int | None = None) -> Profile | None:
-    """The built-in profile of CUDA device `index`'s exact part (default: the current
-    device), with the memory the device reports; None for a part not in DEVICE_NAMES."""
+    """The built-in of CUDA device `index`'s exact part (default: the current one) with the
+    device's memory; None for a part not in DEVICE_NAMES."""
     import torch
 
     index = torch.cuda.current_device() if index is None else index
@@ -200,8 +187,8 @@ def device_profile(index: int | None = None) -> Profile | None:
 
 
 def rank_budget(profile: Profile | None, *, ranks_per_node: int) -> tuple[int, str]:
-    """Bytes one rank may use, and where the figure comes from: a GPU's own memory; on a
-    CPU the node's memory (the profile's, else this machine's) over the ranks it runs."""
+    """Bytes one rank may use, and whence: a GPU's memory; a CPU's (the profile's, else this
+    machine's) over the ranks it runs."""
     if profile is not None and not profile.cores:
         return profile.memory_bytes, f"{profile.name}'s memory"
     total = profile.memory_bytes if profile else total_memory()
@@ -216,9 +203,9 @@ def total_memory() -> int:
 def cpu_name() -> str:
     """This CPU's model name (/proc/cpuinfo), or "this CPU" where it cannot be read."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(
+            line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         return "this CPU"

@@ -134,7 +134,7 @@ class WholeTensorStep:
     def step(self, closure=None):
         from torch.distributed.tensor import DTensor
 
-        # The planner's pass (planner/held.py) steps a model of shapes on the meta device,
+        # The planner's pass (planner/trace.py) steps a model of shapes on the meta device,
         # where a step that reads values (Adafactor's .item()) cannot run: there the state
         # is only created, with the shapes and placements a real step gives it.
         meta = any(p.is_meta for group in self.param_groups for p in group["params"])
