@@ -445,14 +445,14 @@ def test_the_reference_takes_its_micro_batches_in_turn_so_a_slow_minute_falls_on
     """One process times every micro-batch, a step at each per round (round robin), not
     all of one micro-batch's steps and then the next's: a minute in which the machine runs
     slow lands on every micro-batch alike; a median step comes back for each."""
-    import scaletrain.training.step as step
+    from scaletrain.planner import reference
+    from scaletrain.planner.reference import step_worker
 
     order = []
-    real = step.forward
+    real = reference.forward
     monkeypatch.setattr(
-        step, "forward", lambda m, b, p: order.append(len(b.inputs)) or real(m, b, p)
+        reference, "forward", lambda m, b, p: order.append(len(b.inputs)) or real(m, b, p)
     )
-    from scaletrain.planner.reference import step_worker
 
     threads = torch.get_num_threads()
     try:
@@ -522,12 +522,12 @@ def test_a_reference_step_runs_under_the_heap_policy_the_run_would_apply(monkeyp
     """The reference's steps are timed under the run's CPU heap policy (train.allocator),
     chosen by the model's size as the trainer chooses it: glibc's defaults map and unmap
     every large block each step, which a run under `retain` never pays."""
-    import scaletrain.runtime.allocator as allocator
+    from scaletrain.planner import reference
     from scaletrain.planner.reference import step_worker
 
     applied = []
     monkeypatch.setattr(
-        allocator, "configure_allocator", lambda mode, **k: applied.append((mode, k)) or mode
+        reference, "configure_allocator", lambda mode, **k: applied.append((mode, k)) or mode
     )
     threads = torch.get_num_threads()
     try:
@@ -1285,6 +1285,7 @@ def test_auto_precision_is_planned_as_the_run_on_the_profiles_hardware_decides(m
     for "auto" everywhere, so a bf16 CPU's calibrate fitted nothing beyond the matmuls)."""
     import dataclasses
 
+    import scaletrain.planner
     from scaletrain import precision
     from scaletrain.config import validate_config
     from scaletrain.runtime.hardware import BUILTIN
@@ -1298,7 +1299,7 @@ def test_auto_precision_is_planned_as_the_run_on_the_profiles_hardware_decides(m
     cpu = dataclasses.replace(gpu, name="cpu", cores=2)
     for bf16, mode in ((True, "bf16-mixed"), (False, "fp32")):
         hw = precision.Hardware("cpu", avx512_bf16=bf16)
-        monkeypatch.setattr(precision, "detect_hardware", lambda device_type, hw=hw: hw)
+        monkeypatch.setattr(scaletrain.planner, "detect_hardware", lambda device_type, hw=hw: hw)
         assert planned("auto", cpu) == planned(mode, cpu)
 
 
@@ -1421,14 +1422,14 @@ def test_calibrate_fits_no_cost_per_call_to_a_probe_with_no_calls_planned(monkey
     collectives planned: its probe fits no cost per call (it divided by zero)."""
     import types
 
-    import scaletrain.planner
+    from scaletrain.planner import reference
     from scaletrain.planner.reference import sharded_probes
 
     def planned(config, *, world_size, profile):
         memory = {"peak": 2 * 10**6, "params": 10**6, "runtime": 0}
         return types.SimpleNamespace(memory_bytes=memory, calls=lambda dim: 0, step_time_s=0.5)
 
-    monkeypatch.setattr(scaletrain.planner, "predict_configured", planned)
+    monkeypatch.setattr(reference, "predict_configured", planned)
 
     def launch(world, fn, *args):
         row = {"kind": "train", "window_peak_above_baseline_bytes": 0, "step_time_s": 1.0}

@@ -22,6 +22,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.planner.layouts import candidates, layout_overrides
 from scaletrain.planner.predict import Prediction, predict
 from scaletrain.planner.trace import held_on_rank, traced_activations
+from scaletrain.precision import Hardware, decide_auto, detect_hardware
 from scaletrain.runtime.hardware import BUILTIN, Link, Profile, default_profile, rank_budget
 from scaletrain.training.assemble import NO_CODE, UserCode, build_data, build_net
 
@@ -94,8 +95,6 @@ def predict_configured(
 def resolve_auto_precision(config: Config, profile: Profile) -> Config:
     """`config` with precision.mode "auto" decided as a run on `profile`'s hardware would:
     a GPU profile's part (every built-in is Ampere or later), else this CPU."""
-    from scaletrain.precision import Hardware, decide_auto, detect_hardware
-
     if config.precision.mode != "auto":
         return config
     on = detect_hardware("cpu") if profile.cores else Hardware("cuda", cuda_capability=(8, 0))

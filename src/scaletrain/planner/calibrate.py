@@ -17,6 +17,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from scaletrain.errors import UserError
 from scaletrain.launch.agent import LOOPBACK_ENV, SUBPROCESS_ENV
@@ -96,8 +98,6 @@ def measure_first_use() -> int:
 def collective_worker(sizes: tuple[int, ...]) -> dict:
     """One rank: each collective at each size, then the three smallest again, the same count
     of calls on every rank (a time budget could pair one's all-reduce with another's gather)."""
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     with gloo_group():
         out = {"all_reduce": [], "all_gather": []}
@@ -125,8 +125,6 @@ def measure_link(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, d
 def launch(world: int, fn, *args, start_method: str = "forkserver") -> dict:
     """`fn(*args)` on `world` ranks of torch's elastic agent, forked from the preloaded
     server (or spawned), on loopback as a one-node run: rank -> its result."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     for key, value in {**SUBPROCESS_ENV, **LOOPBACK_ENV}.items():
         os.environ.setdefault(key, value)
     multiprocessing.set_forkserver_preload(PRELOAD)

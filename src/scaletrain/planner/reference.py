@@ -16,6 +16,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.fsdp  # noqa: F401 before first_use_bytes' baseline, as a run's
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.fsdp import fully_shard
+
+from scaletrain.config import validate_config
+from scaletrain.errors import UserError
+from scaletrain.planner import build_for_plan, predict_configured
+from scaletrain.precision import make_precision
+from scaletrain.records.memory import lifetime_peak_bytes
+from scaletrain.runtime import init_distributed, read_env
+from scaletrain.runtime.allocator import configure_allocator
+from scaletrain.runtime.hardware import Profile
+from scaletrain.training.assemble import build_net, build_objective, tensor_bytes
+from scaletrain.training.optim import from_section
+from scaletrain.training.step import forward
 
 GPT_TINY = {
     "model": {"name": "gpt", "size": "tiny"},
@@ -35,8 +52,6 @@ LOOKS, WIDE_LOOKS = (1, 2, 4), (1, 4)
 
 def _config(data: dict, parallel: dict, *, train: dict, **sections):
     """`data` (a config as a dict) under `parallel`, [train] updated, `sections` replaced."""
-    from scaletrain.config import validate_config
-
     data = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
     data.setdefault("train", {}).update(train)
     return validate_config(data | sections | {"parallel": dict(parallel)})
@@ -66,15 +81,6 @@ def step_worker(data: dict, micro_batches: tuple[int, ...], steps: int = 12) -> 
     """The reference on one thread: `steps` rounds of a step at each micro-batch in turn (a
     slow minute falls on each alike), begun together in a process group; per micro-batch
     the median step after two warm-up rounds."""
-    import torch.distributed as dist
-
-    from scaletrain.planner import build_for_plan
-    from scaletrain.precision import make_precision
-    from scaletrain.runtime.allocator import configure_allocator
-    from scaletrain.training.assemble import build_net, build_objective, tensor_bytes
-    from scaletrain.training.optim import from_section
-    from scaletrain.training.step import forward
-
     torch.set_num_threads(1)
     config = reference_config(data, max(micro_batches))
     dataset, _ = build_for_plan(config)
@@ -106,9 +112,6 @@ def step_costs(
     """`op_s` and `byte_s`: each reference step less the planner's with neither cost, fitted
     to ops x op_s + bytes written x byte_s. `concurrent` ranks run it side by side, as the
     busiest world keeps the cores busy; a step is the slowest rank's."""
-    from scaletrain.planner import predict_configured
-    from scaletrain.runtime.hardware import Profile
-
     bare = Profile(name="bare", flops=flops, memory_bytes=2**62, memory_bw=memory_bw, cores=1)
     batches = reference_batches(data)
     ranks = launch(concurrent, reference_rank, data, batches).values()
@@ -221,11 +224,6 @@ def sharded_probes(
 def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
     """(the planner's prediction for one probe, its logged train rows); None where the
     launcher refuses the layout or a rank died."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from scaletrain.errors import UserError
-    from scaletrain.planner import predict_configured
-
     config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
     try:
         pred = predict_configured(config, world_size=world, profile=bare)
@@ -282,13 +280,6 @@ def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]
 def first_use_bytes(*, units: int = 8, width: int = 64) -> int:
     """A fresh rank's resident rise over its first FSDP2 steps on a Linear stack, after plain
     steps and a collective warmed the rest: what FSDP2 loads on first use, once a process."""
-    import torch.distributed as dist
-    import torch.distributed.fsdp  # noqa: F401 imported before the baseline, as a run does
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from scaletrain.records.memory import lifetime_peak_bytes
-
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     x = torch.randn(8, width)
@@ -309,10 +300,6 @@ def first_use_bytes(*, units: int = 8, width: int = 64) -> int:
 @contextlib.contextmanager
 def gloo_group(timeout_s: float = 120.0) -> Iterator[None]:
     """This rank's gloo group, as a run's, closed on the way out."""
-    import torch.distributed as dist
-
-    from scaletrain.runtime import init_distributed, read_env
-
     init_distributed(read_env(), backend="gloo", timeout_s=timeout_s)
     try:
         yield

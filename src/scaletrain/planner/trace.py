@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -95,8 +98,6 @@ def parallelized(config: Config, layout: ParallelLayout, *, dataset, pipeline=No
 def held_on_rank(config: Config, derived: Derived, *, dataset, code: UserCode = NO_CODE) -> Held:
     """The bytes rank 0 holds under `derived`'s layout, the optimizer stepped once on zero
     gradients so that its state exists."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
     with parallelized(
         config, derived.layout, dataset=dataset, pipeline=derived.pipeline, code=code
     ) as (par, _, _):
@@ -122,8 +123,6 @@ def held_on_rank(config: Config, derived: Derived, *, dataset, code: UserCode = 
 
 def _fsdp_units(model: nn.Module) -> tuple[int, int]:
     """The FSDP units, and the largest one's own parameters' whole bytes (one all-gather's)."""
-    from torch.distributed.fsdp import FSDPModule
-
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     largest = 0
     for unit in units:
@@ -196,9 +195,6 @@ def traced_activations(
     config's checkpointing and precision. Each tensor autograd saves counts once by its
     storage; so do a checkpointed block's input and, under "op", the outputs its policy
     keeps, which no saved-tensor hook sees."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
     layout = ParallelLayout(pp=1, dp_replicate=1, dp_shard=1, tp=tp)
     batch = dataset.get(torch.arange(examples) % len(dataset))
     counter = _OpCounter(keeps_ops=config.parallel.activation_checkpointing == "op")
