@@ -636,7 +636,7 @@ def test_fsdp2s_first_use_is_measured_on_spawned_ranks(monkeypatch):
         cal, "launch", lambda world, fn, **kw: seen.append((world, fn, kw)) or {0: 5, 1: 7}
     )
     assert cal.measure_first_use() == 7
-    assert seen == [(2, cal.first_use_worker, {"start_method": "spawn"})]
+    assert seen == [(2, cal.reference.first_use_worker, {"start_method": "spawn"})]
 
 
 def test_planning_leaves_the_process_excepthook_as_it_found_it():
@@ -1010,14 +1010,14 @@ def _stubbed_calibrate(monkeypatch, links, *, load=None):
     load = load or Load(foreign_cores=0.0, steal_cores=0.0, wall_s=1.0)
     monkeypatch.setattr(cal, "matmul_rate", lambda dtype: 1e10)
     monkeypatch.setattr(cal, "memory_bandwidth", lambda: 1e10)
-    monkeypatch.setattr(cal, "step_costs", lambda *a, **k: {"op_s": 0.0, "byte_s": 0.0})
+    monkeypatch.setattr(cal.reference, "step_costs", lambda *a, **k: {"op_s": 0.0, "byte_s": 0.0})
     monkeypatch.setattr(cal.os, "sched_getaffinity", lambda pid: {0, 1})
     link = Link(bus_bw=1e9, latency_s=1e-4)
     monkeypatch.setattr(cal, "measure_link", lambda world: (link, {}))
     monkeypatch.setattr(cal, "measure_first_use", lambda: 5)
     fields = {"fsdp_step_s": 0.02, "tp_step_s": 0.03}
-    monkeypatch.setattr(cal, "sharded_probes", lambda *a, **k: (dict(fields), links))
-    monkeypatch.setattr(cal, "slack_probe", lambda *a, **k: {"rss_ratio": 1.25})
+    monkeypatch.setattr(cal.reference, "sharded_probes", lambda *a, **k: (dict(fields), links))
+    monkeypatch.setattr(cal.reference, "slack_probe", lambda *a, **k: {"rss_ratio": 1.25})
     if load == "real":  # the machine's own, runtime/load.py
         return cal
     monkeypatch.setattr(cal, "foreign_load", lambda seconds=1.0: load)

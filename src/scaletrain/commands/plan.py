@@ -21,7 +21,7 @@ from scaletrain.runtime.hardware import (
     profile_toml,
     rank_budget,
 )
-from scaletrain.runtime.load import Meter
+from scaletrain.runtime.load import NOISY_CORES, Meter
 
 BUILTINS = ", ".join(BUILTIN)
 MIN_LOOK_S = 0.3  # a shorter plan cannot judge the load: /proc/stat counts 10 ms ticks
@@ -93,8 +93,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def busier_than_calibrated(profile: Profile, now) -> str | None:
     """Why the steps predicted may not hold now, or None: the profile was taken on a busy
     machine, or the machine is busier now (`now`: a runtime.load.Load) than then."""
-    from scaletrain.runtime.load import NOISY_CORES
-
     if profile.foreign_cores > NOISY_CORES:
         return (
             f"profile {profile.name!r} was calibrated while {profile.foreign_cores:.1f} cores "
@@ -113,14 +111,11 @@ def describe_layout(layout: dict) -> str:
     """`pp1 rep1 shard2 tp1 mb4 1f1b AC-full ZeRO-3`: a layout's degrees and options."""
     degrees = (("pp", "pp"), ("rep", "dp_replicate"), ("shard", "dp_shard"), ("tp", "tp"))
     parts = [f"{short}{layout[f'parallel.{key}']}" for short, key in degrees]
-    parts.append(f"mb{layout['train.micro_batch']}")
-    if layout.get("parallel.pp_schedule"):
-        parts.append(layout["parallel.pp_schedule"])
-    if layout["parallel.activation_checkpointing"] != "none":
-        parts.append(f"AC-{layout['parallel.activation_checkpointing']}")
-    if "parallel.reshard_after_forward" in layout:
-        parts.append("ZeRO-3" if layout["parallel.reshard_after_forward"] else "ZeRO-2")
-    return " ".join(parts)
+    ac = layout["parallel.activation_checkpointing"]
+    zero = {True: "ZeRO-3", False: "ZeRO-2"}.get(layout.get("parallel.reshard_after_forward"))
+    parts += [f"mb{layout['train.micro_batch']}", layout.get("parallel.pp_schedule")]
+    parts += [ac != "none" and f"AC-{ac}", zero]
+    return " ".join(p for p in parts if p)
 
 
 def format_table(preds) -> str:

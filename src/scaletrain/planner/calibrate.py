@@ -22,14 +22,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from scaletrain.errors import UserError
 from scaletrain.launch.agent import LOOPBACK_ENV, SUBPROCESS_ENV
-from scaletrain.planner.reference import (
-    GPT_TINY,
-    first_use_bytes,
-    gloo_group,
-    sharded_probes,
-    slack_probe,
-    step_costs,
-)
+from scaletrain.planner import reference
 from scaletrain.runtime.hardware import Link, Profile, cpu_name, total_memory
 from scaletrain.runtime.load import Load, Meter, foreign_load, wait_quiet
 
@@ -45,16 +38,13 @@ class BusyMachine(UserError):
 
 
 def _median_seconds(fn, *, reps: int, budget_s: float = 1.0) -> float:
-    """`fn`'s median time over `reps` calls (3 at least, fewer once past `budget_s`)."""
-    fn()  # warm-up
-    times = []
-    start = time.perf_counter()
-    for _ in range(reps):
+    """`fn`'s median time over `reps` calls after a warm-up (3 at least, fewer past `budget_s`)."""
+    fn()
+    times, start = [], time.perf_counter()
+    while len(times) < reps and (len(times) < 3 or time.perf_counter() - start <= budget_s):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-        if time.perf_counter() - start > budget_s and len(times) >= 3:
-            break
     return statistics.median(times)
 
 
@@ -84,22 +74,16 @@ def _fit(points: list[tuple[float, float]]) -> Link:
     return Link(bus_bw=largest_bytes / max(largest_s - latency, 1e-12), latency_s=latency)
 
 
-def first_use_worker() -> int:
-    torch.set_num_threads(1)
-    with gloo_group():
-        return first_use_bytes()
-
-
 def measure_first_use() -> int:
     """FSDP2's first use on 2 ranks spawned as a run's (a forked one shares the server's)."""
-    return max(launch(2, first_use_worker, start_method="spawn").values())
+    return max(launch(2, reference.first_use_worker, start_method="spawn").values())
 
 
 def collective_worker(sizes: tuple[int, ...]) -> dict:
     """One rank: each collective at each size, then the three smallest again, the same count
     of calls on every rank (a time budget could pair one's all-reduce with another's gather)."""
     torch.set_num_threads(1)
-    with gloo_group():
+    with reference.gloo_group():
         out = {"all_reduce": [], "all_gather": []}
         world = dist.get_world_size()
         for nbytes in (*sizes, *sorted(sizes)[:3]):
@@ -164,16 +148,16 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
             say(f"{what}: {meter.load.describe()}; its figures are slower than this machine's")
 
     torch.set_num_threads(1)
+    model, cores = reference.GPT_TINY, len(os.sched_getaffinity(0))
     with phase("matmuls and memory"):
         flops = {key: matmul_rate(dtype) for key, dtype in DTYPE_OF.items()}
         bw = memory_bandwidth()
     say(", ".join(f"matmul {k}: {v / 1e9:.1f} GFLOP/s per core" for k, v in flops.items()))
     say(f"memory bandwidth: {bw / 1e9:.1f} GB/s")
-    cores = len(os.sched_getaffinity(0))
     with phase("reference steps"):
         concurrent = min(cores, max(worlds))  # as the busiest world keeps the cores busy
-        costs = step_costs(
-            GPT_TINY, flops=flops, memory_bw=bw, concurrent=concurrent, launch=launch, say=say
+        costs = reference.step_costs(
+            model, flops=flops, memory_bw=bw, concurrent=concurrent, launch=launch, say=say
         )
     say(
         f"beyond the matmuls: {costs['op_s'] * 1e6:.1f} us per op, "
@@ -202,16 +186,14 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
         source=f"scaletrain calibrate on {cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
     )
     with phase("the heap's slack"):
-        slack = slack_probe(GPT_TINY, launch=launch, profile=profile, say=say)
+        slack = reference.slack_probe(model, launch=launch, profile=profile, say=say)
         profile = dataclasses.replace(profile, **slack)
     with phase("sharded steps"):
-        fields, links = sharded_probes(
-            GPT_TINY, launch=launch, profile=profile, worlds=tuple(intra), say=say
+        fields, links = reference.sharded_probes(
+            model, launch=launch, profile=profile, worlds=tuple(intra), say=say
         )
     worst = max(loads, key=lambda load: load.foreign_cores)
-    intra = {
-        world: dataclasses.replace(link, **links.get(world, {})) for world, link in intra.items()
-    }
+    intra = {w: dataclasses.replace(link, **links.get(w, {})) for w, link in intra.items()}
     profile = dataclasses.replace(
         profile,
         intra=intra,

@@ -147,11 +147,9 @@ def sharded_worker(data: dict, parallel: dict, steps: int, accumulation: int, ru
     """One rank of a probe: the trainer itself."""
     from scaletrain.training.trainer import train
 
+    config = sharded_config(data, parallel, steps=steps, accumulation=accumulation)
     with gloo_group(timeout_s=STEP_WAIT_S):
-        train(
-            sharded_config(data, parallel, steps=steps, accumulation=accumulation),
-            run_dir=Path(run_dir),
-        )
+        train(config, run_dir=Path(run_dir))
 
 
 def slack_probe(data: dict, *, launch, profile, steps: int = SETTLE_STEPS, say=print) -> dict:
@@ -162,15 +160,10 @@ def slack_probe(data: dict, *, launch, profile, steps: int = SETTLE_STEPS, say=p
     settled = _probe(data, {"dp_replicate": 2}, 2, steps, launch, bare, say)
     if settled is None:
         return {}
-    memory, train = settled[0].memory_bytes, settled[1]
-    peak = max(r["window_peak_above_baseline_bytes"] for r in train)
-    live = memory["peak"] - memory["params"]
-    value = max(1.0, (peak + memory["grads"]) / live)
-    say(
-        f"ddp on 2 ranks, {steps} steps: {peak / 2**20:.1f} MiB above baseline, "
-        f"{(live - memory['grads']) / 2**20:.1f} MiB of live tensors predicted: "
-        f"resident memory {value:.2f} x the live tensors"
-    )
+    memory = settled[0].memory_bytes
+    peak = max(r["window_peak_above_baseline_bytes"] for r in settled[1])
+    value = max(1.0, (peak + memory["grads"]) / (memory["peak"] - memory["params"]))
+    say(f"ddp on 2 ranks, {steps} steps: resident memory {value:.2f} x the live tensors predicted")
     return {"rss_ratio": value}
 
 
@@ -275,6 +268,12 @@ def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]
 
     (p, q), _ = nnls([(x, y) for x, y, _ in points], [t for *_, t in points])
     return float(p), float(q)
+
+
+def first_use_worker() -> int:
+    torch.set_num_threads(1)
+    with gloo_group():
+        return first_use_bytes()
 
 
 def first_use_bytes(*, units: int = 8, width: int = 64) -> int:
