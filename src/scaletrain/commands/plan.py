@@ -71,8 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not preds:
         raise ConfigError(f"no layout of {world} ranks is accepted for this config")
     # a CPU profile's times hold on a machine as quiet as at calibrate
-    busy = busier_than_calibrated(profile, meter.load) if profile.cores else None
-    if busy:
+    if profile.cores and (busy := busier_than_calibrated(profile, meter.load)):
         print(f"scaletrain: warning: {busy}", file=sys.stderr)
     if args.json:
         print(json.dumps([p.as_json() for p in preds], indent=1))

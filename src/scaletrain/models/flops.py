@@ -41,11 +41,9 @@ def transformer_shape(model: nn.Module) -> TransformerShape | None:
     if not blocks or in_blocks % len(blocks):
         return None  # blocks of different widths: trace instead
     return TransformerShape(
-        layers=len(blocks),
-        attention_width=width,
-        block_weights=in_blocks // len(blocks),
+        layers=len(blocks), attention_width=width, block_weights=in_blocks // len(blocks),
         other_weights=_linear_weights(model) - in_blocks,
-    )
+    )  # fmt: skip
 
 
 def _linear_weights(module: nn.Module) -> int:
@@ -122,8 +120,7 @@ def train_flops(model: nn.Module, inputs: torch.Tensor, **extras: torch.Tensor) 
 
     shape = transformer_shape(model)
     if shape is not None and inputs.dim() == 2:
-        batch, seq = inputs.shape
-        return transformer_flops(shape, batch=batch, seq=seq)
+        return transformer_flops(shape, batch=inputs.shape[0], seq=inputs.shape[1])
     if isinstance(model, (MLP, CNN)) and not extras:
         return layer_flops(model, inputs)
     return traced_flops(model, inputs, **extras)

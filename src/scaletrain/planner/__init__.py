@@ -45,7 +45,11 @@ def plan_layouts(
     the Python API's own model, data and loss."""
     if dataset is None or model is None:
         dataset, model = build_for_plan(config, code)
-    config = resolve_auto_precision(config, profile)
+    if config.precision.mode == "auto":  # as a run on `profile`'s hardware would decide it:
+        # a GPU profile's part (every built-in is Ampere or later), else this CPU
+        on = detect_hardware("cpu") if profile.cores else Hardware("cuda", cuda_capability=(8, 0))
+        precision = config.precision.model_copy(update={"mode": decide_auto(on)[0]})
+        config = config.model_copy(update={"precision": precision})
     per_node = ranks_per_node or profile.ranks_per_node(world_size)
     if budget_bytes is None:
         budget_bytes, _ = rank_budget(profile, ranks_per_node=per_node)
@@ -67,15 +71,9 @@ def plan_layouts(
                 cand.config, dataset=dataset, examples=chunk, tp=lay.tp, code=code
             )
         pred = predict(
-            cand,
-            held=held[held_key],
-            acts=acts[lay.tp, ac, chunk],
-            model=model,
-            example=example,
-            profile=profile,
-            ranks_per_node=per_node,
-            budget_bytes=budget_bytes,
-        )
+            cand, held=held[held_key], acts=acts[lay.tp, ac, chunk], model=model, example=example,
+            profile=profile, ranks_per_node=per_node, budget_bytes=budget_bytes,
+        )  # fmt: skip
         if i == 0 and cand.overrides == layout_overrides(config, world_size=world_size):
             pred.notes.append("configured")
         out.append(pred)
@@ -84,28 +82,13 @@ def plan_layouts(
     )
 
 
-def predict_configured(
-    config: Config, *, world_size: int, profile: Profile, ranks_per_node: int | None = None
-) -> Prediction:
+def predict_configured(config: Config, *, world_size: int, profile: Profile) -> Prediction:
     """The prediction for `config`'s own layout on `world_size` ranks."""
-    kwargs = dict(world_size=world_size, profile=profile, ranks_per_node=ranks_per_node)
-    return plan_layouts(config, **kwargs, only_configured=True)[0]
+    return plan_layouts(config, world_size=world_size, profile=profile, only_configured=True)[0]
 
 
-def resolve_auto_precision(config: Config, profile: Profile) -> Config:
-    """`config` with precision.mode "auto" decided as a run on `profile`'s hardware would:
-    a GPU profile's part (every built-in is Ampere or later), else this CPU."""
-    if config.precision.mode != "auto":
-        return config
-    on = detect_hardware("cpu") if profile.cores else Hardware("cuda", cuda_capability=(8, 0))
-    mode, _ = decide_auto(on)
-    precision = config.precision.model_copy(update={"mode": mode})
-    return config.model_copy(update={"precision": precision})
-
-
-def build_for_plan(config: Config, code: UserCode | None = None):
+def build_for_plan(config: Config, code: UserCode = NO_CODE):
     """The training data and the bare model on meta, as the launcher's checks build them."""
-    code = code or NO_CODE
     torch.manual_seed(config.train.seed)
     dataset = build_data(config, split="train", code=code)
     with torch.device("meta"):
@@ -117,7 +100,13 @@ def pick_layout(
     config: Config, *, world_size: int, ranks_per_node: int, code: UserCode = NO_CODE
 ) -> tuple[list[str], Prediction]:
     """`--plan`: the overrides of the fastest layout predicted to fit, and its prediction."""
-    profile = _profile()
+    profile = default_profile("cuda" if torch.cuda.is_available() else "cpu")
+    if profile is None:
+        raise ConfigError(
+            "--plan needs a hardware profile: run `scaletrain calibrate` once on this "
+            f"machine, or set SCALETRAIN_HARDWARE to a built-in ({', '.join(BUILTIN)}) "
+            "or a profile file"
+        )
     budget, _ = rank_budget(profile, ranks_per_node=ranks_per_node)  # plan_layouts' too
     preds = plan_layouts(
         config, world_size=world_size, profile=profile, ranks_per_node=ranks_per_node, code=code
@@ -140,7 +129,7 @@ def check_fits(
     layout's peak exceeds a rank's memory (module docstring: which models)."""
     if not (config.model.name == "hf" or ":" in config.model.name or code.model is not None):
         return
-    profile = _profile(required=False)
+    profile = default_profile("cuda" if torch.cuda.is_available() else "cpu")
     budget, where = rank_budget(profile, ranks_per_node=ranks_per_node)
     dataset, model = build_for_plan(config, code)
     if 16 * sum(p.numel() for p in model.parameters()) < budget / 10:
@@ -161,17 +150,6 @@ def check_fits(
             "more (parallel.dp_shard, tp, pp), checkpoint activations, use a smaller "
             "train.micro_batch, or see `scaletrain plan`; --no-plan-check launches anyway"
         )
-
-
-def _profile(required: bool = True) -> Profile | None:
-    profile = default_profile("cuda" if torch.cuda.is_available() else "cpu")
-    if profile is None and required:
-        raise ConfigError(
-            "--plan needs a hardware profile: run `scaletrain calibrate` once on this "
-            f"machine, or set SCALETRAIN_HARDWARE to a built-in ({', '.join(BUILTIN)}) "
-            "or a profile file"
-        )
-    return profile
 
 
 def _size(nbytes: float) -> str:

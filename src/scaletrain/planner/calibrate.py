@@ -65,9 +65,7 @@ def _fit(points: list[tuple[float, float]]) -> Link:
     """t = latency + bytes / bw over (bytes on the wire, seconds), each size at its fastest:
     the latency the three smallest's, the bandwidth the largest's beyond it (a line fitted
     through them can put the latency below zero)."""
-    fastest: dict[float, float] = {}
-    for nbytes, t in points:
-        fastest[nbytes] = min(t, fastest.get(nbytes, t))
+    fastest = {b: min(t for size, t in points if size == b) for b, _ in points}
     points = sorted(fastest.items())
     latency = min(t for _, t in points[:3])
     largest_bytes, largest_s = points[-1]
@@ -102,8 +100,7 @@ def measure_link(world: int, *, sizes: tuple[int, ...] = SIZES) -> tuple[Link, d
     (reduce-scatter is all-gather's twin), and rank 0's timings."""
     got = launch(world, collective_worker, sizes)[0]
     fits = [_fit(got["all_reduce"]), _fit(got["all_gather"])]
-    link = Link(bus_bw=min(f.bus_bw for f in fits), latency_s=max(f.latency_s for f in fits))
-    return link, got
+    return Link(bus_bw=min(f.bus_bw for f in fits), latency_s=max(f.latency_s for f in fits)), got
 
 
 def launch(world: int, fn, *args, start_method: str = "forkserver") -> dict:
@@ -114,18 +111,11 @@ def launch(world: int, fn, *args, start_method: str = "forkserver") -> dict:
     multiprocessing.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="scaletrain-rdzv-") as rdzv_dir:
         config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=world,
-            run_id=f"calibrate-{os.getpid()}",
-            rdzv_backend="c10d",
-            rdzv_endpoint=str(Path(rdzv_dir) / "store"),
-            rdzv_configs={"store_type": "file"},
-            local_addr="127.0.0.1",
-            max_restarts=0,
-            monitor_interval=0.1,
-            start_method=start_method,
-        )
+            min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"calibrate-{os.getpid()}",
+            rdzv_backend="c10d", rdzv_endpoint=str(Path(rdzv_dir) / "store"),
+            rdzv_configs={"store_type": "file"}, local_addr="127.0.0.1", max_restarts=0,
+            monitor_interval=0.1, start_method=start_method,
+        )  # fmt: skip
         return elastic_launch(config, fn)(*args)
 
 
@@ -159,10 +149,6 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
         costs = reference.step_costs(
             model, flops=flops, memory_bw=bw, concurrent=concurrent, launch=launch, say=say
         )
-    say(
-        f"beyond the matmuls: {costs['op_s'] * 1e6:.1f} us per op, "
-        f"{costs['byte_s'] * 1e9:.3f} ns per byte written"
-    )
     intra = {}
     with phase("collectives"):
         first_use = measure_first_use()
@@ -174,17 +160,11 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
                 f"gloo on {world} ranks: bus bandwidth {link.bus_bw / 1e9:.2f} GB/s, "
                 f"latency {link.latency_s * 1e6:.0f} us"
             )
+    source = f"scaletrain calibrate on {cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}"
     profile = Profile(
-        name=name,
-        flops=flops,
-        memory_bytes=total_memory(),
-        memory_bw=bw,
-        intra=intra,
-        devices_per_node=max(worlds),
-        cores=cores,
-        **costs,
-        source=f"scaletrain calibrate on {cpu_name()}, {cores} cores, {time.strftime('%Y-%m-%d')}",
-    )
+        name=name, flops=flops, memory_bytes=total_memory(), memory_bw=bw, intra=intra,
+        devices_per_node=max(worlds), cores=cores, **costs, source=source,
+    )  # fmt: skip
     with phase("the heap's slack"):
         slack = reference.slack_probe(model, launch=launch, profile=profile, say=say)
         profile = dataclasses.replace(profile, **slack)
@@ -195,12 +175,9 @@ def calibrate(*, worlds: list[int], name: str, busy: str = "wait", say=print) ->
     worst = max(loads, key=lambda load: load.foreign_cores)
     intra = {w: dataclasses.replace(link, **links.get(w, {})) for w, link in intra.items()}
     profile = dataclasses.replace(
-        profile,
-        intra=intra,
-        **fields,
-        foreign_cores=round(worst.foreign_cores, 3),
+        profile, intra=intra, **fields, foreign_cores=round(worst.foreign_cores, 3),
         steal_cores=round(max(load.steal_cores for load in loads), 3),
-    )
+    )  # fmt: skip
     _judge(worst, busy=busy, when="while calibrate measured", say=say)
     return profile
 

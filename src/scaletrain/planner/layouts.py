@@ -105,11 +105,7 @@ def _accepted(base: dict, keys: dict, *, world_size: int, model, spec) -> Candid
     config = validate_config(apply_overrides(base, items))
     derived = resolve(config, world_size=world_size)
     check_model_fits(
-        model,
-        spec,
-        layout=derived.layout,
-        parallel=config.parallel,
-        pipeline=derived.pipeline,
+        model, spec, layout=derived.layout, parallel=config.parallel, pipeline=derived.pipeline,
         model_label=f"model.name = {config.model.name!r}",
-    )
+    )  # fmt: skip
     return Candidate(overrides=keys, config=config, derived=derived)

@@ -96,12 +96,11 @@ class Terms:
 
     def parts(self) -> list[tuple[str, float, str]]:
         """(name, seconds, how) of each term `step_s` adds up."""
-        mib = 2**20
         turns = f" x {self.turns:g} (ranks take turns on the cores)" if self.turns > 1 else ""
         return [
             ("matmul", self.matmul_s, f"{self.flops:.4g} FLOP at {self.rate:.4g} FLOP/s"),
             ("dispatch", self.dispatch_s, f"{self.ops:,.0f} ops x op_s{turns}"),
-            ("memory", self.memory_s, f"{self.written / mib:,.2f} MiB written x byte_s{turns}"),
+            ("memory", self.memory_s, f"{self.written / 2**20:,.2f} MiB written x byte_s{turns}"),
             ("recompute", self.recompute_s, "the forward of what checkpointing re-runs"),
             *((f"{c.name} {c.dim}", c.seconds, c.how()) for c in self.collectives),
             ("sharded per step", self.sharded_step_s, "FSDP2's or DTensor's cost once a step"),
@@ -129,10 +128,8 @@ class Prediction:
 
     def as_json(self) -> dict:
         keys = ("layout", "fits", "memory_bytes", "comm_bytes", "step_time_s", "mfu")
-        parts = {name: s for name, s, _ in self.terms.parts()}
-        return {k: getattr(self, k) for k in keys} | {
-            "terms": {**asdict(self.terms), "parts": parts}
-        }
+        terms = asdict(self.terms) | {"parts": {name: s for name, s, _ in self.terms.parts()}}
+        return {k: getattr(self, k) for k in keys} | {"terms": terms}
 
 
 def spans_nodes(lay, dim: str, per_node: int) -> bool:
@@ -156,13 +153,11 @@ def predict(
 ) -> Prediction:
     """One accepted layout's prediction: `held` rank 0's bytes, `acts` one chunk's traced
     activations, `model` the bare model on meta, `example` one example's inputs."""
-    config, derived = cand.config, cand.derived
-    lay = derived.layout
+    config, derived, lay = cand.config, cand.derived, cand.derived.layout
     per_node = min(lay.world_size, ranks_per_node)  # a CPU's ranks share its cores
     # precision.tf32 puts fp32 matmuls on TF32 tensor cores where the profile has them
-    dtype = matmul_dtype(
-        config.precision.mode, tf32=config.precision.tf32 and "tf32" in profile.flops
-    )
+    tf32 = config.precision.tf32 and "tf32" in profile.flops
+    dtype = matmul_dtype(config.precision.mode, tf32=tf32)
     width = 2 if dtype in ("bf16", "fp16") else (8 if dtype == "fp64" else 4)
     shape, seq = transformer_shape(model), example.shape[-1] if example.dim() >= 1 else 1
     hw = train_flops(model, example.unsqueeze(0))  # one example's, no recomputation
@@ -183,14 +178,11 @@ def predict(
     names = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
     model_flops = hw * config.train.global_batch  # MFU counts no recomputation
     return Prediction(
-        layout=cand.overrides,
-        fits=memory["peak"] <= budget_bytes,
-        memory_bytes=memory,
+        layout=cand.overrides, fits=memory["peak"] <= budget_bytes, memory_bytes=memory,
         comm_bytes={n: int(sum(c.nbytes for c in collectives if c.name == n)) for n in names},
-        step_time_s=terms.step_s,
+        step_time_s=terms.step_s, terms=terms,
         mfu=model_flops / (terms.step_s * peak * lay.world_size) if peak else None,
-        terms=terms,
-    )
+    )  # fmt: skip
 
 
 def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, int]:
@@ -217,14 +209,10 @@ def _memory(config, derived, held, acts, *, width, profile, link) -> dict[str, i
     first_use = link.fsdp_rss if lay.dp_shard > 1 else 0
     runtime = int(max((profile.rss_ratio - 1.0) * live, first_use))
     return {
-        "params": held.params,
-        "grads": held.grads,
-        "optim": held.optim,
-        "activations": activations + transient,
-        "buffers": gathered,
-        "runtime": runtime,
+        "params": held.params, "grads": held.grads, "optim": held.optim,
+        "activations": activations + transient, "buffers": gathered, "runtime": runtime,
         "peak": held.params + live + runtime,
-    }
+    }  # fmt: skip
 
 
 def _collectives(
@@ -293,32 +281,22 @@ def _terms(
     flops += chunk_steps * share * acts.again_flops  # under "op", the products it recomputes
     rate = (peak or profile.peak("fp32", ranks_per_node=per_node)) * profile.matmul_efficiency
     # beyond the matmuls: each op's dispatch and bytes written, longer where ranks take turns
-    turns = profile.slowdown(per_node)
+    turns = max(1.0, per_node / profile.cores) if profile.cores else 1.0
     ops, written = chunk_steps * share * acts.ops, chunk_steps * share * acts.written
     again = acts.again_ops * profile.op_s + acts.again_written * profile.byte_s
     # FSDP2's or DTensor's cost once a step, the stage's share (both: the larger, the
     # parameters are DTensors once); calibrate measured it with the turns
-    _, fsdp_step = _sharded_costs(profile, link, lay, "fsdp")
-    _, tp_step = _sharded_costs(profile, link, lay, "tp")
-    sharded_step_s = share * max(fsdp_step, tp_step)
+    sharded_step_s = share * max(_sharded_costs(profile, link, lay, k)[1] for k in ("fsdp", "tp"))
     bubble = (lay.pp - 1) / (pipe.stages_per_rank * pipe.microbatches) if lay.pp > 1 else 0.0
     optimizer_s = OPTIMIZER_PASSES * (held.params + held.grads + held.optim) / profile.memory_bw
     return Terms(
-        flops=flops,
-        rate=rate,
-        matmul_s=flops / rate,
-        ops=ops,
-        dispatch_s=ops * profile.op_s * turns,
-        written=written,
-        memory_s=written * profile.byte_s * turns,
+        flops=flops, rate=rate, matmul_s=flops / rate,
+        ops=ops, dispatch_s=ops * profile.op_s * turns,
+        written=written, memory_s=written * profile.byte_s * turns,
         recompute_s=RECOMPUTED_SHARE * chunk_steps * share * again * turns,
-        collectives=tuple(collectives),
-        sharded_step_s=sharded_step_s,
-        overlap=profile.overlap,
-        bubble=bubble,
-        turns=turns,
-        optimizer_s=optimizer_s,
-    )
+        collectives=tuple(collectives), sharded_step_s=sharded_step_s, overlap=profile.overlap,
+        bubble=bubble, turns=turns, optimizer_s=optimizer_s,
+    )  # fmt: skip
 
 
 def _sharded_costs(profile: Profile, link: Link, lay, kind: str) -> tuple[float, float]:

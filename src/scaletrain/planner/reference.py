@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp  # noqa: F401 before first_use_bytes' baseline, as a run's
+import torch.distributed.fsdp  # noqa: F401 before first_use_worker's baseline, as a run's
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.fsdp import fully_shard
@@ -122,6 +122,7 @@ def step_costs(
         rows.append((pred.terms.ops, pred.terms.written, step_s - pred.step_time_s))
         say(f"reference step, micro-batch {mb}, {concurrent} at once: {step_s * 1e3:.1f} ms")
     op_s, byte_s = _nonneg_fit(rows)
+    say(f"beyond the matmuls: {op_s * 1e6:.1f} us per op, {byte_s * 1e9:.3f} ns per byte written")
     return {"op_s": op_s, "byte_s": byte_s}
 
 
@@ -183,11 +184,20 @@ def sharded_probes(
     def probe(parallel, world, accumulation=1):
         return _probe(data, parallel, world, timed_steps, launch, bare, say, accumulation)
 
-    def fit(kind, world, looks):
+    def fit(kind, world, accumulations):
+        """(cost per step, cost per call) fitted to the probes' excess over the plan; None
+        where none ran or none has calls (a model without a TP plan)."""
         parallel = probe_parallel(kind, world=world, group=2)
+        runs = [probe(parallel, world, a) for a in accumulations if a <= _micro_batch(data)]
+        looks = [_excess(pred, train, kind) for pred, train in filter(None, runs)]
+        if not looks or not looks[0][1]:
+            return None
+        share = 1.0 / parallel.get("pp", 1)  # a pipeline stage pays its share of the step
+        step_s, call_s = _nonneg_fit([(share, calls, excess) for excess, calls in looks])
         label = f"{kind} on 2 ranks" if world == 2 else f"{kind} as {parallel} on {world} ranks"
-        runs = [probe(parallel, world, a) for a in looks if a <= _micro_batch(data)]
-        return _fit_looks(runs, kind, parallel=parallel, label=label, say=say)
+        said = ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in looks)
+        say(f"{label}: {said}; fitted: {step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call")
+        return step_s, call_s
 
     for kind in KINDS:
         fitted = fit(kind, 2, LOOKS)
@@ -234,19 +244,6 @@ def _probe(data, parallel, world, steps, launch, bare, say, accumulation=1):
     return pred, [r for r in rows if r.get("kind") == "train"]
 
 
-def _fit_looks(runs: list, kind: str, *, parallel: dict, label: str, say):
-    """(cost per step, cost per call) fitted to the probes' excess over the plan; None where
-    none ran or none has calls (a model without a TP plan)."""
-    looks = [_excess(pred, train, kind) for pred, train in filter(None, runs)]
-    if not looks or not looks[0][1]:
-        return None
-    share = 1.0 / parallel.get("pp", 1)  # a pipeline stage pays its share of the step
-    step_s, call_s = _nonneg_fit([(share, calls, excess) for excess, calls in looks])
-    said = ", ".join(f"{e * 1e3:.1f} ms beyond the plan with {c} calls" for e, c in looks)
-    say(f"{label}: {said}; fitted: {step_s * 1e3:.1f} ms a step + {call_s * 1e6:.0f} us a call")
-    return step_s, call_s
-
-
 def _excess(pred, train: list[dict], kind: str) -> tuple[float, int]:
     """(the run's median step less the planner's, its calls), over the second half: the
     first holds a fresh rank's warm-up, its heap still growing (BENCHMARKS.md)."""
@@ -270,30 +267,26 @@ def _nonneg_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]
     return float(p), float(q)
 
 
-def first_use_worker() -> int:
-    torch.set_num_threads(1)
-    with gloo_group():
-        return first_use_bytes()
-
-
-def first_use_bytes(*, units: int = 8, width: int = 64) -> int:
+def first_use_worker(*, units: int = 8, width: int = 64) -> int:
     """A fresh rank's resident rise over its first FSDP2 steps on a Linear stack, after plain
     steps and a collective warmed the rest: what FSDP2 loads on first use, once a process."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    x = torch.randn(8, width)
-    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(units)))
-    for _ in range(3):
-        model(x).sum().backward()
-        dist.all_reduce(torch.ones(1024))
-    before = lifetime_peak_bytes()
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    model = fully_shard(model, mesh=mesh)
-    for _ in range(3):
-        model(x).sum().backward()
-    dist.barrier()
-    return lifetime_peak_bytes() - before
+    torch.set_num_threads(1)
+    with gloo_group():
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        torch.manual_seed(0)
+        x = torch.randn(8, width)
+        model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(units)))
+        for _ in range(3):
+            model(x).sum().backward()
+            dist.all_reduce(torch.ones(1024))
+        before = lifetime_peak_bytes()
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+        for _ in range(3):
+            model(x).sum().backward()
+        dist.barrier()
+        return lifetime_peak_bytes() - before
 
 
 @contextlib.contextmanager

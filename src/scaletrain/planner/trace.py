@@ -81,17 +81,10 @@ def parallelized(config: Config, layout: ParallelLayout, *, dataset, pipeline=No
     model = precision.convert_module(model)
     with fake_world(layout.world_size, 0):
         par = parallelize(
-            model,
-            spec=model_spec(model),
-            layout=layout,
-            rank=0,
-            device=torch.device("cpu"),
-            parallel=config.parallel,
-            pipeline=pipeline,
-            precision=precision,
-            loss_fn=loss_fn,
+            model, spec=model_spec(model), layout=layout, rank=0, device=torch.device("cpu"),
+            parallel=config.parallel, pipeline=pipeline, precision=precision, loss_fn=loss_fn,
             shapes_only=True,
-        )
+        )  # fmt: skip
         yield par, precision, loss_fn
 
 
@@ -111,14 +104,11 @@ def held_on_rank(config: Config, derived: Derived, *, dataset, code: UserCode = 
         units, largest = _fsdp_units(par.model)
         wrapped = sum(isinstance(m, CheckpointWrapper) for m in par.model.modules())
         return Held(
-            params=held["param_bytes"],
-            grads=local_bytes(p.grad for p in trained),
-            optim=held["optim_state_bytes"],
-            largest_unit=largest,
-            units=units,
+            params=held["param_bytes"], grads=local_bytes(p.grad for p in trained),
+            optim=held["optim_state_bytes"], largest_unit=largest, units=units,
             # under "op" the trace counts what runs again (Activations.again_flops)
             recomputed_blocks=0 if config.parallel.activation_checkpointing == "op" else wrapped,
-        )
+        )  # fmt: skip
 
 
 def _fsdp_units(model: nn.Module) -> tuple[int, int]:
@@ -152,8 +142,7 @@ class _OpCounter(TorchDispatchMode):
 
     def __init__(self, *, keeps_ops: bool) -> None:
         super().__init__()
-        self.ops = self.written = self.kept = self.inside = 0
-        self.again_ops = self.again_written = 0
+        self.ops = self.written = self.kept = self.inside = self.again_ops = self.again_written = 0
         self.keeps_ops = keeps_ops
         self.policy: OpPolicy | None = None
 
@@ -178,14 +167,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _new_storage(func, out, inputs) -> list[torch.Tensor]:
     """The local tensors of an op's outputs that are on a storage none of its inputs have."""
-
-    def local_tensors(tree):
-        return [_local(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
     if func is torch.ops._c10d_functional.wait_tensor.default:
         return []  # hands back its input (fake tensors make it a new one)
-    held = {t.untyped_storage()._cdata for t in local_tensors(inputs)}
-    return [t for t in local_tensors(out) if t.untyped_storage()._cdata not in held]
+    held = {_local(t).untyped_storage()._cdata for t in tree_leaves(inputs) if torch.is_tensor(t)}
+    outs = [_local(t) for t in tree_leaves(out) if torch.is_tensor(t)]
+    return [t for t in outs if t.untyped_storage()._cdata not in held]
 
 
 def traced_activations(
@@ -208,8 +194,7 @@ def traced_activations(
         return t
 
     def at_entry(module, args, kwargs) -> None:
-        tensors = [a for a in args if torch.is_tensor(a)]
-        entries.extend(_local(a).untyped_storage().nbytes() for a in tensors)
+        entries.extend(_local(a).untyped_storage().nbytes() for a in args if torch.is_tensor(a))
         if not first_call:
             first_call.append((args, kwargs))
         counter.inside += 1
@@ -246,16 +231,8 @@ def traced_activations(
                 recompute = sum(saved.values())
                 if counter.keeps_ops:  # every block is wrapped under "op"
                     again_flops = len(wrapped) * _again_flops(run_block)
-    return Activations(
-        saved=kept,
-        largest=largest,
-        recompute=recompute,
-        ops=counter.ops,
-        written=counter.written,
-        again_ops=counter.again_ops,
-        again_written=counter.again_written,
-        again_flops=again_flops,
-    )
+    counted = {k: getattr(counter, k) for k in ("ops", "written", "again_ops", "again_written")}
+    return Activations(kept, largest, recompute, **counted, again_flops=again_flops)
 
 
 def _again_flops(run_block) -> int:

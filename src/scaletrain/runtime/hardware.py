@@ -66,8 +66,7 @@ class Profile:
     def link(self, group_size: int, *, spans_nodes: bool = False) -> Link:
         if spans_nodes and self.inter is not None:
             return self.inter
-        sizes = sorted(s for s in self.intra if s <= max(group_size, min(self.intra)))
-        return self.intra[sizes[-1]]
+        return self.intra[max(s for s in self.intra if s <= max(group_size, min(self.intra)))]
 
     def peak(self, dtype: str, *, ranks_per_node: int = 1) -> float | None:
         """Matmul FLOP/s of one rank: a GPU's own; on a CPU the node's cores shared by its
@@ -82,11 +81,6 @@ class Profile:
         """Ranks on one node where `world_size` ranks launch with the default --nproc: on a
         CPU all of them on this machine; on a GPU one a device, up to a node's devices."""
         return world_size if self.cores else min(world_size, self.devices_per_node)
-
-    def slowdown(self, ranks_per_node: int) -> float:
-        """How much longer a rank's serial work takes when its node's ranks outnumber the
-        cores (they take turns); 1 on a GPU."""
-        return max(1.0, ranks_per_node / self.cores) if self.cores else 1.0
 
 
 def _parts() -> tuple[dict[str, Profile], dict[str, str], dict[str, str]]:
@@ -105,18 +99,13 @@ def _parts() -> tuple[dict[str, Profile], dict[str, str], dict[str, str]]:
         rates = table["rates"][row["rates"]]
         achieved = table["achieved"]["a100" if a100 else "hopper"]
         parts[name] = Profile(
-            name=name,
-            flops={**rates, "fp16": rates["bf16"]},
-            memory_bytes=int(row["memory_gb"] * 2**30),
-            memory_bw=row["memory_bw"],
-            intra=intra,
-            inter=Link(links["hdr" if a100 else "ndr"], latency["nodes"]),
-            devices_per_node=8,
-            overlap=True,
+            name=name, flops={**rates, "fp16": rates["bf16"]}, memory_bw=row["memory_bw"],
+            memory_bytes=int(row["memory_gb"] * 2**30), devices_per_node=8, overlap=True,
+            intra=intra, inter=Link(links["hdr" if a100 else "ndr"], latency["nodes"]),
             byte_s=6 / row["memory_bw"],  # written, then read and written again by the backward
             matmul_efficiency=achieved["bf16"] / achieved["peak"],
             source=f"{table['sheets'][row['sheet']]}, {row['column']}",
-        )
+        )  # fmt: skip
     devices = {row["device"]: name for name, row in table["parts"].items()}
     return parts, devices, table["aliases"]
 
@@ -143,7 +132,7 @@ def load_profile(name_or_path: str) -> Profile:
         )
     try:
         data = {"source": str(path), **tomllib.loads(path.read_text())}
-        profile = TypeAdapter(Profile).validate_python(data)
+        return TypeAdapter(Profile).validate_python(data)
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"hardware profile {path} is not valid TOML ({e})") from None
     except ValidationError as e:
@@ -152,7 +141,6 @@ def load_profile(name_or_path: str) -> Profile:
             f"hardware profile {path}: missing or wrong key ({wrong}); a profile another "
             "version of `scaletrain calibrate` wrote: run it again"
         ) from None
-    return profile
 
 
 def profile_toml(profile: Profile) -> str:
@@ -164,8 +152,7 @@ def profile_toml(profile: Profile) -> str:
 
 def default_profile(device_type: str) -> Profile | None:
     """This run's profile (module docstring), or None where none is known."""
-    chosen = os.environ.get("SCALETRAIN_HARDWARE")
-    if chosen:
+    if chosen := os.environ.get("SCALETRAIN_HARDWARE"):
         return load_profile(chosen)
     if device_type == "cuda":
         return device_profile()
