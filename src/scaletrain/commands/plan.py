@@ -50,14 +50,11 @@ def add_parsers(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import torch
-
     from scaletrain.planner import plan_layouts
 
     config = load_config(args.config, args.overrides)
     world = args.world or given_world(config)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU machine plans its part
-    profile = load_profile(args.hardware) if args.hardware else default_profile(device)
+    profile = load_profile(args.hardware) if args.hardware else default_profile()
     if profile is None:
         raise ConfigError(
             "no hardware profile: run `scaletrain calibrate` once on this machine, or pass "
@@ -77,7 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps([p.as_json() for p in preds], indent=1))
         return 0
     # without --all the best 15, and the configured layout wherever it is
-    rows = preds if args.show_all else [*preds[:15], *(p for p in preds[15:] if "configured" in p.notes)]  # fmt: skip
+    rows = [p for i, p in enumerate(preds) if args.show_all or i < 15 or "configured" in p.notes]
     if args.why is not None and not 1 <= args.why <= len(rows):
         raise ConfigError(f"--why {args.why}: a row of the table, from 1 to {len(rows)}")
     budget, where = rank_budget(profile, ranks_per_node=per_node)

@@ -100,7 +100,7 @@ def pick_layout(
     config: Config, *, world_size: int, ranks_per_node: int, code: UserCode = NO_CODE
 ) -> tuple[list[str], Prediction]:
     """`--plan`: the overrides of the fastest layout predicted to fit, and its prediction."""
-    profile = default_profile("cuda" if torch.cuda.is_available() else "cpu")
+    profile = default_profile()
     if profile is None:
         raise ConfigError(
             "--plan needs a hardware profile: run `scaletrain calibrate` once on this "
@@ -129,7 +129,7 @@ def check_fits(
     layout's peak exceeds a rank's memory (module docstring: which models)."""
     if not (config.model.name == "hf" or ":" in config.model.name or code.model is not None):
         return
-    profile = default_profile("cuda" if torch.cuda.is_available() else "cpu")
+    profile = default_profile()
     budget, where = rank_budget(profile, ranks_per_node=ranks_per_node)
     dataset, model = build_for_plan(config, code)
     if 16 * sum(p.numel() for p in model.parameters()) < budget / 10:

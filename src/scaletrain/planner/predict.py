@@ -242,7 +242,8 @@ def _collectives(
         unsharded = held.params * s  # the stage's parameters
         in_compute = unsharded * width / _param_width(config)  # gathered in the compute dtype
         nbytes = gathers * (s - 1) / s * in_compute * accum
-        add("all_gather", "dp_shard", s, nbytes, gathers * units * accum, overlaps=True, call_s=call_s)  # fmt: skip
+        calls = gathers * units * accum
+        add("all_gather", "dp_shard", s, nbytes, calls, overlaps=True, call_s=call_s)
         nbytes = (s - 1) / s * unsharded * accum
         add("reduce_scatter", "dp_shard", s, nbytes, units * accum, overlaps=True, call_s=call_s)
     if lay.tp > 1 and shape is not None:

@@ -150,8 +150,13 @@ def profile_toml(profile: Profile) -> str:
     return tomli_w.dumps(TypeAdapter(Profile).dump_python(profile, mode="json", exclude_none=True))
 
 
-def default_profile(device_type: str) -> Profile | None:
-    """This run's profile (module docstring), or None where none is known."""
+def default_profile(device_type: str | None = None) -> Profile | None:
+    """This run's profile (module docstring), or None where none is known; `device_type`
+    "cuda" or "cpu", by default this machine's (a GPU machine plans its part)."""
+    if device_type is None:
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if chosen := os.environ.get("SCALETRAIN_HARDWARE"):
         return load_profile(chosen)
     if device_type == "cuda":
